@@ -1,0 +1,52 @@
+"""The `atoll` command: parses flags and hands over to one library function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="atoll",
+        description="Decoupled DiLoCo training across islands of accelerators.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    bench = commands.add_parser("bench", help="measure a component; prints JSON")
+    benches = bench.add_subparsers(dest="bench", metavar="BENCH")
+    benches.required = True
+    codec = benches.add_parser("codec", help="4-bit codec speed, wire size and error")
+    codec.add_argument("--params", type=_positive_int, default=64 << 20,
+                       help="values per measurement (default 67108864)")
+    codec.add_argument("--repeats", type=_positive_int, default=3,
+                       help="timed runs per figure; the best is kept (default 3)")
+    codec.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
+    codec.add_argument("--json", action="store_true",
+                       help="print one JSON object (the only output format)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "bench" and args.bench == "codec":
+        from atoll.bench import bench_codec
+
+        print(json.dumps(bench_codec(args.params, args.repeats, args.seed), indent=2))
+        return 0
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
