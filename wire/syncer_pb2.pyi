@@ -79,7 +79,7 @@ class InitResponse(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "fragment", "base_version", "seq", "inner_steps", "tokens", "codec", "num_params", "plan_fingerprint", "frame_bytes")
+    __slots__ = ("learner_id", "fragment", "base_version", "seq", "inner_steps", "tokens", "codec", "num_params", "plan_fingerprint", "frame_bytes", "step_seconds", "overlap_steps")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,8 @@ class PushHeader(_message.Message):
     NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_STEPS_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment: int
     base_version: int
@@ -100,7 +102,9 @@ class PushHeader(_message.Message):
     num_params: int
     plan_fingerprint: str
     frame_bytes: int
-    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., num_params: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., frame_bytes: _Optional[int] = ...) -> None: ...
+    step_seconds: float
+    overlap_steps: int
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., num_params: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., frame_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., overlap_steps: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
