@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 
 BLOCK = 32
+INT4_MAX_SCALE = 0x7DFF  # largest bfloat16 s with 8 * s finite in float32
 
 
 def _blocks(x: np.ndarray) -> np.ndarray:
@@ -22,6 +23,8 @@ def int4_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     bits = s.view(np.uint32)
     # bfloat16 rounded up (toward +inf): never lets |x| / s exceed 7
     up = np.where(bits & 0xFFFF, bits + 0x10000, bits) & 0xFFFF0000
+    # capped where 8 * s would overflow: every code must decode to a finite value
+    up = np.minimum(up, np.uint32(INT4_MAX_SCALE) << 16)
     s_bf = up.astype(np.uint32).view(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(s_bf[:, None] > 0, np.rint(xb / s_bf[:, None]), 0)

@@ -3,7 +3,9 @@
  *
  * Payload layout of one frame body (before zstd), for n values in nb = ceil(n/32)
  * blocks: nb scales (int4: uint16 bfloat16 bits; mxfp4: uint8 E8M0), then nb*16
- * bytes of codes, two per byte, element 2j in the low nibble.
+ * bytes of codes, 16 per block: byte j holds element j of the block in its low
+ * nibble and element j + 16 in its high nibble (both halves load and store as
+ * contiguous vectors; no lane shuffles).
  *
  * Determinism: decoded values are (code value) * scale, both exact in float32, then
  * out += weight * value with one rounding each; built with -ffp-contract=off so no
@@ -21,6 +23,8 @@
 #define ABS_MASK 0x7fffffffu
 #define INF_BITS 0x7f800000u
 #define RNE_MAGIC 12582912.0f /* 1.5 * 2^23: x + M - M rounds x to nearest even */
+#define INT4_MAX_SCALE 0x7dffu /* largest bfloat16 s with 8 * s finite: every code decodes finite */
+#define MXFP4_MAX_SCALE 252    /* 2^125: 6 * 2^125 is finite, and FLT_MAX needs no more */
 
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
@@ -57,33 +61,30 @@ static inline uint16_t int4_block(const float *restrict y, uint32_t amax_bits, f
     uint32_t s_bits = f2u(u2f(amax_bits) / 7.0f);
     if (s_bits & 0xffffu) s_bits += 0x10000u; /* round the scale up: no value exceeds 7 */
     s_bits &= 0xffff0000u;
+    if (s_bits > (INT4_MAX_SCALE << 16)) s_bits = INT4_MAX_SCALE << 16; /* near FLT_MAX: clip at 7s */
     float s = u2f(s_bits);
-    float inv = s > 0.0f ? 1.0f / s : 0.0f;
     int8_t q[BLOCK];
-    if (isinf(inv)) { /* scale below 2^-128: divide instead of overflowing the reciprocal */
-        for (int i = 0; i < BLOCK; i++) q[i] = (int8_t)fminf(7.0f, fmaxf(-7.0f, rne(y[i] / s)));
-    } else {
-        for (int i = 0; i < BLOCK; i++) {
-            float v = rne(y[i] * inv);
-            v = v > 7.0f ? 7.0f : (v < -7.0f ? -7.0f : v);
-            q[i] = (int8_t)v;
-        }
+    /* Divide, not multiply by 1/s: the reciprocal is inexact and would misround ties. */
+    for (int i = 0; i < BLOCK; i++) {
+        float v = s > 0.0f ? rne(y[i] / s) : 0.0f;
+        v = v > 7.0f ? 7.0f : (v < -7.0f ? -7.0f : v);
+        q[i] = (int8_t)v;
     }
     if (r_out)
         for (int i = 0; i < BLOCK; i++) r_out[i] = y[i] - (float)q[i] * s;
-    for (int j = 0; j < HALF; j++) codes[j] = (uint8_t)((q[2 * j] & 15) | (q[2 * j + 1] << 4));
+    for (int j = 0; j < HALF; j++) codes[j] = (uint8_t)((q[j] & 15) | (q[j + HALF] << 4));
     return (uint16_t)(s_bits >> 16);
 }
 
 static inline float int4_scale(uint16_t bits) { return u2f((uint32_t)bits << 16); }
-static inline int int4_scale_ok(uint16_t bits) { return !(bits & 0x8000u) && (bits & 0x7f80u) != 0x7f80u; }
+static inline int int4_scale_ok(uint16_t bits) { return bits <= INT4_MAX_SCALE; } /* also: sign clear, finite */
 
 static inline void int4_decode_block(float s, float w, int acc, const uint8_t *restrict codes,
                                      float *restrict out) {
     float v[BLOCK];
     for (int j = 0; j < HALF; j++) {
-        v[2 * j] = (float)((int8_t)(codes[j] << 4) >> 4) * s;
-        v[2 * j + 1] = (float)((int8_t)codes[j] >> 4) * s;
+        v[j] = (float)((int8_t)(codes[j] << 4) >> 4) * s;
+        v[j + HALF] = (float)((int8_t)codes[j] >> 4) * s;
     }
     if (!acc)
         for (int i = 0; i < BLOCK; i++) out[i] = w == 1.0f ? v[i] : w * v[i];
@@ -123,7 +124,7 @@ static inline uint8_t mxfp4_block(const float *restrict y, uint32_t amax_bits, f
     }
     if (r_out)
         for (int i = 0; i < BLOCK; i++) r_out[i] = y[i] - d[i] * scale;
-    for (int j = 0; j < HALF; j++) codes[j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));
+    for (int j = 0; j < HALF; j++) codes[j] = (uint8_t)(c[j] | (c[j + HALF] << 4));
     return (uint8_t)(e + 127);
 }
 
@@ -131,8 +132,8 @@ static inline void mxfp4_decode_block(float s, float w, int acc, const uint8_t *
                                       float *restrict out) {
     float v[BLOCK];
     for (int j = 0; j < HALF; j++) {
-        v[2 * j] = FP4_VALUES[codes[j] & 15] * s;
-        v[2 * j + 1] = FP4_VALUES[codes[j] >> 4] * s;
+        v[j] = FP4_VALUES[codes[j] & 15] * s;
+        v[j + HALF] = FP4_VALUES[codes[j] >> 4] * s;
     }
     if (!acc)
         for (int i = 0; i < BLOCK; i++) out[i] = w == 1.0f ? v[i] : w * v[i];
@@ -178,14 +179,24 @@ HOT static Py_ssize_t encode_all(fmt_t fmt, const float *x, const float *r, floa
     return -1;
 }
 
-/* Returns -1 when every scale is valid, else the index of the first bad block. */
-static Py_ssize_t check_scales(fmt_t fmt, const uint8_t *scales, Py_ssize_t nb) {
+/* Returns -1 when the body is valid, else the index of the first bad block: a scale
+ * out of range, or a nonzero code in the padding after the last value. */
+static Py_ssize_t check_body(fmt_t fmt, const uint8_t *scales, const uint8_t *codes, Py_ssize_t n) {
+    Py_ssize_t nb = (n + BLOCK - 1) / BLOCK;
     for (Py_ssize_t b = 0; b < nb; b++) {
         if (fmt == FMT_INT4) {
             uint16_t s; memcpy(&s, scales + 2 * b, 2);
             if (!int4_scale_ok(s)) return b;
-        } else if (scales[b] == 0xff) {
+        } else if (scales[b] > MXFP4_MAX_SCALE) {
             return b;
+        }
+    }
+    Py_ssize_t tail = n % BLOCK;
+    if (tail) {
+        const uint8_t *last = codes + (nb - 1) * HALF;
+        for (Py_ssize_t i = tail; i < BLOCK; i++) {
+            uint8_t nibble = i < HALF ? last[i] & 15 : last[i - HALF] >> 4;
+            if (nibble) return nb - 1;
         }
     }
     return -1;
@@ -267,9 +278,9 @@ done:
 
 PyDoc_STRVAR(decode_doc,
 "decode(fmt, body, out, weight, accumulate) -> int\n\n"
-"Checks every scale in body, then writes (accumulate=False) or adds (True)\n"
+"Checks every scale and the tail padding in body, then writes (accumulate=False) or adds (True)\n"
 "weight * decoded into float32 out. Returns -1, or the index of the first block\n"
-"with an invalid scale, in which case out is untouched.");
+"that fails the check, in which case out is untouched.");
 
 static PyObject *py_decode(PyObject *self, PyObject *args) {
     int code, acc;
@@ -288,7 +299,7 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     }
     Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = check_scales(fmt, body.buf, nb);
+    bad = check_body(fmt, body.buf, (const uint8_t *)body.buf + nb * scale_bytes(fmt), n);
     if (bad < 0) decode_all(fmt, body.buf, (const uint8_t *)body.buf + nb * scale_bytes(fmt), n, out.buf, w, acc);
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(bad);

@@ -61,6 +61,13 @@ class FrameInfo:
     block: int  # values per scale (1 for FP32)
 
 
+def _codec(value) -> Codec:
+    try:
+        return Codec(value)
+    except ValueError:
+        raise CodecError(f"unknown codec {value!r}; expected one of {[c.name for c in Codec]}") from None
+
+
 def body_bytes(codec: Codec, num_values: int) -> int:
     """Length of an uncompressed frame body for num_values values."""
     if codec == Codec.FP32:
@@ -121,7 +128,7 @@ def encode(x: np.ndarray, codec: Codec = DEFAULT_CODEC, *, level: int | None = N
 
 def _encode_body(x: np.ndarray, residual: np.ndarray | None, codec: Codec, want_residual: bool):
     """Returns (body, new residual or None); raises CodecError on non-finite input."""
-    codec = Codec(codec)
+    codec = _codec(codec)
     if codec == Codec.FP32:
         y = x if residual is None else x + residual
         bad = np.flatnonzero(~np.isfinite(y))
@@ -198,16 +205,22 @@ def decode_into(frame, out: np.ndarray, weight: float = 1.0, *, accumulate: bool
       The frame's FrameInfo.
     """
     info = frame_info(frame)
-    if codec is not None and info.codec != Codec(codec):
-        raise CodecError(f"frame uses {info.codec.name}; expected {Codec(codec).name}")
-    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous:
-        raise CodecError("out must be a C-contiguous float32 numpy array")
+    if codec is not None and info.codec != _codec(codec):
+        raise CodecError(f"frame uses {info.codec.name}; expected {_codec(codec).name}")
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous \
+            or not out.flags.writeable:
+        raise CodecError("out must be a writeable C-contiguous float32 numpy array")
     if out.size != info.num_values:
         raise CodecError(f"frame holds {info.num_values} values; out holds {out.size}")
-    if not np.isfinite(weight):
-        raise CodecError(f"weight must be finite, got {weight}")
-    body = _body(frame, info)
-    flat = out.reshape(-1)
+    with np.errstate(over="ignore"):
+        if not np.isfinite(np.float32(weight)):
+            raise CodecError(f"weight must be finite in float32, got {weight}")
+    _decode_body(_body(frame, info), info, out.reshape(-1), weight, accumulate)
+    return info
+
+
+def _decode_body(body: bytes, info: FrameInfo, flat: np.ndarray, weight: float, accumulate: bool) -> None:
+    """Writes or adds weight * values of a decompressed body into flat; checks first."""
     if info.codec == Codec.FP32:
         values = np.frombuffer(body, "<f4")
         if not np.isfinite(values).all():
@@ -218,11 +231,11 @@ def decode_into(frame, out: np.ndarray, weight: float = 1.0, *, accumulate: bool
             np.add(flat, values, out=flat)
         else:
             flat[...] = values
-        return info
+        return
     bad = _kernels.decode(_KERNEL_FORMAT[info.codec], body, flat, float(weight), accumulate)
     if bad >= 0:
-        raise CodecError(f"{info.codec.name} frame has an invalid scale in block {bad}")
-    return info
+        raise CodecError(f"{info.codec.name} frame has an invalid scale (out of range) or nonzero padding "
+                         f"in block {bad}")
 
 
 def decode(frame, *, codec: Codec | None = None, num_values: int | None = None) -> np.ndarray:
@@ -233,8 +246,11 @@ def decode(frame, *, codec: Codec | None = None, num_values: int | None = None) 
     info = frame_info(frame)
     if num_values is not None and info.num_values != num_values:
         raise CodecError(f"frame holds {info.num_values} values; expected {num_values}")
+    if codec is not None and info.codec != _codec(codec):
+        raise CodecError(f"frame uses {info.codec.name}; expected {_codec(codec).name}")
+    body = _body(frame, info)  # before allocating: the header's count is not yet trusted
     out = np.empty(info.num_values, np.float32)
-    decode_into(frame, out, accumulate=False, codec=codec)
+    _decode_body(body, info, out, 1.0, accumulate=False)
     return out
 
 
@@ -251,7 +267,7 @@ class ErrorFeedback:
     """
 
     def __init__(self, size: int, codec: Codec = DEFAULT_CODEC, *, level: int | None = None):
-        self.codec = Codec(codec)
+        self.codec = _codec(codec)
         self.level = level
         self.residual = np.zeros(size, np.float32)
 
