@@ -24,6 +24,11 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
 
+    syncer = commands.add_parser("syncer", help="run one syncer shard")
+    from server.main import add_arguments
+
+    add_arguments(syncer)
+
     bench = commands.add_parser("bench", help="measure a component; prints JSON")
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
     benches.required = True
@@ -39,7 +44,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "syncer":
+        import logging
+
+        from server.config import ConfigError
+        from server.main import config_from_args, run
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        try:
+            cfg = config_from_args(args)
+        except ConfigError as e:
+            parser.error(str(e))
+        return run(cfg)
     if args.command == "bench" and args.bench == "codec":
         from atoll.bench import bench_codec
 

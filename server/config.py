@@ -1,0 +1,124 @@
+"""Settings of one syncer shard, validated at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import re
+
+from wire.codec import Codec
+
+# Environment overrides, for Kubernetes: the StatefulSet sets the shard index from
+# the pod ordinal (ATOLL_SHARD_INDEX, or a pod name ending in -N via ATOLL_POD_NAME).
+ENV_SHARD_INDEX = "ATOLL_SHARD_INDEX"
+ENV_POD_NAME = "ATOLL_POD_NAME"
+ENV_NUM_SHARDS = "ATOLL_NUM_SHARDS"
+ENV_DATA_DIR = "ATOLL_DATA_DIR"
+ENV_TOKEN_FILE = "ATOLL_TOKEN_FILE"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardConfig:
+    shard_index: int  # this shard's index in [0, num_shards)
+    num_shards: int  # shards in the service, >= 1
+    data_dir: pathlib.Path  # write-ahead log and snapshots; must be writable
+    listen: str = "127.0.0.1:7070"  # host:port for gRPC; port 0 picks a free port
+    quorum: int = 1  # learners needed to close a round, >= 1
+    grace_factor: float = 1.0  # γ, >= 0: multiplies the slack overlap hides
+    max_staleness: int = 4  # versions a push's base may lag, >= 0
+    staleness_discount: float = 0.0  # a in (1 + s)^-a, >= 0; 0 disables discounting
+    lease_seconds: float = 30.0  # a learner is live this long after its last call, > 0
+    outer_lr: float = 0.7  # outer SGD learning rate, > 0
+    outer_momentum: float = 0.9  # Nesterov momentum, in [0, 1)
+    rda: bool = True  # radial-directional averaging for non-embedding tensors
+    delta_ring: int = 16  # published deltas kept for cheap pulls, >= 1
+    snapshot_every: int = 50  # rounds between snapshots, >= 1
+    publish_codec: Codec = Codec.INT4  # codec of published deltas
+    max_message_bytes: int = 8 << 20  # gRPC message limit, >= 1 MiB
+    max_concurrent_streams: int = 64  # concurrent RPCs per connection, >= 1
+    token_file: pathlib.Path | None = None  # bearer tokens, one per line ("learner-id token" or "token")
+    tls_cert: pathlib.Path | None = None  # PEM server certificate (enables TLS)
+    tls_key: pathlib.Path | None = None  # PEM private key for tls_cert
+    tls_client_ca: pathlib.Path | None = None  # PEM CA bundle: require client certificates (mTLS)
+    metrics_port: int | None = None  # Prometheus /metrics port; None disables, 0 picks one
+
+    def __post_init__(self):
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ConfigError(message)
+
+        need(self.num_shards >= 1, f"--num-shards must be at least 1, got {self.num_shards}")
+        need(0 <= self.shard_index < self.num_shards,
+             f"--shard-index must be in [0, {self.num_shards}), got {self.shard_index}")
+        need(re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[\w.-]+):\d{1,5}", self.listen) is not None,
+             f"--listen must be HOST:PORT (e.g. 0.0.0.0:7070), got {self.listen!r}")
+        need(self.quorum >= 1, f"--quorum must be at least 1, got {self.quorum}")
+        need(self.grace_factor >= 0, f"--grace-factor must be >= 0, got {self.grace_factor}")
+        need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
+        need(self.staleness_discount >= 0,
+             f"--staleness-discount must be >= 0 (0 disables it), got {self.staleness_discount}")
+        need(self.lease_seconds > 0, f"--lease-seconds must be > 0, got {self.lease_seconds}")
+        need(self.outer_lr > 0, f"--outer-lr must be > 0, got {self.outer_lr}")
+        need(0 <= self.outer_momentum < 1, f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        need(self.delta_ring >= 1, f"--delta-ring must be at least 1, got {self.delta_ring}")
+        need(self.snapshot_every >= 1, f"--snapshot-every must be at least 1, got {self.snapshot_every}")
+        need(self.publish_codec in (Codec.INT4, Codec.MXFP4, Codec.FP32),
+             f"--publish-codec must be int4, mxfp4 or fp32, got {self.publish_codec}")
+        need(self.max_message_bytes >= 1 << 20,
+             f"--max-message-bytes must be at least 1048576, got {self.max_message_bytes}")
+        need(self.max_concurrent_streams >= 1,
+             f"--max-concurrent-streams must be at least 1, got {self.max_concurrent_streams}")
+        need((self.tls_cert is None) == (self.tls_key is None),
+             "--tls-cert and --tls-key go together: give both or neither")
+        need(self.tls_client_ca is None or self.tls_cert is not None,
+             "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key as well")
+        for flag, path in (("--token-file", self.token_file), ("--tls-cert", self.tls_cert),
+                           ("--tls-key", self.tls_key), ("--tls-client-ca", self.tls_client_ca)):
+            need(path is None or pathlib.Path(path).is_file(), f"{flag}: no such file {path}")
+        need(self.metrics_port is None or 0 <= self.metrics_port <= 65535,
+             f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+
+def shard_index_from_env(default: int | None = None) -> int | None:
+    """ATOLL_SHARD_INDEX, else the ordinal at the end of ATOLL_POD_NAME (syncer-3 -> 3)."""
+    if os.environ.get(ENV_SHARD_INDEX):
+        return _int_env(ENV_SHARD_INDEX)
+    pod = os.environ.get(ENV_POD_NAME, "")
+    match = re.search(r"-(\d+)$", pod)
+    if pod and not match:
+        raise ConfigError(f"{ENV_POD_NAME}={pod!r} does not end in -ORDINAL; set {ENV_SHARD_INDEX}")
+    return int(match.group(1)) if match else default
+
+
+def _int_env(name: str) -> int:
+    text = os.environ[name]
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a whole number") from None
+
+
+def load_tokens(path: pathlib.Path) -> dict[str, str | None]:
+    """Reads a token file: {token: learner id or None (any learner)}."""
+    tokens: dict[str, str | None] = {}
+    for number, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) > 2:
+            raise ConfigError(f"{path}:{number}: expected 'TOKEN' or 'LEARNER_ID TOKEN'")
+        learner, token = (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+        tokens[token] = learner
+    if not tokens:
+        raise ConfigError(f"{path}: no tokens (one per line, '#' starts a comment)")
+    return tokens

@@ -1,0 +1,262 @@
+"""How one fragment's round of outer gradients becomes one outer step (DESIGN.md §1).
+
+Pushes arrive one at a time and each is decoded, folded into a `RoundAccumulator`,
+then dropped. When the round closes, `result()` is the merged outer gradient:
+radial-directional averaging (RDA) for non-embedding tensors,
+
+    Δ_t = (Σ w‖Δ_m,t‖ / Σ w) · unit(Σ w·unit(Δ_m,t)),
+
+and a plain weighted average Σ wΔ_m,t / Σ w for embeddings. Independent learners'
+outer gradients are nearly orthogonal, so a plain average shrinks as 1/√M; RDA keeps
+the norm at the contributors' mean norm. `outer_step` then applies SGD with Nesterov
+momentum (optax) to the fragment's global params.
+
+Determinism: the shard replays its write-ahead log after a restart and must land on
+the same bytes, so every sum here runs in a fixed order on one thread, in fixed-size
+chunks, with no fused multiply-add: the same sequence of `add`s gives the same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from wire.plan import FragmentPlan, FragmentVector
+
+OuterGrad = np.ndarray  # Θ_base − θ_learner over one fragment; points like a gradient
+OuterState = optax.OptState  # the outer optimiser's state for one fragment
+Weight = float  # a push's merge weight, > 0: rules.token_weight × staleness discount
+
+CHUNK = 1 << 16  # elements per pass: 256 KiB of float32 scratch stays in L2 (measured best)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Segments:
+    """A fragment vector's tensors: [offsets[i], ends[i]) and which merge as embeddings."""
+
+    offsets: np.ndarray  # int64, first element of each tensor, ascending from 0
+    ends: np.ndarray  # int64, one past each tensor's last element; ends[i] == offsets[i+1]
+    embedding: np.ndarray  # bool, True: plain weighted average instead of RDA
+
+    def __post_init__(self):
+        o, e, emb = (np.asarray(self.offsets, np.int64), np.asarray(self.ends, np.int64),
+                     np.asarray(self.embedding, bool))
+        if o.ndim != 1 or not o.size or o.shape != e.shape or o.shape != emb.shape:
+            raise ValueError(f"segments: offsets {o.shape}, ends {e.shape}, embedding "
+                             f"{emb.shape}: want three equal non-empty 1-D arrays")
+        if o[0] != 0 or np.any(e <= o) or np.any(o[1:] != e[:-1]):
+            raise ValueError("segments must tile [0, size) with non-empty tensors in order")
+        for name, a in (("offsets", o), ("ends", e), ("embedding", emb)):
+            a.setflags(write=False)
+            object.__setattr__(self, name, a)
+
+    @classmethod
+    def from_plan(cls, plan: FragmentPlan, fragment: int) -> Segments:
+        """The tensors of one plan fragment, in layout order."""
+        slots = plan.tensors_of(fragment)
+        return cls([s.offset for s in slots], [s.end for s in slots],
+                   [bool(s.spec.embedding) for s in slots])
+
+    @classmethod
+    def from_sizes(cls, sizes, embedding=None) -> Segments:
+        """Contiguous tensors of the given sizes (embedding: per-tensor flags, default none)."""
+        ends = np.cumsum(np.asarray(sizes, np.int64))
+        emb = np.zeros(len(ends), bool) if embedding is None else embedding
+        return cls(np.concatenate([[0], ends[:-1]]), ends, emb)
+
+    @property
+    def size(self) -> int:
+        return int(self.ends[-1])
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def same_as(self, other: Segments) -> bool:
+        return all(np.array_equal(getattr(self, f), getattr(other, f))
+                   for f in ("offsets", "ends", "embedding"))
+
+
+def segment_norms(vec: np.ndarray, seg: Segments) -> np.ndarray:
+    """Per-tensor L2 norms (float64) of a float32 vector, in a fixed summation order."""
+    sq = np.zeros(len(seg), np.float64)
+    for i, (o, e) in enumerate(zip(seg.offsets.tolist(), seg.ends.tolist())):
+        acc = 0.0
+        for a in range(o, e, CHUNK):
+            v = vec[a:min(a + CHUNK, e)]
+            # einsum, not np.dot: BLAS may thread and so change the summation order.
+            acc += float(np.einsum("i,i->", v, v))  # float32 per chunk, float64 across
+        sq[i] = acc
+    return np.sqrt(sq)
+
+
+def add_scaled(acc: np.ndarray, vec: np.ndarray, seg: Segments, scales: np.ndarray,
+               scratch: np.ndarray | None = None) -> None:
+    """acc[t] += float32(scales[t]) · vec[t] for every tensor t, in place; 0 scales skip."""
+    scratch = np.empty(CHUNK, np.float32) if scratch is None else scratch
+    s32 = np.asarray(scales, np.float64).astype(np.float32)
+    for o, e, s in zip(seg.offsets.tolist(), seg.ends.tolist(), s32):
+        if s == 0:
+            continue
+        for a in range(o, e, CHUNK):
+            b = min(a + CHUNK, e)
+            t = scratch[:b - a]
+            np.multiply(vec[a:b], s, out=t)  # multiply, then add: never fused
+            np.add(acc[a:b], t, out=acc[a:b])
+
+
+class RoundState(NamedTuple):
+    """A snapshot of an open round: arrays and scalars only (np.savez-able)."""
+
+    offsets: np.ndarray  # int64 [T]
+    ends: np.ndarray  # int64 [T]
+    embedding: np.ndarray  # bool [T]
+    acc: np.ndarray  # float32 [size]: Σ w·unit(Δ) (RDA tensors) or Σ w·Δ (the rest)
+    norm_sum: np.ndarray  # float64 [T]: Σ w·‖Δ_t‖
+    total_weight: float  # Σ w
+    count: int  # contributions so far
+    rda: bool  # False: plain weighted average everywhere
+
+
+class RoundAccumulator:
+    """Streams one round's weighted outer gradients for one fragment.
+
+    Memory: one float32 vector the size of the fragment (float32 because it is the
+    largest object a shard holds per open round and Σ w·unit(Δ) needs no more: each
+    term is already normalised), a 256 KiB scratch chunk, and float64 per-tensor sums.
+
+    Example:
+      >>> seg = Segments.from_sizes([3, 2], embedding=[False, True])
+      >>> acc = RoundAccumulator(seg)
+      >>> acc.add(np.array([3, 4, 0, 1, 1], np.float32), 1.0)
+      >>> acc.add(np.array([0, 0, 5, 3, 3], np.float32), 1.0)
+      >>> acc.result().astype(float).round(3).tolist()  # RDA: norm 5, not 3.54
+      [2.121, 2.828, 3.536, 2.0, 2.0]
+    """
+
+    def __init__(self, segments: Segments, *, rda: bool = True):
+        self.segments = segments
+        self.rda = bool(rda)
+        self._scratch = np.empty(CHUNK, np.float32)
+        # Tensors merged by RDA; with rda=False every tensor is a plain average.
+        self._rda_mask = ~segments.embedding if self.rda else np.zeros(len(segments), bool)
+        self._acc = np.empty(segments.size, np.float32)
+        self._norm_sum = np.empty(len(segments), np.float64)
+        self.reset()
+
+    def reset(self) -> None:
+        """Empties the round, keeping the buffers."""
+        self._acc.fill(0)
+        self._norm_sum.fill(0)
+        self.total_weight = 0.0  # Σ w, float64
+        self.count = 0  # contributions so far
+
+    def add(self, delta: OuterGrad, weight: Weight) -> None:
+        """Folds in one learner's outer gradient; refuses bad input without changing state."""
+        delta = np.asarray(delta)
+        if delta.dtype != np.float32 or delta.shape != (self.segments.size,):
+            raise ValueError(f"delta {delta.dtype}{delta.shape}: want float32 "
+                             f"({self.segments.size},), the fragment's flat vector")
+        w = float(weight)
+        if not (np.isfinite(w) and w > 0):
+            raise ValueError(f"weight {weight!r}: want a finite number > 0")
+        # Norms double as the NaN/Inf check: any non-finite element (or a square that
+        # overflows float32, |x| > ~1.8e19) makes its tensor's norm non-finite.
+        norms = segment_norms(delta, self.segments)
+        if not np.all(np.isfinite(norms)):
+            bad = int(np.argmin(np.isfinite(norms)))
+            raise ValueError(f"delta tensor {bad} (offset {self.segments.offsets[bad]}) "
+                             f"has NaN/Inf or overflowing values")
+        rda = self._rda_mask
+        scales = np.full(len(norms), w)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scales[rda] = np.where(norms[rda] > 0, w / norms[rda], 0.0)  # zero: no direction
+        add_scaled(self._acc, delta, self.segments, scales, self._scratch)
+        self._norm_sum[rda] += w * norms[rda]
+        self.total_weight += w
+        self.count += 1
+
+    def result(self) -> FragmentVector:
+        """The merged outer gradient as a fresh float32 vector; the round stays open."""
+        if self.count == 0:
+            raise ValueError("empty round: add() at least one contribution before result()")
+        rda, W = self._rda_mask, self.total_weight
+        dir_norms = segment_norms(self._acc, self.segments)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scales = np.where(rda, np.where(dir_norms > 0, self._norm_sum / W / dir_norms, 0.0),
+                              1.0 / W)
+        out = np.empty_like(self._acc)
+        for o, e, sc in zip(self.segments.offsets.tolist(), self.segments.ends.tolist(),
+                            scales.astype(np.float32)):
+            np.multiply(self._acc[o:e], sc, out=out[o:e])
+        return out
+
+    def state(self) -> RoundState:
+        """A copy of the open round, for a shard snapshot."""
+        s = self.segments
+        return RoundState(s.offsets.copy(), s.ends.copy(), s.embedding.copy(),
+                          self._acc.copy(), self._norm_sum.copy(), float(self.total_weight),
+                          int(self.count), self.rda)
+
+    @classmethod
+    def from_state(cls, state: RoundState, segments: Segments | None = None) -> RoundAccumulator:
+        """Resumes a round from `state()`; checks it against `segments` when given."""
+        st = RoundState(*state)
+        saved = Segments(st.offsets, st.ends, st.embedding)
+        if segments is not None and not segments.same_as(saved):
+            raise ValueError("round snapshot was taken with a different fragment layout; "
+                             "resume it with the plan it was made with")
+        acc, norm_sum = np.asarray(st.acc), np.asarray(st.norm_sum)
+        if acc.dtype != np.float32 or acc.shape != (saved.size,) or \
+                norm_sum.shape != (len(saved),):
+            raise ValueError(f"round snapshot arrays acc {acc.dtype}{acc.shape}, norm_sum "
+                             f"{norm_sum.shape} do not fit {len(saved)} tensors / {saved.size}")
+        out = cls(segments if segments is not None else saved, rda=bool(st.rda))
+        out._acc[:] = acc
+        out._norm_sum[:] = norm_sum.astype(np.float64)
+        out.total_weight, out.count = float(st.total_weight), int(st.count)
+        return out
+
+
+def outer_optimizer(lr: float = 0.7, momentum: float = 0.9) -> optax.GradientTransformation:
+    """SGD with Nesterov momentum, the outer optimiser (DESIGN.md §1 defaults)."""
+    if not lr > 0 or not 0 <= momentum < 1:
+        raise ValueError(f"lr={lr}, momentum={momentum}: want lr > 0 and 0 <= momentum < 1")
+    return optax.sgd(learning_rate=lr, momentum=momentum, nesterov=True)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _step(params, opt_state, grad, opt):
+    updates, new_state = opt.update(grad, opt_state, params)
+    return optax.apply_updates(params, updates), new_state
+
+
+def outer_step(params: FragmentVector, opt_state: OuterState, outer_grad: OuterGrad,
+               opt: optax.GradientTransformation) -> tuple[FragmentVector, OuterState]:
+    """One outer step: params − lr·(Nesterov-momentum Δ); pure and bit-deterministic.
+
+    Args:
+      params: the fragment's global params Θ, flat float32.
+      opt_state: `opt.init(params)` or the previous step's state.
+      outer_grad: merged Δ = Θ_base − θ_learner (points like a gradient: uphill).
+      opt: usually `outer_optimizer()`; one jit compile per (opt, fragment size).
+
+    Returns:
+      (new params as a fresh float32 numpy vector, new optimiser state).
+
+    Example:
+      >>> opt = outer_optimizer(lr=1.0, momentum=0.0)
+      >>> theta = np.ones(3, np.float32)
+      >>> outer_step(theta, opt.init(theta), np.full(3, 0.25, np.float32), opt)[0].tolist()
+      [0.75, 0.75, 0.75]
+    """
+    p, g = jnp.asarray(params, jnp.float32), jnp.asarray(outer_grad, jnp.float32)
+    if p.shape != g.shape or p.ndim != 1:
+        raise ValueError(f"params {p.shape} and outer_grad {g.shape}: want equal 1-D shapes")
+    new_p, new_state = _step(p, opt_state, g, opt)
+    return np.array(new_p, np.float32), new_state

@@ -1,0 +1,330 @@
+"""The syncer shard's decisions: staleness, weights, leases, grace, round closing.
+
+Every decision is a pure function of (state, now) that returns the decision and a
+``Reason`` (DESIGN.md §1, §3). Nothing here reads a clock, sleeps or locks: the
+servicer passes ``now`` (one monotonic clock per process), keeps the state, and arms a
+timer at ``CloseDecision.wake_at``. Reasons are short snake_case strings so they can
+be used directly as Prometheus label values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import numbers
+from collections.abc import Mapping
+from typing import NamedTuple
+
+LearnerId = str
+Seconds = float  # a duration or an instant on the caller's monotonic clock
+
+
+class Reason(enum.StrEnum):
+    """Why a decision came out as it did; the value is the metrics label."""
+
+    # Staleness of a push (judge_staleness).
+    FRESH = "fresh"  # base == current: accepted, full weight
+    STALE_DISCOUNTED = "stale_discounted"  # 0 < s <= max: accepted, weight * discount
+    TOO_STALE = "too_stale"  # s > max: refused, the learner must resync (pull)
+    FUTURE_BASE = "future_base"  # base > current: refused as an invalid argument
+    # Membership of a push in the open round (judge_membership).
+    NEW_IN_ROUND = "new_in_round"  # first contribution of this learner to the round
+    ALREADY_IN_ROUND = "already_in_round"  # refused: it already contributed this round
+    # Closing a round (decide_close).
+    WAITING_FOR_QUORUM = "waiting_for_quorum"  # fewer than K contributors
+    IN_GRACE = "in_grace"  # quorum reached, live learners still missing
+    ALL_LIVE_CONTRIBUTED = "all_live_contributed"  # close: nobody live left to wait for
+    GRACE_ELAPSED = "grace_elapsed"  # close: the grace window has passed
+
+
+def _real(name: str, x: object, *, low: float, strict: bool = False, high: float = math.inf,
+          hint: str = "") -> float:
+    """Checks x is a finite real in [low, high] ((low, high] if strict); returns a float."""
+    ok = isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    if ok and (x > low if strict else x >= low) and x <= high:
+        return float(x)
+    need = f"a finite number {'>' if strict else '>='} {low:g}"
+    if high < math.inf:
+        need += f" and <= {high:g}"
+    raise ValueError(f"{name}={x!r}: need {need}{hint}")
+
+
+def _int(name: str, x: object, *, low: int, hint: str = "") -> int:
+    """Checks x is an int (not a bool) >= low and returns it."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= low:
+        return int(x)
+    raise ValueError(f"{name}={x!r}: need an int >= {low}{hint}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundPolicy:
+    """How a shard runs its rounds; validated at construction."""
+
+    quorum: int = 1  # K: contributors needed before a round may close; int >= 1
+    grace_factor: float = 1.0  # γ: multiplies the overlap slack; >= 0, 0 = no grace
+    max_staleness: int = 4  # s_max: oldest base accepted is current - s_max; int >= 0
+    discount_exponent: float = 0.0  # a in (1+s)^-a for stale pushes; >= 0, 0 = none
+    lease_seconds: float = 30.0  # a learner is live this long after its last call; > 0
+    ewma_alpha: float = 0.2  # weight of the newest timing sample; in (0, 1]
+
+    def __post_init__(self):
+        _int("quorum", self.quorum, low=1, hint="; use 1 to close on the first push")
+        _real("grace_factor", self.grace_factor, low=0.0, hint="; use 0 to disable grace")
+        _int("max_staleness", self.max_staleness, low=0,
+             hint="; use 0 to accept only pushes based on the current version")
+        _real("discount_exponent", self.discount_exponent, low=0.0,
+              hint="; use 0 for no staleness discount")
+        _real("lease_seconds", self.lease_seconds, low=0.0, strict=True,
+              hint="; set it above the learners' longest gap between calls")
+        _real("ewma_alpha", self.ewma_alpha, low=0.0, strict=True, high=1.0)
+
+
+# ---------------------------------------------------------------- staleness, weight
+
+
+class StalenessVerdict(NamedTuple):
+    """Whether a push's base version is acceptable, and at what discount."""
+
+    accept: bool
+    reason: Reason
+    staleness: int  # current - base; negative for FUTURE_BASE
+    discount: float  # multiplies the push's weight; 0.0 when refused
+
+
+def judge_staleness(current_version: int, base_version: int, max_staleness: int,
+                    discount_exponent: float) -> StalenessVerdict:
+    """Judges a push by how far its base version lags the fragment's current one.
+
+    Args:
+      current_version: the fragment's global version at the shard, >= 0.
+      base_version: the version the learner computed its outer gradient from, >= 0.
+      max_staleness: s_max; a push with s > s_max is refused (TOO_STALE).
+      discount_exponent: a >= 0; an accepted push with staleness s is weighted by
+        (1 + s)^-a (a = 0: no discount).
+
+    Returns:
+      A StalenessVerdict; e.g. judge_staleness(7, 5, 2, 1.0) accepts with reason
+      STALE_DISCOUNTED, staleness 2 and discount 1/3.
+
+    Raises:
+      ValueError: on a negative version, max_staleness or exponent.
+    """
+    current = _int("current_version", current_version, low=0)
+    base = _int("base_version", base_version, low=0)
+    s_max = _int("max_staleness", max_staleness, low=0)
+    a = _real("discount_exponent", discount_exponent, low=0.0)
+    s = current - base
+    # Future first: such a base was never served, so it is a bug, not lag.
+    if s < 0:
+        return StalenessVerdict(False, Reason.FUTURE_BASE, s, 0.0)
+    if s > s_max:
+        return StalenessVerdict(False, Reason.TOO_STALE, s, 0.0)
+    if s == 0:
+        return StalenessVerdict(True, Reason.FRESH, 0, 1.0)
+    return StalenessVerdict(True, Reason.STALE_DISCOUNTED, s, (1.0 + s) ** -a)
+
+
+def token_weight(tokens: int, inner_steps: int) -> float:
+    """A push's merge weight w = tokens² / steps (quantity × tokens per step).
+
+    Args:
+      tokens: tokens the learner trained on since the fragment's last sync, >= 1.
+      inner_steps: inner steps it took to do so, >= 1.
+
+    Returns:
+      The weight as a float; e.g. token_weight(1000, 10) == 100000.0.
+    """
+    t = _real("tokens", tokens, low=1.0, hint="; a push must carry some training")
+    n = _real("inner_steps", inner_steps, low=1.0, hint="; a push must carry some training")
+    return t * t / n
+
+
+# ---------------------------------------------------------------- timing, grace
+
+
+class Ewma(NamedTuple):
+    """An exponentially weighted moving average; value is None until a first sample."""
+
+    value: float | None = None
+    samples: int = 0
+
+    def update(self, sample: float, alpha: float) -> Ewma:
+        """Returns the average with `sample` folded in (the first sample sets it)."""
+        x = _real("sample", sample, low=-math.inf)
+        a = _real("alpha", alpha, low=0.0, strict=True, high=1.0)
+        if self.value is None:
+            return Ewma(x, 1)
+        return Ewma(self.value + a * (x - self.value), self.samples + 1)
+
+    def value_or(self, default: float) -> float:
+        """The average, or `default` before any sample."""
+        return default if self.value is None else self.value
+
+
+def grace_window(grace_factor: float, overlap_steps: float, step_seconds: float,
+                 quorum_seconds: float, sync_seconds: float) -> float:
+    """ξ_grace = γ·max(0, τ·ξ_step − ξ_quorum − ξ_sync) (DESIGN.md §1).
+
+    The shard only waits inside the slack that the learners' overlap already hides.
+
+    Args:
+      grace_factor: γ >= 0.
+      overlap_steps: τ >= 0, inner steps a learner computes while a push is in flight.
+      step_seconds: ξ_step >= 0, a learner's inner step time.
+      quorum_seconds: ξ_quorum >= 0, round open -> quorum reached.
+      sync_seconds: ξ_sync >= 0, transfer + merge + outer step.
+
+    Returns:
+      The grace window in seconds, never negative; e.g.
+      grace_window(1.0, 4, 0.5, 0.5, 0.25) == 1.25.
+    """
+    g = _real("grace_factor", grace_factor, low=0.0)
+    tau = _real("overlap_steps", overlap_steps, low=0.0)
+    step = _real("step_seconds", step_seconds, low=0.0)
+    quorum = _real("quorum_seconds", quorum_seconds, low=0.0)
+    sync = _real("sync_seconds", sync_seconds, low=0.0)
+    return g * max(0.0, tau * step - quorum - sync)
+
+
+def estimate_grace(policy: RoundPolicy, overlap_steps: float, step: Ewma, quorum: Ewma,
+                   sync: Ewma) -> float:
+    """grace_window from the running estimates; no step sample yet means no grace."""
+    # Without a step time there is no known slack to wait in; missing quorum or sync
+    # times only mean nothing has been measured to subtract yet.
+    if step.value is None:
+        return 0.0
+    return grace_window(policy.grace_factor, overlap_steps, step.value,
+                        max(0.0, quorum.value_or(0.0)), max(0.0, sync.value_or(0.0)))
+
+
+# ---------------------------------------------------------------- leases
+
+
+def live_learners(last_seen: Mapping[LearnerId, Seconds], now: Seconds,
+                  lease_seconds: float) -> frozenset[LearnerId]:
+    """The learners whose lease holds at `now`.
+
+    Args:
+      last_seen: learner id -> instant of its last call (same clock as `now`).
+      now: the current instant.
+      lease_seconds: > 0; a lease taken at t holds for t <= now < t + lease_seconds.
+
+    Returns:
+      The ids of the live learners.
+    """
+    lease = _real("lease_seconds", lease_seconds, low=0.0, strict=True)
+    return frozenset(m for m, seen in last_seen.items() if now < seen + lease)
+
+
+def next_lease_expiry(last_seen: Mapping[LearnerId, Seconds], now: Seconds,
+                      lease_seconds: float) -> Seconds | None:
+    """The first instant after `now` at which a live lease lapses, or None."""
+    lease = _real("lease_seconds", lease_seconds, low=0.0, strict=True)
+    ends = [seen + lease for seen in last_seen.values() if now < seen + lease]
+    return min(ends, default=None)
+
+
+# ---------------------------------------------------------------- rounds
+
+
+class RoundState(NamedTuple):
+    """One fragment's open round: when it opened, who contributed, when K was hit."""
+
+    opened_at: Seconds
+    contributors: frozenset[LearnerId] = frozenset()
+    quorum_reached_at: Seconds | None = None
+
+    @property
+    def quorum_seconds(self) -> Seconds | None:
+        """ξ_quorum sample for this round (open -> quorum), or None before quorum."""
+        if self.quorum_reached_at is None:
+            return None
+        return self.quorum_reached_at - self.opened_at
+
+
+def open_round(now: Seconds) -> RoundState:
+    """A new, empty round opened at `now`."""
+    return RoundState(opened_at=now)
+
+
+class MembershipVerdict(NamedTuple):
+    """Whether a learner may contribute to the open round."""
+
+    accept: bool
+    reason: Reason
+
+
+def judge_membership(state: RoundState, learner: LearnerId) -> MembershipVerdict:
+    """A learner contributes at most once per round; a second push waits for the next."""
+    if learner in state.contributors:
+        return MembershipVerdict(False, Reason.ALREADY_IN_ROUND)
+    return MembershipVerdict(True, Reason.NEW_IN_ROUND)
+
+
+def add_contributor(state: RoundState, learner: LearnerId, now: Seconds,
+                    quorum: int) -> RoundState:
+    """The round with `learner` added, stamping the instant the quorum is first met.
+
+    Args:
+      state: the open round.
+      learner: a learner not yet in state.contributors (see judge_membership).
+      now: the instant its push was accepted.
+      quorum: K >= 1, the same K later given to decide_close.
+
+    Returns:
+      The new RoundState; quorum_reached_at is set once, when K is first reached.
+    """
+    k = _int("quorum", quorum, low=1)
+    if learner in state.contributors:
+        raise ValueError(f"learner {learner!r} already contributed to this round; "
+                         "check judge_membership before adding")
+    contributors = state.contributors | {learner}
+    reached = state.quorum_reached_at
+    if reached is None and len(contributors) >= k:
+        reached = now
+    return RoundState(state.opened_at, contributors, reached)
+
+
+class CloseDecision(NamedTuple):
+    """Whether to close the round now; if not, when to look again (None: on a push)."""
+
+    close: bool
+    reason: Reason
+    wake_at: Seconds | None
+
+
+def decide_close(state: RoundState, live: frozenset[LearnerId] | set[LearnerId],
+                 now: Seconds, quorum: int, grace_seconds: float) -> CloseDecision:
+    """Decides whether the open round closes at `now`.
+
+    A round closes once it has K contributors and either every live learner has
+    contributed or the grace window after reaching quorum has passed. Learners whose
+    lease lapsed are not waited for; contributors who have since gone still count.
+
+    Args:
+      state: the open round (built with add_contributor and the same quorum).
+      live: the learners with a live lease at `now` (see live_learners).
+      now: the current instant.
+      quorum: K >= 1.
+      grace_seconds: >= 0, how long to wait for stragglers once K is reached.
+
+    Returns:
+      A CloseDecision. While in grace, wake_at is the instant the grace ends, so the
+      caller can arm a timer; while waiting for quorum it is None (a push or a lease
+      lapse is what can change the answer).
+    """
+    k = _int("quorum", quorum, low=1)
+    grace = _real("grace_seconds", grace_seconds, low=0.0)
+    if len(state.contributors) < k:
+        return CloseDecision(False, Reason.WAITING_FOR_QUORUM, None)
+    if state.quorum_reached_at is None:
+        raise ValueError(f"round has {len(state.contributors)} >= quorum={k} contributors "
+                         "but no quorum_reached_at; pass decide_close the quorum given "
+                         "to add_contributor")
+    if set(live) <= state.contributors:
+        return CloseDecision(True, Reason.ALL_LIVE_CONTRIBUTED, None)
+    ends = state.quorum_reached_at + grace
+    if now >= ends:
+        return CloseDecision(True, Reason.GRACE_ELAPSED, None)
+    return CloseDecision(False, Reason.IN_GRACE, ends)

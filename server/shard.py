@@ -1,0 +1,400 @@
+"""One syncer shard: its fragments, durable log, round timing and watchers.
+
+Domain calls (`init`, `push`, `pull`, `describe`, `wait_for_versions`, `tick`) take
+plain values and raise `ShardError` with a gRPC status; the servicer only
+translates. Ordering: a push is checked and decoded outside the lock, then under
+the lock judged, appended to the write-ahead log (fsync before ack: the ack is a
+promise), and folded in. The log order is the merge order, so replaying it after a
+crash rebuilds bit-identical state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+
+from server import rules, storage
+from server.config import ShardConfig
+from server.fragment import Answer, Fragment
+from wire import codec
+from wire.plan import FragmentPlan
+
+_RECORD = struct.Struct("<BI")  # kind, meta length; then meta JSON, then payload
+PLAN, INIT, PUSH, CLOSE = 1, 2, 3, 4
+ACCEPTED_CODECS = (codec.Codec.INT4, codec.Codec.MXFP4, codec.Codec.FP32)
+
+
+class ShardError(Exception):
+    """A refused call: the gRPC status and a message saying what to fix."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _record(kind: int, meta: dict, payload: bytes = b"") -> bytes:
+    body = json.dumps(meta, separators=(",", ":")).encode()
+    return _RECORD.pack(kind, len(body)) + body + payload
+
+
+def _parse(record: bytes) -> tuple[int, dict, memoryview]:
+    kind, n = _RECORD.unpack_from(record)
+    start = _RECORD.size
+    return kind, json.loads(record[start:start + n]), memoryview(record)[start + n:]
+
+
+@dataclasses.dataclass(frozen=True)
+class PushHeader:
+    learner_id: str
+    fragment: int
+    base_version: int
+    seq: int
+    inner_steps: int
+    tokens: int
+    codec: int
+    num_params: int
+    plan_fingerprint: str
+    step_seconds: float = 0.0
+    overlap_steps: int = 0
+
+
+class Shard:
+    """Create, then `recover()` before serving."""
+
+    def __init__(self, cfg: ShardConfig, clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self.clock = clock
+        self.policy = rules.RoundPolicy(quorum=cfg.quorum, grace_factor=cfg.grace_factor,
+                                        max_staleness=cfg.max_staleness,
+                                        discount_exponent=cfg.staleness_discount,
+                                        lease_seconds=cfg.lease_seconds)
+        data = pathlib.Path(cfg.data_dir)
+        self.wal = storage.WriteAheadLog(data / "wal")
+        self.snapshots = storage.SnapshotStore(data / "snapshots")
+        self.plan: FragmentPlan | None = None
+        self.fragments: dict[int, Fragment] = {}
+        self.rounds: dict[int, rules.RoundState] = {}
+        self.last_seen: dict[str, float] = {}
+        self.step_time = rules.Ewma()
+        self.quorum_time = rules.Ewma()
+        self.sync_time = rules.Ewma()
+        self.overlap_steps = 0
+        self.rounds_since_snapshot = 0
+        self.last_lsn = 0
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.ready = False
+        self.stats = {"pushes": {}, "rounds": 0, "bytes_in": 0, "bytes_out": 0}
+
+    # --- recovery ---
+
+    def recover(self) -> int:
+        """Loads the newest snapshot and replays the log after it; returns records replayed."""
+        with self.lock:
+            snap = self.snapshots.latest()
+            if snap is not None:
+                self._restore(snap)
+            replayed = 0
+            for lsn, record in self.wal.replay(self.last_lsn):
+                self._apply(record, live=False)
+                self.last_lsn = lsn
+                replayed += 1
+            now = self.clock()
+            for p in self.fragments:
+                self.rounds[p] = self._round_after_restart(p, now)
+            self.ready = True
+            return replayed
+
+    def _round_after_restart(self, p: int, now: float) -> rules.RoundState:
+        state = rules.open_round(now)
+        for learner in sorted(self.fragments[p].contributors):
+            state = rules.add_contributor(state, learner, now, self.policy.quorum)
+        return state
+
+    def _apply(self, record: bytes, live: bool) -> None:
+        """Applies one log record; the same code runs live and during replay."""
+        kind, meta, payload = _parse(record)
+        if kind == PLAN:
+            self._adopt_plan(FragmentPlan.from_json(meta["plan"]))
+        elif kind == INIT:
+            frag = self.fragments[meta["fragment"]]
+            frag.initialize(codec.decode(payload, num_values=frag.size))
+        elif kind == PUSH:
+            frag = self.fragments[meta["fragment"]]
+            delta = codec.decode(payload, num_values=frag.size)
+            frag.contribute(meta["learner"], delta, Answer(**meta["answer"]))
+        elif kind == CLOSE:
+            frag = self.fragments[meta["fragment"]]
+            frag.close_round()
+            trigger = meta.get("trigger")
+            if trigger in frag.answers:
+                frag.answers[trigger] = dataclasses.replace(frag.answers[trigger], version=frag.version)
+        else:
+            raise RuntimeError(f"unknown log record kind {kind}")
+
+    def _log(self, kind: int, meta: dict, payload: bytes = b"") -> None:
+        self.last_lsn = self.wal.append(_record(kind, meta, payload))
+
+    def _adopt_plan(self, plan: FragmentPlan) -> None:
+        self.plan = plan
+        for p in plan.fragments_of_shard(self.cfg.shard_index, self.cfg.num_shards):
+            self.fragments[p] = Fragment(p, plan, lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
+                                         rda=self.cfg.rda, delta_ring=self.cfg.delta_ring,
+                                         publish_codec=self.cfg.publish_codec)
+            self.rounds[p] = rules.open_round(self.clock())
+
+    # --- snapshots ---
+
+    def _snapshot(self) -> None:
+        meta: dict = {"plan": self.plan.to_json() if self.plan else None,
+                      "shard_index": self.cfg.shard_index, "num_shards": self.cfg.num_shards,
+                      "fragments": {}}
+        arrays: dict[str, np.ndarray] = {}
+        for p, frag in self.fragments.items():
+            fmeta, farrays = frag.state()
+            meta["fragments"][str(p)] = fmeta
+            arrays.update({f"f{p}.{k}": v for k, v in farrays.items()})
+        self.snapshots.save(self.last_lsn, meta, arrays)
+        self.rounds_since_snapshot = 0
+
+    def _restore(self, snap) -> None:
+        meta = snap.meta
+        if (meta["shard_index"], meta["num_shards"]) != (self.cfg.shard_index, self.cfg.num_shards):
+            raise RuntimeError(
+                f"data dir holds shard {meta['shard_index']} of {meta['num_shards']}, but this is "
+                f"shard {self.cfg.shard_index} of {self.cfg.num_shards}; point --data-dir elsewhere")
+        if meta["plan"] is not None:
+            self._adopt_plan(FragmentPlan.from_json(meta["plan"]))
+        for key, fmeta in meta["fragments"].items():
+            prefix = f"f{key}."
+            self.fragments[int(key)].restore(
+                fmeta, {k[len(prefix):]: v for k, v in snap.arrays.items() if k.startswith(prefix)})
+        self.last_lsn = snap.lsn
+
+    # --- the calls ---
+
+    def _require_ready(self) -> None:
+        if not self.ready:
+            raise ShardError(grpc.StatusCode.UNAVAILABLE, "shard is recovering; retry shortly")
+
+    def _fragment(self, p: int, fingerprint: str | None = None, need_init: bool = True) -> Fragment:
+        if self.plan is None:
+            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION,
+                             "this shard has no fragment plan yet: a learner must Init first")
+        if fingerprint is not None and fingerprint != self.plan.fingerprint:
+            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"plan fingerprint {fingerprint!r} differs from the shard's "
+                             f"{self.plan.fingerprint!r}: learner and shard disagree on the model")
+        if not 0 <= p < self.plan.num_fragments:
+            raise ShardError(grpc.StatusCode.NOT_FOUND,
+                             f"fragment {p} does not exist (the plan has {self.plan.num_fragments})")
+        if p not in self.fragments:
+            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"fragment {p} lives on shard {p % self.cfg.num_shards}, "
+                             f"not shard {self.cfg.shard_index}")
+        frag = self.fragments[p]
+        if need_init and not frag.initialized:
+            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, f"fragment {p} is not initialized; Init it first")
+        return frag
+
+    def touch(self, learner: str) -> None:
+        """Refreshes a learner's lease (every call does)."""
+        if learner:
+            with self.lock:
+                self.last_seen[learner] = self.clock()
+
+    def init(self, learner: str, p: int, fingerprint: str, plan_json: str, frame: bytes) -> tuple[bool, int]:
+        """Seeds fragment p from frame unless it exists; returns (created, version)."""
+        self._require_ready()
+        with self.lock:
+            if self.plan is None:
+                try:
+                    plan = FragmentPlan.from_json(plan_json)
+                except ValueError as e:
+                    raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"bad plan_json: {e}") from None
+                if plan.fingerprint != fingerprint:
+                    raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     "plan_json does not match plan_fingerprint")
+                if plan.num_fragments < self.cfg.num_shards:
+                    raise ShardError(grpc.StatusCode.FAILED_PRECONDITION,
+                                     f"plan has {plan.num_fragments} fragments for {self.cfg.num_shards} "
+                                     "shards: some shard would own nothing")
+                self._log(PLAN, {"plan": plan_json})
+                self._adopt_plan(plan)
+            frag = self._fragment(p, fingerprint, need_init=False)
+            if frag.initialized:
+                return False, frag.version
+        try:
+            values = codec.decode(frame, num_values=frag.size)
+        except codec.CodecError as e:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"init frame: {e}") from None
+        if not np.isfinite(values).all():
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "init values hold NaN or Inf")
+        with self.lock:
+            if frag.initialized:  # another learner won the race while we decoded
+                return False, frag.version
+            self._log(INIT, {"fragment": p}, frame)
+            frag.initialize(values)
+            self.changed.notify_all()
+            return True, frag.version
+
+    def push(self, h: PushHeader, frame: bytes) -> Answer:
+        """Judges, logs and merges one outer gradient; returns its acknowledgement."""
+        self._require_ready()
+        if not h.learner_id:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "learner_id is empty")
+        if h.inner_steps < 1 or h.tokens < 1:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"inner_steps={h.inner_steps}, tokens={h.tokens}: both must be >= 1")
+        if h.codec not in ACCEPTED_CODECS:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"codec {h.codec} is not accepted")
+        with self.lock:
+            frag = self._fragment(h.fragment, h.plan_fingerprint)
+            if h.num_params != frag.size:
+                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"fragment {h.fragment} holds {frag.size} params, push says {h.num_params}")
+        delta = np.empty(frag.size, np.float32)
+        try:
+            codec.decode_into(frame, delta, accumulate=False, codec=codec.Codec(h.codec))
+        except codec.CodecError as e:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"push frame: {e}") from None
+        if not np.isfinite(delta).all():
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "push values hold NaN or Inf")
+        with self.lock:
+            now = self.clock()
+            self.last_seen[h.learner_id] = now
+            if h.step_seconds > 0:
+                self.step_time = self.step_time.update(h.step_seconds, self.policy.ewma_alpha)
+            self.overlap_steps = max(self.overlap_steps, h.overlap_steps)
+            prior = frag.answers.get(h.learner_id)
+            if prior is not None and prior.seq == h.seq:
+                return self._count(dataclasses.replace(prior, reason="duplicate"))
+            verdict = rules.judge_staleness(frag.version, h.base_version, self.policy.max_staleness,
+                                            self.policy.discount_exponent)
+            if verdict.reason == rules.Reason.FUTURE_BASE:
+                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"base_version {h.base_version} is ahead of fragment {h.fragment}'s "
+                                 f"version {frag.version}")
+            if not verdict.accept:
+                return self._count(Answer(h.seq, False, str(verdict.reason),
+                                          f"base {h.base_version} is {verdict.staleness} versions behind "
+                                          f"(max {self.policy.max_staleness}): pull, then go on",
+                                          frag.version, verdict.staleness, 0.0))
+            if h.learner_id in frag.contributors:
+                return self._count(Answer(h.seq, False, str(rules.Reason.ALREADY_IN_ROUND),
+                                          "this learner is already in the open round", frag.version,
+                                          verdict.staleness, 0.0))
+            weight = rules.token_weight(h.tokens, h.inner_steps) * verdict.discount
+            answer = Answer(h.seq, True, str(verdict.reason), "", frag.version, verdict.staleness, weight)
+            self._log(PUSH, {"fragment": h.fragment, "learner": h.learner_id,
+                             "answer": dataclasses.asdict(answer)}, frame)
+            frag.contribute(h.learner_id, delta, answer)
+            self.rounds[h.fragment] = rules.add_contributor(self.rounds[h.fragment], h.learner_id, now,
+                                                            self.policy.quorum)
+            self.stats["bytes_in"] += len(frame)
+            self._maybe_close(h.fragment, now, trigger=h.learner_id)
+            return self._count(frag.answers[h.learner_id])
+
+    def _count(self, answer: Answer) -> Answer:
+        self.stats["pushes"][answer.reason] = self.stats["pushes"].get(answer.reason, 0) + 1
+        return answer
+
+    def _grace(self) -> float:
+        return rules.estimate_grace(self.policy, self.overlap_steps, self.step_time,
+                                    self.quorum_time, self.sync_time)
+
+    def _maybe_close(self, p: int, now: float, trigger: str | None = None) -> float | None:
+        """Closes fragment p's round if the rules say so; returns when to look again."""
+        state = self.rounds[p]
+        live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
+        decision = rules.decide_close(state, live, now, self.policy.quorum, self._grace())
+        if not decision.close:
+            return decision.wake_at
+        frag = self.fragments[p]
+        started = time.perf_counter()
+        self._log(CLOSE, {"fragment": p, "trigger": trigger})
+        frag.close_round()
+        if trigger in frag.answers:
+            frag.answers[trigger] = dataclasses.replace(frag.answers[trigger], version=frag.version)
+        if state.quorum_seconds is not None:
+            self.quorum_time = self.quorum_time.update(state.quorum_seconds, self.policy.ewma_alpha)
+        self.sync_time = self.sync_time.update(time.perf_counter() - started, self.policy.ewma_alpha)
+        self.rounds[p] = rules.open_round(now)
+        self.stats["rounds"] += 1
+        self.rounds_since_snapshot += 1
+        if self.rounds_since_snapshot >= self.cfg.snapshot_every:
+            self._snapshot()
+            self.wal.truncate_through(self.snapshots.truncatable_lsn())
+        self.changed.notify_all()
+        return None
+
+    def tick(self) -> float | None:
+        """Closes rounds whose grace ended or whose missing learners' leases lapsed;
+        returns the next instant worth looking again (None: only a push can help)."""
+        with self.lock:
+            if not self.ready:
+                return None
+            now = self.clock()
+            wakes = [self._maybe_close(p, now) for p, f in self.fragments.items() if f.round.count]
+            expiry = rules.next_lease_expiry(self.last_seen, now, self.policy.lease_seconds)
+            candidates = [w for w in wakes if w is not None] + ([expiry] if expiry is not None else [])
+            return min(candidates) if candidates else None
+
+    def pull(self, p: int, have_version: int | None) -> tuple[int, bool, list[tuple[int, codec.Codec, bytes]]]:
+        """(version, is_snapshot, [(version, codec, frame)]) taking the caller to the newest."""
+        self._require_ready()
+        with self.lock:
+            frag = self._fragment(p)
+            if have_version is not None and have_version > frag.version:
+                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"have_version {have_version} is ahead of fragment {p}'s version {frag.version}")
+            deltas = None if have_version is None else frag.deltas_since(have_version)
+            if deltas is not None:
+                out = [(v, frag.publish_codec, f) for v, f in deltas]
+                snapshot = False
+            else:
+                out = [(frag.version, codec.Codec.FP32, frag.snapshot_frame())]
+                snapshot = True
+            self.stats["bytes_out"] += sum(len(f) for _, _, f in out)
+            return frag.version, snapshot, out
+
+    def versions(self, fragments: list[int] | None = None) -> dict[int, tuple[int, int]]:
+        """{fragment: (version, contributors of the last round)} for initialized fragments."""
+        with self.lock:
+            wanted = fragments if fragments else sorted(self.fragments)
+            for p in wanted:
+                self._fragment(p, need_init=False)
+            return {p: (self.fragments[p].version, 0) for p in wanted if self.fragments[p].initialized}
+
+    def wait_for_change(self, known: dict[int, int], fragments: list[int] | None, timeout: float) -> None:
+        """Blocks until some watched fragment's version differs from `known`, or timeout."""
+        with self.changed:
+            self.changed.wait_for(
+                lambda: any(self.fragments[p].version != known.get(p) and self.fragments[p].initialized
+                            for p in (fragments or self.fragments)), timeout)
+
+    def describe(self) -> dict:
+        with self.lock:
+            now = self.clock()
+            return {
+                "plan": self.plan,
+                "fragments": {p: f for p, f in self.fragments.items()},
+                "rounds": dict(self.rounds),
+                "live": sorted(rules.live_learners(self.last_seen, now, self.policy.lease_seconds)),
+            }
+
+    def close(self) -> None:
+        """Writes a final snapshot so the next start replays nothing."""
+        with self.lock:
+            if self.ready and self.plan is not None:
+                self._snapshot()
+            self.wal.close()
+            self.snapshots.close()

@@ -1,0 +1,263 @@
+"""Tests for server/merge.py: RDA vs plain averaging, weights, determinism, outer step."""
+
+import numpy as np
+import pytest
+
+from server.merge import (RoundAccumulator, RoundState, Segments, outer_optimizer,
+                          outer_step, segment_norms)
+from wire.plan import FragmentPlan, TensorSpec
+
+
+def rand_deltas(rng, m, n, scale=1.0):
+    return [(scale * rng.standard_normal(n)).astype(np.float32) for _ in range(m)]
+
+
+def merged(seg, deltas, weights=None, rda=True):
+    acc = RoundAccumulator(seg, rda=rda)
+    for d, w in zip(deltas, weights or [1.0] * len(deltas)):
+        acc.add(d, w)
+    return acc.result()
+
+
+def weighted_avg(deltas, weights):
+    return np.average(np.stack(deltas).astype(np.float64), axis=0, weights=weights)
+
+
+# -- segments ---------------------------------------------------------------------
+
+
+def test_segments_from_plan_follow_layout_and_embedding_flags():
+    specs = [TensorSpec("embed/table", (50, 4)), TensorSpec("blocks/0/w", (4, 4)),
+             TensorSpec("blocks/0/b", (4,)), TensorSpec("head/w", (4, 3))]
+    plan = FragmentPlan.build(specs, 2)
+    for p in range(2):
+        seg, slots = Segments.from_plan(plan, p), plan.tensors_of(p)
+        assert seg.size == plan.fragment_sizes[p] and len(seg) == len(slots)
+        assert seg.offsets.tolist() == [s.offset for s in slots]
+        assert seg.ends.tolist() == [s.end for s in slots]
+        assert seg.embedding.tolist() == [s.spec.embedding for s in slots]
+
+
+@pytest.mark.parametrize("offsets,ends", [([1], [3]), ([0, 2], [2, 5][::-1]), ([0, 3], [2, 5])])
+def test_segments_refuse_gaps_and_overlaps(offsets, ends):
+    with pytest.raises(ValueError, match="tile"):
+        Segments(offsets, ends, [False] * len(offsets))
+
+
+# -- RDA ----------------------------------------------------------------------------
+
+
+def test_rda_keeps_norm_as_m_grows_where_plain_average_shrinks():
+    rng, n = np.random.default_rng(0), 20_000  # random deltas in 20k dims: ~orthogonal
+    seg = Segments.from_sizes([n])
+    for m in (1, 4, 16, 64):
+        deltas = rand_deltas(rng, m, n)
+        mean_norm = np.mean([np.linalg.norm(d) for d in deltas])
+        rda = np.linalg.norm(merged(seg, deltas))
+        plain = np.linalg.norm(merged(seg, deltas, rda=False))
+        assert rda == pytest.approx(mean_norm, rel=1e-5)
+        assert plain == pytest.approx(mean_norm / np.sqrt(m), rel=0.05)
+        if m > 1:
+            assert rda > 0.9 * np.sqrt(m) * plain
+
+
+def test_rda_direction_is_the_weighted_sum_of_unit_directions():
+    seg = Segments.from_sizes([3])
+    out = merged(seg, [np.array([3, 4, 0], np.float32), np.array([0, 0, 10], np.float32)])
+    direction = np.array([0.6, 0.8, 1.0]) / np.sqrt(2)
+    np.testing.assert_allclose(out, 7.5 * direction, rtol=1e-6)
+
+
+def test_rda_of_identical_deltas_is_that_delta():
+    rng = np.random.default_rng(1)
+    seg = Segments.from_sizes([100, 7, 1000])
+    d = rand_deltas(rng, 1, seg.size, scale=0.01)[0]
+    np.testing.assert_allclose(merged(seg, [d] * 5, [1.0, 2.0, 0.5, 3.0, 1.0]), d,
+                               rtol=1e-5, atol=1e-9)
+
+
+def test_single_contribution_returns_it():
+    rng = np.random.default_rng(2)
+    seg = Segments.from_sizes([64, 32, 5], embedding=[False, True, False])
+    d = rand_deltas(rng, 1, seg.size)[0]
+    np.testing.assert_allclose(merged(seg, [d], [42.0]), d, rtol=1e-5, atol=1e-7)
+
+
+def test_embeddings_get_the_plain_weighted_average():
+    rng = np.random.default_rng(3)
+    seg = Segments.from_sizes([500, 300, 200], embedding=[True, False, True])
+    deltas, weights = rand_deltas(rng, 6, seg.size), [1.0, 2.0, 0.5, 4.0, 1.5, 3.0]
+    out, ref = merged(seg, deltas, weights), weighted_avg(deltas, weights)
+    emb = np.r_[0:500, 800:1000]
+    np.testing.assert_allclose(out[emb], ref[emb], rtol=1e-5, atol=1e-6)
+    # The RDA tensor keeps its mean norm; the plain average would be much shorter.
+    rda_norm = np.linalg.norm(out[500:800])
+    assert rda_norm > 1.5 * np.linalg.norm(ref[500:800])
+
+
+def test_rda_false_is_the_weighted_average_everywhere():
+    rng = np.random.default_rng(4)
+    seg = Segments.from_sizes([400, 100, 250], embedding=[False, True, False])
+    deltas, weights = rand_deltas(rng, 5, seg.size), [1.0, 3.0, 2.0, 0.25, 7.0]
+    np.testing.assert_allclose(merged(seg, deltas, weights, rda=False),
+                               weighted_avg(deltas, weights), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rda", [True, False])
+def test_weight_pulls_the_result_toward_the_heavier_learner(rda):
+    seg = Segments.from_sizes([2])
+    a, b = np.array([1, 0], np.float32), np.array([0, 1], np.float32)
+    even, heavy_a = merged(seg, [a, b], [1.0, 1.0], rda), merged(seg, [a, b], [3.0, 1.0], rda)
+    np.testing.assert_allclose(even[0], even[1], rtol=1e-6)
+    assert heavy_a[0] == pytest.approx(3 * heavy_a[1], rel=1e-6)
+
+
+def test_rda_norm_is_the_weighted_mean_norm():
+    seg = Segments.from_sizes([2])
+    out = merged(seg, [np.array([2, 0], np.float32), np.array([0, 6], np.float32)], [3.0, 1.0])
+    assert np.linalg.norm(out) == pytest.approx((3 * 2 + 1 * 6) / 4, rel=1e-6)
+
+
+def test_zero_norm_tensor_adds_weight_but_no_direction():
+    seg = Segments.from_sizes([2, 3])
+    d = np.array([4, 0, 1, 2, 2], np.float32)
+    z = np.array([0, 0, 1, 2, 2], np.float32)  # first tensor zero
+    out = merged(seg, [d, z], [1.0, 1.0])
+    np.testing.assert_allclose(out[:2], [2, 0], rtol=1e-6)  # norm (4+0)/2, direction of d
+    np.testing.assert_allclose(out[2:], [1, 2, 2], rtol=1e-6)
+
+
+def test_all_zero_or_cancelling_directions_give_zeros():
+    seg = Segments.from_sizes([3])
+    zero = np.zeros(3, np.float32)
+    assert not np.any(merged(seg, [zero, zero]))
+    d = np.array([1, 2, 3], np.float32)
+    out = merged(seg, [d, -d])
+    assert np.all(np.isfinite(out)) and not np.any(out)
+
+
+def test_bad_input_is_refused_and_changes_nothing():
+    seg = Segments.from_sizes([3, 2])
+    acc = RoundAccumulator(seg)
+    acc.add(np.ones(5, np.float32), 2.0)
+    before = acc.state()
+    for delta, w in [(np.ones(4, np.float32), 1.0), (np.ones(5, np.float64), 1.0),
+                     (np.ones(5, np.float32), 0.0), (np.ones(5, np.float32), float("nan")),
+                     (np.array([1, np.nan, 1, 1, 1], np.float32), 1.0),
+                     (np.array([1, 1, 1, 1, np.inf], np.float32), 1.0)]:
+        with pytest.raises(ValueError):
+            acc.add(delta, w)
+    after = acc.state()
+    assert acc.count == 1 and acc.total_weight == 2.0
+    for x, y in zip(before, after):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="empty round"):
+        RoundAccumulator(seg).result()
+
+
+def test_reset_empties_the_round():
+    rng = np.random.default_rng(5)
+    seg = Segments.from_sizes([10, 10])
+    a, b = rand_deltas(rng, 2, 20)
+    acc = RoundAccumulator(seg)
+    acc.add(a, 5.0)
+    acc.reset()
+    assert acc.count == 0 and acc.total_weight == 0.0
+    acc.add(b, 1.0)
+    np.testing.assert_array_equal(acc.result(), merged(seg, [b]))
+
+
+# -- determinism ---------------------------------------------------------------------
+
+
+def _round(seg, deltas, weights, snapshot_at=None):
+    acc = RoundAccumulator(seg)
+    for i, (d, w) in enumerate(zip(deltas, weights)):
+        if i == snapshot_at:  # through plain arrays and back, as a shard snapshot would
+            acc = RoundAccumulator.from_state(RoundState(*[np.array(x) if isinstance(
+                x, np.ndarray) else x for x in acc.state()]), seg)
+        acc.add(d.copy(), w)
+    return acc.result()
+
+
+def test_same_adds_give_bit_identical_results_across_snapshot_resume():
+    rng = np.random.default_rng(6)
+    seg = Segments.from_sizes([70_000, 3, 150_001, 999], embedding=[False, False, True, False])
+    deltas, weights = rand_deltas(rng, 7, seg.size), list(rng.uniform(0.1, 10, 7))
+    first = _round(seg, deltas, weights)
+    assert first.tobytes() == _round(seg, deltas, weights).tobytes()
+    assert first.tobytes() == _round(seg, deltas, weights, snapshot_at=3).tobytes()
+
+
+def test_from_state_refuses_another_layout():
+    acc = RoundAccumulator(Segments.from_sizes([3, 2]))
+    acc.add(np.ones(5, np.float32), 1.0)
+    with pytest.raises(ValueError, match="different fragment layout"):
+        RoundAccumulator.from_state(acc.state(), Segments.from_sizes([2, 3]))
+    resumed = RoundAccumulator.from_state(acc.state())
+    assert resumed.count == 1 and resumed.rda
+
+
+def test_segment_norms_match_numpy():
+    rng = np.random.default_rng(7)
+    seg = Segments.from_sizes([1, 200_000, 17])
+    v = rand_deltas(rng, 1, seg.size)[0]
+    ref = [np.linalg.norm(v[o:e].astype(np.float64)) for o, e in zip(seg.offsets, seg.ends)]
+    np.testing.assert_allclose(segment_norms(v, seg), ref, rtol=1e-6)
+
+
+# -- outer step ----------------------------------------------------------------------
+
+
+def test_zero_momentum_step_moves_against_the_outer_gradient():
+    rng = np.random.default_rng(8)
+    theta, learner = rand_deltas(rng, 2, 1000)
+    delta = theta - learner  # Θ_base − θ_learner
+    opt = outer_optimizer(lr=0.7, momentum=0.0)
+    new, _ = outer_step(theta, opt.init(theta), delta, opt)
+    assert new.dtype == np.float32 and isinstance(new, np.ndarray)
+    np.testing.assert_allclose(new, theta - 0.7 * delta, rtol=1e-6, atol=1e-6)
+    opt1 = outer_optimizer(lr=1.0, momentum=0.0)  # lr 1, one learner: adopt its params
+    np.testing.assert_allclose(outer_step(theta, opt1.init(theta), delta, opt1)[0], learner,
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_nesterov_matches_a_hand_written_reference():
+    rng = np.random.default_rng(9)
+    lr, mu, n = 0.7, 0.9, 257
+    theta = rng.standard_normal(n).astype(np.float32)
+    opt = outer_optimizer(lr, mu)
+    state, ref, trace = opt.init(theta), theta.astype(np.float64), np.zeros(n)
+    for _ in range(6):
+        g = (0.1 * rng.standard_normal(n)).astype(np.float32)
+        theta, state = outer_step(theta, state, g, opt)
+        trace = g + mu * trace  # m ← Δ + μm;  Θ ← Θ − lr(Δ + μm)
+        ref = ref - lr * (g + mu * trace)
+        np.testing.assert_allclose(theta, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_outer_step_is_pure_and_bit_deterministic():
+    rng = np.random.default_rng(10)
+    theta, g1, g2 = rand_deltas(rng, 3, 4096)
+    opt = outer_optimizer()
+
+    def run():
+        p, s = theta, opt.init(theta)
+        for g in (g1, g2, g1):
+            p, s = outer_step(p, s, g, opt)
+        return p
+
+    keep = theta.copy()
+    assert run().tobytes() == run().tobytes()
+    assert theta.tobytes() == keep.tobytes()  # inputs untouched
+
+
+def test_outer_step_validates():
+    opt = outer_optimizer()
+    theta = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="equal 1-D"):
+        outer_step(theta, opt.init(theta), np.zeros(5, np.float32), opt)
+    with pytest.raises(ValueError):
+        outer_optimizer(lr=0.0)
+    with pytest.raises(ValueError):
+        outer_optimizer(momentum=1.0)
