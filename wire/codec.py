@@ -126,8 +126,11 @@ def encode(x: np.ndarray, codec: Codec = DEFAULT_CODEC, *, level: int | None = N
     return _frame(codec, int(np.asarray(x).size), body, level)
 
 
-def _encode_body(x: np.ndarray, residual: np.ndarray | None, codec: Codec, want_residual: bool):
-    """Returns (body, new residual or None); raises CodecError on non-finite input."""
+def _encode_body(x: np.ndarray, residual: np.ndarray | None, codec: Codec, want_residual: bool,
+                 r_out: np.ndarray | None = None):
+    """Returns (body, new residual or None); raises CodecError on non-finite input.
+
+    The new residual goes into r_out when given (it must not be `residual`)."""
     codec = _codec(codec)
     if codec == Codec.FP32:
         y = x if residual is None else x + residual
@@ -137,7 +140,10 @@ def _encode_body(x: np.ndarray, residual: np.ndarray | None, codec: Codec, want_
         body = y.astype("<f4", copy=False)
         return body, (np.zeros_like(x) if want_residual else None)
     body = np.empty(body_bytes(codec, x.size), np.uint8)
-    r_out = np.empty_like(x) if want_residual else None
+    if want_residual and r_out is None:
+        r_out = np.empty_like(x)
+    elif not want_residual:
+        r_out = None
     bad = _kernels.encode(_KERNEL_FORMAT[codec], x, residual, r_out, body)
     if bad >= 0:
         value = x[bad] if residual is None else x[bad] + residual[bad]
@@ -270,15 +276,21 @@ class ErrorFeedback:
         self.codec = _codec(codec)
         self.level = level
         self.residual = np.zeros(size, np.float32)
+        self._spare = np.empty(size, np.float32)  # the next residual is written here, then swapped
 
     def encode(self, x: np.ndarray) -> bytes:
         """Encodes x plus the residual; on error the residual is left as it was."""
         flat = _as_f32(x, "x")
         if flat.size != self.residual.size:
             raise CodecError(f"x holds {flat.size} values; this stream carries {self.residual.size}")
-        body, residual = _encode_body(flat, self.residual, self.codec, want_residual=True)
+        body, residual = _encode_body(flat, self.residual, self.codec, want_residual=True,
+                                      r_out=self._spare)
         frame = _frame(self.codec, flat.size, body, self.level)
-        self.residual = residual  # only now: a failed encode leaves the stream as it was
+        # only now: a failed encode leaves the stream as it was
+        if residual is self._spare:
+            self.residual, self._spare = self._spare, self.residual
+        else:
+            self.residual = residual
         return frame
 
     def reset(self) -> None:
