@@ -54,6 +54,16 @@ static inline uint32_t load_block(const float *restrict x, const float *restrict
     return amax;
 }
 
+/* out = w * v (acc = 0) or out += w * v: one rounding per operation, never fused. */
+static inline void store_block(const float *restrict v, float w, int acc, float *restrict out) {
+    if (!acc)
+        for (int i = 0; i < BLOCK; i++) out[i] = w == 1.0f ? v[i] : w * v[i];
+    else if (w == 1.0f)
+        for (int i = 0; i < BLOCK; i++) out[i] += v[i];
+    else
+        for (int i = 0; i < BLOCK; i++) out[i] += w * v[i];
+}
+
 /* ---- int4: symmetric [-7, 7], bfloat16 scale >= absmax / 7 ---- */
 
 static inline uint16_t int4_block(const float *restrict y, uint32_t amax_bits, float *restrict r_out,
@@ -86,12 +96,7 @@ static inline void int4_decode_block(float s, float w, int acc, const uint8_t *r
         v[j] = (float)((int8_t)(codes[j] << 4) >> 4) * s;
         v[j + HALF] = (float)((int8_t)codes[j] >> 4) * s;
     }
-    if (!acc)
-        for (int i = 0; i < BLOCK; i++) out[i] = w == 1.0f ? v[i] : w * v[i];
-    else if (w == 1.0f)
-        for (int i = 0; i < BLOCK; i++) out[i] += v[i];
-    else
-        for (int i = 0; i < BLOCK; i++) out[i] += w * v[i];
+    store_block(v, w, acc, out);
 }
 
 /* ---- mxfp4: E2M1 elements, E8M0 scale 2^(floor(log2 absmax) - 2) ---- */
@@ -135,12 +140,7 @@ static inline void mxfp4_decode_block(float s, float w, int acc, const uint8_t *
         v[j] = FP4_VALUES[codes[j] & 15] * s;
         v[j + HALF] = FP4_VALUES[codes[j] >> 4] * s;
     }
-    if (!acc)
-        for (int i = 0; i < BLOCK; i++) out[i] = w == 1.0f ? v[i] : w * v[i];
-    else if (w == 1.0f)
-        for (int i = 0; i < BLOCK; i++) out[i] += v[i];
-    else
-        for (int i = 0; i < BLOCK; i++) out[i] += w * v[i];
+    store_block(v, w, acc, out);
 }
 
 /* ---- drivers over whole arrays ---- */
