@@ -50,6 +50,7 @@ class Fragment:
         self.ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=delta_ring)
         self.round = merge.RoundAccumulator(self.segments, rda=rda)
         self.contributors: set[str] = set()  # learners in the open round
+        self.last_round_size = 0  # learners merged into the round that made `version`
         self.answers: dict[str, Answer] = {}  # learner -> answer to its newest push
 
     @property
@@ -82,6 +83,7 @@ class Fragment:
         frame = codec.encode(self.params - self.published, self.publish_codec)
         codec.decode_into(frame, self.published, 1.0)
         self.version += 1
+        self.last_round_size = self.round.count
         self.ring.append((self.version, frame))
         self.round.reset()
         self.contributors.clear()
@@ -105,6 +107,7 @@ class Fragment:
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
         """(JSON-able meta, arrays) describing everything above."""
         meta = {"version": self.version, "initialized": self.initialized,
+                "last_round_size": self.last_round_size,
                 "ring": [v for v, _ in self.ring], "contributors": sorted(self.contributors),
                 "answers": {k: dataclasses.asdict(a) for k, a in self.answers.items()}}
         arrays: dict[str, np.ndarray] = {}
@@ -122,6 +125,7 @@ class Fragment:
     def restore(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
         """Inverse of `state()`."""
         self.version = int(meta["version"])
+        self.last_round_size = int(meta["last_round_size"])
         if meta["initialized"]:
             self.params = np.array(arrays["params"], np.float32)
             self.published = np.array(arrays["published"], np.float32)

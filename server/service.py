@@ -147,11 +147,6 @@ class _TokenAuth(grpc.ServerInterceptor):
     def __init__(self, tokens: dict[str, str | None]):
         self.tokens = tokens
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
     def intercept_service(self, continuation, details):
         if details.method.startswith(self.OPEN):
             return continuation(details)

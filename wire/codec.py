@@ -122,33 +122,30 @@ def encode(x: np.ndarray, codec: Codec = DEFAULT_CODEC, *, level: int | None = N
       >>> float(decode(frame).sum())
       100.0
     """
-    body, _ = _encode_body(_as_f32(x, "x"), None, codec, want_residual=False)
+    body = _encode_body(_as_f32(x, "x"), None, codec)
     return _frame(codec, int(np.asarray(x).size), body, level)
 
 
-def _encode_body(x: np.ndarray, residual: np.ndarray | None, codec: Codec, want_residual: bool,
+def _encode_body(x: np.ndarray, residual: np.ndarray | None, codec: Codec,
                  r_out: np.ndarray | None = None):
-    """Returns (body, new residual or None); raises CodecError on non-finite input.
+    """Returns the frame body of x (+ residual); raises CodecError on non-finite input.
 
-    The new residual goes into r_out when given (it must not be `residual`)."""
+    When r_out is given (never `residual` itself) the new residual is written there."""
     codec = _codec(codec)
     if codec == Codec.FP32:
         y = x if residual is None else x + residual
         bad = np.flatnonzero(~np.isfinite(y))
         if bad.size:
             raise CodecError(f"cannot encode non-finite value {y[bad[0]]} at index {bad[0]}")
-        body = y.astype("<f4", copy=False)
-        return body, (np.zeros_like(x) if want_residual else None)
+        if r_out is not None:
+            r_out[...] = 0.0  # lossless: nothing is left over
+        return y.astype("<f4", copy=False)
     body = np.empty(body_bytes(codec, x.size), np.uint8)
-    if want_residual and r_out is None:
-        r_out = np.empty_like(x)
-    elif not want_residual:
-        r_out = None
     bad = _kernels.encode(_KERNEL_FORMAT[codec], x, residual, r_out, body)
     if bad >= 0:
         value = x[bad] if residual is None else x[bad] + residual[bad]
         raise CodecError(f"cannot encode non-finite value {value} at index {bad}")
-    return body, r_out
+    return body
 
 
 def frame_info(frame: bytes | memoryview) -> FrameInfo:
@@ -283,14 +280,10 @@ class ErrorFeedback:
         flat = _as_f32(x, "x")
         if flat.size != self.residual.size:
             raise CodecError(f"x holds {flat.size} values; this stream carries {self.residual.size}")
-        body, residual = _encode_body(flat, self.residual, self.codec, want_residual=True,
-                                      r_out=self._spare)
+        body = _encode_body(flat, self.residual, self.codec, r_out=self._spare)
         frame = _frame(self.codec, flat.size, body, self.level)
         # only now: a failed encode leaves the stream as it was
-        if residual is self._spare:
-            self.residual, self._spare = self._spare, self.residual
-        else:
-            self.residual = residual
+        self.residual, self._spare = self._spare, self.residual
         return frame
 
     def reset(self) -> None:

@@ -96,6 +96,10 @@ def test_rounds_close_at_quorum_and_pulls_are_bit_exact(shard, plan):
             codec.decode_into(f, held, 1.0)
         _, snap = _pull(stub, 0)
         assert codec.decode(snap[0][1]).tobytes() == held.tobytes()
+    watch = stub.Watch(pb.WatchRequest(fragments=[0], learner_id="w"), timeout=10)
+    notice = next(watch)
+    watch.cancel()
+    assert (notice.fragment, notice.version, notice.contributors) == (0, 4, 2)
     channel.close()
 
 
