@@ -85,7 +85,8 @@ def run(cfg: ShardConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     server.start()
-    print(f"syncer shard {cfg.shard_index}/{cfg.num_shards} serving on port {server.port}", flush=True)
+    metrics = f", metrics on port {server.metrics_port}" if server.metrics_port is not None else ""
+    print(f"syncer shard {cfg.shard_index}/{cfg.num_shards} serving on port {server.port}{metrics}", flush=True)
     done.wait()
     server.stop()
     return 0

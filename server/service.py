@@ -23,12 +23,8 @@ _REASONS = {"fresh": pb.PUSH_REASON_FRESH, "stale_discounted": pb.PUSH_REASON_ST
 CHUNK_BYTES = 1 << 20
 
 
-def _abort(context: grpc.ServicerContext, e: ShardError):
-    context.abort(e.code, str(e))
-
-
-def _collect(first_kind: str, requests, limit: int, context) -> tuple[object, bytes]:
-    """Reads a header then chunks; refuses a stream that is out of shape or oversize."""
+def _collect(first_kind: str, requests, limit: int) -> tuple[object, bytes]:
+    """Reads a header then chunks; raises ShardError for a stream out of shape or oversize."""
     header = None
     parts: list[bytes] = []
     received = 0
@@ -36,23 +32,23 @@ def _collect(first_kind: str, requests, limit: int, context) -> tuple[object, by
         kind = request.WhichOneof("kind")
         if header is None:
             if kind != "header":
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the header")
+                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the header")
             header = request.header
             if header.frame_bytes > limit:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"frame of {header.frame_bytes} bytes exceeds this shard's limit of {limit}")
             continue
         if kind != "chunk":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header")
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header")
         received += len(request.chunk)
         if received > header.frame_bytes:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
                           f"chunks exceed the header's frame_bytes={header.frame_bytes}")
         parts.append(request.chunk)
     if header is None:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"empty {first_kind} stream: no header")
+        raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"empty {first_kind} stream: no header")
     if received != header.frame_bytes:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+        raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
                       f"truncated stream: {received} of {header.frame_bytes} frame bytes arrived")
     return header, b"".join(parts)
 
@@ -64,25 +60,32 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         self.shard = shard
         self.max_frame_bytes = max_frame_bytes
 
+    def _refuse(self, context: grpc.ServicerContext, method: str, e: ShardError):
+        self.shard.metrics.refused.labels(method, e.code.name).inc()
+        context.abort(e.code, str(e))
+
     def Init(self, request_iterator, context):
-        header, frame = _collect("Init", request_iterator, self.max_frame_bytes, context)
-        self.shard.touch(header.learner_id)
         try:
+            header, frame = _collect("Init", request_iterator, self.max_frame_bytes)
+            self.shard.metrics.bytes_in.inc(len(frame))
+            self.shard.touch(header.learner_id)
             created, version = self.shard.init(header.learner_id, header.fragment, header.plan_fingerprint,
                                                header.plan_json, frame)
         except ShardError as e:
-            _abort(context, e)
+            self._refuse(context, "Init", e)
         return pb.InitResponse(created=created, version=version)
 
     def Push(self, request_iterator, context):
-        header, frame = _collect("Push", request_iterator, self.max_frame_bytes, context)
-        h = PushHeader(header.learner_id, header.fragment, header.base_version, header.seq,
-                       header.inner_steps, header.tokens, header.codec, header.num_params,
-                       header.plan_fingerprint, header.step_seconds, header.overlap_steps)
         try:
-            a = self.shard.push(h, frame)
+            header, frame = _collect("Push", request_iterator, self.max_frame_bytes)
+            self.shard.metrics.bytes_in.inc(len(frame))
+            h = PushHeader(header.learner_id, header.fragment, header.base_version, header.seq,
+                           header.inner_steps, header.tokens, header.codec, header.num_params,
+                           header.plan_fingerprint, header.step_seconds, header.overlap_steps)
+            with self.shard.metrics.push_seconds.time():
+                a = self.shard.push(h, frame)
         except ShardError as e:
-            _abort(context, e)
+            self._refuse(context, "Push", e)
         return pb.PushResponse(accepted=a.accepted, reason=_REASONS[a.reason], detail=a.detail,
                                version=a.version, staleness=max(0, a.staleness), weight=a.weight)
 
@@ -92,7 +95,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         try:
             version, snapshot, frames = self.shard.pull(request.fragment, have)
         except ShardError as e:
-            _abort(context, e)
+            self._refuse(context, "Pull", e)
         yield pb.PullResponse(header=pb.PullHeader(fragment=request.fragment, version=version,
                                                    snapshot=snapshot, num_frames=len(frames),
                                                    num_params=self.shard.fragments[request.fragment].size))
@@ -110,7 +113,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             try:
                 current = self.shard.versions(fragments)
             except ShardError as e:
-                _abort(context, e)
+                self._refuse(context, "Watch", e)
             for p, (version, contributors) in sorted(current.items()):
                 if known.get(p) != version:
                     known[p] = version
@@ -203,6 +206,7 @@ class SyncerServer:
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.port = self._bind()
+        self.metrics_port: int | None = None
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._tick_loop, name="round-timer", daemon=True)
 
@@ -223,6 +227,9 @@ class SyncerServer:
     def start(self) -> None:
         """Serves at once (NOT_SERVING), recovers, then reports SERVING."""
         self.server.start()
+        if self.cfg.metrics_port is not None:
+            host = self.cfg.listen.rsplit(":", 1)[0].strip("[]")
+            self.metrics_port = self.shard.metrics.serve(self.cfg.metrics_port, host)
         replayed = self.shard.recover()
         log.info("shard %d/%d recovered (%d log records replayed) on port %d",
                  self.cfg.shard_index, self.cfg.num_shards, replayed, self.port)
@@ -241,4 +248,5 @@ class SyncerServer:
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.server.stop(grace).wait()
+        self.shard.metrics.stop()
         self.shard.close()

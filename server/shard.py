@@ -24,6 +24,7 @@ import numpy as np
 from server import rules, storage
 from server.config import ShardConfig
 from server.fragment import Answer, Fragment
+from server.metrics import ShardMetrics
 from wire import codec
 from wire.plan import FragmentPlan
 
@@ -92,7 +93,7 @@ class Shard:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.ready = False
-        self.stats = {"pushes": {}, "rounds": 0, "bytes_in": 0, "bytes_out": 0}
+        self.metrics = ShardMetrics(cfg.shard_index, gauges=self._gauges)
 
     # --- recovery ---
 
@@ -142,6 +143,7 @@ class Shard:
 
     def _log(self, kind: int, meta: dict, payload: bytes = b"") -> None:
         self.last_lsn = self.wal.append(_record(kind, meta, payload))
+        self.metrics.fsync_seconds.observe(self.wal.last_sync_seconds)
 
     def _adopt_plan(self, plan: FragmentPlan) -> None:
         self.plan = plan
@@ -162,7 +164,8 @@ class Shard:
             fmeta, farrays = frag.state()
             meta["fragments"][str(p)] = fmeta
             arrays.update({f"f{p}.{k}": v for k, v in farrays.items()})
-        self.snapshots.save(self.last_lsn, meta, arrays)
+        with self.metrics.snapshot_seconds.time():
+            self.snapshots.save(self.last_lsn, meta, arrays)
         self.rounds_since_snapshot = 0
 
     def _restore(self, snap) -> None:
@@ -296,12 +299,12 @@ class Shard:
             frag.contribute(h.learner_id, delta, answer)
             self.rounds[h.fragment] = rules.add_contributor(self.rounds[h.fragment], h.learner_id, now,
                                                             self.policy.quorum)
-            self.stats["bytes_in"] += len(frame)
+            self.metrics.staleness.observe(verdict.staleness)
             self._maybe_close(h.fragment, now, trigger=h.learner_id)
             return self._count(frag.answers[h.learner_id])
 
     def _count(self, answer: Answer) -> Answer:
-        self.stats["pushes"][answer.reason] = self.stats["pushes"].get(answer.reason, 0) + 1
+        self.metrics.pushes.labels(answer.reason).inc()
         return answer
 
     def _grace(self) -> float:
@@ -323,9 +326,12 @@ class Shard:
             frag.answers[trigger] = dataclasses.replace(frag.answers[trigger], version=frag.version)
         if state.quorum_seconds is not None:
             self.quorum_time = self.quorum_time.update(state.quorum_seconds, self.policy.ewma_alpha)
-        self.sync_time = self.sync_time.update(time.perf_counter() - started, self.policy.ewma_alpha)
+        merge_seconds = time.perf_counter() - started
+        self.sync_time = self.sync_time.update(merge_seconds, self.policy.ewma_alpha)
         self.rounds[p] = rules.open_round(now)
-        self.stats["rounds"] += 1
+        self.metrics.rounds.inc()
+        self.metrics.round_size.observe(frag.last_round_size)
+        self.metrics.merge_seconds.observe(merge_seconds)
         self.rounds_since_snapshot += 1
         if self.rounds_since_snapshot >= self.cfg.snapshot_every:
             self._snapshot()
@@ -360,7 +366,7 @@ class Shard:
             else:
                 out = [(frag.version, codec.Codec.FP32, frag.snapshot_frame())]
                 snapshot = True
-            self.stats["bytes_out"] += sum(len(f) for _, _, f in out)
+            self.metrics.bytes_out.inc(sum(len(f) for _, _, f in out))
             return frag.version, snapshot, out
 
     def versions(self, fragments: list[int] | None = None) -> dict[int, tuple[int, int]]:
@@ -378,6 +384,14 @@ class Shard:
             self.changed.wait_for(
                 lambda: any(self.fragments[p].version != known.get(p) and self.fragments[p].initialized
                             for p in (fragments or self.fragments)), timeout)
+
+    def _gauges(self) -> tuple[dict[int, tuple[int, int]], int, float]:
+        """What the metrics read at scrape time: versions and open rounds, live learners, grace."""
+        with self.lock:
+            now = self.clock()
+            fragments = {p: (f.version, f.round.count) for p, f in self.fragments.items() if f.initialized}
+            live = len(rules.live_learners(self.last_seen, now, self.policy.lease_seconds))
+            return fragments, live, self._grace()
 
     def describe(self) -> dict:
         with self.lock:

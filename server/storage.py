@@ -57,6 +57,7 @@ import re
 import secrets
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol
@@ -226,6 +227,7 @@ class WriteAheadLog:
                              f"got {segment_bytes}")
         self.directory, self.segment_bytes = pathlib.Path(directory), segment_bytes
         self._failed: BaseException | None = None
+        self.last_sync_seconds = 0.0  # how long the newest append's fsync took
         self._lock_fd = _lock_dir(self.directory, ".wal.lock")
         try:
             self._recover()
@@ -306,7 +308,9 @@ class WriteAheadLog:
                     self._size += frame_bytes
                     lsns.append(self._next_lsn)
                     self._next_lsn += 1
+                started = time.perf_counter()
                 _datasync(self._fd)  # fsync before ack: the ack is a promise
+                self.last_sync_seconds = time.perf_counter() - started
             except BaseException as exc:
                 self._failed = exc
                 raise
