@@ -36,6 +36,7 @@ class Reason(enum.StrEnum):
     IN_GRACE = "in_grace"  # quorum reached, live learners still missing
     ALL_LIVE_CONTRIBUTED = "all_live_contributed"  # close: nobody live left to wait for
     GRACE_ELAPSED = "grace_elapsed"  # close: the grace window has passed
+    QUORUM_UNREACHABLE = "quorum_unreachable"  # close below K: every live learner is in already
 
 
 def _real(name: str, x: object, *, low: float, strict: bool = False, high: float = math.inf,
@@ -301,6 +302,8 @@ def decide_close(state: RoundState, live: frozenset[LearnerId] | set[LearnerId],
     A round closes once it has K contributors and either every live learner has
     contributed or the grace window after reaching quorum has passed. Learners whose
     lease lapsed are not waited for; contributors who have since gone still count.
+    When failures leave fewer than K learners live and all of them are in, the round
+    closes below quorum: a failed learner never stops the run.
 
     Args:
       state: the open round (built with add_contributor and the same quorum).
@@ -317,6 +320,8 @@ def decide_close(state: RoundState, live: frozenset[LearnerId] | set[LearnerId],
     k = _int("quorum", quorum, low=1)
     grace = _real("grace_seconds", grace_seconds, low=0.0)
     if len(state.contributors) < k:
+        if state.contributors and set(live) <= state.contributors:
+            return CloseDecision(True, Reason.QUORUM_UNREACHABLE, None)
         return CloseDecision(False, Reason.WAITING_FOR_QUORUM, None)
     if state.quorum_reached_at is None:
         raise ValueError(f"round has {len(state.contributors)} >= quorum={k} contributors "

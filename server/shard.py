@@ -111,6 +111,10 @@ class Shard:
             now = self.clock()
             for p in self.fragments:
                 self.rounds[p] = self._round_after_restart(p, now)
+                # learners known before the restart get a fresh lease, so the first
+                # one back does not find itself alone and close a round below quorum
+                for learner in self.fragments[p].answers:
+                    self.last_seen[learner] = now
             self.ready = True
             return replayed
 

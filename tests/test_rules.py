@@ -271,6 +271,14 @@ def test_departed_contributors_still_count_toward_quorum():
     assert decide_close(s, {"c"}, T0 + 1, 2, 30.0).reason is Reason.IN_GRACE
 
 
+def test_round_closes_below_quorum_when_every_live_learner_is_in():
+    s = round_with(["a"], quorum=3)
+    assert decide_close(s, {"a", "b"}, T0 + 1, 3, 0.0).reason is Reason.WAITING_FOR_QUORUM
+    # b's lease lapsed: nobody else can come, so a lone survivor's round closes.
+    assert decide_close(s, {"a"}, T0 + 1, 3, 0.0) == (True, Reason.QUORUM_UNREACHABLE, None)
+    assert decide_close(s, frozenset(), T0 + 1, 3, 0.0).reason is Reason.QUORUM_UNREACHABLE
+
+
 def test_decide_close_refuses_bad_arguments_and_mismatched_quorum():
     s = round_with(["a", "b"], quorum=3)  # built with K=3: quorum not stamped
     with pytest.raises(ValueError, match="quorum given to add_contributor"):
