@@ -1,0 +1,330 @@
+"""The learner's side of Decoupled DiLoCo: when to push which fragment, and adopting
+what comes back (DESIGN.md §1).
+
+Fragment p syncs every H inner steps, at steps t ≡ t_p (mod H) with offsets
+t_p = round((p+1)·H/P) spread over the period, so the link carries one fragment at a
+time. At a sync point the training thread only copies θ_p; a background task forms
+the outer gradient Δ = Θ_p(base) − θ_p, adds the error-feedback residual, encodes it
+to 4 bits, pushes it (retrying the same seq until acknowledged: pushes are
+idempotent), waits until a version holding it is published (Watch), and pulls the
+deltas that take its exact copy of Θ_p there. Training goes on meanwhile; from step
+t + τ on, at the first step boundary where the task is done, the learner adopts
+
+    θ_p ← θ_p + (1−α)·(Θ_new − θ_p(t))
+
+that is, the new global fragment plus whatever the τ overlapped steps added (α = 0),
+or a mix with the local weights (α > 0). It blocks only when the next sync point of
+the same fragment comes before the task is done.
+
+A push refused as too stale, or one in a round that already holds this learner,
+resyncs the fragment instead: θ_p ← Θ_current, residual dropped.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import random
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from learner.client import IncompletePull, Pulled, ShardClient
+from wire import codec
+from wire import syncer_pb2 as pb
+from wire.plan import FragmentPlan
+
+log = logging.getLogger("atoll.learner")
+Params = dict  # nested str-keyed dict of arrays, the model's parameter tree
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
+             grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+class SyncError(RuntimeError):
+    """The syncer refused this learner for a reason retrying cannot fix; the message says which."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncConfig:
+    period: int = 32  # H: inner steps between two syncs of one fragment, >= 1
+    overlap: int = 1  # τ: steps training continues before adopting a push's result, in [0, H)
+    mix: float = 0.0  # α: share of the local fragment kept when adopting, in [0, 1)
+    codec: codec.Codec = codec.Codec.INT4  # outer-gradient codec on the wire
+    max_backoff: float = 5.0  # seconds, cap of the retry backoff (jittered), > 0
+
+    def __post_init__(self):
+        if self.period < 1:
+            raise ValueError(f"--period (H) must be at least 1, got {self.period}")
+        if not 0 <= self.overlap < self.period:
+            raise ValueError(f"--overlap (τ) must be in [0, H={self.period}), got {self.overlap}: "
+                             "a fragment must be adopted before its next sync")
+        if not 0 <= self.mix < 1:
+            raise ValueError(f"--mix (α) must be in [0, 1), got {self.mix}")
+        if self.max_backoff <= 0:
+            raise ValueError(f"max_backoff must be > 0, got {self.max_backoff}")
+
+
+def offsets(num_fragments: int, period: int) -> list[int]:
+    """t_p in [1, H]: the step of each fragment's first sync, spread over the period."""
+    return [max(1, round((p + 1) * period / num_fragments)) for p in range(num_fragments)]
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """What a finished sync task hands the training thread."""
+
+    version: int
+    correction: np.ndarray | None  # add to θ_p (adopt), or None with `values` set (resync)
+    values: np.ndarray | None = None
+
+
+class _Fragment:
+    """One fragment's sync state; touched by one task at a time, then by the training thread."""
+
+    def __init__(self, p: int, size: int, wire_codec: codec.Codec):
+        self.p = p
+        self.version = 0  # the global version adopted
+        self.base: np.ndarray = np.zeros(size, np.float32)  # Θ_p at `version`, bit-exact
+        self.ef = codec.ErrorFeedback(size, wire_codec)
+        self.last_sync_step = 0
+        self.task: concurrent.futures.Future | None = None
+        self.task_step = 0  # the step the in-flight task was started at
+
+
+class Synchronizer:
+    """Drives one learner's fragments against the shards.
+
+    Call `join(params)` once (inits fragments that nobody has seeded, then pulls
+    every fragment: a restarted learner rejoins at the current versions), then
+    `after_step(step, params, ...)` after every inner step; both return the params
+    to continue with.
+    """
+
+    def __init__(self, cfg: SyncConfig, plan: FragmentPlan, clients: list[ShardClient]):
+        self.cfg, self.plan, self.clients = cfg, plan, clients
+        self.num_shards = len(clients)
+        self.offsets = offsets(plan.num_fragments, cfg.period)
+        self.frags = [_Fragment(p, plan.fragment_sizes[p], cfg.codec) for p in range(plan.num_fragments)]
+        self.pool = concurrent.futures.ThreadPoolExecutor(max(2, plan.num_fragments), "sync")
+        self.seq = time.time_ns() // 1000  # grows across restarts, so a rejoin never reuses one
+        self.lock = threading.Lock()
+        self.known = threading.Condition(self.lock)
+        self.latest: dict[int, int] = {}  # newest version each fragment is known to have
+        self.stopping = threading.Event()
+        self.step_seconds = 0.0
+        self.stats = {"bytes_sent": 0, "bytes_received": 0, "pushes": 0, "refused": 0, "resyncs": 0,
+                      "adopted": 0, "blocked_seconds": 0.0}
+        self._watches: list[grpc.Future] = []  # open Watch calls, cancelled by close()
+
+    def client_of(self, p: int) -> ShardClient:
+        return self.clients[p % self.num_shards]
+
+    # --- joining ---
+
+    def check_shards(self) -> None:
+        """Every shard must be the one its position says, serving this plan (or none yet)."""
+        for i, client in enumerate(self.clients):
+            d = self._retry(client.describe, f"describe shard {i}")
+            if (d.shard_index, d.num_shards) != (i, self.num_shards):
+                raise SyncError(f"{client.address} is shard {d.shard_index} of {d.num_shards}, but was given "
+                                f"as shard {i} of {self.num_shards}: list the shards in index order")
+            if d.plan_fingerprint and d.plan_fingerprint != self.plan.fingerprint:
+                raise SyncError(f"shard {i} at {client.address} serves plan {d.plan_fingerprint}, this learner "
+                                f"has {self.plan.fingerprint}: model preset or fragment count differ")
+
+    def join(self, params: Params) -> Params:
+        """Seeds unseeded fragments with `params`, then adopts every fragment's current version."""
+        self.check_shards()
+        vectors = self.plan.flatten(params)
+        for p, vector in enumerate(vectors):
+            frame = codec.encode(vector, codec.Codec.FP32)
+            client = self.client_of(p)
+            answer = self._retry(lambda: client.init(self.plan, p, frame, codec.Codec.FP32), f"init fragment {p}")
+            self._count("bytes_sent", len(frame))
+            if answer.created:
+                log.info("seeded fragment %d on shard %d", p, p % self.num_shards)
+        for p, frag in enumerate(self.frags):
+            pulled = self._pull(p, None)
+            frag.base = codec.decode(pulled.frames[0][2], num_values=frag.base.size).copy()
+            frag.version = pulled.version
+            vectors[p] = frag.base.copy()
+            with self.lock:
+                self.latest[p] = max(self.latest.get(p, 0), frag.version)
+        self._start_watchers()
+        return self._with_fragments(params, {p: v for p, v in enumerate(vectors)})
+
+    # --- the step hook ---
+
+    def after_step(self, step: int, params: Params, step_seconds: float, tokens_per_step: int) -> Params:
+        """Adopts finished syncs, starts due ones; `step` counts inner steps done since join."""
+        self.step_seconds = step_seconds if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * step_seconds
+        updates: dict[int, np.ndarray] = {}
+        flat_now: dict[int, np.ndarray] = {}
+        for frag in self.frags:
+            due = step >= self.offsets[frag.p] and (step - self.offsets[frag.p]) % self.cfg.period == 0
+            ready = frag.task is not None and step >= frag.task_step + self.cfg.overlap and frag.task.done()
+            if frag.task is not None and (ready or due):
+                if not frag.task.done():  # the next sync is here: this is the only place we block
+                    started = time.perf_counter()
+                    concurrent.futures.wait([frag.task])
+                    self._count("blocked_seconds", time.perf_counter() - started)
+                outcome: _Outcome = frag.task.result()
+                frag.task = None
+                if outcome.correction is not None:
+                    now = flat_now.setdefault(frag.p, self.plan.flatten_fragment(params, frag.p))
+                    updates[frag.p] = now + outcome.correction
+                else:
+                    updates[frag.p] = outcome.values
+                    frag.last_sync_step = step
+                frag.version = outcome.version
+                self._count("adopted", 1)
+            if due:
+                theta = updates.get(frag.p)
+                if theta is None:
+                    theta = flat_now.setdefault(frag.p, self.plan.flatten_fragment(params, frag.p))
+                steps = step - frag.last_sync_step
+                frag.last_sync_step = step
+                frag.task_step = step
+                self.seq += 1
+                frag.task = self.pool.submit(self._sync, frag, theta.copy(), self.seq, steps,
+                                             steps * tokens_per_step)
+        return self._with_fragments(params, updates) if updates else params
+
+    def _sync(self, frag: _Fragment, theta: np.ndarray, seq: int, steps: int, tokens: int) -> _Outcome:
+        """Push, wait for the round holding it, pull: the background half of one sync."""
+        p, client = frag.p, self.client_of(frag.p)
+        frame = frag.ef.encode(frag.base - theta)
+        header = pb.PushHeader(fragment=p, base_version=frag.version, seq=seq, inner_steps=max(1, steps),
+                               tokens=max(1, tokens), codec=int(self.cfg.codec), num_params=theta.size,
+                               plan_fingerprint=self.plan.fingerprint, step_seconds=self.step_seconds,
+                               overlap_steps=self.cfg.overlap)
+        ack = self._retry(lambda: client.push(header, frame), f"push fragment {p}")
+        self._count("bytes_sent", len(frame))
+        self._count("pushes", 1)
+        if not ack.accepted:
+            # too stale, or a round already holding us: this contribution is lost; start over from Θ
+            self._count("refused", 1)
+            self._count("resyncs", 1)
+            log.info("fragment %d: push refused (%s: %s); resyncing", p, pb.PushReason.Name(ack.reason),
+                     ack.detail)
+            frag.ef.reset()
+            self._advance(frag, None)
+            return _Outcome(frag.version, None, frag.base.copy())
+        merged_in = frag.version + ack.staleness + 1  # the version that will hold this push
+        self._wait_for(p, merged_in)
+        self._advance(frag, merged_in)
+        keep = 1.0 - self.cfg.mix
+        return _Outcome(frag.version, np.float32(keep) * (frag.base - theta))
+
+    def _advance(self, frag: _Fragment, at_least: int | None) -> None:
+        """Brings frag.base up to the newest version (>= at_least) by deltas, or a snapshot."""
+        while True:
+            pulled = self._pull(frag.p, frag.version)
+            if pulled.snapshot:
+                frag.base = codec.decode(pulled.frames[0][2], num_values=frag.base.size).copy()
+            else:
+                for _, frame_codec, frame in pulled.frames:
+                    codec.decode_into(frame, frag.base, 1.0, codec=frame_codec)
+            frag.version = pulled.version
+            if at_least is None or frag.version >= at_least:
+                return
+            self._wait_for(frag.p, at_least)
+
+    def _pull(self, p: int, have: int | None) -> Pulled:
+        pulled = self._retry(lambda: self.client_of(p).pull(p, have), f"pull fragment {p}")
+        self._count("bytes_received", sum(len(f) for _, _, f in pulled.frames))
+        return pulled
+
+    # --- versions from Watch ---
+
+    def _start_watchers(self) -> None:
+        for i, client in enumerate(self.clients):
+            mine = [p for p in range(self.plan.num_fragments) if p % self.num_shards == i]
+            threading.Thread(target=self._watch, args=(client, mine), name=f"watch-{i}", daemon=True).start()
+
+    def _watch(self, client: ShardClient, fragments: list[int]) -> None:
+        """Follows one shard's versions for as long as we run, reconnecting with backoff."""
+        failures = 0
+        while not self.stopping.is_set():
+            call = client.watch(fragments)
+            with self.lock:
+                self._watches = [c for c in self._watches if c.is_active()] + [call]
+            try:
+                for notice in call:
+                    failures = 0
+                    with self.known:
+                        self.latest[notice.fragment] = max(self.latest.get(notice.fragment, 0), notice.version)
+                        self.known.notify_all()
+            except grpc.RpcError:
+                pass
+            if self.stopping.is_set():
+                return
+            failures += 1
+            self.stopping.wait(self._backoff(failures))
+
+    def _wait_for(self, p: int, version: int) -> None:
+        with self.known:
+            while self.latest.get(p, 0) < version and not self.stopping.is_set():
+                self.known.wait(1.0)
+        if self.stopping.is_set():
+            raise SyncError("learner stopping")
+
+    def versions(self) -> dict[int, tuple[int, int]]:
+        """{fragment: (adopted version, newest known version)}."""
+        with self.lock:
+            return {f.p: (f.version, self.latest.get(f.p, f.version)) for f in self.frags}
+
+    # --- plumbing ---
+
+    def _backoff(self, attempt: int) -> float:
+        return random.uniform(0, min(self.cfg.max_backoff, 0.1 * 2 ** attempt))  # full jitter
+
+    def _retry(self, call, what: str):
+        """Retries transient failures with jittered exponential backoff until stopped."""
+        attempt = 0
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as e:
+                if e.code() not in RETRYABLE:
+                    raise SyncError(f"{what}: {e.code().name}: {e.details()}") from None
+                error = f"{e.code().name}: {e.details()}"
+            except IncompletePull as e:
+                error = str(e)
+            attempt += 1
+            if self.stopping.is_set():
+                raise SyncError(f"{what}: learner stopping")
+            log.warning("%s failed (%s); retry %d", what, error, attempt)
+            self.stopping.wait(self._backoff(attempt))
+
+    def _count(self, key: str, amount: float) -> None:
+        with self.lock:
+            self.stats[key] += amount
+
+    def _with_fragments(self, params: Params, vectors: dict[int, np.ndarray]) -> Params:
+        """`params` with the given fragments' tensors replaced (a new tree; leaves not copied)."""
+        flat = {}
+        for p, vector in vectors.items():
+            flat.update(self.plan.unflatten_fragment(p, vector))
+        return _replace(params, flat, "")
+
+    def close(self) -> None:
+        self.stopping.set()
+        with self.lock:
+            watches = list(self._watches)
+        for call in watches:
+            call.cancel()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for client in self.clients:
+            client.close()
+
+
+def _replace(tree: Params, flat: dict[str, np.ndarray], prefix: str) -> Params:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        out[key] = _replace(value, flat, name + "/") if isinstance(value, dict) else flat.get(name, value)
+    return out
