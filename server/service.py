@@ -56,9 +56,19 @@ def _collect(first_kind: str, requests, limit: int) -> tuple[object, bytes]:
 class SyncerServicer(pb_grpc.SyncerServicer):
     """Translates requests into Shard calls and answers back; no math here."""
 
-    def __init__(self, shard: Shard, max_frame_bytes: int):
+    def __init__(self, shard: Shard, max_frame_bytes: int, tokens: dict[str, str | None] | None = None):
         self.shard = shard
         self.max_frame_bytes = max_frame_bytes
+        self.tokens = tokens  # token -> the learner it is bound to (None: any); None: no auth
+
+    def _check_learner(self, context: grpc.ServicerContext, learner_id: str) -> None:
+        """A token bound to a learner may act only as that learner (the interceptor checked the token)."""
+        if self.tokens is None:
+            return
+        bound = self.tokens.get(_bearer(context.invocation_metadata()) or "")
+        if bound is not None and learner_id and learner_id != bound:  # empty: an anonymous reader
+            raise ShardError(grpc.StatusCode.PERMISSION_DENIED,
+                             f"this token belongs to learner {bound!r}, not {learner_id!r}")
 
     def _refuse(self, context: grpc.ServicerContext, method: str, e: ShardError):
         self.shard.metrics.refused.labels(method, e.code.name).inc()
@@ -68,9 +78,10 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         try:
             header, frame = _collect("Init", request_iterator, self.max_frame_bytes)
             self.shard.metrics.bytes_in.inc(len(frame))
+            self._check_learner(context, header.learner_id)
             self.shard.touch(header.learner_id)
             created, version = self.shard.init(header.learner_id, header.fragment, header.plan_fingerprint,
-                                               header.plan_json, frame)
+                                               header.plan_json, frame, header.codec, header.num_params)
         except ShardError as e:
             self._refuse(context, "Init", e)
         return pb.InitResponse(created=created, version=version)
@@ -79,6 +90,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         try:
             header, frame = _collect("Push", request_iterator, self.max_frame_bytes)
             self.shard.metrics.bytes_in.inc(len(frame))
+            self._check_learner(context, header.learner_id)
             h = PushHeader(header.learner_id, header.fragment, header.base_version, header.seq,
                            header.inner_steps, header.tokens, header.codec, header.num_params,
                            header.plan_fingerprint, header.step_seconds, header.overlap_steps)
@@ -90,9 +102,10 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                                version=a.version, staleness=max(0, a.staleness), weight=a.weight)
 
     def Pull(self, request, context):
-        self.shard.touch(request.learner_id)
         have = request.have_version if request.HasField("have_version") else None
         try:
+            self._check_learner(context, request.learner_id)
+            self.shard.touch(request.learner_id)
             version, snapshot, frames = self.shard.pull(request.fragment, have)
         except ShardError as e:
             self._refuse(context, "Pull", e)
@@ -108,6 +121,10 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     def Watch(self, request, context):
         fragments = list(request.fragments) or None
         known: dict[int, int] = {}
+        try:
+            self._check_learner(context, request.learner_id)
+        except ShardError as e:
+            self._refuse(context, "Watch", e)
         while context.is_active():
             self.shard.touch(request.learner_id)
             try:
@@ -153,15 +170,19 @@ class _TokenAuth(grpc.ServerInterceptor):
     def intercept_service(self, continuation, details):
         if details.method.startswith(self.OPEN):
             return continuation(details)
-        meta = dict(details.invocation_metadata)
-        value = meta.get("authorization", "")
-        token = value[7:] if value.startswith("Bearer ") else None
+        token = _bearer(details.invocation_metadata)
         if token is None or token not in self.tokens:
             handler = continuation(details)
             if handler is None:
                 return None
             return _denying(handler)
         return continuation(details)
+
+
+def _bearer(metadata) -> str | None:
+    """The token of an `authorization: Bearer TOKEN` header, if any."""
+    value = dict(metadata or ()).get("authorization", "")
+    return value[7:] if value.startswith("Bearer ") else None
 
 
 def _denying(handler):
@@ -194,10 +215,11 @@ class SyncerServer:
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
                    ("grpc.max_concurrent_streams", cfg.max_concurrent_streams)]
-        interceptors = [_TokenAuth(load_tokens(cfg.token_file))] if cfg.token_file else []
+        tokens = load_tokens(cfg.token_file) if cfg.token_file else None
+        interceptors = [_TokenAuth(tokens)] if tokens else []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max(8, cfg.max_concurrent_streams)),
                                   options=options, interceptors=interceptors)
-        pb_grpc.add_SyncerServicer_to_server(SyncerServicer(self.shard, cfg.max_message_bytes * 64), self.server)
+        pb_grpc.add_SyncerServicer_to_server(SyncerServicer(self.shard, cfg.max_message_bytes * 64, tokens), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

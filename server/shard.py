@@ -192,21 +192,25 @@ class Shard:
         if not self.ready:
             raise ShardError(grpc.StatusCode.UNAVAILABLE, "shard is recovering; retry shortly")
 
+    def _check_fragment(self, plan: FragmentPlan, p: int, fingerprint: str | None) -> None:
+        """Refuses a fragment that `plan` lacks or that another shard owns."""
+        if fingerprint is not None and fingerprint != plan.fingerprint:
+            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"plan fingerprint {fingerprint!r} differs from the shard's "
+                             f"{plan.fingerprint!r}: learner and shard disagree on the model")
+        if not 0 <= p < plan.num_fragments:
+            raise ShardError(grpc.StatusCode.NOT_FOUND,
+                             f"fragment {p} does not exist (the plan has {plan.num_fragments})")
+        if plan.shard_of(p, self.cfg.num_shards) != self.cfg.shard_index:
+            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"fragment {p} lives on shard {plan.shard_of(p, self.cfg.num_shards)}, "
+                             f"not shard {self.cfg.shard_index}")
+
     def _fragment(self, p: int, fingerprint: str | None = None, need_init: bool = True) -> Fragment:
         if self.plan is None:
             raise ShardError(grpc.StatusCode.FAILED_PRECONDITION,
                              "this shard has no fragment plan yet: a learner must Init first")
-        if fingerprint is not None and fingerprint != self.plan.fingerprint:
-            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"plan fingerprint {fingerprint!r} differs from the shard's "
-                             f"{self.plan.fingerprint!r}: learner and shard disagree on the model")
-        if not 0 <= p < self.plan.num_fragments:
-            raise ShardError(grpc.StatusCode.NOT_FOUND,
-                             f"fragment {p} does not exist (the plan has {self.plan.num_fragments})")
-        if p not in self.fragments:
-            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"fragment {p} lives on shard {p % self.cfg.num_shards}, "
-                             f"not shard {self.cfg.shard_index}")
+        self._check_fragment(self.plan, p, fingerprint)
         frag = self.fragments[p]
         if need_init and not frag.initialized:
             raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, f"fragment {p} is not initialized; Init it first")
@@ -218,35 +222,54 @@ class Shard:
             with self.lock:
                 self.last_seen[learner] = self.clock()
 
-    def init(self, learner: str, p: int, fingerprint: str, plan_json: str, frame: bytes) -> tuple[bool, int]:
-        """Seeds fragment p from frame unless it exists; returns (created, version)."""
-        self._require_ready()
-        with self.lock:
-            if self.plan is None:
-                try:
-                    plan = FragmentPlan.from_json(plan_json)
-                except ValueError as e:
-                    raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"bad plan_json: {e}") from None
-                if plan.fingerprint != fingerprint:
-                    raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
-                                     "plan_json does not match plan_fingerprint")
-                if plan.num_fragments < self.cfg.num_shards:
-                    raise ShardError(grpc.StatusCode.FAILED_PRECONDITION,
-                                     f"plan has {plan.num_fragments} fragments for {self.cfg.num_shards} "
-                                     "shards: some shard would own nothing")
-                self._log(PLAN, {"plan": plan_json})
-                self._adopt_plan(plan)
-            frag = self._fragment(p, fingerprint, need_init=False)
-            if frag.initialized:
-                return False, frag.version
+    def _parse_plan(self, plan_json: str, fingerprint: str) -> FragmentPlan:
         try:
-            values = codec.decode(frame, num_values=frag.size)
+            plan = FragmentPlan.from_json(plan_json)
+        except ValueError as e:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"bad plan_json: {e}") from None
+        if plan.fingerprint != fingerprint:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "plan_json does not match plan_fingerprint")
+        if plan.num_fragments < self.cfg.num_shards:
+            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"plan has {plan.num_fragments} fragments for {self.cfg.num_shards} "
+                             "shards: some shard would own nothing")
+        return plan
+
+    def init(self, learner: str, p: int, fingerprint: str, plan_json: str, frame: bytes,
+             frame_codec: int, num_params: int) -> tuple[bool, int]:
+        """Seeds fragment p from frame unless it exists; returns (created, version).
+
+        The first Init also brings the plan; it is logged only with a valid first
+        fragment, so a refused Init leaves the shard as it was."""
+        self._require_ready()
+        if frame_codec not in ACCEPTED_CODECS:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"codec {frame_codec} is not accepted")
+        with self.lock:
+            plan = self.plan or self._parse_plan(plan_json, fingerprint)
+            self._check_fragment(plan, p, fingerprint)
+            if self.plan is not None and self.fragments[p].initialized:
+                return False, self.fragments[p].version
+        size = plan.fragment_sizes[p]
+        if num_params != size:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"fragment {p} holds {size} params, init says {num_params}")
+        try:
+            values = codec.decode(frame, codec=codec.Codec(frame_codec), num_values=size)
         except codec.CodecError as e:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"init frame: {e}") from None
         with self.lock:
-            if frag.initialized:  # another learner won the race while we decoded
-                return False, frag.version
-            self._log(INIT, {"fragment": p}, frame)
+            records = [_record(INIT, {"fragment": p}, frame)]
+            if self.plan is None:  # the plan and its first fragment are durable together or not at all
+                records.insert(0, _record(PLAN, {"plan": plan_json}))
+            else:
+                self._check_fragment(self.plan, p, fingerprint)  # another plan may have won meanwhile
+                if self.fragments[p].initialized:  # another learner won the race while we decoded
+                    return False, self.fragments[p].version
+            self.last_lsn = self.wal.append_many(records)[-1]
+            self.metrics.fsync_seconds.observe(self.wal.last_sync_seconds)
+            if self.plan is None:
+                self._adopt_plan(plan)
+            frag = self.fragments[p]
             frag.initialize(values)
             self.changed.notify_all()
             return True, frag.version
@@ -281,6 +304,11 @@ class Shard:
             prior = frag.answers.get(h.learner_id)
             if prior is not None and prior.seq == h.seq:
                 return self._count(dataclasses.replace(prior, reason="duplicate"))
+            if prior is not None and h.seq < prior.seq:
+                return self._count(Answer(h.seq, False, "duplicate",
+                                          f"seq {h.seq} is older than this learner's newest push ({prior.seq}) "
+                                          f"for fragment {h.fragment}: already handled or superseded",
+                                          frag.version, 0, 0.0))
             verdict = rules.judge_staleness(frag.version, h.base_version, self.policy.max_staleness,
                                             self.policy.discount_exponent)
             if verdict.reason == rules.Reason.FUTURE_BASE:

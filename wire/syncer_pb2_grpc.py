@@ -92,8 +92,9 @@ class SyncerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Watch(self, request, context):
-        """Streams a notice for the current version of each fragment, then one for
-        every new version, until the caller cancels.
+        """Streams a notice for the current version of each fragment, then one each
+        time a version changes, until the caller cancels. A watcher that falls
+        behind is told the newest version; Pull brings it up from wherever it is.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

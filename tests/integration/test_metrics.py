@@ -48,6 +48,11 @@ def test_metrics_follow_pushes_rounds_and_refusals(server):
                                    plan_json=PLAN.to_json(), codec=pb.CODEC_FP32, num_params=size,
                                    frame_bytes=len(init)), init, pb.InitRequest)
     sent = len(init)
+    # b says hello too (and learns the fragment exists), so both hold leases before pushing
+    _send(stub.Init, pb.InitHeader(learner_id="b", fragment=0, plan_fingerprint=PLAN.fingerprint,
+                                   plan_json=PLAN.to_json(), codec=pb.CODEC_FP32, num_params=size,
+                                   frame_bytes=len(init)), init, pb.InitRequest)
+    sent += len(init)
     for learner in ("a", "b"):
         frame = codec.encode(np.full(size, 0.01, np.float32))
         sent += len(frame)
@@ -82,8 +87,8 @@ def test_metrics_follow_pushes_rounds_and_refusals(server):
     assert m[("atoll_refused_calls_total", (("code", "NOT_FOUND"), ("method", "Push")))] == 1
     assert m[("atoll_received_bytes_total", ())] == sent
     assert m[("atoll_push_staleness_count", ())] == 2
-    # one fsync for the plan, the init, each accepted push and the round's close
-    assert m[("atoll_wal_fsync_seconds_count", ())] == 5
+    # one fsync for the plan with its first fragment, one per accepted push, one for the close
+    assert m[("atoll_wal_fsync_seconds_count", ())] == 4
     assert m[("atoll_merge_seconds_count", ())] == 1
     assert m[("atoll_live_learners", ())] == 2  # a and b; c was refused before its lease began
     assert m[("atoll_shard_info", (("shard_index", "0"),))] == 1

@@ -10,9 +10,10 @@ import pytest
 
 from server.config import ShardConfig
 from server.service import SyncerServer
+from syncer_helpers import (connect, describe, init as _init, pull as _pull, push as _push, push_requests,
+                            status_of as status)
 from wire import codec
 from wire import syncer_pb2 as pb
-from wire import syncer_pb2_grpc as pb_grpc
 from wire.plan import FragmentPlan, TensorSpec
 
 SPECS = [TensorSpec("embed", (64, 16)), TensorSpec("w1", (16, 48)), TensorSpec("w2", (48, 16)),
@@ -33,46 +34,8 @@ def shard(tmp_path):
     server.stop()
 
 
-def _stub(server):
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    return channel, pb_grpc.SyncerStub(channel)
-
-
-def _init(stub, plan, p, values):
-    frame = codec.encode(values, codec.Codec.FP32)
-    header = pb.InitHeader(learner_id="a", fragment=p, plan_fingerprint=plan.fingerprint,
-                           plan_json=plan.to_json(), codec=pb.CODEC_FP32, num_params=values.size,
-                           frame_bytes=len(frame))
-    return stub.Init(iter([pb.InitRequest(header=header), pb.InitRequest(chunk=frame)]), timeout=10)
-
-
-def _push(stub, plan, p, learner, seq, base, delta, chunks=3):
-    frame = codec.encode(delta)
-    header = pb.PushHeader(learner_id=learner, fragment=p, base_version=base, seq=seq, inner_steps=10,
-                           tokens=1000, codec=pb.CODEC_INT4, num_params=delta.size,
-                           plan_fingerprint=plan.fingerprint, frame_bytes=len(frame))
-    size = -(-len(frame) // chunks)
-    msgs = [pb.PushRequest(header=header)] + [pb.PushRequest(chunk=frame[i:i + size])
-                                              for i in range(0, len(frame), size)]
-    return stub.Push(iter(msgs), timeout=10)
-
-
-def _pull(stub, p, have=None):
-    req = pb.PullRequest(fragment=p) if have is None else pb.PullRequest(fragment=p, have_version=have)
-    header, frames, parts = None, [], []
-    for msg in stub.Pull(req, timeout=10):
-        if msg.WhichOneof("kind") == "header":
-            header = msg.header
-        else:
-            parts.append(msg.chunk.data)
-            if msg.chunk.last:
-                frames.append((msg.chunk.version, b"".join(parts)))
-                parts = []
-    return header, frames
-
-
 def test_rounds_close_at_quorum_and_pulls_are_bit_exact(shard, plan):
-    channel, stub = _stub(shard)
+    channel, stub = connect(shard.port)
     rng = np.random.default_rng(0)
     size = plan.fragment_sizes[0]
     init = rng.standard_normal(size).astype(np.float32)
@@ -104,31 +67,25 @@ def test_rounds_close_at_quorum_and_pulls_are_bit_exact(shard, plan):
 
 
 def test_bad_pushes_get_precise_statuses(shard, plan):
-    channel, stub = _stub(shard)
+    channel, stub = connect(shard.port)
     size = plan.fragment_sizes[0]
     _init(stub, plan, 0, np.zeros(size, np.float32))
     good = np.ones(size, np.float32) * 0.01
-
-    def status(fn):
-        with pytest.raises(grpc.RpcError) as e:
-            fn()
-        return e.value.code()
 
     assert status(lambda: _push(stub, plan, 0, "x", 1, 5, good)) == grpc.StatusCode.INVALID_ARGUMENT  # future
     assert status(lambda: _push(stub, plan, 0, "x", 1, 0, np.ones(size + 1, np.float32))) == \
         grpc.StatusCode.INVALID_ARGUMENT  # wrong shape
     assert status(lambda: _push(stub, plan, 7, "x", 1, 0, good)) == grpc.StatusCode.NOT_FOUND
     frame = codec.encode(good)
-    header = pb.PushHeader(learner_id="x", fragment=0, base_version=0, seq=1, inner_steps=1, tokens=1,
-                           codec=pb.CODEC_INT4, num_params=size, plan_fingerprint=plan.fingerprint,
-                           frame_bytes=len(frame))
-    truncated = [pb.PushRequest(header=header), pb.PushRequest(chunk=frame[:-3])]
+    msgs = push_requests(plan, 0, "x", 1, 0, frame, size, chunks=1, inner_steps=1, tokens=1)
+    header = msgs[0].header
+    truncated = [msgs[0], pb.PushRequest(chunk=frame[:-3])]
     assert status(lambda: stub.Push(iter(truncated), timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
     nan = np.full(size, np.nan, np.float32)
     fp32 = codec._HEADER.pack(codec.MAGIC, 1, 1, 1, size) + codec._compressor(None).compress(nan.tobytes())
     header.codec, header.frame_bytes = pb.CODEC_FP32, len(fp32)
     assert status(lambda: stub.Push(iter([pb.PushRequest(header=header), pb.PushRequest(chunk=fp32)]),
                                     timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
-    d = stub.Describe(pb.DescribeRequest(), timeout=10)
+    d = describe(stub)
     assert d.fragments[0].version == 0 and d.fragments[0].round_size == 0  # nothing changed
     channel.close()
