@@ -99,8 +99,8 @@ class Synchronizer:
 
     Call `join(params)` once (inits fragments that nobody has seeded, then pulls
     every fragment: a restarted learner rejoins at the current versions), then
-    `after_step(step, params, ...)` after every inner step; both return the params
-    to continue with.
+    `after_step(step, params, ...)` after every inner step, which returns the new
+    vectors of the fragments adopted ({p: vector}; `apply` puts them into a tree).
     """
 
     def __init__(self, cfg: SyncConfig, plan: FragmentPlan, clients: list[ShardClient]):
@@ -154,12 +154,14 @@ class Synchronizer:
             with self.lock:
                 self.latest[p] = max(self.latest.get(p, 0), frag.version)
         self._start_watchers()
-        return self._with_fragments(params, {p: v for p, v in enumerate(vectors)})
+        return self.apply(params, dict(enumerate(vectors)))
 
     # --- the step hook ---
 
-    def after_step(self, step: int, params: Params, step_seconds: float, tokens_per_step: int) -> Params:
-        """Adopts finished syncs, starts due ones; `step` counts inner steps done since join."""
+    def after_step(self, step: int, params: Params, step_seconds: float,
+                   tokens_per_step: int) -> dict[int, np.ndarray]:
+        """Adopts finished syncs, starts due ones; `step` counts inner steps done since join.
+        Returns {fragment: new vector} for the fragments whose tensors the caller must replace."""
         self.step_seconds = step_seconds if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * step_seconds
         updates: dict[int, np.ndarray] = {}
         flat_now: dict[int, np.ndarray] = {}
@@ -171,16 +173,7 @@ class Synchronizer:
                     started = time.perf_counter()
                     concurrent.futures.wait([frag.task])
                     self._count("blocked_seconds", time.perf_counter() - started)
-                outcome: _Outcome = frag.task.result()
-                frag.task = None
-                if outcome.correction is not None:
-                    now = flat_now.setdefault(frag.p, self.plan.flatten_fragment(params, frag.p))
-                    updates[frag.p] = now + outcome.correction
-                else:
-                    updates[frag.p] = outcome.values
-                    frag.last_sync_step = step
-                frag.version = outcome.version
-                self._count("adopted", 1)
+                self._adopt(frag, step, params, flat_now, updates)
             if due:
                 theta = updates.get(frag.p)
                 if theta is None:
@@ -191,7 +184,31 @@ class Synchronizer:
                 self.seq += 1
                 frag.task = self.pool.submit(self._sync, frag, theta.copy(), self.seq, steps,
                                              steps * tokens_per_step)
-        return self._with_fragments(params, updates) if updates else params
+        return updates
+
+    def _adopt(self, frag: _Fragment, step: int, params: Params, flat_now: dict, updates: dict) -> None:
+        outcome: _Outcome = frag.task.result()
+        frag.task = None
+        if outcome.correction is not None:
+            now = flat_now.setdefault(frag.p, self.plan.flatten_fragment(params, frag.p))
+            updates[frag.p] = now + outcome.correction
+        else:
+            updates[frag.p] = outcome.values
+            frag.last_sync_step = step
+        frag.version = outcome.version
+        self._count("adopted", 1)
+
+    def finish(self, step: int, params: Params, timeout: float) -> dict[int, np.ndarray]:
+        """At the end of a run: waits up to `timeout` s for syncs in flight and adopts those
+        that finish (a round may wait on learners that have already left)."""
+        tasks = [f.task for f in self.frags if f.task is not None]
+        concurrent.futures.wait(tasks, timeout=timeout)
+        updates: dict[int, np.ndarray] = {}
+        flat_now: dict[int, np.ndarray] = {}
+        for frag in self.frags:
+            if frag.task is not None and frag.task.done():
+                self._adopt(frag, step, params, flat_now, updates)
+        return updates
 
     def _sync(self, frag: _Fragment, theta: np.ndarray, seq: int, steps: int, tokens: int) -> _Outcome:
         """Push, wait for the round holding it, pull: the background half of one sync."""
@@ -304,7 +321,7 @@ class Synchronizer:
         with self.lock:
             self.stats[key] += amount
 
-    def _with_fragments(self, params: Params, vectors: dict[int, np.ndarray]) -> Params:
+    def apply(self, params: Params, vectors: dict[int, np.ndarray]) -> Params:
         """`params` with the given fragments' tensors replaced (a new tree; leaves not copied)."""
         flat = {}
         for p, vector in vectors.items():

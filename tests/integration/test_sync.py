@@ -69,7 +69,7 @@ def test_two_learners_train_toward_a_target_and_hold_the_published_copy(shards):
         params = sync.join(_copy(START))
         for step in range(1, 65):
             params = _toward(params, zeros, 0.05)
-            params = sync.after_step(step, params, 0.002, 128)
+            params = sync.apply(params, sync.after_step(step, params, 0.002, 128))
         results[i] = (dict(sync.stats), sync.versions(), [f.base.copy() for f in sync.frags], params)
         sync.close()
 

@@ -1,0 +1,177 @@
+"""One learner's life: load data, build the trainer, join the syncer, train, leave.
+
+Status records (JSON lines, one per step and one at the end) go to
+`cfg.status_file`; `atoll up` draws its table and report from them, and a restarted
+learner resumes its data position and schedule from the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import signal
+import sys
+import threading
+import time
+
+import prometheus_client as prom
+
+from learner.client import ShardClient, TlsFiles
+from learner.data import Batches, load_corpus
+from learner.main import LearnerConfig
+from learner.model import preset
+from learner.sync import SyncConfig, Synchronizer
+from learner.train import TrainConfig, Trainer
+from wire.plan import FragmentPlan
+
+log = logging.getLogger("atoll.learner")
+PROGRESS_SECONDS = 2.0  # how often the live line is redrawn
+
+
+def _stop_on_signals() -> threading.Event:
+    """SIGTERM/SIGINT finish the current step, then the learner leaves cleanly."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _resume_point(path: pathlib.Path | None, learner_id: str) -> tuple[int, int]:
+    """(steps, tokens) this learner had done, from the last record of its status file."""
+    if path is None or not path.exists():
+        return 0, 0
+    last = None
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if record.get("learner") == learner_id and "step" in record:
+            last = record
+    return (last["step"], last["tokens"]) if last else (0, 0)
+
+
+class _Metrics:
+    def __init__(self, learner_id: str):
+        self.registry = prom.CollectorRegistry()
+        g = lambda name, doc: prom.Gauge(name, doc, registry=self.registry)  # noqa: E731
+        self.step, self.loss, self.eval_loss = g("atoll_learner_step", "Inner steps done"), \
+            g("atoll_learner_loss", "Training loss of the last step"), \
+            g("atoll_learner_eval_loss", "Held-out loss of the last evaluation")
+        self.tokens_per_s = g("atoll_learner_tokens_per_second", "Training throughput")
+        self.bytes_sent = g("atoll_learner_sent_bytes", "Bytes pushed and offered to shards")
+        self.bytes_received = g("atoll_learner_received_bytes", "Bytes pulled from shards")
+        self.lag = g("atoll_learner_version_lag", "Newest known version minus adopted, worst fragment")
+        self.blocked = g("atoll_learner_blocked_seconds", "Time the training loop waited on sync")
+        prom.Info("atoll_learner", "Which learner this is", registry=self.registry).info({"learner": learner_id})
+
+
+def run(cfg: LearnerConfig) -> int:
+    """Trains until cfg.steps (or a signal); returns the process exit code."""
+    stop = _stop_on_signals()
+    model_cfg = preset(cfg.preset)
+    members = 1 if cfg.baseline else cfg.num_learners
+    batch = cfg.batch_size * (cfg.num_learners if cfg.baseline else 1)
+    train_cfg = TrainConfig(batch_size=batch, peak_lr=cfg.lr, warmup_steps=min(cfg.warmup, cfg.steps - 1),
+                            total_steps=cfg.steps, eval_every=cfg.eval_every or cfg.steps + 1,
+                            eval_batches=cfg.eval_batches, seed=cfg.seed)
+    corpus = load_corpus(cfg.data, vocab=model_cfg.vocab, cache_dir=cfg.cache_dir)
+    batches = Batches(corpus.train, context=model_cfg.context, batch_size=batch,
+                      learner=0 if cfg.baseline else cfg.learner_index, num_learners=members, seed=cfg.seed)
+    trainer = Trainer(model_cfg, train_cfg, batches, heldout=corpus.heldout, slowdown=cfg.slowdown)
+    trainer.steps_done, trainer.tokens_total = _resume_point(cfg.status_file, cfg.learner_id)
+    log.info("learner %s: %s model (%d params), batch %d, %s, data %s, from step %d", cfg.learner_id,
+             cfg.preset, model_cfg.num_params, batch, "baseline" if cfg.baseline else f"{len(cfg.shards)} shards",
+             corpus.source, trainer.steps_done)
+    metrics = _Metrics(cfg.learner_id)
+    if cfg.metrics_port is not None:
+        prom.start_http_server(cfg.metrics_port, registry=metrics.registry)
+
+    sync = None
+    plan = FragmentPlan.build(trainer.params, cfg.fragments) if not cfg.baseline else None
+    status = {"learner": cfg.learner_id, "index": cfg.learner_index, "slowdown": cfg.slowdown,
+              "params": model_cfg.num_params, "baseline": cfg.baseline}
+
+    def emit(state: str, m: dict | None = None, **extra) -> None:
+        record = dict(status, time=time.time(), state=state, step=trainer.steps_done,
+                      tokens=trainer.tokens_total)
+        if m:
+            record.update({k: m[k] for k in ("loss", "tokens_per_s", "eval_loss") if k in m})
+        record.update(extra)
+        if sync is not None:
+            record.update(sync.stats)
+            versions = sync.versions()
+            record["version"] = min(v for v, _ in versions.values())
+            record["lag"] = max(latest - v for v, latest in versions.values())
+        if cfg.status_file is not None:
+            with open(cfg.status_file, "a") as f:
+                f.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    emit("joining")
+    trainer.compile()
+    if plan is not None:
+        tls = TlsFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None
+        token = cfg.token_file.read_text().strip() if cfg.token_file else None
+        clients = [ShardClient(a, cfg.learner_id, token=token, tls=tls, deadline=cfg.deadline) for a in cfg.shards]
+        sync = Synchronizer(SyncConfig(period=cfg.period, overlap=cfg.overlap, mix=cfg.mix, codec=cfg.codec),
+                            plan, clients)
+        trainer.params = sync.join(trainer.params)
+
+    state, last_print, local, m = "done", 0.0, 0, {}
+    started = time.perf_counter()
+    try:
+        while trainer.steps_done < cfg.steps:
+            if stop.is_set():
+                state = "stopped"
+                break
+            m = trainer.step()
+            local += 1
+            if sync is not None:
+                for p, vector in sync.after_step(local, trainer.params, m["wall_time_s"], m["tokens"]).items():
+                    trainer.set_tensors(plan.unflatten_fragment(p, vector))
+            _observe(metrics, m, sync)
+            emit("training", m)
+            if cfg.progress and (time.perf_counter() - last_print > PROGRESS_SECONDS or trainer.steps_done == cfg.steps):
+                last_print = time.perf_counter()
+                print(_progress_line(cfg, m, sync, time.perf_counter() - started), file=sys.stderr, flush=True)
+        if sync is not None and state == "done":
+            for p, vector in sync.finish(local, trainer.params, cfg.lease_exit_wait).items():
+                trainer.set_tensors(plan.unflatten_fragment(p, vector))
+        final = trainer.evaluate()
+        emit(state, m, eval_loss=final["loss"], eval_bits_per_byte=final["bits_per_byte"],
+             wall_seconds=time.perf_counter() - started)
+        log.info("learner %s %s at step %d: eval loss %.6f (%.4f bits/byte)", cfg.learner_id, state,
+                 trainer.steps_done, final["loss"], final["bits_per_byte"])
+    finally:
+        if sync is not None:
+            sync.close()
+    return 0
+
+
+def _observe(metrics: _Metrics, m: dict, sync: Synchronizer | None) -> None:
+    metrics.step.set(m["step"])
+    metrics.loss.set(m["loss"])
+    metrics.tokens_per_s.set(m["tokens_per_s"])
+    if "eval_loss" in m:
+        metrics.eval_loss.set(m["eval_loss"])
+    if sync is not None:
+        metrics.bytes_sent.set(sync.stats["bytes_sent"])
+        metrics.bytes_received.set(sync.stats["bytes_received"])
+        metrics.blocked.set(sync.stats["blocked_seconds"])
+        metrics.lag.set(max(latest - v for v, latest in sync.versions().values()))
+
+
+def _progress_line(cfg: LearnerConfig, m: dict, sync: Synchronizer | None, elapsed: float) -> str:
+    line = (f"[{cfg.learner_id}] step {m['step']}/{cfg.steps} | {m['tokens_per_s']:,.0f} tok/s | "
+            f"loss {m['loss']:.3f}")
+    if "eval_loss" in m:
+        line += f" | eval {m['eval_loss']:.3f}"
+    if sync is not None:
+        versions = sync.versions()
+        adopted = min(v for v, _ in versions.values())
+        lag = max(latest - v for v, latest in versions.values())
+        s = sync.stats
+        line += (f" | v{adopted} lag {lag} | sent {s['bytes_sent'] / 1e6:.2f} MB recv "
+                 f"{s['bytes_received'] / 1e6:.2f} MB | blocked {100 * s['blocked_seconds'] / max(elapsed, 1e-9):.1f}%")
+    return line
