@@ -69,7 +69,6 @@ class _Metrics:
 
 def run(cfg: LearnerConfig) -> int:
     """Trains until cfg.steps (or a signal); returns the process exit code."""
-    stop = _stop_on_signals()
     model_cfg = preset(cfg.preset)
     members = 1 if cfg.baseline else cfg.num_learners
     batch = cfg.batch_size * (cfg.num_learners if cfg.baseline else 1)
@@ -108,6 +107,7 @@ def run(cfg: LearnerConfig) -> int:
             with open(cfg.status_file, "a") as f:
                 f.write(json.dumps(record, separators=(",", ":")) + "\n")
 
+    stop = _stop_on_signals()  # only now: a refused start leaves the caller's handlers alone
     emit("joining")
     trainer.compile()
     if plan is not None:

@@ -77,6 +77,12 @@ class LearnerConfig:
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         need(self.baseline or self.fragments >= len(self.shards),
              f"--fragments ({self.fragments}) must be at least the number of shards ({len(self.shards)})")
+        need(self.period >= 1, f"--period must be >= 1, got {self.period}")
+        need(0 <= self.overlap < self.period,
+             f"--overlap must be in [0, --period={self.period}), got {self.overlap}: a fragment is "
+             "adopted before its next sync")
+        need(0 <= self.mix < 1, f"--mix must be in [0, 1), got {self.mix}")
+        need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         need(self.slowdown >= 1, f"--slowdown must be >= 1 (1 = full speed), got {self.slowdown}")
         need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
         need((self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key go together")

@@ -124,8 +124,10 @@ class Synchronizer:
 
     # --- joining ---
 
-    def check_shards(self) -> None:
-        """Every shard must be the one its position says, serving this plan (or none yet)."""
+    def check_shards(self) -> set[int]:
+        """Every shard must be the one its position says, serving this plan (or none yet).
+        Returns the fragments already seeded."""
+        seeded = set()
         for i, client in enumerate(self.clients):
             d = self._retry(client.describe, f"describe shard {i}")
             if (d.shard_index, d.num_shards) != (i, self.num_shards):
@@ -134,12 +136,16 @@ class Synchronizer:
             if d.plan_fingerprint and d.plan_fingerprint != self.plan.fingerprint:
                 raise SyncError(f"shard {i} at {client.address} serves plan {d.plan_fingerprint}, this learner "
                                 f"has {self.plan.fingerprint}: model preset or fragment count differ")
+            seeded.update(f.fragment for f in d.fragments if f.initialized)
+        return seeded
 
     def join(self, params: Params) -> Params:
         """Seeds unseeded fragments with `params`, then adopts every fragment's current version."""
-        self.check_shards()
+        seeded = self.check_shards()
         vectors = self.plan.flatten(params)
         for p, vector in enumerate(vectors):
+            if p in seeded:  # someone seeded it already: no need to offer our copy
+                continue
             frame = codec.encode(vector, codec.Codec.FP32)
             client = self.client_of(p)
             answer = self._retry(lambda: client.init(self.plan, p, frame, codec.Codec.FP32), f"init fragment {p}")
