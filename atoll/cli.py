@@ -29,6 +29,12 @@ def _parser() -> argparse.ArgumentParser:
 
     add_arguments(syncer)
 
+    learner = commands.add_parser("learner", help="run one learner (an island training a replica)")
+    from learner.main import add_arguments as add_learner_arguments
+
+    add_learner_arguments(learner)
+
+
     bench = commands.add_parser("bench", help="measure a component; prints JSON")
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
     benches.required = True
@@ -40,6 +46,20 @@ def _parser() -> argparse.ArgumentParser:
     codec.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
     codec.add_argument("--json", action="store_true",
                        help="print one JSON object (the only output format)")
+    ingest = benches.add_parser("ingest", help="one shard process's push ingest rate vs raw gRPC, "
+                                "fsync latency and memory per parameter")
+    ingest.add_argument("--params", type=_positive_int, default=100_000_000,
+                        help="model size; a transformer-shaped tensor list of at least this "
+                             "many parameters (default 100000000)")
+    ingest.add_argument("--learners", type=_positive_int, default=4,
+                        help="simulated learner processes, also the quorum (default 4)")
+    ingest.add_argument("--fragments", type=_positive_int, default=8, help="fragments (default 8)")
+    ingest.add_argument("--rounds", type=_positive_int, default=4,
+                        help="measured pushes per learner per fragment (default 4)")
+    ingest.add_argument("--warmup-rounds", type=int, choices=range(0, 10), default=1, metavar="N",
+                        help="unmeasured rounds first, 0-9 (default 1)")
+    ingest.add_argument("--json", action="store_true",
+                        help="print one JSON object (the only output format)")
     return parser
 
 
@@ -58,10 +78,24 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             parser.error(str(e))
         return run(cfg)
+    if args.command == "learner":
+        from learner.main import main as learner_main
+
+        return learner_main(args, parser)
     if args.command == "bench" and args.bench == "codec":
         from atoll.bench import bench_codec
 
         print(json.dumps(bench_codec(args.params, args.repeats, args.seed), indent=2))
+        return 0
+    if args.command == "bench" and args.bench == "ingest":
+        from atoll.bench_ingest import bench_ingest
+
+        try:
+            result = bench_ingest(args.params, args.learners, args.fragments, args.rounds,
+                                  args.warmup_rounds)
+        except ValueError as e:
+            parser.error(str(e))
+        print(json.dumps(result, indent=2))
         return 0
     raise AssertionError(f"unhandled command {args.command}")
 

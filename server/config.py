@@ -36,7 +36,7 @@ class ShardConfig:
     outer_lr: float = 0.7  # outer SGD learning rate, > 0
     outer_momentum: float = 0.9  # Nesterov momentum, in [0, 1)
     rda: bool = True  # radial-directional averaging for non-embedding tensors
-    delta_ring: int = 16  # published deltas kept for cheap pulls, >= 1
+    delta_ring: int = 4  # published deltas kept for cheap pulls, >= 1; past max_staleness a push is refused anyway
     snapshot_every: int = 50  # rounds between snapshots, >= 1
     publish_codec: Codec = Codec.INT4  # codec of published deltas
     max_message_bytes: int = 8 << 20  # gRPC message limit, >= 1 MiB

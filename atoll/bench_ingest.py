@@ -1,0 +1,456 @@
+"""`atoll bench ingest`: how fast one real shard process takes in 4-bit pushes.
+
+N simulated learners (spawned processes, so the shard rather than one client GIL is
+the bottleneck) push pre-encoded INT4 outer gradients of a transformer-shaped model
+to a real `atoll syncer` subprocess over loopback, each one push at a time, rounds
+closing at quorum N with no grace. The anchor is measured in the same run: the same
+messages, in the same chunks and over as many concurrent streams, through a no-op
+gRPC server (another process) that only drains them; it runs before and after the
+ingest and the faster run is kept, so the ratio errs low. MB = 10^6 bytes.
+
+The shard's fsync latency comes from its /metrics histogram (PromQL's
+histogram_quantile over the measured phase only), its memory from /proc.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+from learner.client import CHUNK_BYTES, ShardClient
+from wire import codec
+from wire import syncer_pb2 as pb
+from wire.plan import FragmentPlan, TensorSpec
+
+DEFAULT_PARAMS = 100_000_000
+TARGET_RATIO = 0.5  # ingest wire rate / raw gRPC rate (DESIGN.md §6)
+TARGET_RSS_BYTES_PER_PARAM = 18.0  # DESIGN.md §3
+DELTA_STD = 1e-3  # scale of the synthetic outer gradients
+INNER_STEPS, TOKENS = 100, 100 * 8192  # what each push claims; sets the merge weight only
+_RAW_METHOD = "/atoll.bench.Raw/Drain"
+_SERVING = re.compile(r"serving on port (\d+), metrics on port (\d+)")
+
+
+def transformer_specs(num_params: int) -> list[TensorSpec]:
+    """A decoder-only transformer's tensors, with at least `num_params` values.
+
+    Width d grows as √num_params (768 at 100 M); an untied embedding and output head of
+    16·d tokens, then as many blocks (attention, MLP 4·d, two norms) as it takes.
+    """
+    d = max(64, 64 * round(math.sqrt(num_params / 160) / 64))
+    vocab = 16 * d
+    specs = [TensorSpec("embed", (vocab, d)), TensorSpec("head/w", (d, vocab)),
+             TensorSpec("final_norm", (d,))]
+    block = 12 * d * d + 2 * d
+    layers = max(1, -(-(num_params - sum(s.size for s in specs)) // block))
+    for i in range(layers):
+        specs += [TensorSpec(f"blocks/{i:03d}/{name}", shape) for name, shape in (
+            ("attn/wqkv", (d, 3 * d)), ("attn/wo", (d, d)), ("mlp/w_in", (d, 4 * d)),
+            ("mlp/w_out", (4 * d, d)), ("norm1", (d,)), ("norm2", (d,)))]
+    return specs
+
+
+# --- the processes ---------------------------------------------------------------
+
+
+def _chunked(header: pb.PushHeader, frame: bytes, chunk_bytes: int):
+    """The messages of one push, exactly as ShardClient.push sends them."""
+    yield pb.PushRequest(header=header)
+    for start in range(0, len(frame), chunk_bytes):
+        yield pb.PushRequest(chunk=frame[start:start + chunk_bytes])
+
+
+def _serve_raw(conn) -> None:
+    """A no-op client-streaming gRPC server: drains each stream, acks its byte count."""
+    def drain(requests, context):
+        return str(sum(len(r) for r in requests)).encode()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=[
+        ("grpc.max_receive_message_length", 8 << 20), ("grpc.max_concurrent_streams", 64)])
+    service, method = _RAW_METHOD.strip("/").split("/")
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {
+        method: grpc.stream_unary_rpc_method_handler(drain)})])
+    conn.send(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    conn.recv()  # any message, or the parent going away, stops it
+    server.stop(0)
+
+
+class _Versions:
+    """A learner's view of fragment versions: raised by push acks and a Watch stream."""
+
+    def __init__(self):
+        self.known: dict[int, int] = {}
+        self.cond = threading.Condition()
+
+    def saw(self, p: int, version: int) -> None:
+        with self.cond:
+            if version > self.known.get(p, -1):
+                self.known[p] = version
+                self.cond.notify_all()
+
+    def wait_for(self, p: int, version: int, timeout: float = 120.0) -> int:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.known.get(p, -1) >= version, timeout):
+                raise TimeoutError(f"fragment {p} never reached version {version}")
+            return self.known[p]
+
+
+def _follow(watch, versions: _Versions) -> None:
+    try:
+        for w in watch:
+            versions.saw(w.fragment, w.version)
+    except grpc.RpcError:
+        pass  # cancelled at the end, or the shard went away
+
+
+def _learner(conn, index: int, shard_address: str, raw_address: str, plan_json: str) -> None:
+    """One simulated learner: encodes its frames once, then runs the phases it is sent."""
+    plan = FragmentPlan.from_json(plan_json)
+    P = plan.num_fragments
+    frames = []
+    for p in range(P):
+        rng = np.random.default_rng([index, p])
+        delta = rng.standard_normal(plan.fragment_sizes[p], dtype=np.float32) * np.float32(DELTA_STD)
+        frames.append(codec.encode(delta, codec.Codec.INT4))
+    del delta
+    conn.send([len(f) for f in frames])
+    learner_id = f"bench-learner-{index}"
+    shard = ShardClient(shard_address, learner_id)
+    raw = ShardClient(raw_address, learner_id)
+    drain = raw.channel.stream_unary(_RAW_METHOD, request_serializer=pb.PushRequest.SerializeToString)
+    versions, watch = _Versions(), None
+    joined = 0  # ingest rounds so far; also this learner's push sequence number
+
+    def header(p: int, base: int) -> pb.PushHeader:
+        return pb.PushHeader(learner_id=learner_id, fragment=p, base_version=base, seq=joined,
+                             inner_steps=INNER_STEPS, tokens=TOKENS, codec=pb.CODEC_INT4,
+                             num_params=plan.fragment_sizes[p], plan_fingerprint=plan.fingerprint,
+                             frame_bytes=len(frames[p]))
+
+    while (command := conn.recv()) is not None:
+        phase, rounds = command
+        if phase == "watch":  # after Init; every learner is live before anyone pushes
+            watch = shard.watch(list(range(P)))
+            threading.Thread(target=_follow, args=(watch, versions), daemon=True).start()
+            for p in range(P):
+                versions.wait_for(p, 0)
+            conn.send({})
+            continue
+        cpu0, started = time.process_time(), time.monotonic()
+        sent, accepted, accepted_params, refused = 0, 0, 0, {}
+        for _ in range(rounds):
+            if phase == "raw":
+                for p in range(P):
+                    drain(_chunked(header(p, 0), frames[p], raw.chunk_bytes), timeout=raw.deadline)
+                    sent += len(frames[p])
+                continue
+            joined += 1
+            for p in range(P):
+                # the round this learner joined last time must have closed: base = its version
+                base = versions.wait_for(p, joined - 1)
+                ack = shard.push(header(p, base), frames[p])
+                versions.saw(p, ack.version)
+                sent += len(frames[p])
+                if ack.accepted:
+                    accepted += 1
+                    accepted_params += plan.fragment_sizes[p]
+                else:
+                    name = pb.PushReason.Name(ack.reason)
+                    refused[name] = refused.get(name, 0) + 1
+        conn.send({"started": started, "ended": time.monotonic(), "bytes": sent,
+                   "accepted": accepted, "accepted_params": accepted_params, "refused": refused,
+                   "cpu_seconds": time.process_time() - cpu0})
+    if watch is not None:
+        watch.cancel()
+    shard.close()
+    raw.close()
+
+
+# --- reading the shard from outside -------------------------------------------------
+
+
+def _proc_status(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM of a process, in bytes."""
+    out = {}
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _scrape(port: int) -> dict[str, dict]:
+    """{metric name: {le or label value or "": value}} from the shard's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, dict] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.labels.get("le", s.labels.get("reason", ""))
+            out.setdefault(s.name, {})[float(key) if "le" in s.labels else key] = s.value
+    return out
+
+
+def _delta(after: dict, before: dict, name: str) -> dict:
+    return {k: v - before.get(name, {}).get(k, 0.0) for k, v in after.get(name, {}).items()}
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """PromQL's histogram_quantile over cumulative {upper bound: count} buckets."""
+    bounds = sorted(buckets)
+    total = buckets[math.inf]
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for upper in bounds:
+        count = buckets[upper]
+        if count >= rank:
+            if upper == math.inf:
+                return lower  # the highest finite bound, as Prometheus answers
+            return lower + (upper - lower) * (rank - below) / (count - below)
+        lower, below = upper, count
+    return lower
+
+
+def _quantile_ms(after: dict, before: dict, name: str, q: float = 0.5) -> float | None:
+    value = histogram_quantile(q, _delta(after, before, name + "_bucket"))
+    return None if value is None else round(value * 1e3, 3)
+
+
+def _delta_ring(address: str) -> dict:
+    """The shard's delta ring capacity and the size of its newest delta of every fragment."""
+    probe = ShardClient(address, "")  # no learner id: an anonymous reader takes no lease
+    try:
+        described = probe.describe()
+        delta_bytes = 0
+        for f in described.fragments:
+            pulled = probe.pull(f.fragment, have_version=f.version - 1)
+            delta_bytes += sum(len(frame) for _, _, frame in pulled.frames)
+    finally:
+        probe.close()
+    return {"capacity": described.settings.delta_ring, "delta_bytes": delta_bytes}
+
+
+def _start_shard(data_dir: pathlib.Path, learners: int,
+                 log_path: pathlib.Path) -> tuple[subprocess.Popen, int, int]:
+    """A real `atoll syncer` on free ports; returns (process, gRPC port, metrics port)."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "atoll.cli", "syncer", "--data-dir", str(data_dir), "--listen",
+             "127.0.0.1:0", "--quorum", str(learners), "--grace-factor", "0", "--metrics-port", "0"],
+            stdout=subprocess.PIPE, stderr=log, text=True)
+    for line in proc.stdout:
+        match = _SERVING.search(line)
+        if match:
+            return proc, int(match.group(1)), int(match.group(2))
+    proc.wait()
+    raise RuntimeError(f"atoll syncer exited with {proc.returncode} before serving:\n"
+                       + log_path.read_text()[-2000:])
+
+
+def _recv(conn, proc, timeout: float = 600.0):
+    """The child's next message; raises instead of waiting forever on a child that died."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(1.0):
+        if not proc.is_alive():
+            raise RuntimeError(f"bench process {proc.name} exited with {proc.exitcode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bench process {proc.name} sent nothing for {timeout:.0f} s")
+    return conn.recv()
+
+
+def _run_phase(learners, phase: str, rounds: int) -> dict:
+    """Starts every learner on one phase and gathers the span from first push to last ack."""
+    for conn, _ in learners:
+        conn.send((phase, rounds))
+    results = [_recv(conn, proc) for conn, proc in learners]
+    refused: dict[str, int] = {}
+    for r in results:
+        for k, v in r["refused"].items():
+            refused[k] = refused.get(k, 0) + v
+    return {"seconds": max(r["ended"] for r in results) - min(r["started"] for r in results),
+            "bytes": sum(r["bytes"] for r in results), "accepted": sum(r["accepted"] for r in results),
+            "accepted_params": sum(r["accepted_params"] for r in results),
+            "refused": refused, "client_cpu_seconds": sum(r["cpu_seconds"] for r in results)}
+
+
+# --- the bench ----------------------------------------------------------------------
+
+
+def bench_ingest(num_params: int = DEFAULT_PARAMS, learners: int = 4, fragments: int = 8,
+                 rounds: int = 4, warmup_rounds: int = 1) -> dict:
+    """Ingest rate, fsync latency and memory of one shard process under N learners.
+
+    Every learner pushes each fragment once per round; `warmup_rounds` go first,
+    unmeasured (the shard jit-compiles one outer step per fragment size there).
+    Raises ValueError for a layout with fewer tensors than fragments.
+    """
+    specs = transformer_specs(num_params)
+    if len(specs) < fragments:
+        raise ValueError(f"--fragments {fragments}: the {num_params}-param model has only "
+                         f"{len(specs)} tensors; use --fragments <= {len(specs)} or more --params")
+    plan = FragmentPlan.build(specs, fragments)
+    held = plan.num_params
+    load_before = os.getloadavg()[0]
+    ctx = mp.get_context("spawn")
+    root = pathlib.Path(tempfile.mkdtemp(prefix="atoll-bench-ingest-"))
+    shard = raw_conn = None
+    procs, learner_procs = [], []  # learner_procs: (pipe, process) per learner
+    try:
+        shard, port, metrics_port = _start_shard(root / "data", learners, root / "syncer.log")
+        rss_start = _proc_status(shard.pid)["VmRSS"]
+        raw_conn, child = ctx.Pipe()
+        procs.append(ctx.Process(target=_serve_raw, name="raw-grpc-server", args=(child,), daemon=True))
+        procs[-1].start()
+        raw_port = _recv(raw_conn, procs[-1])
+        for i in range(learners):
+            conn, child = ctx.Pipe()
+            procs.append(ctx.Process(target=_learner, name=f"learner-{i}", daemon=True, args=(
+                child, i, f"127.0.0.1:{port}", f"127.0.0.1:{raw_port}", plan.to_json())))
+            procs[-1].start()
+            learner_procs.append((conn, procs[-1]))
+
+        init = ShardClient(f"127.0.0.1:{port}", "bench-init")
+        rng = np.random.default_rng(12345)
+        for p, size in enumerate(plan.fragment_sizes):
+            values = rng.standard_normal(size, dtype=np.float32) * np.float32(0.02)
+            init.init(plan, p, codec.encode(values, codec.Codec.INT4), codec.Codec.INT4)
+        del values
+        init.close()
+        frame_bytes = [_recv(conn, proc) for conn, proc in learner_procs]  # frames are encoded
+        bits_per_param = 8 * sum(map(sum, frame_bytes)) / (learners * held)
+
+        for conn, _ in learner_procs:
+            conn.send(("watch", 0))
+        for conn, proc in learner_procs:
+            _recv(conn, proc)
+        if warmup_rounds:
+            _run_phase(learner_procs, "ingest", warmup_rounds)
+        raw_before = _run_phase(learner_procs, "raw", rounds)
+        before = _scrape(metrics_port)
+        cpu_before = _cpu_seconds(shard.pid)
+        try:  # "5" resets VmHWM, so the peak below is the measured phase's own
+            pathlib.Path(f"/proc/{shard.pid}/clear_refs").write_text("5")
+            peak_scope = "the measured phase"
+        except OSError:
+            peak_scope = "the shard's whole life (could not reset VmHWM)"
+        ingest = _run_phase(learner_procs, "ingest", rounds)
+        cpu_shard = _cpu_seconds(shard.pid) - cpu_before
+        after = _scrape(metrics_port)
+        mem = _proc_status(shard.pid)
+        ring = _delta_ring(f"127.0.0.1:{port}")
+        raw_after = _run_phase(learner_procs, "raw", rounds)
+    finally:
+        # learners first: a server that goes away under an open channel makes gRPC log it
+        stages = [learner_procs, [(raw_conn, procs[0])] if raw_conn else []]
+        for stage in stages:
+            for conn, _ in stage:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+            for _, proc in stage:
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+        if shard is not None:
+            # The data is thrown away, so no clean stop (and its final snapshot) is waited for.
+            shard.send_signal(signal.SIGKILL)
+            shard.wait()
+        shutil.rmtree(root, ignore_errors=True)
+
+    def mb_per_s(phase: dict) -> float:
+        return phase["bytes"] / phase["seconds"] / 1e6
+
+    raw_runs = [mb_per_s(raw_before), mb_per_s(raw_after)]
+    raw = max(raw_runs)
+    wire = mb_per_s(ingest)
+    expected = learners * fragments * rounds
+    ingest_mparams = ingest["accepted_params"] / ingest["seconds"] / 1e6
+    fsync = _delta(after, before, "atoll_wal_fsync_seconds_count").get("", 0.0)
+    ratio = wire / raw
+    rss = (mem["VmRSS"] - rss_start) / held
+    ring_delta_bytes_per_param = ring["delta_bytes"] / held
+    ring_filled = min(ring["capacity"], warmup_rounds + rounds)
+    rss_ring_full = rss + (ring["capacity"] - ring_filled) * ring_delta_bytes_per_param
+    peak = (mem["VmHWM"] - rss_start) / held
+    return {
+        "params": held,
+        "learners": learners,
+        "fragments": fragments,
+        "rounds": rounds,
+        "warmup_rounds": warmup_rounds,
+        "codec": "int4",
+        "bits_per_param": round(bits_per_param, 4),
+        "chunk_bytes": CHUNK_BYTES,
+        "pushes_accepted": ingest["accepted"],
+        "pushes_expected": expected,
+        "pushes_refused": ingest["refused"],
+        "measured_seconds": round(ingest["seconds"], 3),
+        "ingest_mparams_per_s": round(ingest_mparams, 1),
+        "wire_mb_per_s": round(wire, 1),
+        "raw_grpc_mb_per_s": round(raw, 1),
+        "raw_grpc_mb_per_s_runs": [round(r, 1) for r in raw_runs],  # before, after the ingest
+        "ratio": round(ratio, 3),
+        "fsync_ms_p50": _quantile_ms(after, before, "atoll_wal_fsync_seconds"),
+        "fsync_ms_p99": _quantile_ms(after, before, "atoll_wal_fsync_seconds", 0.99),
+        "fsyncs": int(fsync),
+        "rss_bytes_per_param": round(rss, 2),
+        "rss_peak_bytes_per_param": round(peak, 2),
+        "rss_ring_full_bytes_per_param_est": round(rss_ring_full, 2),
+        "rss_note": ("rss_bytes_per_param: the shard's VmRSS after the measured rounds minus its "
+                     "VmRSS once serving (before Init), per parameter held; the target applies to "
+                     f"it. rss_peak_bytes_per_param: VmHWM over {peak_scope}, same baseline. The "
+                     f"delta ring then holds {ring_filled} of its {ring['capacity']} published deltas "
+                     "per fragment; rss_ring_full_bytes_per_param_est adds the rest at the measured "
+                     "delta size."),
+        "delta_ring": {"capacity": ring["capacity"], "filled": ring_filled,
+                       "bytes_per_param_per_delta": round(ring_delta_bytes_per_param, 4)},
+        "shard": {
+            "rss_start_bytes": rss_start,
+            "rss_after_bytes": mem["VmRSS"],
+            "rss_peak_bytes": mem["VmHWM"],
+            "cpu_cores_busy": round(cpu_shard / ingest["seconds"], 2),
+            "push_ms_p50": _quantile_ms(after, before, "atoll_push_seconds"),
+            "push_seconds_sum": round(_delta(after, before, "atoll_push_seconds_sum").get("", 0.0), 3),
+            "merge_ms_p50": _quantile_ms(after, before, "atoll_merge_seconds"),
+            "merge_seconds_sum": round(_delta(after, before, "atoll_merge_seconds_sum").get("", 0.0), 3),
+            "fsync_seconds_sum": round(_delta(after, before, "atoll_wal_fsync_seconds_sum").get("", 0.0), 3),
+            "rounds_closed": int(_delta(after, before, "atoll_rounds_total").get("", 0.0)),
+            "received_mb": round(_delta(after, before, "atoll_received_bytes_total").get("", 0.0) / 1e6, 1),
+        },
+        "clients_cpu_cores_busy": round(ingest["client_cpu_seconds"] / ingest["seconds"], 2),
+        # other work on the machine skews every rate: compare runs only under similar load
+        "host": {"cpus": os.cpu_count(), "loadavg_1m_before": round(load_before, 2),
+                 "loadavg_1m_after": round(os.getloadavg()[0], 2)},
+        "targets": {
+            "ratio": {"want": f">= {TARGET_RATIO}", "got": round(ratio, 3), "met": ratio >= TARGET_RATIO},
+            "rss_bytes_per_param": {"want": f"<= {TARGET_RSS_BYTES_PER_PARAM}", "got": round(rss, 2),
+                                    "met": rss <= TARGET_RSS_BYTES_PER_PARAM},
+            "fsync_ms_p50": {"want": "reported", "met": fsync > 0},
+        },
+    }

@@ -1,0 +1,45 @@
+"""`atoll bench ingest` end to end at a tiny size: a real shard process, real learners."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+FIELDS = ("params", "learners", "fragments", "rounds", "codec", "bits_per_param", "pushes_accepted",
+          "pushes_expected", "ingest_mparams_per_s", "wire_mb_per_s", "raw_grpc_mb_per_s", "ratio",
+          "fsync_ms_p50", "rss_bytes_per_param", "rss_peak_bytes_per_param", "rss_note", "targets")
+
+
+def _bench(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "atoll.cli", "bench", "ingest", *flags, "--json"],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(90)
+def test_tiny_run_reports_every_figure():
+    run = _bench("--params", "2000000", "--learners", "2", "--rounds", "2")
+    assert run.returncode == 0, run.stderr
+    r = json.loads(run.stdout)
+    assert all(f in r for f in FIELDS), sorted(set(FIELDS) - set(r))
+    assert r["params"] >= 2_000_000 and (r["learners"], r["fragments"], r["rounds"]) == (2, 8, 2)
+    assert r["pushes_accepted"] == r["pushes_expected"] == 2 * 8 * 2
+    assert r["pushes_refused"] == {}
+    assert r["shard"]["rounds_closed"] == 8 * 2  # quorum 2, no grace: every round closes
+    assert 3.5 < r["bits_per_param"] < 4.5
+    for key in ("ingest_mparams_per_s", "wire_mb_per_s", "raw_grpc_mb_per_s", "ratio", "fsync_ms_p50"):
+        assert r[key] > 0, key
+    # 4-bit frames: params per second is about twice the MB per second
+    assert 1.5 < r["ingest_mparams_per_s"] / r["wire_mb_per_s"] < 2.5
+    assert r["rss_bytes_per_param"] > 0 and r["rss_peak_bytes_per_param"] >= r["rss_bytes_per_param"]
+    assert set(r["targets"]) == {"ratio", "rss_bytes_per_param", "fsync_ms_p50"}
+    assert all(isinstance(t["met"], bool) for t in r["targets"].values())
+
+
+def test_bad_flags_get_readable_errors():
+    run = _bench("--learners", "0", timeout=30)
+    assert run.returncode == 2 and "--learners: must be at least 1" in run.stderr
+    run = _bench("--params", "1000", "--fragments", "50", timeout=30)
+    assert run.returncode == 2 and "use --fragments <=" in run.stderr
