@@ -34,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
 
     add_learner_arguments(learner)
 
+    up = commands.add_parser("up", help="a whole run on this machine: shards and learners as processes, "
+                             "a live table, then a report with plots")
+    from atoll.up import add_arguments as add_up_arguments
+
+    add_up_arguments(up)
 
     bench = commands.add_parser("bench", help="measure a component; prints JSON")
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
@@ -82,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         from learner.main import main as learner_main
 
         return learner_main(args, parser)
+    if args.command == "up":
+        from atoll.up import main as up_main
+
+        return up_main(args, parser)
     if args.command == "bench" and args.bench == "codec":
         from atoll.bench import bench_codec
 

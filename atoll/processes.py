@@ -1,0 +1,214 @@
+"""The children of `atoll up`: shard and learner processes, each with its own log.
+
+Children run in their own session (a terminal's Ctrl-C reaches only `atoll up`, which
+stops learners first, then shards) and get SIGTERM if `atoll up` dies, however it dies
+(PR_SET_PDEATHSIG), so a run never leaves orphans. pids.json lists every child started.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from atoll import progress
+from atoll.up import LearnerSpec, UpConfig
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# 4 learners and 2 shards share 2 cores: one compute thread per child, not XLA's and
+# BLAS's pools oversubscribing them. Measured on 2 cores: the same CPU time per small-model
+# step either way (20.0 vs 20.1 user-s for 20 steps), so one thread costs nothing.
+CHILD_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+XLA_SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false"
+_SERVING = re.compile(r"syncer shard \d+/\d+ serving on port (\d+)(?:, metrics on port (\d+))?")
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when `atoll up` dies, however it dies."""
+    _libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def child_env(single_thread: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONUNBUFFERED"] = "1"
+    if single_thread:
+        for k, v in CHILD_THREAD_ENV.items():
+            env.setdefault(k, v)
+        if "xla_cpu_multi_thread_eigen" not in env.get("XLA_FLAGS", ""):
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {XLA_SINGLE_THREAD}".strip()
+    return env
+
+
+class Child:
+    """One `atoll …` child process with its own log file."""
+
+    def __init__(self, name: str, kind: str, args: list[str], log_path: pathlib.Path, single_thread: bool = True):
+        self.name, self.kind, self.args, self.log_path = name, kind, args, log_path
+        self.single_thread = single_thread
+        self.proc: subprocess.Popen | None = None
+        self.log_offset = 0  # where this start's output begins in the log
+
+    def start(self, pids: PidFile) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.log_offset = log.tell()
+            log.write(f"--- {datetime.datetime.now().isoformat(timespec='seconds')} atoll up starts: "
+                      f"{' '.join(self.args[2:])}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen([sys.executable, "-m", "atoll.cli", *self.args], stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT, env=child_env(self.single_thread),
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        pids.add(self)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def output(self) -> str:
+        """This start's output so far."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                return f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def tail(self, lines: int = 12) -> str:
+        return "\n".join("    " + t for t in self.output().splitlines()[-lines:])
+
+
+def stop_children(children: list[Child], seconds: float, hurry: threading.Event | None = None) -> None:
+    """SIGTERM, wait up to `seconds` (or until `hurry`), SIGKILL the stragglers, reap all."""
+    live = [c for c in children if c.alive()]
+    for c in live:
+        try:
+            c.proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + seconds
+    while any(c.alive() for c in live) and time.monotonic() < deadline and not (hurry and hurry.is_set()):
+        time.sleep(0.05)
+    for c in live:
+        if c.alive():
+            try:
+                c.proc.kill()
+            except ProcessLookupError:
+                pass
+        c.proc.wait()
+
+
+class PidFile:
+    """pids.json: this session's `atoll up` pid and every child it started, written atomically."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self.children: list[dict] = []
+        self._write()
+
+    def add(self, child: Child) -> None:
+        self.children.append({"name": child.name, "kind": child.kind, "pid": child.proc.pid})
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"up": os.getpid(), "children": self.children}, indent=1))
+        os.replace(tmp, self.path)
+
+
+class Shard(Child):
+    """`atoll syncer` on 127.0.0.1, port 0 at first (read from its serving line), with metrics."""
+
+    def __init__(self, cfg: UpConfig, index: int, run_dir: pathlib.Path):
+        self.cfg, self.index, self.run_dir = cfg, index, run_dir
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.restarts = 0
+        self.state = "starting"  # starting, serving, restarting, stopped, failed
+        super().__init__(f"shard-{index}", "shard", self._args(0), run_dir / "logs" / f"shard-{index}.log")
+
+    def _args(self, port: int) -> list[str]:
+        c = self.cfg
+        return ["syncer", "--shard-index", str(self.index), "--num-shards", str(c.shards),
+                "--data-dir", str(self.run_dir / "shards" / str(self.index)), "--listen", f"127.0.0.1:{port}",
+                "--metrics-port", "0", "--quorum", str(c.quorum), "--grace-factor", str(c.grace_factor),
+                "--lease-seconds", str(c.lease_seconds), "--max-staleness", str(c.max_staleness),
+                "--outer-lr", str(c.outer_lr), "--outer-momentum", str(c.outer_momentum),
+                "--publish-codec", c.codec]
+
+    def restart(self, pids: PidFile) -> None:
+        """On the same port, from the same data directory (it recovers from disk)."""
+        self.args = self._args(self.port)
+        self.restarts += 1
+        self.state, self.metrics_port = "restarting", None
+        self.start(pids)
+
+    def check_serving(self) -> bool:
+        """True once this start printed its serving line (ports read from it)."""
+        if self.state in ("starting", "restarting"):
+            m = _SERVING.search(self.output())
+            if m:
+                self.port = int(m.group(1))
+                self.metrics_port = int(m.group(2)) if m.group(2) else None
+                self.state = "serving"
+        return self.state == "serving"
+
+
+class Learner(Child):
+    """`atoll learner` (or the data-parallel baseline) and its status file."""
+
+    def __init__(self, spec: LearnerSpec, cfg: UpConfig, run_dir: pathlib.Path, addresses: list[str]):
+        self.spec = spec
+        self.status = progress.StatusFile(run_dir / "learners" / f"{spec.name}.jsonl")
+        self.status.poll()
+        self.state = "waiting"  # waiting, starting, then the records' joining/training/done/stopped, or crashed
+        self.eval_loss: float | None = None
+        self.life_start: float | None = None
+        baseline = spec.index < 0
+        args = ["learner", "--learner-id", spec.name, "--num-learners", str(cfg.learners), "--preset", cfg.preset,
+                "--batch-size", str(spec.batch_size), "--steps", str(spec.steps), "--seed", str(cfg.seed),
+                "--eval-every", str(spec.eval_every), "--eval-batches", str(spec.eval_batches),
+                "--slowdown", str(spec.slowdown), "--status-file", str(self.status.path)]
+        if baseline:
+            args += ["--baseline"]
+        else:
+            args += ["--learner-index", str(spec.index), "--shards", ",".join(addresses), "--period", str(cfg.period),
+                     "--overlap", str(cfg.overlap), "--fragments", str(cfg.fragments), "--codec", cfg.codec]
+        # the baseline runs alone, after the learners: let it use every core
+        super().__init__(spec.name, "baseline" if baseline else "learner", args,
+                         run_dir / "logs" / f"{spec.name}.log", single_thread=not baseline)
+
+    @property
+    def finished(self) -> bool:
+        last = self.status.last
+        return last is not None and last.get("state") == "done" and last.get("step", 0) >= self.spec.steps
+
+    def update(self) -> None:
+        for r in self.status.poll():
+            if r.get("state") == "joining":
+                self.life_start = r["time"]
+            if r.get("eval_loss") is not None:
+                self.eval_loss = r["eval_loss"]
+            if self.state not in ("crashed", "killed"):
+                self.state = r.get("state", self.state)
+
+    def row(self) -> dict:
+        r = self.status.last
+        training = (r["time"] - self.life_start) if r and self.life_start else None
+        return {"name": self.name, "state": self.state, "steps": self.spec.steps, "record": r,
+                "eval_loss": self.eval_loss, "training_seconds": training}

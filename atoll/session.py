@@ -1,0 +1,289 @@
+"""One `atoll up` session: start or resume the children, watch them, finish or stop, report.
+
+A small state machine driven by a 1 s tick: shards start (their ports read from the
+line each prints), then learners; every tick reads learners' status files and shards'
+/metrics, redraws the table, and handles children that exit (a learner: the others go
+on; a shard: restarted once on the same port, it recovers from disk). Then the global
+model is evaluated, shards stop, the optional baseline trains, and the report is written.
+SIGINT/SIGTERM at any point: learners stop first, then shards; the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import threading
+import time
+
+from atoll import progress
+from atoll.processes import Child, Learner, PidFile, Shard, stop_children
+from atoll.report import write_report
+from atoll.up import UpConfig, baseline_spec, learner_specs
+
+TICK = 1.0  # seconds between table redraws and child checks
+STALL_SECONDS = 60.0  # no learner step for this long while all train: say so
+LINE_EVERY = 5.0  # seconds between log lines when not on a terminal
+SAMPLE_EVERY = 2.0  # seconds between shard metric samples in shards.jsonl
+LEARNER_STOP_SECONDS = 30.0  # SIGTERM -> SIGKILL: a learner finishes its step, evaluates, leaves
+SHARD_STOP_SECONDS = 15.0  # SIGTERM -> SIGKILL: a shard writes its final snapshot
+SHARD_START_SECONDS = 120.0  # a shard must print its port within this (imports on a busy machine)
+
+
+class Session:
+    """One `atoll up` session: start or resume, watch, finish (or stop), report."""
+
+    def __init__(self, cfg: UpConfig, run_dir: pathlib.Path, out, live: bool):
+        self.cfg, self.run_dir, self.out, self.live = cfg, run_dir, out, live
+        self.screen = progress.Screen(out) if live else None
+        self.stop_signal: int | None = None
+        self.hurry = threading.Event()
+        self.wake = threading.Event()
+        self.events: list[str] = []
+        self.shards: list[Shard] = []
+        self.learners: list[Learner] = []
+        self.baseline: Learner | None = None
+        self.started = time.time()
+        self.learners_started: float | None = None
+        self.learners_ended: float | None = None
+        self.failure: str | None = None
+        self.pids = PidFile(run_dir / "pids.json")
+        self._line = progress.Ticker(LINE_EVERY)
+        self._sample = progress.Ticker(SAMPLE_EVERY)
+        self._metrics: dict[int, dict] = {}
+        self._steps_seen, self._progress_at, self._stall_said = -1, time.monotonic(), False
+
+    # -- signals and messages --
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signum
+        else:
+            self.hurry.set()  # a second Ctrl-C: stop waiting for children, kill them
+        self.wake.set()
+
+    def say(self, text: str, detail: str = "") -> None:
+        """An event: under the table on a terminal, a log line otherwise; always in the report."""
+        stamp = progress.clock(time.time() - self.started)
+        self.events.append(f"[{stamp}] {text}" + (f"\n{detail}" if detail else ""))
+        if not self.live:
+            print(self.events[-1], file=self.out, flush=True)
+
+    # -- the session --
+
+    def run(self) -> dict:
+        """Runs the session to its end (or a signal or failure); returns the report."""
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        global_eval = None
+        try:
+            self._start_shards()
+            if self._running():
+                self._start_learners()
+                self._watch(lambda: any(l.alive() for l in self.learners))
+            self._stop(self.learners, LEARNER_STOP_SECONDS)  # learners before shards, always
+            self.learners_ended = time.time()
+            if self._running() and self.cfg.baseline:
+                self._start_baseline()  # before this process imports JAX: no fork() after its threads
+            if self._running() and all(s.state == "serving" for s in self.shards):
+                self.say("learners finished; evaluating the global model from the shards")
+                global_eval = self._evaluate_global()
+            self._stop(self.shards, SHARD_STOP_SECONDS)
+            if self._running() and self.baseline is not None:
+                self._watch(lambda: self.baseline.alive())
+        finally:
+            self._stop(self.learners + ([self.baseline] if self.baseline else []), LEARNER_STOP_SECONDS)
+            self._stop(self.shards, SHARD_STOP_SECONDS)
+            for s, h in handlers.items():
+                signal.signal(s, h)
+        return self._finish(global_eval)
+
+    def _running(self) -> bool:
+        return self.stop_signal is None and self.failure is None
+
+    def _start_shards(self) -> None:
+        self.shards = [Shard(self.cfg, i, self.run_dir) for i in range(self.cfg.shards)]
+        for s in self.shards:
+            s.start(self.pids)
+        deadline = time.monotonic() + SHARD_START_SECONDS
+        while self._running() and not all(s.check_serving() for s in self.shards):
+            for s in self.shards:
+                if not s.alive() and s.state != "serving":
+                    self.failure = f"shard {s.index} exited with status {s.returncode} before serving"
+                    self.say(self.failure, s.tail())
+            if time.monotonic() > deadline:
+                self.failure = f"shards did not start within {SHARD_START_SECONDS:.0f} s"
+                self.say(self.failure)
+            self.wake.wait(0.1)
+        if self._running():
+            self.say("shards serving on " + ", ".join(f"127.0.0.1:{s.port}" for s in self.shards))
+
+    def _start_learners(self) -> None:
+        addresses = [f"127.0.0.1:{s.port}" for s in self.shards]
+        self.learners = [Learner(spec, self.cfg, self.run_dir, addresses) for spec in learner_specs(self.cfg)]
+        for l in self.learners:
+            if l.finished:
+                l.state = "done"
+                continue
+            if l.status.last is not None:
+                self.say(f"{l.name} resumes from step {l.status.last.get('step', 0)}")
+            l.start(self.pids)
+            l.state = "starting"
+        self.learners_started = time.time()
+
+    def _start_baseline(self) -> None:
+        """The data-parallel reference, alone after the learners (so it has both cores)."""
+        self.baseline = Learner(baseline_spec(self.cfg), self.cfg, self.run_dir, [])
+        if self.baseline.finished:
+            self.baseline.state = "done"
+            return
+        self.say(f"training the data-parallel baseline ({self.baseline.spec.steps} steps of "
+                 f"{self.cfg.learners}x{self.cfg.batch_size} sequences) for the loss plot")
+        self.baseline.start(self.pids)
+        self.baseline.state = "starting"
+
+    def _watch(self, busy) -> None:
+        """Redraws and checks children every TICK until `busy()` is false or we must stop."""
+        while self._running() and busy():
+            self._tick()
+            self.wake.wait(TICK)
+            self.wake.clear()
+        self._tick()
+
+    def _tick(self, draw: bool = True) -> None:
+        steps = 0
+        for l in self.learners + ([self.baseline] if self.baseline else []):
+            l.update()
+            steps += (l.status.last or {}).get("step", 0)
+            if l.proc is not None and l.state not in ("crashed", "exited") and not l.alive():
+                l.update()
+                if l.returncode == 0 and l.state in ("done", "stopped"):
+                    continue
+                l.state = "crashed"
+                self.say(f"{l.name} exited with status {l.returncode} at step "
+                         f"{(l.status.last or {}).get('step', 0)}; the others go on. Its log "
+                         f"({l.log_path}) ends:", l.tail())
+        for s in self.shards:
+            s.check_serving()
+            if s.state in ("serving", "restarting", "starting") and not s.alive() and self._running():
+                if s.restarts == 0 and s.port is not None:
+                    self.say(f"shard {s.index} exited with status {s.returncode}; restarting it on port {s.port} "
+                             f"(it recovers from {self.run_dir / 'shards' / str(s.index)}). Its log ends:", s.tail())
+                    s.restart(self.pids)
+                else:
+                    s.state = "failed"
+                    self.failure = f"shard {s.index} exited with status {s.returncode} again; stopping the run"
+                    self.say(self.failure, s.tail())
+            if s.state == "serving":
+                m = progress.scrape(s.metrics_port)
+                if m is not None:
+                    self._metrics[s.index] = m
+        self._check_stall(steps)
+        if self._sample():
+            with open(self.run_dir / "shards.jsonl", "a") as f:
+                now = time.time()
+                for i, m in self._metrics.items():
+                    f.write(json.dumps({"time": now, "shard": i, **m}, separators=(",", ":")) + "\n")
+        if draw:
+            self._draw()
+
+    def _check_stall(self, steps: int) -> None:
+        """Says so (once per stall) when training learners have taken no step for STALL_SECONDS."""
+        now = time.monotonic()
+        if steps != self._steps_seen or not any(l.alive() and l.state == "training" for l in self.learners):
+            self._steps_seen, self._progress_at, self._stall_said = steps, now, False
+        elif now - self._progress_at > STALL_SECONDS and not self._stall_said:
+            self._stall_said = True
+            rounds = ", ".join(f"shard {i}: " + " ".join(f"{p}:v{v}" for p, v in sorted(m["versions"].items()))
+                               for i, m in sorted(self._metrics.items()))
+            self.say(f"no learner has taken a step in {STALL_SECONDS:.0f} s: they are blocked on rounds that "
+                     f"have not closed ({rounds}); Ctrl-C stops the run, `atoll up --run-dir {self.run_dir}` "
+                     "resumes it")
+
+    def _rows(self) -> tuple[list[dict], list[dict]]:
+        learners = [l.row() for l in self.learners + ([self.baseline] if self.baseline else [])]
+        shards = [{"index": s.index, "port": s.port, "state": s.state, "restarts": s.restarts,
+                   "metrics": self._metrics.get(s.index)} for s in self.shards]
+        return learners, shards
+
+    def _draw(self, final: bool = False) -> None:
+        learners, shards = self._rows()
+        elapsed = time.time() - self.started
+        if self.live:
+            title = (f"atoll up  {self.run_dir}  |  {self.cfg.shards} shards, {self.cfg.learners} learners, "
+                     f"{self.cfg.preset}  |  Ctrl-C stops (data kept)")
+            self.screen.draw(progress.table(title, elapsed, learners, shards, self.events))
+        elif final or self._line():
+            print(progress.line(elapsed, learners, shards), file=self.out, flush=True)
+
+    def _stop(self, children: list[Child], seconds: float) -> None:
+        live = [c for c in children if c.alive()]
+        if not live:
+            return
+        if self.stop_signal is not None or self.failure is not None:
+            self.say(f"stopping {', '.join(c.name for c in live)}")
+        stop_children(live, seconds, self.hurry)
+        for c in live:
+            if isinstance(c, Shard):
+                c.state = "stopped"
+            elif isinstance(c, Learner):
+                c.update()
+                if c.state not in ("done", "stopped"):
+                    c.state = "killed"
+                    self.say(f"{c.name} did not stop within {seconds:.0f} s of SIGTERM; killed it")
+        self._tick(draw=False)
+
+    def _evaluate_global(self) -> dict | None:
+        try:
+            return evaluate_global(self.cfg, [f"127.0.0.1:{s.port}" for s in self.shards])
+        except Exception as e:  # a report without the global figure beats no report
+            self.say(f"could not evaluate the global model: {type(e).__name__}: {e}")
+            return None
+
+    def _finish(self, global_eval: dict | None) -> dict:
+        self._draw(final=True)
+        ended = time.time()
+        interrupted = self.stop_signal is not None
+        outcome = "interrupted" if interrupted else "failed" if self.failure else "finished"
+        session = {"start": self.started, "end": ended, "outcome": outcome,
+                   "learners_start": self.learners_started, "learners_end": self.learners_ended or ended}
+        if interrupted:
+            session["signal"] = signal.Signals(self.stop_signal).name
+        with open(self.run_dir / "sessions.jsonl", "a") as f:
+            f.write(json.dumps(session) + "\n")
+        report = write_report(self.run_dir, self.cfg, learner_specs(self.cfg),
+                              baseline_spec(self.cfg) if self.cfg.baseline else None,
+                              global_eval=global_eval, events=self.events, failure=self.failure,
+                              interrupted=session.get("signal"),
+                              states={l.name: l.state for l in self.learners},
+                              shard_restarts={s.index: s.restarts for s in self.shards})
+        return report
+
+
+def evaluate_global(cfg: UpConfig, addresses: list[str]) -> dict:
+    """The global model, pulled fragment by fragment (FP32 snapshots), on the learners' held-out batches."""
+    from learner.client import ShardClient
+    from learner.data import eval_batches, load_corpus
+    from learner.model import init_params, preset
+    from learner.train import evaluate
+    from wire import codec
+    from wire.plan import FragmentPlan
+
+    model_cfg = preset(cfg.preset)
+    plan = FragmentPlan.build(init_params(model_cfg, cfg.seed), cfg.fragments)
+    clients = [ShardClient(a, "", deadline=60.0) for a in addresses]  # anonymous: no lease, no round waits
+    try:
+        vectors, versions = [], {}
+        for p in range(cfg.fragments):
+            pulled = clients[p % len(clients)].pull(p)
+            if not pulled.snapshot or len(pulled.frames) != 1:
+                raise RuntimeError(f"fragment {p}: expected one snapshot frame")
+            vectors.append(codec.decode(pulled.frames[0][2], num_values=plan.fragment_sizes[p]))
+            versions[p] = pulled.version
+    finally:
+        for c in clients:
+            c.close()
+    corpus = load_corpus(None, vocab=model_cfg.vocab)
+    batches = eval_batches(corpus.heldout, context=model_cfg.context, batch_size=cfg.batch_size,
+                           num_batches=cfg.eval_batches)
+    result = evaluate(plan.unflatten(vectors), batches, model_cfg)
+    return {"eval_loss": result["loss"], "eval_bits_per_byte": result["bits_per_byte"], "versions": versions}
