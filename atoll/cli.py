@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 
 
@@ -51,6 +52,20 @@ def _parser() -> argparse.ArgumentParser:
     codec.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
     codec.add_argument("--json", action="store_true",
                        help="print one JSON object (the only output format)")
+    quality = benches.add_parser("quality", help="eval loss vs a data-parallel baseline at equal tokens, "
+                                 "4-bit and fp32, and the bandwidth saved (several minutes)")
+    quality.add_argument("--preset", default="tiny", help="model preset (default %(default)s)")
+    quality.add_argument("--steps", type=_positive_int, default=4000, help="inner steps per learner (default %(default)s)")
+    quality.add_argument("--learners", type=_positive_int, default=4, help="M (default %(default)s)")
+    quality.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per learner step (default %(default)s)")
+    quality.add_argument("--period", type=_positive_int, default=64, help="H (default %(default)s)")
+    quality.add_argument("--overlap", type=int, default=1, help="τ (default %(default)s)")
+    quality.add_argument("--fragments", type=_positive_int, default=4, help="P (default %(default)s)")
+    quality.add_argument("--quorum", type=_positive_int, default=2, help="K (default %(default)s)")
+    quality.add_argument("--outer-lr", type=float, default=1.0, help="shards' outer lr (default %(default)s)")
+    quality.add_argument("--outer-momentum", type=float, default=0.0, help="shards' outer momentum (default %(default)s)")
+    quality.add_argument("--work-dir", type=pathlib.Path, default=None, help="where the runs go (default: a temp dir)")
+    quality.add_argument("--json", action="store_true", help="print one JSON object (the only output format)")
     ingest = benches.add_parser("ingest", help="one shard process's push ingest rate vs raw gRPC, "
                                 "fsync latency and memory per parameter")
     ingest.add_argument("--params", type=_positive_int, default=100_000_000,
@@ -95,6 +110,19 @@ def main(argv: list[str] | None = None) -> int:
         from atoll.bench import bench_codec
 
         print(json.dumps(bench_codec(args.params, args.repeats, args.seed), indent=2))
+        return 0
+    if args.command == "bench" and args.bench == "quality":
+        from atoll.bench_quality import bench_quality
+        from atoll.up import UpConfig, UpConfigError
+
+        try:
+            cfg = UpConfig(learners=args.learners, preset=args.preset, steps=args.steps,
+                           slowdown=(1.0,) * args.learners, batch_size=args.batch_size, period=args.period,
+                           overlap=args.overlap, fragments=args.fragments, quorum=args.quorum,
+                           outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, evals=4)
+        except UpConfigError as e:
+            parser.error(str(e))
+        print(json.dumps(bench_quality(cfg, args.work_dir), indent=2))
         return 0
     if args.command == "bench" and args.bench == "ingest":
         from atoll.bench_ingest import bench_ingest

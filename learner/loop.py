@@ -21,7 +21,7 @@ from learner.client import ShardClient, TlsFiles
 from learner.data import Batches, load_corpus
 from learner.main import LearnerConfig
 from learner.model import preset
-from learner.sync import SyncConfig, Synchronizer
+from learner.sync import SyncConfig, SyncError, Synchronizer
 from learner.train import TrainConfig, Trainer
 from wire.plan import FragmentPlan
 
@@ -29,11 +29,18 @@ log = logging.getLogger("atoll.learner")
 PROGRESS_SECONDS = 2.0  # how often the live line is redrawn
 
 
-def _stop_on_signals() -> threading.Event:
-    """SIGTERM/SIGINT finish the current step, then the learner leaves cleanly."""
+def _stop_on_signals(also: list[threading.Event]) -> threading.Event:
+    """SIGTERM/SIGINT finish the current step (or end a wait on the syncer), then the
+    learner leaves cleanly. `also` holds more events to set (the sync engine's)."""
     stop = threading.Event()
+
+    def handle(*_):
+        stop.set()
+        for event in also:
+            event.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, handle)
     return stop
 
 
@@ -107,7 +114,8 @@ def run(cfg: LearnerConfig) -> int:
             with open(cfg.status_file, "a") as f:
                 f.write(json.dumps(record, separators=(",", ":")) + "\n")
 
-    stop = _stop_on_signals()  # only now: a refused start leaves the caller's handlers alone
+    stopping: list[threading.Event] = []
+    stop = _stop_on_signals(stopping)  # only now: a refused start leaves the caller's handlers alone
     emit("joining")
     trainer.compile()
     if plan is not None:
@@ -116,6 +124,7 @@ def run(cfg: LearnerConfig) -> int:
         clients = [ShardClient(a, cfg.learner_id, token=token, tls=tls, deadline=cfg.deadline) for a in cfg.shards]
         sync = Synchronizer(SyncConfig(period=cfg.period, overlap=cfg.overlap, mix=cfg.mix, codec=cfg.codec),
                             plan, clients)
+        stopping.append(sync.stopping)
         trainer.params = sync.join(trainer.params)
 
     state, last_print, local, m = "done", 0.0, 0, {}
@@ -128,7 +137,14 @@ def run(cfg: LearnerConfig) -> int:
             m = trainer.step()
             local += 1
             if sync is not None:
-                for p, vector in sync.after_step(local, trainer.params, m["wall_time_s"], m["tokens"]).items():
+                try:
+                    updates = sync.after_step(local, trainer.params, m["wall_time_s"], m["tokens"])
+                except SyncError:
+                    if not stop.is_set():
+                        raise
+                    state = "stopped"  # a signal ended a wait on the syncer
+                    break
+                for p, vector in updates.items():
                     trainer.set_tensors(plan.unflatten_fragment(p, vector))
             _observe(metrics, m, sync)
             emit("training", m)

@@ -54,6 +54,7 @@ class SyncConfig:
     mix: float = 0.0  # α: share of the local fragment kept when adopting, in [0, 1)
     codec: codec.Codec = codec.Codec.INT4  # outer-gradient codec on the wire
     max_backoff: float = 5.0  # seconds, cap of the retry backoff (jittered), > 0
+    patience: float = 30.0  # seconds (at least; 4 periods of steps if longer) to wait for a round
 
     def __post_init__(self):
         if self.period < 1:
@@ -116,7 +117,7 @@ class Synchronizer:
         self.stopping = threading.Event()
         self.step_seconds = 0.0
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "pushes": 0, "refused": 0, "resyncs": 0,
-                      "adopted": 0, "blocked_seconds": 0.0}
+                      "adopted": 0, "stalled": 0, "blocked_seconds": 0.0}
         self._watches: list[grpc.Future] = []  # open Watch calls, cancelled by close()
 
     def client_of(self, p: int) -> ShardClient:
@@ -237,7 +238,14 @@ class Synchronizer:
             self._advance(frag, None)
             return _Outcome(frag.version, None, frag.base.copy())
         merged_in = frag.version + ack.staleness + 1  # the version that will hold this push
-        self._wait_for(p, merged_in)
+        patience = max(self.cfg.patience, 4 * self.cfg.period * self.step_seconds)
+        if not self._wait_for(p, merged_in, patience):
+            # the round holding our push is stuck (its other members are blocked on us, or
+            # gone but still holding leases): keep training on local weights rather than
+            # wait on it; the next push finds us still in that round and resyncs
+            self._count("stalled", 1)
+            log.warning("fragment %d: no version %d after %.0f s; going on without it", p, merged_in, patience)
+            return _Outcome(frag.version, np.zeros_like(theta))
         self._advance(frag, merged_in)
         keep = 1.0 - self.cfg.mix
         return _Outcome(frag.version, np.float32(keep) * (frag.base - theta))
@@ -288,12 +296,17 @@ class Synchronizer:
             failures += 1
             self.stopping.wait(self._backoff(failures))
 
-    def _wait_for(self, p: int, version: int) -> None:
+    def _wait_for(self, p: int, version: int, timeout: float | None = None) -> bool:
+        """Waits until fragment p is known at `version`; False if `timeout` s pass first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self.known:
             while self.latest.get(p, 0) < version and not self.stopping.is_set():
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
                 self.known.wait(1.0)
         if self.stopping.is_set():
             raise SyncError("learner stopping")
+        return True
 
     def versions(self) -> dict[int, tuple[int, int]]:
         """{fragment: (adopted version, newest known version)}."""

@@ -1,0 +1,78 @@
+"""`atoll bench quality`: does the method train as well as data-parallel training?
+
+Three runs of the same model on the same data for the same number of tokens:
+(a) the data-parallel baseline (one process, M× batch), (b) atoll with M learners
+and 4-bit outer gradients, (c) the same with fp32 outer gradients. Each atoll run is
+a real `atoll up` (shard and learner processes over loopback); its eval loss is the
+*global* model's, pulled from the shards at the end, on the same held-out rows the
+baseline is scored on.
+
+Bandwidth is counted the way the issue defines it: data-parallel training exchanges
+one fp32 gradient per step per learner (4 bytes per parameter, one direction), atoll
+what its learners actually sent (Init offers, pushes); the figure counting both
+directions (DP 8 bytes per parameter per step against atoll's sent + received,
+the start-up snapshot pulls included) is printed next to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+import tempfile
+
+from atoll.session import Session
+from atoll.up import UpConfig, prepare_run_dir
+
+TARGET_GAP_PCT = 1.5
+TARGET_REDUCTION = 400.0
+
+
+def _run(cfg: UpConfig, run_dir: pathlib.Path) -> dict:
+    cfg, _ = prepare_run_dir(run_dir, dataclasses.asdict(cfg) | {"slowdown": list(cfg.slowdown)})
+    report = Session(cfg, run_dir, sys.stderr, live=False).run()
+    if not report.get("complete"):
+        raise RuntimeError(f"the run in {run_dir} did not finish: {report.get('failure') or report.get('interrupted')}")
+    return report
+
+
+def bench_quality(cfg: UpConfig, work_dir: pathlib.Path | None = None) -> dict:
+    """Runs (a), (b), (c) and compares them; `cfg` is (b)'s configuration."""
+    base = pathlib.Path(work_dir or tempfile.mkdtemp(prefix="atoll-quality-"))
+    four = _run(dataclasses.replace(cfg, codec="int4", baseline=True), base / "int4")
+    fp32 = _run(dataclasses.replace(cfg, codec="fp32", baseline=False), base / "fp32")
+    learners = four["learners"].values()
+    params = next(iter(learners))["params"]
+    steps = sum(r["steps"] for r in learners)
+    sent = sum(r["bytes_sent"] for r in learners)
+    received = sum(r["bytes_received"] for r in learners)
+    bytes_dp = steps * params * 4  # one fp32 gradient per learner step
+    baseline_loss = four["baseline"]["final_eval_loss"]
+    loss4, loss32 = four["global"]["eval_loss"], fp32["global"]["eval_loss"]
+    gap = 100 * (loss4 / baseline_loss - 1)
+    reduction = bytes_dp / sent
+    return {
+        "budget": {"preset": cfg.preset, "params": params, "learners": cfg.learners,
+                   "tokens": four["global"]["tokens"], "baseline_tokens": four["baseline"]["tokens"],
+                   "inner_steps_per_learner": cfg.steps, "batch_size": cfg.batch_size,
+                   "period": cfg.period, "overlap": cfg.overlap, "fragments": cfg.fragments,
+                   "quorum": cfg.quorum, "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum},
+        "baseline_eval_loss": baseline_loss,
+        "atoll_4bit_eval_loss": loss4,
+        "atoll_fp32_eval_loss": loss32,
+        "gap_pct": round(gap, 3),
+        "gap_fp32_pct": round(100 * (loss32 / baseline_loss - 1), 3),
+        "bytes_dp": bytes_dp,
+        "bytes_atoll": sent,
+        "bytes_atoll_received": received,
+        "bytes_atoll_fp32": sum(r["bytes_sent"] for r in fp32["learners"].values()),
+        "bandwidth_reduction": round(reduction, 1),
+        "bandwidth_reduction_both_ways": round(2 * bytes_dp / (sent + received), 1),
+        "wall_seconds": {"int4_and_baseline": four["wall_seconds"], "fp32": fp32["wall_seconds"]},
+        "run_dirs": {"int4": str(base / "int4"), "fp32": str(base / "fp32")},
+        "targets": {
+            "gap_pct": {"want": f"<= {TARGET_GAP_PCT}", "got": round(gap, 3), "met": gap <= TARGET_GAP_PCT},
+            "bandwidth_reduction": {"want": f">= {TARGET_REDUCTION:g}", "got": round(reduction, 1),
+                                    "met": reduction >= TARGET_REDUCTION},
+        },
+    }

@@ -1,0 +1,25 @@
+"""`atoll bench quality` end to end at a toy budget: three real runs, one JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from syncer_helpers import REPO
+
+
+def test_quality_bench_compares_three_runs_at_equal_tokens(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "atoll.cli", "bench", "quality", "--steps", "40",
+                             "--learners", "2", "--period", "8", "--work-dir", str(tmp_path), "--json"],
+                            cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    r = json.loads(result.stdout)
+    for key in ("baseline_eval_loss", "atoll_4bit_eval_loss", "atoll_fp32_eval_loss"):
+        assert 0 < r[key] < 5.6, (key, r[key])  # all three learned something from ln 256 ≈ 5.55
+    assert r["budget"]["tokens"] == r["budget"]["baseline_tokens"] == 2 * 40 * 16 * 32
+    assert abs(r["gap_pct"] - 100 * (r["atoll_4bit_eval_loss"] / r["baseline_eval_loss"] - 1)) < 1e-2
+    # 4-bit frames carry ~8x fewer bytes than fp32 ones; the Init offers are the same in both
+    assert r["bytes_atoll"] < r["bytes_atoll_fp32"]
+    assert r["bandwidth_reduction"] == round(r["bytes_dp"] / r["bytes_atoll"], 1)
+    assert set(r["targets"]) == {"gap_pct", "bandwidth_reduction"}
