@@ -83,11 +83,16 @@ SHARD_FLAGS = ["--num-shards", "2", "--quorum", "2", "--grace-factor", "1", "--l
                "--snapshot-every", "4"]
 
 
+def _two_shards_two_learners(start, tmp_path, learners, steps):
+    shards = [start(tmp_path / f"s{i}", "--shard-index", str(i), *SHARD_FLAGS) for i in range(2)]
+    ports = [s.port for s in shards]
+    learners += [Learner(tmp_path, f"l{i}", i, ports, steps, "--slowdown", "8").start() for i in range(2)]
+    return shards, ports
+
+
 def test_learners_train_through_a_shard_kill(tmp_path, learners):
     with syncer_processes(tmp_path) as start:
-        shards = [start(tmp_path / f"s{i}", "--shard-index", str(i), *SHARD_FLAGS) for i in range(2)]
-        ports = [s.port for s in shards]
-        learners += [Learner(tmp_path, f"l{i}", i, ports, 160, "--slowdown", "8").start() for i in range(2)]
+        shards, ports = _two_shards_two_learners(start, tmp_path, learners, 160)
         learners[0].wait_for_step(50)
         # the injected fault: kill -9 shard 1 mid-run, then bring it back on the same port
         assert shards[1].kill() == -signal.SIGKILL
@@ -119,9 +124,7 @@ def test_learners_train_through_a_shard_kill(tmp_path, learners):
 
 def test_a_killed_learner_rejoins_at_the_current_version(tmp_path, learners):
     with syncer_processes(tmp_path) as start:
-        shards = [start(tmp_path / f"s{i}", "--shard-index", str(i), *SHARD_FLAGS) for i in range(2)]
-        ports = [s.port for s in shards]
-        learners += [Learner(tmp_path, f"l{i}", i, ports, 140, "--slowdown", "8").start() for i in range(2)]
+        shards, ports = _two_shards_two_learners(start, tmp_path, learners, 140)
         learners[1].wait_for_step(40)
         learners[1].kill()  # kill -9: no goodbye
         killed_at = learners[1].records()[-1]["step"]
