@@ -113,3 +113,24 @@ def test_a_learner_with_another_plan_is_refused(shards):
     with pytest.raises(SyncError, match="index order"):
         swapped.check_shards()
     swapped.close()
+
+
+def test_a_learner_does_not_wait_forever_on_a_round_that_cannot_close(shards):
+    """Quorum 2; learner b is live (its Watch keeps its lease) but never pushes, so a's
+    rounds never close. a waits `patience`, then trains on, and at its next push (refused:
+    it is still in the open round) resyncs to the global weights."""
+    cfg = SyncConfig(period=4, overlap=1, patience=1.0)
+    a = Synchronizer(cfg, PLAN, _clients(shards, "a"))
+    b = Synchronizer(cfg, PLAN, _clients(shards, "b"))
+    params = a.join(_copy(START))
+    b.join(_copy(START))
+    zeros = _zeros(START)
+    for step in range(1, 13):  # three periods: every fragment is due again while stuck
+        params = _toward(params, zeros, 0.05)
+        params = a.apply(params, a.after_step(step, params, 0.001, 64))
+    stats = dict(a.stats)
+    a.close()
+    b.close()
+    assert stats["stalled"] >= PLAN.num_fragments  # each fragment gave up on its first round
+    assert stats["resyncs"] >= 1  # and the next push found a still in that round
+    assert stats["pushes"] >= 2 * PLAN.num_fragments  # training went on past the stuck rounds
