@@ -181,8 +181,10 @@ def _check_rows(rows: int, mesh: Mesh) -> None:
 
 
 def _f32(x: Any) -> Any:
-    """float32 without a round trip: jax arrays stay on device, the rest go via numpy."""
-    return x.astype(jnp.float32) if isinstance(x, jax.Array) else np.asarray(x, np.float32)
+    """float32 without a round trip: jax arrays stay on device, the rest go via a numpy
+    copy of our own (the CPU client adopts a suitably aligned host array instead of
+    copying it, so handing it the caller's buffer would alias it)."""
+    return x.astype(jnp.float32) if isinstance(x, jax.Array) else np.array(x, np.float32, copy=True)
 
 
 class BatchSource(Protocol):

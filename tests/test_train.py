@@ -119,6 +119,25 @@ def test_sync_client_swaps_params_through_the_plan(corpus):
         trainer.params = {"head": {"w": np.zeros((32, 256))}}
 
 
+def test_swapped_params_never_alias_the_callers_buffer(corpus):
+    """The CPU client adopts a 64-byte-aligned host array instead of copying it; the
+    trainer must copy, or the caller's later writes would reach the model."""
+    trainer = make_trainer(corpus)
+    plan = FragmentPlan.build(trainer.params, 4)
+    size = plan.fragment_sizes[2]
+    raw = np.empty(size * 4 + 64, np.uint8)
+    aligned = raw[-raw.ctypes.data % 64:][:size * 4].view(np.float32)
+    aligned[:] = plan.flatten_fragment(trainer.params, 2) + 1.0
+    expected = aligned.copy()
+    trainer.set_tensors(plan.unflatten_fragment(2, aligned))
+    aligned += 5.0
+    np.testing.assert_array_equal(plan.flatten_fragment(trainer.params, 2), expected)
+    vectors = plan.flatten(trainer.params)
+    trainer.params = plan.unflatten([aligned if p == 2 else v for p, v in enumerate(vectors)])
+    aligned += 5.0
+    np.testing.assert_array_equal(plan.flatten_fragment(trainer.params, 2), expected + 5.0)
+
+
 def test_slowdown_stretches_each_step(corpus):
     trainer = make_trainer(corpus, slowdown=3.0)
     trainer.step()
