@@ -212,6 +212,19 @@ def _smoothed(points: list[tuple[float, float]], keep: float = 0.9) -> list[tupl
     return out
 
 
+def _save(fig, ax, path: pathlib.Path, legend: dict) -> str:
+    """Grid, legend (when anything is labelled), layout; writes the PNG, frees the figure."""
+    import matplotlib.pyplot as plt
+
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**legend)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path.name
+
+
 def plot(run_dir: pathlib.Path, report: dict, specs, baseline_spec=None) -> list[str]:
     """loss.png, wire.png, lag.png; returns their names."""
     import matplotlib
@@ -262,13 +275,7 @@ def plot(run_dir: pathlib.Path, report: dict, specs, baseline_spec=None) -> list
     cfg = report["config"]
     ax.set_title(f"atoll up: {cfg['learners']} learners, {cfg['shards']} shards, {cfg['preset']}, "
                  f"{cfg['codec']}, H={cfg['period']}")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(run_dir / "loss.png")
-    plt.close(fig)
-    names.append("loss.png")
+    names.append(_save(fig, ax, run_dir / "loss.png", legend=dict(fontsize=8)))
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=100)
     for k, (name, rs) in enumerate(records.items()):
@@ -282,13 +289,7 @@ def plot(run_dir: pathlib.Path, report: dict, specs, baseline_spec=None) -> list
     ax.set_ylabel("MB on the wire (cumulative)")
     bits = g.get("push_bits_per_param")
     ax.set_title("bytes on the wire per learner" + (f" ({bits:.2f} bits/param per push)" if bits else ""))
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(run_dir / "wire.png")
-    plt.close(fig)
-    names.append("wire.png")
+    names.append(_save(fig, ax, run_dir / "wire.png", legend=dict(fontsize=7, ncol=2)))
 
     fig, ax = plt.subplots(figsize=(7.5, 4.0), dpi=100)
     for k, (name, rs) in enumerate(records.items()):
@@ -299,11 +300,5 @@ def plot(run_dir: pathlib.Path, report: dict, specs, baseline_spec=None) -> list
     ax.set_ylabel("version lag (versions)")
     ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_title("version lag per learner (newest known - held, worst fragment)")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(run_dir / "lag.png")
-    plt.close(fig)
-    names.append("lag.png")
+    names.append(_save(fig, ax, run_dir / "lag.png", legend=dict(fontsize=8)))
     return names

@@ -107,9 +107,7 @@ def run(cfg: LearnerConfig) -> int:
         record.update(extra)
         if sync is not None:
             record.update(sync.stats)
-            versions = sync.versions()
-            record["version"] = min(v for v, _ in versions.values())
-            record["lag"] = max(latest - v for v, latest in versions.values())
+            record["version"], record["lag"] = sync.standing()
         if cfg.status_file is not None:
             with open(cfg.status_file, "a") as f:
                 f.write(json.dumps(record, separators=(",", ":")) + "\n")
@@ -175,7 +173,7 @@ def _observe(metrics: _Metrics, m: dict, sync: Synchronizer | None) -> None:
         metrics.bytes_sent.set(sync.stats["bytes_sent"])
         metrics.bytes_received.set(sync.stats["bytes_received"])
         metrics.blocked.set(sync.stats["blocked_seconds"])
-        metrics.lag.set(max(latest - v for v, latest in sync.versions().values()))
+        metrics.lag.set(sync.standing()[1])
 
 
 def _progress_line(cfg: LearnerConfig, m: dict, sync: Synchronizer | None, elapsed: float) -> str:
@@ -184,9 +182,7 @@ def _progress_line(cfg: LearnerConfig, m: dict, sync: Synchronizer | None, elaps
     if "eval_loss" in m:
         line += f" | eval {m['eval_loss']:.3f}"
     if sync is not None:
-        versions = sync.versions()
-        adopted = min(v for v, _ in versions.values())
-        lag = max(latest - v for v, latest in versions.values())
+        adopted, lag = sync.standing()
         s = sync.stats
         line += (f" | v{adopted} lag {lag} | sent {s['bytes_sent'] / 1e6:.2f} MB recv "
                  f"{s['bytes_received'] / 1e6:.2f} MB | blocked {100 * s['blocked_seconds'] / max(elapsed, 1e-9):.1f}%")

@@ -313,6 +313,11 @@ class Synchronizer:
         with self.lock:
             return {f.p: (f.version, self.latest.get(f.p, f.version)) for f in self.frags}
 
+    def standing(self) -> tuple[int, int]:
+        """(oldest adopted version, worst lag): the figures a progress line shows."""
+        versions = self.versions().values()
+        return min(v for v, _ in versions), max(latest - v for v, latest in versions)
+
     # --- plumbing ---
 
     def _backoff(self, attempt: int) -> float:
