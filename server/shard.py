@@ -146,7 +146,11 @@ class Shard:
             raise RuntimeError(f"unknown log record kind {kind}")
 
     def _log(self, kind: int, meta: dict, payload: bytes = b"") -> None:
-        self.last_lsn = self.wal.append(_record(kind, meta, payload))
+        self._append([_record(kind, meta, payload)])
+
+    def _append(self, records: list[bytes]) -> None:
+        """Makes records durable with one fsync (before any ack that depends on them)."""
+        self.last_lsn = self.wal.append_many(records)[-1]
         self.metrics.fsync_seconds.observe(self.wal.last_sync_seconds)
 
     def _adopt_plan(self, plan: FragmentPlan) -> None:
@@ -265,8 +269,7 @@ class Shard:
                 self._check_fragment(self.plan, p, fingerprint)  # another plan may have won meanwhile
                 if self.fragments[p].initialized:  # another learner won the race while we decoded
                     return False, self.fragments[p].version
-            self.last_lsn = self.wal.append_many(records)[-1]
-            self.metrics.fsync_seconds.observe(self.wal.last_sync_seconds)
+            self._append(records)
             if self.plan is None:
                 self._adopt_plan(plan)
             frag = self.fragments[p]
