@@ -39,6 +39,10 @@ class ShardMetrics:
                                         registry=r)
         self.round_size = prom.Histogram("atoll_round_size", "Learners merged into each closed round",
                                          buckets=_COUNTS, registry=r)
+        self.compute_seconds = prom.Counter(
+            "atoll_accepted_compute_seconds", "Learner compute carried by accepted pushes: inner steps x "
+            "step seconds / fragments, so the sum over shards is learner-seconds of training that reach "
+            "the global model (divide its rate by provisioned learners for goodput)", registry=r)
         self.rounds = prom.Counter("atoll_rounds", "Rounds closed (outer steps taken)", registry=r)
         self.bytes_in = prom.Counter("atoll_received_bytes", "Payload bytes received in pushes and inits",
                                      registry=r)

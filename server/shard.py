@@ -335,6 +335,7 @@ class Shard:
             self.rounds[h.fragment] = rules.add_contributor(self.rounds[h.fragment], h.learner_id, now,
                                                             self.policy.quorum)
             self.metrics.staleness.observe(verdict.staleness)
+            self.metrics.compute_seconds.inc(h.inner_steps * max(h.step_seconds, 0.0) / self.plan.num_fragments)
             self._maybe_close(h.fragment, now, trigger=h.learner_id)
             return self._count(frag.answers[h.learner_id])
 

@@ -58,7 +58,8 @@ def test_metrics_follow_pushes_rounds_and_refusals(server):
         sent += len(frame)
         ack = _send(stub.Push, pb.PushHeader(learner_id=learner, fragment=0, base_version=0, seq=1,
                                              inner_steps=4, tokens=400, codec=pb.CODEC_INT4, num_params=size,
-                                             plan_fingerprint=PLAN.fingerprint, frame_bytes=len(frame)),
+                                             plan_fingerprint=PLAN.fingerprint, frame_bytes=len(frame),
+                                             step_seconds=0.5),
                     frame, pb.PushRequest)
         assert ack.accepted
     # the same push again: a duplicate, answered and counted as one
@@ -87,6 +88,8 @@ def test_metrics_follow_pushes_rounds_and_refusals(server):
     assert m[("atoll_refused_calls_total", (("code", "NOT_FOUND"), ("method", "Push")))] == 1
     assert m[("atoll_received_bytes_total", ())] == sent
     assert m[("atoll_push_staleness_count", ())] == 2
+    # two accepted pushes of 4 steps at 0.5 s, over the plan's fragments; the duplicate adds nothing
+    assert m[("atoll_accepted_compute_seconds_total", ())] == pytest.approx(2 * 4 * 0.5 / PLAN.num_fragments)
     # one fsync for the plan with its first fragment, one per accepted push, one for the close
     assert m[("atoll_wal_fsync_seconds_count", ())] == 4
     assert m[("atoll_merge_seconds_count", ())] == 1
