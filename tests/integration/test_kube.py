@@ -1,0 +1,352 @@
+"""`atoll status` and `atoll chaos --kubernetes` against kmock's Kubernetes emulator over HTTP
+(reached through a kubeconfig file) and two real `atoll syncer` processes as the shard pods.
+
+The emulator ignores label selectors (it lists every pod of the namespace), so the decoy
+pods here also check that atoll repeats the label check itself before showing or deleting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import random
+import socket
+import statistics
+import threading
+import time
+
+import kmock
+import numpy as np
+import pytest
+
+from atoll import kube
+from syncer_helpers import PLAN, connect, describe, init, push, syncer_processes
+
+NS = "atoll"
+SYNCER = {"app.kubernetes.io/name": "atoll", "app.kubernetes.io/part-of": "atoll",
+          "app.kubernetes.io/component": "syncer"}
+LEARNER = {**SYNCER, "app.kubernetes.io/component": "learner"}
+LEARNERS = {"atoll-learner-us-0": "us-east", "atoll-learner-us-1": "us-east",
+            "atoll-learner-eu-0": "eu-west", "atoll-learner-eu-1": "eu-west"}
+NOT_READY = "atoll-learner-eu-1"
+# not atoll's: no labels; a learner and a syncer of some other app (no app.kubernetes.io/name=atoll)
+BYSTANDERS = {"postgres-0": {}, "other-learner": {"app.kubernetes.io/component": "learner"},
+              "other-syncer": {"app.kubernetes.io/component": "syncer"}}
+COMPUTE_PER_PUSH = 10 * 0.5 / PLAN.num_fragments  # inner_steps x step_seconds / fragments
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pod(name: str, labels: dict, namespace: str = NS, ports: dict | None = None, ready: bool = True,
+        restarts: int = 0, node: str = "node-a") -> dict:
+    container = {"name": "main", "image": "atoll:test",
+                 "ports": [{"name": n, "containerPort": p} for n, p in (ports or {}).items()]}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace, "labels": labels},
+            "spec": {"nodeName": node, "containers": [container]},
+            "status": {"phase": "Running", "podIP": "127.0.0.1",
+                       "conditions": [{"type": "Ready", "status": str(ready)}],
+                       "containerStatuses": [{"name": "main", "image": "atoll:test", "imageID": "", "ready": ready,
+                                              "restartCount": restarts}]}}
+
+
+class Cluster:
+    """kmock's KubernetesEmulator served over HTTP from its own thread and event loop."""
+
+    def __init__(self, shards: list[tuple[int, int]], tmp_path):
+        self.shards, self.ready, self.stop = shards, threading.Event(), None
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+        self.thread.start()
+        assert self.ready.wait(30), "emulator did not start"
+        # one kubeconfig, two contexts: the emulator, and (current) an API nobody listens on
+        self.dead_url = f"http://127.0.0.1:{free_port()}"
+        self.kubeconfig = tmp_path / "kubeconfig"
+        self.kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "down",
+            "clusters": [{"name": "kmock", "cluster": {"server": self.url}},
+                         {"name": "down", "cluster": {"server": self.dead_url}}],
+            "users": [{"name": "tester", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "tester"}},
+                         {"name": "down", "context": {"cluster": "down", "user": "tester"}}]}))
+
+    async def _serve(self) -> None:
+        async with kmock.KubernetesEmulator() as k, kmock.Server(k) as server:
+            self._seed(k)
+            self.k, self.url, self.stop = k, str(server.url).rstrip("/"), asyncio.Event()
+            self.loop = asyncio.get_running_loop()
+            self.ready.set()
+            await self.stop.wait()
+
+    def _seed(self, k) -> None:
+        def namespace(name: str, labels: dict) -> None:
+            # kmock reads GET /api/v1/namespaces/NAME as a list, so namespaces are served explicitly
+            obj = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
+            k[f"get /api/v1/namespaces/{name}"] << (lambda: obj)
+
+        def add(p: dict) -> None:
+            k.objects["v1/pods", p["metadata"]["namespace"], p["metadata"]["name"]] = p
+
+        namespace(NS, {"atoll.dev/enabled": "true"})
+        for i, (grpc_port, metrics_port) in enumerate(self.shards):
+            add(pod(f"atoll-syncer-{i}", SYNCER, ports={"grpc": grpc_port, "metrics": metrics_port},
+                    node=f"node-{i}", restarts=i))
+        for name, region in LEARNERS.items():
+            add(pod(name, {**LEARNER, "atoll.dev/region": region}, ports={"metrics": 9091},
+                    ready=name != NOT_READY, restarts=2 * (name == NOT_READY)))
+        for name, labels in BYSTANDERS.items():
+            add(pod(name, labels, ports={"grpc": self.shards[0][0]}))
+        # labelled, but one shard does not answer and the other is not ready
+        namespace("atoll-down", {"atoll.dev/enabled": "true"})
+        add(pod("atoll-syncer-0", SYNCER, "atoll-down", ports={"grpc": free_port(), "metrics": free_port()}))
+        add(pod("atoll-syncer-1", SYNCER, "atoll-down", ports={"grpc": self.shards[1][0]}, ready=False))
+        namespace("plain", {})  # not marked for atoll: every tool must refuse it
+        add(pod("atoll-learner-0", LEARNER, "plain"))
+        namespace("locked", {"atoll.dev/enabled": "true"})
+        k["get /api/v1/namespaces/locked/pods"] << kmock.KubernetesError(
+            status=403, reason="Forbidden", message='pods is forbidden: User "tester" cannot list pods')
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(timeout=30)
+
+    def requests(self, method: str | None = None, namespace: str | None = None) -> list:
+        return [r for r in list(self.k) if r.resource is not None and r.resource.plural == "pods"
+                and (method is None or r.method.value.upper() == method)
+                and (namespace is None or r.namespace == namespace)]
+
+    def alive(self, name: str, namespace: str = NS) -> bool:
+        try:  # (kmock's `in` wants a parsed resource; its [] parses the string)
+            return not self.k.objects["v1/pods", namespace, name].deleted
+        except KeyError:
+            return False
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Two `atoll syncer` shards (quorum 1, /metrics on) with every fragment initialised and one
+    push to fragment 0; yields [(grpc port, metrics port)]."""
+    tmp = tmp_path_factory.mktemp("shards")
+    with syncer_processes(tmp) as start:
+        ports = []
+        for i in range(2):
+            metrics = free_port()
+            proc = start(tmp / f"s{i}", "--shard-index", i, "--num-shards", 2, "--quorum", 1,
+                         "--grace-factor", 0, "--lease-seconds", 600, "--metrics-port", metrics)
+            ports.append((proc.port, metrics))
+        for p in range(PLAN.num_fragments):
+            with_stub(ports[p % 2][0], lambda stub: init(stub, PLAN, p, np.zeros(PLAN.fragment_sizes[p])))
+        push_to(ports, 0, seq=1)
+        yield ports
+
+
+def with_stub(port: int, call):
+    channel, stub = connect(port)
+    try:
+        return call(stub)
+    finally:
+        channel.close()
+
+
+def versions(port: int) -> dict[int, tuple[int, int]]:
+    return {f.fragment: (f.version, f.round_size) for f in with_stub(port, describe).fragments}
+
+
+def push_to(ports, fragment: int, seq: int) -> None:
+    """One accepted push from learner "a"; quorum 1 closes its round at once."""
+    port = ports[fragment % 2][0]
+    base = versions(port)[fragment][0]
+    delta = np.full(PLAN.fragment_sizes[fragment], 0.01, np.float32)
+    ack = with_stub(port, lambda stub: push(stub, PLAN, fragment, "a", seq, base, delta, step_seconds=0.5))
+    assert ack.accepted, ack
+
+
+@pytest.fixture
+def cluster(shards, tmp_path):
+    c = Cluster(shards, tmp_path)
+    yield c
+    c.close()
+
+
+def status_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="atoll status")
+    kube.add_status_arguments(p)
+    return p
+
+
+def chaos_parser() -> argparse.ArgumentParser:
+    """`atoll chaos` as the CLI builds it: the local mode's flags and the Kubernetes mode's."""
+    from atoll.chaos import add_arguments as add_local_arguments
+
+    p = argparse.ArgumentParser(prog="atoll chaos")
+    p.add_argument("--kubernetes", action="store_true")
+    add_local_arguments(p)
+    kube.add_chaos_arguments(p)
+    return p
+
+
+def run(main, parser, argv: list[str]) -> int:
+    return main(parser.parse_args(argv), parser)
+
+
+# --- status ---
+
+
+def test_status_lists_shards_with_their_versions_and_learners_with_readiness(cluster, shards, capsys):
+    argv = ["--kubeconfig", str(cluster.kubeconfig), "--context", "kmock", "--namespace", NS]
+    assert run(kube.status_main, status_parser(), argv + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [s["pod"] for s in report["shards"]] == ["atoll-syncer-0", "atoll-syncer-1"]
+    for i, s in enumerate(report["shards"]):
+        assert (s["index"], s["ready"], s["restarts"], s["node"]) == (i, True, i, f"node-{i}")
+        assert s["address"] == f"127.0.0.1:{shards[i][0]}"
+        d = s["describe"]
+        assert (d["shard_index"], d["num_shards"], d["live_learners"]) == (i, 2, ["a"])
+        assert {f["fragment"]: (f["version"], f["round_size"]) for f in d["fragments"]} == versions(shards[i][0])
+    assert report["shards"][0]["describe"]["fragments"][0]["version"] >= 1  # the fixture's push
+    learners = {r["pod"]: r for r in report["learners"]}
+    assert set(learners) == set(LEARNERS)  # no bystanders, whatever the selector returned
+    assert {n: (r["region"], r["ready"]) for n, r in learners.items()} == {
+        n: (region, n != NOT_READY) for n, region in LEARNERS.items()}
+    assert learners[NOT_READY]["restarts"] == 2
+
+    assert run(kube.status_main, status_parser(), argv) == 0
+    table = capsys.readouterr().out
+    assert "atoll-syncer-1" in table and "eu-west" in table and "3/4 learner pods ready" in table
+    assert "postgres-0" not in table and "other-syncer" not in table
+
+
+def test_status_reports_a_shard_that_does_not_answer(cluster, capsys):
+    argv = ["--kubeconfig", str(cluster.kubeconfig), "--context", "kmock", "--namespace", "atoll-down",
+            "--deadline", "1", "--json"]
+    assert run(kube.status_main, status_parser(), argv) == 1
+    s0, s1 = json.loads(capsys.readouterr().out)["shards"]
+    assert "describe" not in s0 and s0["error"].startswith(("unreachable (UNAVAILABLE", "unreachable (DEADLINE"))
+    assert s1["error"] == "not asked: pod not ready" and s1["ready"] is False
+
+
+def test_status_of_shards_given_directly(shards, capsys):
+    dead = free_port()
+    argv = ["--shards", f"127.0.0.1:{shards[0][0]},127.0.0.1:{shards[1][0]},127.0.0.1:{dead}", "--deadline", "1"]
+    assert run(kube.status_main, status_parser(), argv) == 1
+    table = capsys.readouterr().out
+    version, open_round = versions(shards[0][0])[0]
+    assert f"0:v{version}/{open_round}" in table and "unreachable" in table
+    with pytest.raises(SystemExit):
+        run(kube.status_main, status_parser(), ["--shards", "nonsense"])
+
+
+def test_kubeconfig_from_the_environment(cluster, monkeypatch, capsys):
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+    assert run(kube.status_main, status_parser(), ["--context", "kmock", "--namespace", NS, "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["learners"]) == len(LEARNERS)
+
+
+def test_config_and_api_errors_are_readable(cluster, tmp_path, monkeypatch, capsys):
+    def error(main, parser, argv) -> str:
+        assert run(main, parser, argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        return err
+
+    config = ["--kubeconfig", str(cluster.kubeconfig)]
+    err = error(kube.status_main, status_parser(), config + ["--context", "down"])  # nobody listening
+    assert "cannot reach the Kubernetes API" in err and cluster.dead_url in err
+    err = error(kube.chaos_main, chaos_parser(), ["--kubernetes", *config, "--context", "down", "--mtbf", "1",
+                                                  "--duration", "1"])
+    assert "cannot reach the Kubernetes API" in err
+    assert "forbidden" in error(kube.status_main, status_parser(),
+                                config + ["--context", "kmock", "--namespace", "locked"])
+    assert "does not exist" in error(kube.status_main, status_parser(),
+                                     config + ["--context", "kmock", "--namespace", "nowhere"])
+    assert "context" in error(kube.status_main, status_parser(), config + ["--context", "nosuch"])
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert "no usable Kubernetes config" in error(kube.status_main, status_parser(), [])
+
+
+# --- chaos ---
+
+
+def test_chaos_deletes_only_learner_pods_and_measures_goodput(cluster, shards, capsys):
+    argv = ["--kubernetes", "--kubeconfig", str(cluster.kubeconfig), "--context", "kmock", "--namespace", NS,
+            "--mtbf", "2", "--duration", "2.5", "--seed", "1", "--json"]
+    parser = chaos_parser()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run, kube.chaos_main, parser, argv)
+        # its third pod listing comes after the first scrape: work pushed from here on is counted
+        deadline = time.monotonic() + 10
+        while len(cluster.requests("GET", NS)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pushes = 2
+        for seq in range(2, 2 + pushes):
+            push_to(shards, 0, seq)
+        assert running.result(timeout=60) == 0
+    r = json.loads(capsys.readouterr().out)
+
+    deletes = [q.name for q in cluster.requests("DELETE")]
+    assert r["failures_injected"] == len(deletes) == len(r["deleted"]) >= 1  # seed 1: first after 0.07 s
+    assert deletes == r["deleted"] and set(deletes) <= set(LEARNERS)
+    assert not any(cluster.alive(name) for name in deletes)
+    assert all(cluster.alive(name) for name in [*BYSTANDERS, "atoll-syncer-0", "atoll-syncer-1"])
+    selectors = {q.params.get("labelSelector") for q in cluster.requests("GET", NS)}
+    assert selectors == {"app.kubernetes.io/component=learner,app.kubernetes.io/name=atoll",
+                         "app.kubernetes.io/component=syncer,app.kubernetes.io/name=atoll"}
+
+    assert r["learner_pods"] == len(LEARNERS) and r["unscraped_shards"] == []
+    assert r["accepted_compute_seconds"] == pytest.approx(pushes * COMPUTE_PER_PUSH)
+    assert r["goodput"] == pytest.approx(pushes * COMPUTE_PER_PUSH / (len(LEARNERS) * r["window_seconds"]))
+    assert r["rounds_closed"] == pushes
+    assert r["version_advance"] == {"0": pushes, "1": 0, "2": 0, "3": 0}
+
+
+def test_chaos_dry_run_deletes_nothing(cluster, capsys):
+    argv = ["--kubernetes", "--kubeconfig", str(cluster.kubeconfig), "--context", "kmock", "--namespace", NS,
+            "--mtbf", "1", "--duration", "5", "--dry-run"]
+    assert run(kube.chaos_main, chaos_parser(), argv) == 0
+    out = capsys.readouterr().out
+    planned = [line.split()[3] for line in out.splitlines() if line.startswith("would delete pod")]
+    assert planned and set(planned) <= set(LEARNERS) and "nothing was deleted" in out
+    assert cluster.requests("DELETE") == []
+    assert all(cluster.alive(name) for name in [*LEARNERS, *BYSTANDERS])
+
+
+def test_chaos_refuses_an_unlabelled_namespace_before_touching_it(cluster, capsys):
+    argv = ["--kubernetes", "--kubeconfig", str(cluster.kubeconfig), "--context", "kmock", "--namespace", "plain",
+            "--mtbf", "0.1", "--duration", "1"]
+    assert run(kube.chaos_main, chaos_parser(), argv) == 2
+    err = capsys.readouterr().err
+    assert "not labelled atoll.dev/enabled=true" in err and "Traceback" not in err
+    assert cluster.requests(namespace="plain") == []  # not even listed
+    assert cluster.alive("atoll-learner-0", "plain")
+    assert run(kube.status_main, status_parser(), argv[1:7]) == 2
+
+
+def test_chaos_flags(cluster):
+    base = ["--kubernetes", "--kubeconfig", str(cluster.kubeconfig), "--context", "kmock"]
+    for bad in (["--mtbf", "1"], ["--duration", "1"], ["--mtbf", "0", "--duration", "1"],
+                ["--mtbf", "1", "--duration", "-3"], ["--mtbf", "nan", "--duration", "1"],
+                ["--mtbf", "1", "--duration", "1", "--address-template", "{host}:{port}"]):
+        with pytest.raises(SystemExit) as e:
+            run(kube.chaos_main, chaos_parser(), base + bad)
+        assert e.value.code == 2
+    assert cluster.requests() == []
+    # the Kubernetes mode's flags also go in first without clashing with the local mode's
+    p = argparse.ArgumentParser()
+    kube.add_chaos_arguments(p)
+    from atoll.chaos import add_arguments as add_local_arguments
+
+    add_local_arguments(p)
+    assert p.parse_args(["--mtbf", "3", "--seed", "2", "--learners", "2"]).mtbf == 3.0
+
+
+def test_failure_rate_grows_with_the_learner_pods():
+    rng = random.Random(0)
+    for pods in (1, 4, 16):
+        mean = statistics.fmean(kube.next_failure_in(rng, pods, 60.0) for _ in range(20_000))
+        assert mean == pytest.approx(60.0 / pods, rel=0.05), f"{pods} pods"
+    assert kube.next_failure_in(rng, 0, 60.0) == float("inf")
