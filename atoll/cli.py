@@ -41,6 +41,30 @@ def _parser() -> argparse.ArgumentParser:
 
     add_up_arguments(up)
 
+    chaos = commands.add_parser("chaos", help="a run with learners and shards killed on a schedule, the same "
+                                "run in lockstep, and the goodput each kept; prints JSON with --json")
+    from atoll.chaos import add_arguments as add_chaos_arguments
+    from atoll.kube import add_chaos_arguments as add_kube_chaos_arguments
+    from atoll.kube import add_status_arguments
+
+    chaos.add_argument("--kubernetes", action="store_true",
+                       help="delete random learner pods in a cluster (its controllers restart them) "
+                            "and report goodput from the shards' metrics, instead of running processes here")
+    add_chaos_arguments(chaos)
+    add_kube_chaos_arguments(chaos)
+
+    plan = commands.add_parser("plan", help="simulate goodput at datacenter scale: data-parallel, elastic "
+                               "data-parallel and atoll, beside the published figures")
+    from atoll.planner import add_arguments as add_plan_arguments
+
+    add_plan_arguments(plan)
+
+    status = commands.add_parser("status", help="shards and learners: pods, readiness, versions "
+                                 "(--kubernetes, or --shards HOST:PORT,...)")
+    status.add_argument("--kubernetes", action="store_true",
+                        help="find shards and learners in a cluster (the default unless --shards is given)")
+    add_status_arguments(status)
+
     bench = commands.add_parser("bench", help="measure a component; prints JSON")
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
     benches.required = True
@@ -106,6 +130,24 @@ def main(argv: list[str] | None = None) -> int:
         from atoll.up import main as up_main
 
         return up_main(args, parser)
+    if args.command == "chaos" and args.kubernetes:
+        from atoll.kube import chaos_main as kube_chaos_main
+
+        return kube_chaos_main(args, parser)
+    if args.command == "chaos":
+        from atoll.chaos import main as chaos_main
+
+        return chaos_main(args, parser)
+    if args.command == "plan":
+        from atoll.planner import main as plan_main
+
+        return plan_main(args, parser)
+    if args.command == "status":
+        from atoll.kube import status_main
+
+        if args.kubernetes and args.shards:
+            parser.error("give --kubernetes or --shards, not both")
+        return status_main(args, parser)
     if args.command == "bench" and args.bench == "codec":
         from atoll.bench import bench_codec
 

@@ -58,6 +58,7 @@ class Child:
     def __init__(self, name: str, kind: str, args: list[str], log_path: pathlib.Path, single_thread: bool = True):
         self.name, self.kind, self.args, self.log_path = name, kind, args, log_path
         self.single_thread = single_thread
+        self.prefix: list[str] = []  # a command that runs the child elsewhere, e.g. `ip netns exec NS`
         self.proc: subprocess.Popen | None = None
         self.log_offset = 0  # where this start's output begins in the log
 
@@ -68,7 +69,7 @@ class Child:
             log.write(f"--- {datetime.datetime.now().isoformat(timespec='seconds')} atoll up starts: "
                       f"{' '.join(self.args[2:])}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen([sys.executable, "-m", "atoll.cli", *self.args], stdin=subprocess.DEVNULL,
+            self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "atoll.cli", *self.args], stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=subprocess.STDOUT, env=child_env(self.single_thread),
                                          start_new_session=True, preexec_fn=_die_with_parent)
         pids.add(self)
@@ -175,6 +176,7 @@ class Learner(Child):
     def __init__(self, spec: LearnerSpec, cfg: UpConfig, run_dir: pathlib.Path, addresses: list[str]):
         self.spec = spec
         self.status = progress.StatusFile(run_dir / "learners" / f"{spec.name}.jsonl")
+        self.push_log = run_dir / "learners" / f"{spec.name}.pushes.jsonl"
         self.status.poll()
         self.state = "waiting"  # waiting, starting, then the records' joining/training/done/stopped, or crashed
         self.eval_loss: float | None = None
@@ -188,7 +190,9 @@ class Learner(Child):
             args += ["--baseline"]
         else:
             args += ["--learner-index", str(spec.index), "--shards", ",".join(addresses), "--period", str(cfg.period),
-                     "--overlap", str(cfg.overlap), "--fragments", str(cfg.fragments), "--codec", cfg.codec]
+                     "--overlap", str(cfg.overlap), "--fragments", str(cfg.fragments), "--codec", cfg.codec,
+                     "--push-log", str(self.push_log), "--sync-patience", str(cfg.sync_patience)]
+        args += ["--compile-cache", str(run_dir / "compile-cache")]  # restarts load, not compile
         # the baseline runs alone, after the learners: let it use every core
         super().__init__(spec.name, "baseline" if baseline else "learner", args,
                          run_dir / "logs" / f"{spec.name}.log", single_thread=not baseline)

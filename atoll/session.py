@@ -79,7 +79,7 @@ class Session:
             self._start_shards()
             if self._running():
                 self._start_learners()
-                self._watch(lambda: any(l.alive() for l in self.learners))
+                self._watch(self._learners_busy)
             self._stop(self.learners, LEARNER_STOP_SECONDS)  # learners before shards, always
             self.learners_ended = time.time()
             if self._running() and self.cfg.baseline:
@@ -117,10 +117,22 @@ class Session:
         if self._running():
             self.say("shards serving on " + ", ".join(f"127.0.0.1:{s.port}" for s in self.shards))
 
+    def _learners_busy(self) -> bool:
+        return any(l.alive() for l in self.learners)
+
+    def _addresses_for(self, spec) -> list[str]:
+        """The shard addresses a learner is given (in shard index order)."""
+        return [f"127.0.0.1:{s.port}" for s in self.shards]
+
+    def _prefix_for(self, spec) -> list[str]:
+        """A command a learner runs under (none here: on this host, in this namespace)."""
+        return []
+
     def _start_learners(self) -> None:
-        addresses = [f"127.0.0.1:{s.port}" for s in self.shards]
-        self.learners = [Learner(spec, self.cfg, self.run_dir, addresses) for spec in learner_specs(self.cfg)]
+        self.learners = [Learner(spec, self.cfg, self.run_dir, self._addresses_for(spec))
+                         for spec in learner_specs(self.cfg)]
         for l in self.learners:
+            l.prefix = self._prefix_for(spec=l.spec)
             if l.finished:
                 l.state = "done"
                 continue
@@ -158,21 +170,11 @@ class Session:
                 l.update()
                 if l.returncode == 0 and l.state in ("done", "stopped"):
                     continue
-                l.state = "crashed"
-                self.say(f"{l.name} exited with status {l.returncode} at step "
-                         f"{(l.status.last or {}).get('step', 0)}; the others go on. Its log "
-                         f"({l.log_path}) ends:", l.tail())
+                self._learner_exited(l)
         for s in self.shards:
             s.check_serving()
             if s.state in ("serving", "restarting", "starting") and not s.alive() and self._running():
-                if s.restarts == 0 and s.port is not None:
-                    self.say(f"shard {s.index} exited with status {s.returncode}; restarting it on port {s.port} "
-                             f"(it recovers from {self.run_dir / 'shards' / str(s.index)}). Its log ends:", s.tail())
-                    s.restart(self.pids)
-                else:
-                    s.state = "failed"
-                    self.failure = f"shard {s.index} exited with status {s.returncode} again; stopping the run"
-                    self.say(self.failure, s.tail())
+                self._shard_exited(s)
             if s.state == "serving":
                 m = progress.scrape(s.metrics_port)
                 if m is not None:
@@ -185,6 +187,24 @@ class Session:
                     f.write(json.dumps({"time": now, "shard": i, **m}, separators=(",", ":")) + "\n")
         if draw:
             self._draw()
+
+    def _learner_exited(self, l: Learner) -> None:
+        """A learner died: the others go on without it."""
+        l.state = "crashed"
+        self.say(f"{l.name} exited with status {l.returncode} at step "
+                 f"{(l.status.last or {}).get('step', 0)}; the others go on. Its log "
+                 f"({l.log_path}) ends:", l.tail())
+
+    def _shard_exited(self, s: Shard) -> None:
+        """A shard died: restarted once on its port (it recovers from disk); twice ends the run."""
+        if s.restarts == 0 and s.port is not None:
+            self.say(f"shard {s.index} exited with status {s.returncode}; restarting it on port {s.port} "
+                     f"(it recovers from {self.run_dir / 'shards' / str(s.index)}). Its log ends:", s.tail())
+            s.restart(self.pids)
+        else:
+            s.state = "failed"
+            self.failure = f"shard {s.index} exited with status {s.returncode} again; stopping the run"
+            self.say(self.failure, s.tail())
 
     def _check_stall(self, steps: int) -> None:
         """Says so (once per stall) when training learners have taken no step for STALL_SECONDS."""

@@ -59,6 +59,7 @@ class UpConfig:
     grace_factor: float = 1.0  # γ: share of the overlap slack a round waits for stragglers
     lease_seconds: float = 10.0  # a learner silent this long is not waited for
     max_staleness: int = 4  # versions a push's base may lag before it is refused
+    sync_patience: float = 30.0  # seconds a learner waits on a round holding its push, then trains on
     # the outer step: plain averaging. The shards' default (Nesterov, lr 0.7, momentum 0.9)
     # diverged in this run (held-out loss 2.4 -> 4.6 over the second half); this reached 2.10
     outer_lr: float = 1.0  # shards' outer SGD learning rate, > 0
@@ -89,6 +90,7 @@ class UpConfig:
         need(0 <= self.quorum <= self.learners, f"--quorum must be in [1, --learners={self.learners}], got {self.quorum}")
         need(self.lease_seconds > 0, f"--lease-seconds must be > 0, got {self.lease_seconds}")
         need(self.grace_factor >= 0, f"--grace-factor must be >= 0, got {self.grace_factor}")
+        need(self.sync_patience > 0, f"--sync-patience must be > 0, got {self.sync_patience}")
         need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
         need(self.outer_lr > 0, f"--outer-lr must be > 0, got {self.outer_lr}")
         need(0 <= self.outer_momentum < 1, f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")

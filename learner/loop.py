@@ -76,6 +76,8 @@ class _Metrics:
 
 def run(cfg: LearnerConfig) -> int:
     """Trains until cfg.steps (or a signal); returns the process exit code."""
+    if cfg.compile_cache is not None:
+        _use_compile_cache(cfg.compile_cache)
     model_cfg = preset(cfg.preset)
     members = 1 if cfg.baseline else cfg.num_learners
     batch = cfg.batch_size * (cfg.num_learners if cfg.baseline else 1)
@@ -104,6 +106,8 @@ def run(cfg: LearnerConfig) -> int:
                       tokens=trainer.tokens_total)
         if m:
             record.update({k: m[k] for k in ("loss", "tokens_per_s", "eval_loss") if k in m})
+            if state == "training":
+                record["step_seconds"] = m["wall_time_s"]
         record.update(extra)
         if sync is not None:
             record.update(sync.stats)
@@ -120,8 +124,9 @@ def run(cfg: LearnerConfig) -> int:
         tls = TlsFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None
         token = cfg.token_file.read_text().strip() if cfg.token_file else None
         clients = [ShardClient(a, cfg.learner_id, token=token, tls=tls, deadline=cfg.deadline) for a in cfg.shards]
-        sync = Synchronizer(SyncConfig(period=cfg.period, overlap=cfg.overlap, mix=cfg.mix, codec=cfg.codec),
-                            plan, clients)
+        sync = Synchronizer(SyncConfig(period=cfg.period, overlap=cfg.overlap, mix=cfg.mix, codec=cfg.codec,
+                                       patience=cfg.sync_patience),
+                            plan, clients, on_push=_push_logger(cfg))
         stopping.append(sync.stopping)
         trainer.params = sync.join(trainer.params)
 
@@ -161,6 +166,30 @@ def run(cfg: LearnerConfig) -> int:
         if sync is not None:
             sync.close()
     return 0
+
+
+def _use_compile_cache(directory: pathlib.Path) -> None:
+    """Compiled programs persist in `directory`: a restart loads instead of compiling."""
+    import jax
+
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _push_logger(cfg: LearnerConfig):
+    """One JSON line per answered push, written (and flushed) as the answer arrives."""
+    if cfg.push_log is None:
+        return None
+    lock = threading.Lock()
+
+    def log_push(answer: dict) -> None:
+        line = json.dumps({"learner": cfg.learner_id, "time": time.time(), **answer}, separators=(",", ":"))
+        with lock, open(cfg.push_log, "a") as f:
+            f.write(line + "\n")
+
+    return log_push
 
 
 def _observe(metrics: _Metrics, m: dict, sync: Synchronizer | None) -> None:

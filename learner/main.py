@@ -23,6 +23,7 @@ ENV_LEARNER_ID = "ATOLL_LEARNER_ID"  # default learner id (Kubernetes: the pod n
 ENV_LEARNER_INDEX = "ATOLL_LEARNER_INDEX"  # default data shard index (JobSet: the job index)
 ENV_SHARDS = "ATOLL_SHARDS"  # default shard addresses
 ENV_TOKEN_FILE = "ATOLL_TOKEN_FILE"
+ENV_COMPILE_CACHE = "ATOLL_COMPILE_CACHE"  # default --compile-cache
 
 
 class LearnerConfigError(ValueError):
@@ -57,6 +58,9 @@ class LearnerConfig:
     tls_cert: pathlib.Path | None = None  # PEM client certificate (mutual TLS)
     tls_key: pathlib.Path | None = None  # its private key
     status_file: pathlib.Path | None = None  # JSON lines of progress, for `atoll up`
+    push_log: pathlib.Path | None = None  # JSON lines, one per answered push (for `atoll chaos` audits)
+    sync_patience: float = 30.0  # seconds (at least; 4 periods of steps if longer) to wait on a round
+    compile_cache: pathlib.Path | None = None  # persistent XLA compilation cache: restarts skip compiling
     metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: any free port
     deadline: float = 60.0  # seconds per RPC
     lease_exit_wait: float = 10.0  # seconds to wait at the end for syncs in flight
@@ -84,6 +88,7 @@ class LearnerConfig:
         need(0 <= self.mix < 1, f"--mix must be in [0, 1), got {self.mix}")
         need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         need(self.slowdown >= 1, f"--slowdown must be >= 1 (1 = full speed), got {self.slowdown}")
+        need(self.sync_patience > 0, f"--sync-patience must be > 0 seconds, got {self.sync_patience}")
         need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
         need((self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key go together")
         need(self.tls_cert is None or self.tls_ca is not None, "--tls-cert needs --tls-ca as well")
@@ -143,7 +148,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", type=pathlib.Path, help="PEM client certificate (mutual TLS)")
     p.add_argument("--tls-key", type=pathlib.Path, help="PEM private key of --tls-cert")
     p.add_argument("--status-file", type=pathlib.Path, help="append JSON progress records here")
+    p.add_argument("--push-log", type=pathlib.Path,
+                   help="append one JSON line per answered push here (fragment, seq, accepted, versions)")
+    p.add_argument("--sync-patience", type=float, default=d["sync_patience"],
+                   help="seconds to wait on a round holding our push before training on without it "
+                        "(at least 4 periods of steps; default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off by default)")
+    p.add_argument("--compile-cache", type=pathlib.Path,
+                   default=pathlib.Path(os.environ[ENV_COMPILE_CACHE]) if os.environ.get(ENV_COMPILE_CACHE) else None,
+                   help="directory for compiled programs, so a restarted learner skips compiling "
+                        "(env ATOLL_COMPILE_CACHE; off by default)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
 
 
@@ -156,7 +170,8 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
         overlap=a.overlap, mix=a.mix, fragments=a.fragments, codec=Codec[a.codec.upper()], seed=a.seed,
         data=a.data, cache_dir=a.cache_dir, eval_every=a.eval_every, eval_batches=a.eval_batches,
         slowdown=a.slowdown, baseline=a.baseline, token_file=token, tls_ca=a.tls_ca, tls_cert=a.tls_cert,
-        tls_key=a.tls_key, status_file=a.status_file, metrics_port=a.metrics_port, progress=not a.quiet)
+        tls_key=a.tls_key, status_file=a.status_file, push_log=a.push_log,
+        sync_patience=a.sync_patience, compile_cache=a.compile_cache, metrics_port=a.metrics_port, progress=not a.quiet)
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -28,6 +28,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -91,6 +92,7 @@ class _Fragment:
         self.base: np.ndarray = np.zeros(size, np.float32)  # Θ_p at `version`, bit-exact
         self.ef = codec.ErrorFeedback(size, wire_codec)
         self.last_sync_step = 0
+        self.compute = 0.0  # seconds of inner steps since the last sync (what the next push carries)
         self.task: concurrent.futures.Future | None = None
         self.task_step = 0  # the step the in-flight task was started at
 
@@ -102,10 +104,15 @@ class Synchronizer:
     every fragment: a restarted learner rejoins at the current versions), then
     `after_step(step, params, ...)` after every inner step, which returns the new
     vectors of the fragments adopted ({p: vector}; `apply` puts them into a tree).
+
+    `on_push`, if given, is called from a sync thread with one dict per answered push
+    (fragment, seq, shard, accepted, reason, base and merged-in versions, the steps and
+    compute seconds it carries): `atoll chaos` audits acknowledgements with it.
     """
 
-    def __init__(self, cfg: SyncConfig, plan: FragmentPlan, clients: list[ShardClient]):
-        self.cfg, self.plan, self.clients = cfg, plan, clients
+    def __init__(self, cfg: SyncConfig, plan: FragmentPlan, clients: list[ShardClient],
+                 on_push: Callable[[dict], None] | None = None):
+        self.cfg, self.plan, self.clients, self.on_push = cfg, plan, clients, on_push
         self.num_shards = len(clients)
         self.offsets = offsets(plan.num_fragments, cfg.period)
         self.frags = [_Fragment(p, plan.fragment_sizes[p], cfg.codec) for p in range(plan.num_fragments)]
@@ -173,6 +180,7 @@ class Synchronizer:
         updates: dict[int, np.ndarray] = {}
         flat_now: dict[int, np.ndarray] = {}
         for frag in self.frags:
+            frag.compute += step_seconds
             due = step >= self.offsets[frag.p] and (step - self.offsets[frag.p]) % self.cfg.period == 0
             ready = frag.task is not None and step >= frag.task_step + self.cfg.overlap and frag.task.done()
             if frag.task is not None and (ready or due):
@@ -189,8 +197,9 @@ class Synchronizer:
                 frag.last_sync_step = step
                 frag.task_step = step
                 self.seq += 1
+                compute, frag.compute = frag.compute, 0.0
                 frag.task = self.pool.submit(self._sync, frag, theta.copy(), self.seq, steps,
-                                             steps * tokens_per_step)
+                                             steps * tokens_per_step, compute)
         return updates
 
     def _adopt(self, frag: _Fragment, step: int, params: Params, flat_now: dict, updates: dict) -> None:
@@ -217,7 +226,8 @@ class Synchronizer:
                 self._adopt(frag, step, params, flat_now, updates)
         return updates
 
-    def _sync(self, frag: _Fragment, theta: np.ndarray, seq: int, steps: int, tokens: int) -> _Outcome:
+    def _sync(self, frag: _Fragment, theta: np.ndarray, seq: int, steps: int, tokens: int,
+              compute: float = 0.0) -> _Outcome:
         """Push, wait for the round holding it, pull: the background half of one sync."""
         p, client = frag.p, self.client_of(frag.p)
         frame = frag.ef.encode(frag.base - theta)
@@ -228,6 +238,11 @@ class Synchronizer:
         ack = self._retry(lambda: client.push(header, frame), f"push fragment {p}")
         self._count("bytes_sent", len(frame))
         self._count("pushes", 1)
+        if self.on_push is not None:
+            self.on_push({"fragment": p, "seq": seq, "shard": p % self.num_shards, "accepted": ack.accepted,
+                          "reason": pb.PushReason.Name(ack.reason), "base_version": frag.version,
+                          "merged_in": frag.version + ack.staleness + 1 if ack.accepted else None,
+                          "steps": max(1, steps), "compute_seconds": compute})
         if not ack.accepted:
             # too stale, or a round already holding us: this contribution is lost; start over from Θ
             self._count("refused", 1)

@@ -1,0 +1,504 @@
+"""`atoll chaos`: an `atoll up` run with failures injected into its real processes, then
+the same run in lockstep under the same failures, and what each kept.
+
+The failure clock starts once every learner is training and the run lasts `duration`
+seconds on it (then learners are stopped, the global model evaluated). Failures: every
+learner is SIGKILLed as a Poisson process (mean time between failures `mtbf` seconds
+per learner, drawn from `seed`, in seconds on the failure clock),
+and restarted `restart_delay` seconds later (it resumes its data position and rejoins
+at the current global versions by itself); shards are SIGKILLed at the given times and
+restarted on their port `shard_restart_delay` seconds later (they recover from disk).
+A kill that falls while its learner is already down does nothing.
+
+The lockstep baseline is the same harness with synchronous semantics: quorum = every
+learner, no grace window, leases that never lapse (a dead learner holds every round it
+is part of until it returns) and learners that wait on a round for as long as it takes:
+synchronous DiLoCo, which behaves as data-parallel training does under failures. With
+`lockstep_restart`, any failure also restarts every learner (checkpoint-restart: the job
+goes down as one).
+
+Accounting (the same for every run) is over the failure clock's window, from its start
+to the end of `duration` (or to the first learner that finished its steps, if sooner).
+
+* goodput: learner-seconds of inner steps that reached the global model, over the
+  provisioned learner-seconds (M × window). A push carries the compute seconds of the
+  steps it summarises (per fragment, so each counts 1/P); it reached the global model
+  if it was accepted and its fragment's final version is at least the version that
+  merged it. Work lost to a kill (steps since the last sync), time down and restarting,
+  time blocked on rounds, and refused pushes are all what goodput does not count.
+* uptime: the share of `uptime_window`-second windows in which some global version
+  advanced (shards' /metrics, sampled every second).
+* acked_pushes_lost: accepted acknowledgements a learner logged that no shard holds
+  durably after the run (server.audit reads each stopped shard's log and snapshot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import signal
+import sys
+import time
+
+import numpy as np
+
+from atoll.processes import Learner, Shard
+from atoll.session import Session
+from atoll.up import UpConfig, UpConfigError, learner_specs, prepare_run_dir
+
+
+class ChaosConfigError(ValueError):
+    """A chaos setting that cannot work; the message says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ChaosConfig:
+    duration: float = 120.0  # seconds of training on the failure clock, > 0
+    mtbf: float = 90.0  # seconds: mean time between SIGKILLs of each learner (Poisson), > 0
+    restart_delay: float = 5.0  # seconds a killed learner stays down before its restart, >= 0
+    shard_kill_at: tuple[float, ...] = (40.0,)  # seconds after learners start: SIGKILL a shard (round robin)
+    shard_restart_delay: float = 2.0  # seconds a killed shard stays down, >= 0
+    seed: int = 0  # the failure schedule (the same in every run of one `atoll chaos`)
+    lockstep: bool = True  # also run the lockstep baseline under the same schedule
+    lockstep_restart: bool = False  # lockstep with checkpoint-restart: any failure restarts every learner
+    failure_free: bool = False  # also run without failures, for the eval-loss comparison
+    uptime_window: float = 5.0  # seconds per uptime window, > 0
+
+    def __post_init__(self):
+        if not (math.isfinite(self.duration) and self.duration > 0):
+            raise ChaosConfigError(f"--duration must be a positive number of seconds, got {self.duration}")
+        if not (math.isfinite(self.mtbf) and self.mtbf > 0):
+            raise ChaosConfigError(f"--mtbf must be a positive number of seconds, got {self.mtbf}")
+        if not self.restart_delay >= 0 or not self.shard_restart_delay >= 0:
+            raise ChaosConfigError("--restart-delay and --shard-restart-delay must be >= 0 seconds")
+        if any(not (math.isfinite(t) and t >= 0) for t in self.shard_kill_at):
+            raise ChaosConfigError(f"--shard-kill-at takes seconds >= 0, got {list(self.shard_kill_at)}")
+        if not self.uptime_window > 0:
+            raise ChaosConfigError(f"--uptime-window must be > 0 seconds, got {self.uptime_window}")
+
+
+class FailureSchedule:
+    """Kill times per learner (seconds since the learners started): a Poisson process each,
+    from its own stream of `seed`, so every run of one chaos command meets the same ones."""
+
+    def __init__(self, seed: int, learners: int, mtbf: float):
+        self._rngs = [np.random.default_rng([seed, i]) for i in range(learners)]
+        self._next = [float(rng.exponential(mtbf)) for rng in self._rngs]
+        self.mtbf = mtbf
+
+    def due(self, learner: int, elapsed: float) -> bool:
+        """True once per kill time passed (and consumes it); times that passed together count once."""
+        if elapsed < self._next[learner]:
+            return False
+        while self._next[learner] <= elapsed:
+            self._next[learner] += float(self._rngs[learner].exponential(self.mtbf))
+        return True
+
+
+class ChaosSession(Session):
+    """An `atoll up` session that kills and restarts its own children on a schedule."""
+
+    def __init__(self, cfg: UpConfig, chaos: ChaosConfig, run_dir: pathlib.Path, out, inject: bool,
+                 wan=None):
+        super().__init__(cfg, run_dir, out, live=False)
+        self.chaos, self.inject, self.wan = chaos, inject, wan
+        self.schedule = FailureSchedule(chaos.seed, cfg.learners, chaos.mtbf)
+        self.t0: float | None = None  # the failure clock's start: every learner training
+        self.end: float | None = None  # when the duration was up
+        self.restart_at: dict[str, float] = {}  # learner name -> when to start it again
+        self.shard_back_at: dict[int, float] = {}
+        self.shard_kills_left = sorted(chaos.shard_kill_at)
+        self.kills: list[dict] = []  # every SIGKILL: time, who, step
+        self.restarts: list[dict] = []  # every restart: time, who
+        self.samples: list[tuple[float, int]] = []  # (time, sum of global versions)
+
+    # -- hooks into the session --
+
+    def _start_shards(self) -> None:
+        super()._start_shards()
+        if self._running() and self.wan is not None:
+            self.wan.start([s.port for s in self.shards])
+            self.say(f"WAN: {self.wan.describe()}")
+
+    def _addresses_for(self, spec) -> list[str]:
+        if self.wan is None:
+            return super()._addresses_for(spec)
+        return self.wan.shard_addresses(spec.index % self.wan.regions)
+
+    def _prefix_for(self, spec) -> list[str]:
+        return [] if self.wan is None else self.wan.command_prefix(spec.index % self.wan.regions)
+
+    def _learners_busy(self) -> bool:
+        if self.t0 is not None and time.time() >= self.t0 + self.chaos.duration:
+            if self.end is None:
+                self.end = time.time()
+                self.say(f"chaos: {self.chaos.duration:g} s on the failure clock are up; stopping the learners")
+            return False
+        return bool(self.restart_at) or super()._learners_busy()
+
+    def _learner_exited(self, l: Learner) -> None:
+        if l.name not in self.restart_at:  # not one of ours
+            super()._learner_exited(l)
+
+    def _shard_exited(self, s: Shard) -> None:
+        if s.index not in self.shard_back_at:
+            super()._shard_exited(s)
+
+    def _tick(self, draw: bool = True) -> None:
+        if self.t0 is None and self.learners and all(l.state == "training" for l in self.learners):
+            self.t0 = time.time()
+            self.say(f"chaos: every learner is training; the failure clock starts ({self.chaos.duration:g} s)")
+        if self.inject and self.t0 is not None and self._running():
+            self._inject(time.time())
+        super()._tick(draw)
+        if self._metrics:
+            self.samples.append((time.time(), sum(sum(m["versions"].values()) for m in self._metrics.values())))
+
+    # -- failures --
+
+    def _inject(self, now: float) -> None:
+        elapsed = now - self.t0
+        for i, l in enumerate(self.learners):
+            if self.schedule.due(i, elapsed) and l.alive() and not l.finished and l.state != "done":
+                victims = self.learners if self.chaos.lockstep_restart else [l]
+                for v in victims:
+                    if v.alive() and not v.finished:
+                        self._kill_learner(v, now, cause=l.name)
+        for l in self.learners:
+            if l.name in self.restart_at and now >= self.restart_at[l.name] and not l.alive():
+                del self.restart_at[l.name]
+                l.status.poll()
+                if l.finished:
+                    continue
+                l.start(self.pids)
+                l.state = "starting"
+                self.restarts.append({"time": now, "learner": l.name})
+                self.say(f"chaos: restarted {l.name}")
+        while self.shard_kills_left and elapsed >= self.shard_kills_left[0]:
+            self.shard_kills_left.pop(0)
+            s = self.shards[len(self.shard_back_at) % len(self.shards)] if self.shards else None
+            if s is not None and s.alive() and s.index not in self.shard_back_at:
+                s.proc.send_signal(signal.SIGKILL)
+                s.proc.wait()
+                self.shard_back_at[s.index] = now + self.chaos.shard_restart_delay
+                self.kills.append({"time": now, "shard": s.index})
+                self.say(f"chaos: SIGKILL shard {s.index}; back in {self.chaos.shard_restart_delay:g} s")
+        for index, back in list(self.shard_back_at.items()):
+            s = self.shards[index]
+            if now >= back and not s.alive() and s.state != "restarting":
+                s.restart(self.pids)
+                self.say(f"chaos: restarted shard {index} on port {s.port}")
+            if s.state == "serving" and s.alive() and s.restarts > 0:
+                del self.shard_back_at[index]
+
+    def _kill_learner(self, l: Learner, now: float, cause: str) -> None:
+        l.update()
+        step = (l.status.last or {}).get("step", 0)
+        l.proc.send_signal(signal.SIGKILL)
+        l.proc.wait()
+        l.state = "killed"
+        self.restart_at[l.name] = now + self.chaos.restart_delay
+        self.kills.append({"time": now, "learner": l.name, "step": step, "cause": cause})
+        self.say(f"chaos: SIGKILL {l.name} at step {step}" + (f" (with {cause})" if cause != l.name else "")
+                 + f"; back in {self.chaos.restart_delay:g} s")
+
+
+# -- accounting ----------------------------------------------------------------------------
+
+
+def _records(path: pathlib.Path) -> list[dict]:
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line a kill cut short
+    return out
+
+
+def account(run_dir: pathlib.Path, cfg: UpConfig, session: ChaosSession, report: dict, window: float) -> dict:
+    """Goodput, uptime, lost acknowledgements and rejoins of one finished run."""
+    from server.audit import durable_pushes, lost_acks
+
+    specs = learner_specs(cfg)
+    status = {s.name: _records(run_dir / "learners" / f"{s.name}.jsonl") for s in specs}
+    pushes = [r for s in specs for r in _records(run_dir / "learners" / f"{s.name}.pushes.jsonl")]
+    done = [r["time"] for rs in status.values() for r in rs if r.get("state") == "done"]
+    start = session.t0
+    end = min([session.end or time.time(), *done]) if start is not None else None
+    versions = {int(p): v for p, v in ((report.get("global") or {}).get("versions") or {}).items()}
+    durable = {}
+    for i in range(cfg.shards):
+        for key, value in durable_pushes(run_dir / "shards" / str(i)).items():
+            durable[key] = value
+    useful = 0.0
+    merged = accepted = 0
+    for a in pushes:
+        if not a["accepted"]:
+            continue
+        accepted += 1
+        if versions.get(a["fragment"], -1) >= a["merged_in"]:
+            merged += 1
+            if start is not None and start <= a["time"] <= end:
+                useful += a["compute_seconds"] / cfg.fragments
+    span = (end - start) if start is not None and end is not None else 0.0
+    provisioned = cfg.learners * span
+    compute = sum(r.get("step_seconds", 0.0) for rs in status.values() for r in rs
+                  if r.get("state") == "training" and start is not None and start <= r["time"] <= end)
+    rejoined = sum(1 for k in session.restarts
+                   if any(r.get("state") == "training" and r["time"] > k["time"] for r in status[k["learner"]]))
+    return {
+        "goodput": useful / provisioned if provisioned > 0 else 0.0,
+        "uptime": _uptime(session.samples, start, end, window),
+        "utilisation": compute / provisioned if provisioned > 0 else 0.0,
+        "window_seconds": span,
+        "useful_learner_seconds": useful,
+        "provisioned_learner_seconds": provisioned,
+        "failures_injected": sum(1 for k in session.kills if "learner" in k),
+        "learner_restarts": len(session.restarts),
+        "learners_rejoined": rejoined,
+        "shard_restarts": sum(s.restarts for s in session.shards),
+        "pushes_accepted": accepted,
+        "pushes_merged": merged,
+        "pushes_refused": sum(1 for a in pushes if not a["accepted"]),
+        "acked_pushes_lost": len(lost_acks(pushes, durable)),
+        "final_eval_loss": (report.get("global") or {}).get("eval_loss"),
+        "final_versions": versions,
+        "steps": {name: max((r.get("step", 0) for r in rs), default=0) for name, rs in status.items()},
+        "kills": [{**k, "time": round(k["time"] - session.t0, 2)} for k in session.kills] if session.t0 else [],
+        "outcome": report.get("outcome"),
+    }
+
+
+def _uptime(samples: list[tuple[float, int]], start: float | None, end: float | None, window: float) -> float:
+    """Share of the window-second slices of [start, end] in which the version sum grew."""
+    if start is None or end is None or end - start < window or not samples:
+        return 0.0
+    times = np.array([t for t, _ in samples])
+    totals = np.array([v for _, v in samples])
+
+    def at(t: float) -> int:  # the newest sample at or before t (the first one before any)
+        i = int(np.searchsorted(times, t, side="right")) - 1
+        return int(totals[max(i, 0)])
+
+    n = int((end - start) // window)
+    return sum(at(start + (k + 1) * window) > at(start + k * window) for k in range(n)) / n
+
+
+# -- the command ---------------------------------------------------------------------------
+
+
+def lockstep_config(cfg: UpConfig) -> UpConfig:
+    """Synchronous semantics in the same harness: every learner in every round, nobody dropped."""
+    return dataclasses.replace(cfg, quorum=cfg.learners, grace_factor=0.0, lease_seconds=1e9,
+                               sync_patience=1e9)
+
+
+def run_chaos(cfg: UpConfig, chaos: ChaosConfig, work_dir: pathlib.Path, out=sys.stderr, wan=None) -> dict:
+    """Runs atoll under failures, then (by choice) lockstep and failure-free; returns the figures."""
+    runs = [("atoll", cfg, True)]
+    if chaos.lockstep:
+        runs.append(("lockstep", lockstep_config(cfg), True))
+    if chaos.failure_free:
+        runs.append(("failure_free", cfg, False))
+    results = {}
+    for name, run_cfg, inject in runs:
+        run_dir = work_dir / name
+        run_cfg, _ = prepare_run_dir(run_dir, dataclasses.asdict(run_cfg))
+        print(f"atoll chaos: {name} run in {run_dir}", file=out, flush=True)
+        session = ChaosSession(run_cfg, chaos, run_dir, out, inject, wan=wan if name != "failure_free" else None)
+        try:
+            report = session.run()
+        finally:
+            if wan is not None:
+                wan.stop()
+        results[name] = account(run_dir, run_cfg, session, report, chaos.uptime_window)
+        if wan is not None and name != "failure_free":
+            results[name]["wan"] = wan.describe()
+        if session.stop_signal is not None:
+            results[name]["interrupted"] = True
+            break
+    a = results["atoll"]
+    out_json = {
+        "goodput": a["goodput"], "uptime": a["uptime"],
+        "lockstep_goodput": results.get("lockstep", {}).get("goodput"),
+        "lockstep_uptime": results.get("lockstep", {}).get("uptime"),
+        "failures_injected": a["failures_injected"], "shard_restarts": a["shard_restarts"],
+        "acked_pushes_lost": sum(r["acked_pushes_lost"] for r in results.values()),
+        "final_eval_loss": a["final_eval_loss"],
+        "lockstep_final_eval_loss": results.get("lockstep", {}).get("final_eval_loss"),
+    }
+    if "failure_free" in results:
+        ff = results["failure_free"]["final_eval_loss"]
+        out_json["failure_free_eval_loss"] = ff
+        if ff and a["final_eval_loss"]:
+            out_json["eval_loss_gap_pct"] = 100.0 * (a["final_eval_loss"] - ff) / ff
+    out_json["config"] = {**{k: v for k, v in dataclasses.asdict(cfg).items()},
+                          "chaos": dataclasses.asdict(chaos)}
+    out_json["runs"] = results
+    out_json["work_dir"] = str(work_dir)
+    (work_dir / "chaos.json").write_text(json.dumps(out_json, indent=1))
+    return out_json
+
+
+def chaos_up_config(a) -> UpConfig:
+    """The run under test, from `atoll chaos` flags: `atoll up`'s settings with chaos's defaults."""
+    return UpConfig(shards=a.shards, learners=a.learners, preset=a.preset, steps=a.steps,
+                    slowdown=(1.0,) * a.learners, batch_size=a.batch_size, period=a.period, overlap=a.overlap,
+                    fragments=a.fragments, quorum=a.quorum, lease_seconds=a.lease_seconds,
+                    outer_lr=1.0, outer_momentum=0.0, evals=0, seed=0)
+
+
+def _seconds_list(text: str) -> tuple[float, ...]:
+    import argparse
+
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds like 40,90, got {text!r}") from None
+
+
+def add_arguments(p) -> None:
+    """The local mode's flags (`--mtbf`, `--seed` and `--json` are shared with --kubernetes)."""
+    d = {f.name: f.default for f in dataclasses.fields(ChaosConfig)}
+    have = {o for action in p._actions for o in action.option_strings}
+    if "--mtbf" not in have:
+        p.add_argument("--mtbf", type=float, default=None,
+                       help=f"mean seconds between failures of each learner (default {d['mtbf']:g})")
+    if "--duration" not in have:
+        p.add_argument("--duration", type=float, default=None,
+                       help=f"seconds of training on the failure clock (default {d['duration']:g})")
+    if "--seed" not in have:
+        p.add_argument("--seed", type=int, default=None, help="failure schedule seed (default 0)")
+    if "--json" not in have:
+        p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    g = p.add_argument_group("local runs (real processes on this machine)")
+    g.add_argument("--learners", type=int, default=4, help="M, learner processes (default %(default)s)")
+    g.add_argument("--shards", type=int, default=2, help="S, shard processes (default %(default)s)")
+    g.add_argument("--preset", default="tiny", help="model size (default %(default)s)")
+    g.add_argument("--steps", type=int, default=20000,
+                   help="inner steps per learner, the learning-rate schedule's length; --duration "
+                        "normally ends the run first (default %(default)s)")
+    g.add_argument("--batch-size", type=int, default=16, help="sequences per step (default %(default)s)")
+    g.add_argument("--period", type=int, default=32, help="H (default %(default)s)")
+    g.add_argument("--overlap", type=int, default=1, help="τ (default %(default)s)")
+    g.add_argument("--fragments", type=int, default=4, help="P (default %(default)s)")
+    g.add_argument("--quorum", type=int, default=0, help="K for the atoll run (default min(2, M))")
+    g.add_argument("--lease-seconds", type=float, default=5.0,
+                   help="a silent learner is not waited for after this (default %(default)s)")
+    g.add_argument("--restart-delay", type=float, default=d["restart_delay"],
+                   help="seconds a killed learner stays down (default %(default)s)")
+    g.add_argument("--shard-kill-at", type=_seconds_list, default=d["shard_kill_at"],
+                   help="seconds after learners start at which to SIGKILL a shard, e.g. 40,90; '' for none "
+                        "(default 40)")
+    g.add_argument("--shard-restart-delay", type=float, default=d["shard_restart_delay"],
+                   help="seconds a killed shard stays down (default %(default)s)")
+    g.add_argument("--no-lockstep", dest="lockstep", action="store_false", help="skip the lockstep baseline")
+    g.add_argument("--lockstep-restart", action="store_true",
+                   help="lockstep with checkpoint-restart semantics: any failure restarts every learner")
+    g.add_argument("--failure-free", action="store_true",
+                   help="also run without failures and compare final eval loss")
+    g.add_argument("--uptime-window", type=float, default=d["uptime_window"],
+                   help="seconds per uptime window (default %(default)s)")
+    g.add_argument("--work-dir", type=pathlib.Path, default=None,
+                   help="where the runs go (default runs/chaos-<timestamp>)")
+    g.add_argument("--wan", action="store_true",
+                   help="learners in their own network namespaces behind rate-limited, delayed links (root)")
+    g.add_argument("--wan-regions", type=int, default=4, help="regions for --wan (default %(default)s)")
+    g.add_argument("--wan-rate-mbit", type=float, default=20.0, help="each region's link rate (default %(default)s)")
+    g.add_argument("--wan-latency-ms", type=float, default=25.0,
+                   help="one-way latency added by the proxy (default %(default)s)")
+
+
+def main(args, parser) -> int:
+    """`atoll chaos` on this machine: exit 0 when nothing acknowledged was lost, 1 otherwise."""
+    import datetime
+
+    try:
+        chaos = ChaosConfig(mtbf=args.mtbf if args.mtbf is not None else ChaosConfig.mtbf,
+                            duration=args.duration if args.duration is not None else ChaosConfig.duration,
+                            restart_delay=args.restart_delay, shard_kill_at=tuple(args.shard_kill_at),
+                            shard_restart_delay=args.shard_restart_delay, seed=args.seed or 0,
+                            lockstep=args.lockstep, lockstep_restart=args.lockstep_restart,
+                            failure_free=args.failure_free, uptime_window=args.uptime_window)
+        cfg = chaos_up_config(args)
+    except (ChaosConfigError, UpConfigError) as e:
+        parser.error(str(e))
+    if any(t >= 0 for t in chaos.shard_kill_at) and cfg.shards < 1:
+        parser.error("--shard-kill-at needs shards")
+    work_dir = args.work_dir or pathlib.Path("runs") / datetime.datetime.now().strftime("chaos-%Y%m%d-%H%M%S")
+    if work_dir.exists() and any(work_dir.iterdir()):
+        parser.error(f"--work-dir {work_dir} is not empty; give a new one")
+    wan = None
+    if args.wan:
+        from atoll import wan as wan_mod
+
+        why = wan_mod.available()
+        if why is not None:
+            parser.error(f"--wan cannot run here: {why}")
+        try:
+            wan = RegionsPerRun(wan_mod.WanConfig(regions=args.wan_regions, rate_mbit=args.wan_rate_mbit,
+                                                  latency_ms=args.wan_latency_ms))
+        except ValueError as e:
+            parser.error(str(e))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    result = run_chaos(cfg, chaos, work_dir, out=sys.stderr if args.json else sys.stdout, wan=wan)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(summary(result))
+    if any(r.get("interrupted") for r in result["runs"].values()):
+        return 130
+    return 0 if result["acked_pushes_lost"] == 0 else 1
+
+
+class RegionsPerRun:
+    """A fresh set of WAN regions for each run of one `atoll chaos` (its shards' ports differ)."""
+
+    def __init__(self, cfg):
+        self.cfg, self.regions, self.current = cfg, cfg.regions, None
+
+    def start(self, shard_ports: list[int]) -> None:
+        from atoll.wan import Wan
+
+        self.current = Wan(self.cfg, shard_ports).__enter__()
+
+    def stop(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+
+    def describe(self) -> str:
+        return (f"{self.regions} regions (network namespaces), {self.cfg.rate_mbit:g} Mbit/s each way, "
+                f"+{self.cfg.latency_ms:g} ms one-way; learner i in region i mod {self.regions}")
+
+    def command_prefix(self, region: int) -> list[str]:
+        return self.current.command_prefix(region)
+
+    def shard_addresses(self, region: int) -> list[str]:
+        return self.current.shard_addresses(region)
+
+
+def summary(r: dict) -> str:
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f} %"
+
+    lines = [f"atoll chaos: {r['failures_injected']} learner kills, {r['shard_restarts']} shard restarts "
+             f"(runs in {r['work_dir']})",
+             f"  atoll     goodput {pct(r['goodput'])}  uptime {pct(r['uptime'])}  "
+             f"final eval loss {r['final_eval_loss']}",
+             f"  lockstep  goodput {pct(r['lockstep_goodput'])}  uptime {pct(r['lockstep_uptime'])}  "
+             f"final eval loss {r['lockstep_final_eval_loss']}",
+             f"  acknowledged pushes lost: {r['acked_pushes_lost']}"]
+    if "wan" in r["runs"]["atoll"]:
+        lines.append(f"  WAN: {r['runs']['atoll']['wan']}; learners computing "
+                     f"{pct(r['runs']['atoll']['utilisation'])} of the time (lockstep "
+                     f"{pct(r['runs'].get('lockstep', {}).get('utilisation'))})")
+    if "failure_free_eval_loss" in r:
+        lines.append(f"  failure-free eval loss {r['failure_free_eval_loss']} "
+                     f"(gap {r.get('eval_loss_gap_pct', float('nan')):.2f} %)")
+    return "\n".join(lines)

@@ -1,0 +1,50 @@
+"""What a stopped shard's data directory holds durably: the pushes it can prove it accepted.
+
+`atoll chaos` checks every acknowledgement a learner logged against this after the run:
+an accepted push is durable if its record is in the write-ahead log, or if the newest
+snapshot already holds a later push of the same learner and fragment (the log is only
+truncated behind snapshots, and a learner's sequence numbers only grow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+from server import storage
+from server.shard import PUSH, _parse
+
+
+@dataclasses.dataclass
+class Durable:
+    """One learner's pushes to one fragment that a shard holds."""
+
+    logged: set[int] = dataclasses.field(default_factory=set)  # seqs with a PUSH record in the log
+    snapshot_seq: int = -1  # newest seq the newest snapshot remembers (-1: none)
+
+    def holds(self, seq: int) -> bool:
+        return seq in self.logged or seq <= self.snapshot_seq
+
+
+def durable_pushes(data_dir: str | pathlib.Path) -> dict[tuple[str, int], Durable]:
+    """{(learner, fragment): Durable} of a shard data directory; the shard must be stopped."""
+    data = pathlib.Path(data_dir)
+    out: dict[tuple[str, int], Durable] = {}
+    with storage.SnapshotStore(data / "snapshots") as snapshots:
+        snap = snapshots.latest()
+    if snap is not None:
+        for p, fmeta in snap.meta["fragments"].items():
+            for learner, answer in fmeta["answers"].items():
+                out.setdefault((learner, int(p)), Durable()).snapshot_seq = int(answer["seq"])
+    with storage.WriteAheadLog(data / "wal") as wal:
+        for _, record in wal.replay(wal.first_lsn - 1):  # every record it still holds
+            kind, meta, _ = _parse(record)
+            if kind == PUSH and meta["answer"]["accepted"]:
+                out.setdefault((meta["learner"], meta["fragment"]), Durable()).logged.add(int(meta["answer"]["seq"]))
+    return out
+
+
+def lost_acks(acks: list[dict], durable: dict[tuple[str, int], Durable]) -> list[dict]:
+    """The accepted acknowledgements (learner, fragment, seq) that no shard holds."""
+    return [a for a in acks if a["accepted"]
+            and not durable.get((a["learner"], a["fragment"]), Durable()).holds(a["seq"])]

@@ -1,0 +1,85 @@
+"""Units of `atoll chaos`: the failure schedule, the lockstep settings, uptime, and the
+acknowledgement audit against a real shard's log and snapshots."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atoll.chaos import ChaosConfig, ChaosConfigError, FailureSchedule, _uptime, lockstep_config
+from atoll.up import UpConfig
+from server.audit import durable_pushes, lost_acks
+from server.config import ShardConfig
+from server.shard import PushHeader, Shard
+from wire import codec
+from wire.plan import FragmentPlan
+
+
+def test_schedule_is_the_same_for_one_seed_and_poisson_on_average():
+    a, b = FailureSchedule(7, 3, 10.0), FailureSchedule(7, 3, 10.0)
+    times_a = [t for t in range(0, 2000) if a.due(1, t / 2)]
+    times_b = [t for t in range(0, 2000) if b.due(1, t / 2)]
+    assert times_a == times_b and times_a
+    assert FailureSchedule(8, 3, 10.0)._next != FailureSchedule(7, 3, 10.0)._next
+    # ~1000 s at a 10 s mean: about 100 kills (a 0.5 s tick merges the rare close pairs)
+    assert 70 <= len(times_a) <= 130
+
+
+def test_schedule_fires_once_for_kills_that_passed_together():
+    s = FailureSchedule(0, 1, 1.0)
+    assert s.due(0, 1000.0)  # many kill times passed while the learner was down: one kill
+    assert not s.due(0, 1000.0)
+
+
+def test_lockstep_waits_for_every_learner():
+    cfg = lockstep_config(UpConfig(learners=4, preset="tiny"))
+    assert cfg.quorum == 4 and cfg.grace_factor == 0
+    assert cfg.lease_seconds >= 1e6 and cfg.sync_patience >= 1e6
+
+
+def test_config_errors_say_what_to_fix():
+    with pytest.raises(ChaosConfigError, match="--mtbf"):
+        ChaosConfig(mtbf=0)
+    with pytest.raises(ChaosConfigError, match="--duration"):
+        ChaosConfig(duration=float("nan"))
+    with pytest.raises(ChaosConfigError, match="--shard-kill-at"):
+        ChaosConfig(shard_kill_at=(-1.0,))
+
+
+def test_uptime_counts_windows_in_which_versions_advanced():
+    # versions grow for 10 s, stall for 10 s, grow again for 10 s
+    samples = [(t, t if t < 10 else 10 if t < 20 else t - 10) for t in range(0, 31)]
+    assert _uptime(samples, 0.0, 30.0, 5.0) == pytest.approx(4 / 6)
+    assert _uptime(samples, 10.0, 20.0, 5.0) == 0.0
+    assert _uptime([], 0.0, 30.0, 5.0) == 0.0
+
+
+def _plan() -> FragmentPlan:
+    rng = np.random.default_rng(0)
+    return FragmentPlan.build({"a": rng.standard_normal((8, 8)).astype(np.float32),
+                               "b": rng.standard_normal(16).astype(np.float32)}, 2)
+
+
+def test_audit_finds_acknowledged_pushes_in_log_and_snapshot(tmp_path):
+    plan = _plan()
+    shard = Shard(ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path, quorum=1, snapshot_every=2))
+    shard.recover()
+    size = plan.fragment_sizes[0]
+    shard.init("x", 0, plan.fingerprint, plan.to_json(), codec.encode(np.zeros(size, np.float32), codec.Codec.FP32),
+               codec.Codec.FP32, size)
+    acks = []
+    for seq in range(1, 8):  # quorum 1: every push closes a round; a snapshot every 2 rounds
+        h = PushHeader(learner_id="x", fragment=0, base_version=seq - 1, seq=seq, inner_steps=1, tokens=1,
+                       codec=int(codec.Codec.INT4), num_params=size, plan_fingerprint=plan.fingerprint)
+        answer = shard.push(h, codec.encode(np.full(size, 0.01, np.float32)))
+        assert answer.accepted
+        acks.append({"learner": "x", "fragment": 0, "seq": seq, "accepted": True})
+    shard.close()
+    durable = durable_pushes(tmp_path)
+    assert durable[("x", 0)].snapshot_seq >= 2  # some pushes now live only in a snapshot
+    assert lost_acks(acks, durable) == []
+    # an acknowledgement the shard never gave is found missing: the audit can fail
+    ghost = {"learner": "y", "fragment": 0, "seq": 3, "accepted": True}
+    refused = {"learner": "x", "fragment": 0, "seq": 99, "accepted": False}
+    unlogged = {"learner": "x", "fragment": 0, "seq": 8, "accepted": True}  # newer than anything held
+    assert lost_acks(acks + [ghost, refused, unlogged], durable) == [ghost, unlogged]
