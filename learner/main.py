@@ -15,6 +15,7 @@ import os
 import pathlib
 import socket
 import sys
+from collections.abc import Mapping
 
 from wire.codec import Codec
 
@@ -174,6 +175,20 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
         sync_patience=a.sync_patience, compile_cache=a.compile_cache, metrics_port=a.metrics_port, progress=not a.quiet)
 
 
+def multi_host_refusal(env: Mapping[str, str]) -> str | None:
+    """Why this process must not run as a learner, if it is one host of a multi-host TPU slice.
+
+    A learner is one process and its local devices are the island (learner/train.py); the
+    hosts of one slice would each train alone under the slice's one learner id. GKE tells a
+    TPU pod its slice's hosts in TPU_WORKER_HOSTNAMES."""
+    hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    if len(hosts) <= 1:
+        return None
+    return (f"this pod is one of {len(hosts)} hosts of a TPU slice (TPU_WORKER_HOSTNAMES), and a learner "
+            "runs on a single host: give each learner a single-host slice (e.g. TPU v5p 2x2x1, v6e 2x4) "
+            "with one pod per JobSet slice")
+
+
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The CLI entry: readable errors for user mistakes, never a traceback."""
     from learner.data import DataError
@@ -186,6 +201,10 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         cfg = config_from_args(args)
     except (LearnerConfigError, ValueError) as e:
         parser.error(str(e))
+    refusal = multi_host_refusal(os.environ)
+    if refusal is not None:
+        print(f"atoll learner: error: {refusal}", file=sys.stderr)
+        return 2
     try:
         from learner.loop import run
 

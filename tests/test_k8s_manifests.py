@@ -31,7 +31,7 @@ OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomiz
 SYNCER_OVERLAYS = ["syncer", "all-in-one"]
 LEARNER_OVERLAYS = ["learners-tpu-v5p", "learners-tpu-v6e", "learners-cpu", "all-in-one"]
 # overlay -> (accelerator node label, chips per host)
-TPU_OVERLAYS = {"learners-tpu-v5p": ("tpu-v5p-slice", 4), "learners-tpu-v6e": ("tpu-v6e-slice", 4)}
+TPU_OVERLAYS = {"learners-tpu-v5p": ("tpu-v5p-slice", 4), "learners-tpu-v6e": ("tpu-v6e-slice", 8)}
 KUBERNETES_VERSIONS = ["1.27", "1.37"]
 NAMESPACE = "atoll"
 COMMON_LABELS = {"app.kubernetes.io/name": "atoll", "app.kubernetes.io/part-of": "atoll"}
@@ -310,6 +310,7 @@ def test_tpu_jobset(overlay):
         assert selector["cloud.google.com/gke-tpu-accelerator"] == accelerator
         hosts = _chips(selector["cloud.google.com/gke-tpu-topology"]) // chips_per_host
         assert job["parallelism"] == job["completions"] == hosts, "one pod per host of the slice"
+        assert hosts == 1, "a learner runs on one host (learner.main.multi_host_refusal)"
         assert pod["restartPolicy"] == "Never"
         (c,) = pod["containers"]
         res = c["resources"]

@@ -47,3 +47,19 @@ def test_missing_data_and_unknown_preset_are_readable_errors(run, tmp_path):
     assert "atoll learner: error:" in result.stderr and "nothing-here" in result.stderr
     result = run("--baseline", "--preset", "huge", "--steps", "1", "--data", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr and "huge" in result.stderr
+
+
+def test_one_host_of_a_multi_host_slice_refuses_to_train(run, monkeypatch, tmp_path):
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "slice-0-0.atoll,slice-0-1.atoll")
+    result = run("--shards", "127.0.0.1:1", "--steps", "1", "--status-file", str(tmp_path / "s.jsonl"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "one of 2 hosts of a TPU slice" in result.stderr
+    assert not (tmp_path / "s.jsonl").exists(), "it refused before doing anything"
+
+
+@pytest.mark.parametrize("hosts", ["", "slice-0-0.atoll"])
+def test_a_single_host_slice_is_not_refused(hosts):
+    from learner.main import multi_host_refusal
+
+    assert multi_host_refusal({"TPU_WORKER_HOSTNAMES": hosts}) is None
+    assert multi_host_refusal({}) is None
