@@ -102,9 +102,10 @@ class ChaosSession(Session):
     """An `atoll up` session that kills and restarts its own children on a schedule."""
 
     def __init__(self, cfg: UpConfig, chaos: ChaosConfig, run_dir: pathlib.Path, out, inject: bool,
-                 wan=None):
+                 wan=None, restart_all: bool = False):
         super().__init__(cfg, run_dir, out, live=False)
         self.chaos, self.inject, self.wan = chaos, inject, wan
+        self.restart_all = restart_all  # checkpoint-restart: one learner's failure takes down every learner
         self.schedule = FailureSchedule(chaos.seed, cfg.learners, chaos.mtbf)
         self.t0: float | None = None  # the failure clock's start: every learner training
         self.end: float | None = None  # when the duration was up
@@ -163,7 +164,7 @@ class ChaosSession(Session):
         elapsed = now - self.t0
         for i, l in enumerate(self.learners):
             if self.schedule.due(i, elapsed) and l.alive() and not l.finished and l.state != "done":
-                victims = self.learners if self.chaos.lockstep_restart else [l]
+                victims = self.learners if self.restart_all else [l]
                 for v in victims:
                     if v.alive() and not v.finished:
                         self._kill_learner(v, now, cause=l.name)
@@ -307,10 +308,12 @@ def run_chaos(cfg: UpConfig, chaos: ChaosConfig, work_dir: pathlib.Path, out=sys
         runs.append(("failure_free", cfg, False))
     results = {}
     for name, run_cfg, inject in runs:
+        restart_all = name == "lockstep" and chaos.lockstep_restart
         run_dir = work_dir / name
         run_cfg, _ = prepare_run_dir(run_dir, dataclasses.asdict(run_cfg))
         print(f"atoll chaos: {name} run in {run_dir}", file=out, flush=True)
-        session = ChaosSession(run_cfg, chaos, run_dir, out, inject, wan=wan if name != "failure_free" else None)
+        session = ChaosSession(run_cfg, chaos, run_dir, out, inject, wan=wan if name != "failure_free" else None,
+                               restart_all=restart_all)
         try:
             report = session.run()
         finally:

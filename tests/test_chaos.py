@@ -6,7 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from atoll.chaos import ChaosConfig, ChaosConfigError, FailureSchedule, _uptime, lockstep_config
+import io
+import signal
+import types
+
+from atoll.chaos import ChaosConfig, ChaosConfigError, ChaosSession, FailureSchedule, _uptime, lockstep_config
 from atoll.up import UpConfig
 from server.audit import durable_pushes, lost_acks
 from server.config import ShardConfig
@@ -35,6 +39,45 @@ def test_lockstep_waits_for_every_learner():
     cfg = lockstep_config(UpConfig(learners=4, preset="tiny"))
     assert cfg.quorum == 4 and cfg.grace_factor == 0
     assert cfg.lease_seconds >= 1e6 and cfg.sync_patience >= 1e6
+
+
+class FakeLearner:
+    """What the injector touches of a learner process: alive, killed with a signal, restarted."""
+
+    def __init__(self, name: str):
+        self.name, self.state, self.finished, self.signals, self.starts = name, "training", False, [], 0
+        self.status = types.SimpleNamespace(last={"step": 10}, poll=lambda: None)
+        self.proc = types.SimpleNamespace(send_signal=self.signals.append, wait=lambda: 0)
+
+    def alive(self) -> bool:
+        return not self.signals
+
+    def update(self) -> None:
+        pass
+
+    def start(self, _pids) -> None:
+        self.signals.clear()
+        self.starts += 1
+
+
+@pytest.mark.parametrize("restart_all", [False, True])
+def test_a_kill_takes_one_learner_down_or_with_checkpoint_restart_all(tmp_path, restart_all):
+    chaos = ChaosConfig(mtbf=1e9, restart_delay=1.0, shard_kill_at=(), lockstep_restart=True)
+    session = ChaosSession(UpConfig(learners=3, preset="tiny"), chaos, tmp_path, io.StringIO(), inject=True,
+                           restart_all=restart_all)
+    session.learners = [FakeLearner(f"learner-{i}") for i in range(3)]
+    session.schedule._next = [5.0, 1e12, 1e12]  # learner-0 fails 5 s in; the others never
+    session.t0 = 1000.0
+    session._inject(1004.0)
+    assert all(l.alive() for l in session.learners)
+    session._inject(1005.5)
+    down = [l.name for l in session.learners if not l.alive()]
+    # the atoll run passes restart_all=False even when the command asked for lockstep restarts
+    assert down == (["learner-0", "learner-1", "learner-2"] if restart_all else ["learner-0"])
+    assert all(l.signals == [signal.SIGKILL] for l in session.learners if not l.alive())
+    session._inject(1006.6)  # the restart delay has passed: every killed learner is started again
+    assert all(l.alive() for l in session.learners)
+    assert [l.starts for l in session.learners] == ([1, 1, 1] if restart_all else [1, 0, 0])
 
 
 def test_config_errors_say_what_to_fix():
