@@ -248,7 +248,8 @@ def account(run_dir: pathlib.Path, cfg: UpConfig, session: ChaosSession, report:
                 useful += a["compute_seconds"] / cfg.fragments
     span = (end - start) if start is not None and end is not None else 0.0
     provisioned = cfg.learners * span
-    compute = sum(r.get("step_seconds", 0.0) for rs in status.values() for r in rs
+    compute = sum(min(r.get("step_seconds", 0.0), r["time"] - start)  # a step that began before the window
+                  for rs in status.values() for r in rs
                   if r.get("state") == "training" and start is not None and start <= r["time"] <= end)
     rejoined = sum(1 for k in session.restarts
                    if any(r.get("state") == "training" and r["time"] > k["time"] for r in status[k["learner"]]))
