@@ -3,12 +3,12 @@ acknowledgement audit against a real shard's log and snapshots."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import io
 import signal
 import types
+
+import numpy as np
+import pytest
 
 from atoll.chaos import ChaosConfig, ChaosConfigError, ChaosSession, FailureSchedule, _uptime, lockstep_config
 from atoll.up import UpConfig
