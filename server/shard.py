@@ -31,6 +31,7 @@ from wire.plan import FragmentPlan
 _RECORD = struct.Struct("<BI")  # kind, meta length; then meta JSON, then payload
 PLAN, INIT, PUSH, CLOSE = 1, 2, 3, 4
 ACCEPTED_CODECS = (codec.Codec.INT4, codec.Codec.MXFP4, codec.Codec.FP32)
+PRUNE_AFTER_LEASES = 10  # a learner silent this many leases is forgotten (its lease table entry)
 
 
 class ShardError(Exception):
@@ -92,6 +93,7 @@ class Shard:
         self.last_lsn = 0
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
+        self.listeners: list[Callable[[], None]] = []  # called under the lock when a version changes; must not block
         self.ready = False
         self.metrics = ShardMetrics(cfg.shard_index, gauges=self._gauges)
 
@@ -274,7 +276,7 @@ class Shard:
                 self._adopt_plan(plan)
             frag = self.fragments[p]
             frag.initialize(values)
-            self.changed.notify_all()
+            self._version_changed()
             return True, frag.version
 
     def push(self, h: PushHeader, frame: bytes) -> Answer:
@@ -372,8 +374,13 @@ class Shard:
         if self.rounds_since_snapshot >= self.cfg.snapshot_every:
             self._snapshot()
             self.wal.truncate_through(self.snapshots.truncatable_lsn())
-        self.changed.notify_all()
+        self._version_changed()
         return None
+
+    def _version_changed(self) -> None:
+        self.changed.notify_all()
+        for listener in self.listeners:
+            listener()
 
     def tick(self) -> float | None:
         """Closes rounds whose grace ended or whose missing learners' leases lapsed;
@@ -382,6 +389,9 @@ class Shard:
             if not self.ready:
                 return None
             now = self.clock()
+            horizon = now - PRUNE_AFTER_LEASES * self.policy.lease_seconds
+            for learner in [m for m, seen in self.last_seen.items() if seen < horizon]:
+                del self.last_seen[learner]
             wakes = [self._maybe_close(p, now) for p, f in self.fragments.items() if f.round.count]
             expiry = rules.next_lease_expiry(self.last_seen, now, self.policy.lease_seconds)
             candidates = [w for w in wakes if w is not None] + ([expiry] if expiry is not None else [])

@@ -76,6 +76,25 @@ def body_bytes(codec: Codec, num_values: int) -> int:
     return blocks * (_SCALE_BYTES[codec] + BLOCK // 2)
 
 
+def max_frame_bytes(num_values: int, codec: Codec) -> int:
+    """The most bytes a frame of num_values values can take: header plus zstd's worst case.
+
+    zstd never grows a body by more than ZSTD_COMPRESSBOUND (a byte per 256, plus a
+    little for bodies under 128 KiB) and its frame header and checksum; receivers use
+    this to refuse a declared size before buffering a byte of it.
+
+    Example:
+      >>> len(encode(np.ones(1000, np.float32))) <= max_frame_bytes(1000, Codec.INT4)
+      True
+    """
+    body = body_bytes(_codec(codec), num_values)
+    small = ((128 << 10) - body) >> 11 if body < 128 << 10 else 0
+    return HEADER_BYTES + _ZSTD_FRAME_OVERHEAD + body + (body >> 8) + small
+
+
+_ZSTD_FRAME_OVERHEAD = 32  # frame header (<= 18 bytes) and checksum (4), rounded up
+
+
 def _as_f32(x: np.ndarray, what: str) -> np.ndarray:
     x = np.asarray(x)
     if x.dtype != np.float32:
