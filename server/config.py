@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pathlib
 import re
@@ -46,6 +47,10 @@ class ShardConfig:
     tls_key: pathlib.Path | None = None  # PEM private key for tls_cert
     tls_client_ca: pathlib.Path | None = None  # PEM CA bundle: require client certificates (mTLS)
     metrics_port: int | None = None  # Prometheus /metrics port; None disables, 0 picks one
+    health_port: int | None = None  # plaintext grpc.health.v1 only, on the listen host; None disables, 0 picks one
+    max_inflight_bytes: int = 2 << 30  # frame bytes all open Push/Init streams may declare at once, >= 1 MiB
+    max_connection_inflight_bytes: int = 512 << 20  # the same for one client connection, >= 1 MiB
+    stream_idle_seconds: float = 60.0  # a Push or Init stream silent this long is aborted, > 0
 
     def __post_init__(self):
         def need(ok: bool, message: str) -> None:
@@ -57,6 +62,8 @@ class ShardConfig:
              f"--shard-index must be in [0, {self.num_shards}), got {self.shard_index}")
         need(re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[\w.-]+):\d{1,5}", self.listen) is not None,
              f"--listen must be HOST:PORT (e.g. 0.0.0.0:7070), got {self.listen!r}")
+        need(_port_ok(self.port),
+             f"--listen port must be in 1-65535 (0 picks a free one), got {self.listen!r}")
         need(self.quorum >= 1, f"--quorum must be at least 1, got {self.quorum}")
         need(self.grace_factor >= 0, f"--grace-factor must be >= 0, got {self.grace_factor}")
         need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
@@ -80,12 +87,41 @@ class ShardConfig:
         for flag, path in (("--token-file", self.token_file), ("--tls-cert", self.tls_cert),
                            ("--tls-key", self.tls_key), ("--tls-client-ca", self.tls_client_ca)):
             need(path is None or pathlib.Path(path).is_file(), f"{flag}: no such file {path}")
-        need(self.metrics_port is None or 0 <= self.metrics_port <= 65535,
-             f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        for flag, port in (("--metrics-port", self.metrics_port), ("--health-port", self.health_port)):
+            need(port is None or _port_ok(port), f"{flag} must be in 1-65535 (0 picks a free one), got {port}")
+        need(self.health_port is None or self.health_port == 0 or self.health_port != self.port,
+             f"--health-port {self.health_port} is the --listen port; give it a port of its own")
+        need(self.max_connection_inflight_bytes >= 1 << 20,
+             f"--max-connection-inflight-bytes must be at least 1048576, got {self.max_connection_inflight_bytes}")
+        need(self.max_inflight_bytes >= self.max_connection_inflight_bytes,
+             f"--max-inflight-bytes ({self.max_inflight_bytes}) must be at least "
+             f"--max-connection-inflight-bytes ({self.max_connection_inflight_bytes})")
+        need(math.isfinite(self.stream_idle_seconds) and self.stream_idle_seconds > 0,
+             f"--stream-idle-seconds must be a number > 0, got {self.stream_idle_seconds}")
 
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
+
+    @property
+    def host(self) -> str:
+        """The listen address without its port (and IPv6 brackets)."""
+        return self.listen.rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        """The listen port as given (0: any free one)."""
+        return int(self.listen.rsplit(":", 1)[1])
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest frame one Push or Init may declare, whatever its fragment."""
+        return min(self.max_message_bytes * 64, self.max_connection_inflight_bytes)
+
+
+def _port_ok(port: int) -> bool:
+    """A TCP port a flag may name: 1-65535, or 0 for any free one."""
+    return 0 <= port <= 65535
 
 
 def shard_index_from_env(default: int | None = None) -> int | None:

@@ -25,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-shards", type=int, default=None, help="shards in the service (env ATOLL_NUM_SHARDS; default 1)")
     p.add_argument("--data-dir", type=pathlib.Path, default=None,
                    help="directory for the write-ahead log and snapshots (env ATOLL_DATA_DIR)")
-    p.add_argument("--listen", default=d["listen"].default, help="HOST:PORT to serve gRPC on (default %(default)s)")
+    p.add_argument("--listen", default=d["listen"].default,
+                   help="HOST:PORT to serve gRPC on; port 0 picks a free one (default %(default)s)")
     p.add_argument("--quorum", type=int, default=d["quorum"].default, help="learners needed to close a round (default %(default)s)")
     p.add_argument("--grace-factor", type=float, default=d["grace_factor"].default,
                    help="γ: share of the overlap slack a round waits for stragglers (default %(default)s)")
@@ -54,7 +55,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", type=pathlib.Path, help="PEM server certificate (enables TLS)")
     p.add_argument("--tls-key", type=pathlib.Path, help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", type=pathlib.Path, help="PEM CA bundle; requires client certificates (mTLS)")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off by default)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus /metrics port, 0 for any free one (off by default)")
+    p.add_argument("--health-port", type=int, default=None,
+                   help="also serve grpc.health.v1 alone, in plaintext, on this port of the --listen host "
+                        "(for probes when the main port uses TLS); 0 for any free one (off by default)")
+    p.add_argument("--max-inflight-bytes", type=int, default=d["max_inflight_bytes"].default,
+                   help="frame bytes all open Push and Init streams may declare at once (default %(default)s)")
+    p.add_argument("--max-connection-inflight-bytes", type=int,
+                   default=d["max_connection_inflight_bytes"].default,
+                   help="the same for one client connection; also the largest frame (default %(default)s)")
+    p.add_argument("--stream-idle-seconds", type=float, default=d["stream_idle_seconds"].default,
+                   help="a Push or Init stream that sends nothing this long is aborted (default %(default)s)")
 
 
 def config_from_args(a: argparse.Namespace) -> ShardConfig:
@@ -72,7 +84,8 @@ def config_from_args(a: argparse.Namespace) -> ShardConfig:
         delta_ring=a.delta_ring, snapshot_every=a.snapshot_every, publish_codec=Codec[a.publish_codec.upper()],
         max_message_bytes=a.max_message_bytes, max_concurrent_streams=a.max_concurrent_streams,
         token_file=token, tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
-        metrics_port=a.metrics_port)
+        metrics_port=a.metrics_port, health_port=a.health_port, max_inflight_bytes=a.max_inflight_bytes,
+        max_connection_inflight_bytes=a.max_connection_inflight_bytes, stream_idle_seconds=a.stream_idle_seconds)
 
 
 def run(cfg: ShardConfig) -> int:
@@ -86,6 +99,7 @@ def run(cfg: ShardConfig) -> int:
         signal.signal(sig, lambda *_: done.set())
     server.start()
     metrics = f", metrics on port {server.metrics_port}" if server.metrics_port is not None else ""
+    metrics += f", health on port {server.health_port}" if server.health_port is not None else ""
     print(f"syncer shard {cfg.shard_index}/{cfg.num_shards} serving on port {server.port}{metrics}", flush=True)
     done.wait()
     server.stop()

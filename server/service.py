@@ -1,68 +1,211 @@
-"""The gRPC face of a shard: a thin servicer, auth, health, reflection, TLS."""
+"""The gRPC face of a shard: a thin asyncio servicer, auth, limits, health, reflection, TLS.
+
+Serving runs on grpc.aio, so an open stream (a Watch, or a Push that sends its header
+and stalls) costs a coroutine, never a thread: health and reflection are answered
+whatever crowd is connected. The Shard's domain calls block (its lock, fsync, merges),
+so they run on a small pool of worker threads and the event loop never waits on them.
+Every SyncerServer in a process shares one event loop on a thread of its own (grpc.aio
+polls through the first loop it meets), so tests and `atoll syncer` start and stop
+servers from plain synchronous code.
+
+Limits, each checked before the bytes it guards are buffered:
+  1. A learner id is at most 128 of [A-Za-z0-9._:-] (empty: an anonymous reader).
+  2. A frame's declared size is at most the shard's frame limit (RESOURCE_EXHAUSTED)
+     and at most what its fragment can need in its codec (INVALID_ARGUMENT).
+  3. Declared frame bytes are held against a per-connection and a shard-wide
+     in-flight budget until the call ends (RESOURCE_EXHAUSTED when either is spent).
+  4. A Push or Init stream that sends nothing for stream_idle_seconds is aborted
+     (DEADLINE_EXCEEDED), and its budget given back.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
 import logging
+import re
 import threading
-from concurrent import futures
+from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+import prometheus_client as prom
+from grpc_health.v1 import _async as aio_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from server.config import ShardConfig, load_tokens
 from server.shard import PushHeader, Shard, ShardError
+from wire import codec
 from wire import syncer_pb2 as pb
 from wire import syncer_pb2_grpc as pb_grpc
 
 log = logging.getLogger("atoll.syncer")
 SERVICE = pb.DESCRIPTOR.services_by_name["Syncer"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _REASONS = {"fresh": pb.PUSH_REASON_FRESH, "stale_discounted": pb.PUSH_REASON_STALE_DISCOUNTED,
             "duplicate": pb.PUSH_REASON_DUPLICATE, "too_stale": pb.PUSH_REASON_TOO_STALE,
             "already_in_round": pb.PUSH_REASON_ALREADY_IN_ROUND}
 CHUNK_BYTES = 1 << 20
+LEARNER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+WORKERS = 8  # threads running domain calls; the shard's lock serialises most of them anyway
+TICK_FAILURES_UNHEALTHY = 3  # round-timer failures in a row that make health NOT_SERVING
+TICK_RETRY_SECONDS = 0.5  # the round timer's pause after a failure
 
 
-def _collect(first_kind: str, requests, limit: int) -> tuple[object, bytes]:
-    """Reads a header then chunks; raises ShardError for a stream out of shape or oversize."""
-    header = None
-    parts: list[bytes] = []
-    received = 0
-    for request in requests:
-        kind = request.WhichOneof("kind")
-        if header is None:
-            if kind != "header":
-                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the header")
-            header = request.header
-            if header.frame_bytes > limit:
-                raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"frame of {header.frame_bytes} bytes exceeds this shard's limit of {limit}")
-            continue
-        if kind != "chunk":
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header")
-        received += len(request.chunk)
-        if received > header.frame_bytes:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"chunks exceed the header's frame_bytes={header.frame_bytes}")
-        parts.append(request.chunk)
-    if header is None:
-        raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"empty {first_kind} stream: no header")
-    if received != header.frame_bytes:
+# --- the event loop ---------------------------------------------------------------
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """The process's one grpc.aio event loop, running on a daemon thread of its own."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="grpc-aio", daemon=True).start()
+            _loop = loop
+        return _loop
+
+
+def _run(coroutine):
+    """Runs a coroutine on the event loop from another thread and returns its result."""
+    return asyncio.run_coroutine_threadsafe(coroutine, event_loop()).result()
+
+
+# --- serving-layer state ------------------------------------------------------------
+
+
+class ServingMetrics:
+    """What the serving layer adds to the shard's registry: streams, bytes held, health."""
+
+    def __init__(self, registry: prom.CollectorRegistry):
+        self.open_calls = prom.Gauge("atoll_open_calls", "Syncer calls in progress, by method (a Watch "
+                                     "is open as long as its learner listens)", ["method"], registry=registry)
+        self.inflight_bytes = prom.Gauge("atoll_inflight_frame_bytes", "Frame bytes declared by open Push "
+                                         "and Init streams (held against --max-inflight-bytes)", registry=registry)
+        self.tick_failures = prom.Counter("atoll_round_timer_failures", "Round-timer ticks that raised "
+                                          "(each is logged with its traceback)", registry=registry)
+        self.serving = prom.Gauge("atoll_serving", "1 while the health service says SERVING", registry=registry)
+
+
+class _Budget:
+    """Frame bytes that open streams declared, per connection and in all (event loop only)."""
+
+    def __init__(self, total: int, per_connection: int, gauge: prom.Gauge):
+        self.total, self.per_connection, self.gauge = total, per_connection, gauge
+        self.held = 0
+        self.by_peer: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def hold(self, peer: str, n: int):
+        mine = self.by_peer.get(peer, 0)
+        if mine + n > self.per_connection:
+            raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"this connection's open streams already declare {mine} frame bytes; {n} more "
+                             f"would pass its limit of {self.per_connection}: wait for them, then retry")
+        if self.held + n > self.total:
+            raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"the shard holds {self.held} frame bytes in flight; {n} more would pass its "
+                             f"limit of {self.total}: retry shortly")
+        self.by_peer[peer] = mine + n
+        self.held += n
+        self.gauge.set(self.held)
+        try:
+            yield
+        finally:
+            left = self.by_peer[peer] - n
+            if left:
+                self.by_peer[peer] = left
+            else:
+                del self.by_peer[peer]
+            self.held -= n
+            self.gauge.set(self.held)
+
+
+class _VersionBoard:
+    """The newest fragment versions, read from the shard once per change and shared by
+    every Watch stream (so a version change costs one domain call, not one per stream)."""
+
+    def __init__(self, read: Callable[[], asyncio.Future]):
+        self.read = read  # () -> awaitable {fragment: (version, contributors)}
+        self.versions: dict[int, tuple[int, int]] = {}
+        self.changed = asyncio.Event()  # replaced, after being set, at each refresh
+        self._dirty = False
+        self._task: asyncio.Task | None = None
+
+    def poke(self) -> None:
+        """A version changed (event loop thread): refresh, at most one read at a time."""
+        self._dirty = True
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._refresh())
+
+    async def _refresh(self) -> None:
+        while self._dirty:
+            self._dirty = False
+            try:
+                self.versions = await self.read()
+            except Exception:  # the next change tries again; watchers keep what they had
+                log.exception("reading fragment versions for Watch streams failed")
+                return
+            changed, self.changed = self.changed, asyncio.Event()
+            changed.set()
+
+    def view(self, fragments: list[int] | None) -> dict[int, tuple[int, int]]:
+        if fragments is None:
+            return self.versions
+        return {p: self.versions[p] for p in fragments if p in self.versions}
+
+
+def _bearer(metadata) -> str | None:
+    """The token of an `authorization: Bearer TOKEN` header, if any."""
+    value = dict(metadata or ()).get("authorization", "")
+    return value[7:] if value.startswith("Bearer ") else None
+
+
+def _check_id(learner_id: str) -> None:
+    if learner_id and LEARNER_ID.fullmatch(learner_id) is None:
+        shown = learner_id if len(learner_id) <= 40 else learner_id[:40] + "…"
         raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"truncated stream: {received} of {header.frame_bytes} frame bytes arrived")
-    return header, b"".join(parts)
+                         f"learner_id {shown!r} ({len(learner_id)} characters) must be 1-128 of "
+                         "A-Z a-z 0-9 . _ : -")
+
+
+# --- the servicer -------------------------------------------------------------------
 
 
 class SyncerServicer(pb_grpc.SyncerServicer):
     """Translates requests into Shard calls and answers back; no math here."""
 
-    def __init__(self, shard: Shard, max_frame_bytes: int, tokens: dict[str, str | None] | None = None):
-        self.shard = shard
-        self.max_frame_bytes = max_frame_bytes
+    def __init__(self, shard: Shard, cfg: ShardConfig, tokens: dict[str, str | None] | None,
+                 workers: concurrent.futures.Executor, metrics: ServingMetrics):
+        self.shard, self.cfg, self.workers, self.metrics = shard, cfg, workers, metrics
         self.tokens = tokens  # token -> the learner it is bound to (None: any); None: no auth
+        self.budget = _Budget(cfg.max_inflight_bytes, cfg.max_connection_inflight_bytes, metrics.inflight_bytes)
+        self.board = _VersionBoard(lambda: self._call(self.shard.versions, None))
+        self.watching: collections.Counter[str] = collections.Counter()  # learner -> open Watch streams
 
-    def _check_learner(self, context: grpc.ServicerContext, learner_id: str) -> None:
-        """A token bound to a learner may act only as that learner (the interceptor checked the token)."""
+    async def _call(self, fn, *args):
+        """A blocking domain call on the worker pool; an unexpected error becomes INTERNAL."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+        except ShardError:
+            raise
+        except Exception as e:
+            log.exception("%s failed", getattr(fn, "__name__", fn))
+            raise ShardError(grpc.StatusCode.INTERNAL, f"the shard failed: {type(e).__name__}: {e}") from None
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, method: str, e: ShardError):
+        self.shard.metrics.refused.labels(method, e.code.name).inc()
+        await context.abort(e.code, str(e))
+
+    def _check_caller(self, context: grpc.aio.ServicerContext, learner_id: str) -> None:
+        """The id is well formed, and a token bound to a learner acts only as that learner
+        (the interceptor checked the token itself)."""
+        _check_id(learner_id)
         if self.tokens is None:
             return
         bound = self.tokens.get(_bearer(context.invocation_metadata()) or "")
@@ -70,74 +213,180 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             raise ShardError(grpc.StatusCode.PERMISSION_DENIED,
                              f"this token belongs to learner {bound!r}, not {learner_id!r}")
 
-    def _refuse(self, context: grpc.ServicerContext, method: str, e: ShardError):
-        self.shard.metrics.refused.labels(method, e.code.name).inc()
-        context.abort(e.code, str(e))
-
-    def Init(self, request_iterator, context):
+    async def _read(self, context: grpc.aio.ServicerContext, kind: str):
+        """The stream's next message, or EOF; a stream silent too long is aborted."""
         try:
-            header, frame = _collect("Init", request_iterator, self.max_frame_bytes)
+            async with asyncio.timeout(self.cfg.stream_idle_seconds):
+                return await context.read()
+        except TimeoutError:
+            raise ShardError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"{kind} stream sent nothing for {self.cfg.stream_idle_seconds:g} s; "
+                             "send the frame's chunks without pausing") from None
+
+    def _frame_need(self, header) -> int:
+        """Most frame bytes the header's fragment can need in its codec."""
+        try:
+            frame_codec = codec.Codec(header.codec)
+        except ValueError:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"codec {header.codec} is not accepted") from None
+        plan = self.shard.plan
+        if plan is None:  # the first Init brings the plan; the shard checks num_params against it
+            values = header.num_params
+        elif header.fragment < plan.num_fragments:
+            values = plan.fragment_sizes[header.fragment]
+        else:  # the shard refuses the fragment itself; until then no frame outgrows the largest
+            values = max(plan.fragment_sizes)
+        return codec.max_frame_bytes(values, frame_codec)
+
+    @contextlib.asynccontextmanager
+    async def _intake(self, kind: str, context: grpc.aio.ServicerContext):
+        """Reads a header then chunks; yields (header, frame) with the frame's bytes held
+        against the budgets until the block ends. Raises ShardError for a stream out of
+        shape, oversize, stalled, or from a caller that may not send it."""
+        first = await self._read(context, kind)
+        if first is grpc.aio.EOF:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"empty {kind} stream: no header")
+        if first.WhichOneof("kind") != "header":
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the header")
+        header = first.header
+        self._check_caller(context, header.learner_id)
+        declared, limit = header.frame_bytes, self.cfg.max_frame_bytes
+        if declared > limit:
+            raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"frame of {declared} bytes exceeds this shard's limit of {limit}")
+        need = self._frame_need(header)
+        if declared > need:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"frame_bytes={declared} is more than fragment {header.fragment} can need "
+                             f"in codec {header.codec} ({need} bytes)")
+        with self.budget.hold(context.peer(), declared):
+            parts: list[bytes] = []
+            received = 0
+            while (request := await self._read(context, kind)) is not grpc.aio.EOF:
+                if request.WhichOneof("kind") != "chunk":
+                    raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header")
+                received += len(request.chunk)
+                if received > declared:
+                    raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"chunks exceed the header's frame_bytes={declared}")
+                parts.append(request.chunk)
+            if received != declared:
+                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"truncated stream: {received} of {declared} frame bytes arrived")
+            frame = b"".join(parts)
+            del parts
             self.shard.metrics.bytes_in.inc(len(frame))
-            self._check_learner(context, header.learner_id)
-            self.shard.touch(header.learner_id)
-            created, version = self.shard.init(header.learner_id, header.fragment, header.plan_fingerprint,
-                                               header.plan_json, frame, header.codec, header.num_params)
-        except ShardError as e:
-            self._refuse(context, "Init", e)
-        return pb.InitResponse(created=created, version=version)
+            yield header, frame
 
-    def Push(self, request_iterator, context):
+    @contextlib.contextmanager
+    def _open(self, method: str):
+        gauge = self.metrics.open_calls.labels(method)
+        gauge.inc()
         try:
-            header, frame = _collect("Push", request_iterator, self.max_frame_bytes)
-            self.shard.metrics.bytes_in.inc(len(frame))
-            self._check_learner(context, header.learner_id)
-            h = PushHeader(header.learner_id, header.fragment, header.base_version, header.seq,
-                           header.inner_steps, header.tokens, header.codec, header.num_params,
-                           header.plan_fingerprint, header.step_seconds, header.overlap_steps)
-            with self.shard.metrics.push_seconds.time():
-                a = self.shard.push(h, frame)
-        except ShardError as e:
-            self._refuse(context, "Push", e)
-        return pb.PushResponse(accepted=a.accepted, reason=_REASONS[a.reason], detail=a.detail,
-                               version=a.version, staleness=max(0, a.staleness), weight=a.weight)
+            yield
+        finally:
+            gauge.dec()
 
-    def Pull(self, request, context):
-        have = request.have_version if request.HasField("have_version") else None
-        try:
-            self._check_learner(context, request.learner_id)
-            self.shard.touch(request.learner_id)
-            version, snapshot, frames = self.shard.pull(request.fragment, have)
-        except ShardError as e:
-            self._refuse(context, "Pull", e)
-        yield pb.PullResponse(header=pb.PullHeader(fragment=request.fragment, version=version,
-                                                   snapshot=snapshot, num_frames=len(frames),
-                                                   num_params=self.shard.fragments[request.fragment].size))
-        for v, c, frame in frames:
-            for start in range(0, max(len(frame), 1), CHUNK_BYTES):
-                piece = frame[start:start + CHUNK_BYTES]
-                yield pb.PullResponse(chunk=pb.PullChunk(version=v, codec=int(c), data=piece,
-                                                         last=start + CHUNK_BYTES >= len(frame)))
+    # --- the RPCs ---
 
-    def Watch(self, request, context):
-        fragments = list(request.fragments) or None
-        known: dict[int, int] = {}
-        try:
-            self._check_learner(context, request.learner_id)
-        except ShardError as e:
-            self._refuse(context, "Watch", e)
-        while context.is_active():
-            self.shard.touch(request.learner_id)
+    async def Init(self, request_iterator, context):
+        with self._open("Init"):
             try:
-                current = self.shard.versions(fragments)
+                async with self._intake("Init", context) as (header, frame):
+                    created, version = await self._call(self._init, header, frame)
             except ShardError as e:
-                self._refuse(context, "Watch", e)
-            for p, (version, contributors) in sorted(current.items()):
-                if known.get(p) != version:
-                    known[p] = version
-                    yield pb.WatchResponse(fragment=p, version=version, contributors=contributors)
-            self.shard.wait_for_change(known, fragments, timeout=1.0)
+                await self._refuse(context, "Init", e)
+            return pb.InitResponse(created=created, version=version)
 
-    def Describe(self, request, context):
+    def _init(self, header: pb.InitHeader, frame: bytes) -> tuple[bool, int]:
+        self.shard.touch(header.learner_id)
+        return self.shard.init(header.learner_id, header.fragment, header.plan_fingerprint, header.plan_json,
+                               frame, header.codec, header.num_params)
+
+    async def Push(self, request_iterator, context):
+        with self._open("Push"):
+            try:
+                async with self._intake("Push", context) as (header, frame):
+                    h = PushHeader(header.learner_id, header.fragment, header.base_version, header.seq,
+                                   header.inner_steps, header.tokens, header.codec, header.num_params,
+                                   header.plan_fingerprint, header.step_seconds, header.overlap_steps)
+                    a = await self._call(self._push, h, frame)
+            except ShardError as e:
+                await self._refuse(context, "Push", e)
+            return pb.PushResponse(accepted=a.accepted, reason=_REASONS[a.reason], detail=a.detail,
+                                   version=a.version, staleness=max(0, a.staleness), weight=a.weight)
+
+    def _push(self, h: PushHeader, frame: bytes):
+        with self.shard.metrics.push_seconds.time():
+            return self.shard.push(h, frame)
+
+    async def Pull(self, request, context):
+        have = request.have_version if request.HasField("have_version") else None
+        with self._open("Pull"):
+            try:
+                self._check_caller(context, request.learner_id)
+                version, snapshot, frames, size = await self._call(self._pull, request.learner_id,
+                                                                   request.fragment, have)
+            except ShardError as e:
+                await self._refuse(context, "Pull", e)
+            yield pb.PullResponse(header=pb.PullHeader(fragment=request.fragment, version=version,
+                                                       snapshot=snapshot, num_frames=len(frames),
+                                                       num_params=size))
+            for v, c, frame in frames:
+                for start in range(0, max(len(frame), 1), CHUNK_BYTES):
+                    piece = frame[start:start + CHUNK_BYTES]
+                    yield pb.PullResponse(chunk=pb.PullChunk(version=v, codec=int(c), data=piece,
+                                                             last=start + CHUNK_BYTES >= len(frame)))
+
+    def _pull(self, learner: str, p: int, have: int | None):
+        self.shard.touch(learner)
+        version, snapshot, frames = self.shard.pull(p, have)
+        return version, snapshot, frames, self.shard.fragments[p].size
+
+    async def Watch(self, request, context):
+        fragments = list(request.fragments) or None
+        learner = request.learner_id
+        with self._open("Watch"):
+            try:
+                self._check_caller(context, learner)
+                changed = self.board.changed  # taken before the first read: no change slips between
+                current = await self._call(self._watch_start, learner, fragments)
+            except ShardError as e:
+                await self._refuse(context, "Watch", e)
+            self.watching[learner] += 1
+            try:
+                known: dict[int, int] = {}
+                while True:
+                    for p, (version, contributors) in sorted(current.items()):
+                        # versions only grow; a board read older than the first read is skipped
+                        if version > known.get(p, -1):
+                            known[p] = version
+                            yield pb.WatchResponse(fragment=p, version=version, contributors=contributors)
+                    await changed.wait()
+                    changed = self.board.changed
+                    current = self.board.view(fragments)
+            finally:
+                self.watching[learner] -= 1
+                if not self.watching[learner]:
+                    del self.watching[learner]
+
+    def _watch_start(self, learner: str, fragments: list[int] | None):
+        self.shard.touch(learner)
+        return self.shard.versions(fragments)
+
+    def touch_watchers(self) -> None:
+        """Refreshes the lease of every learner with an open Watch (a worker thread)."""
+        for learner in list(self.watching):
+            self.shard.touch(learner)
+
+    async def Describe(self, request, context):
+        with self._open("Describe"):
+            try:
+                return await self._call(self._describe)
+            except ShardError as e:
+                await self._refuse(context, "Describe", e)
+
+    def _describe(self) -> pb.DescribeResponse:
         d = self.shard.describe()
         cfg = self.shard.cfg
         plan = d["plan"]
@@ -159,7 +408,10 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         return out
 
 
-class _TokenAuth(grpc.ServerInterceptor):
+# --- bearer tokens ------------------------------------------------------------------
+
+
+class _TokenAuth(grpc.aio.ServerInterceptor):
     """Checks `authorization: Bearer TOKEN` on every call except health and reflection."""
 
     OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -167,31 +419,22 @@ class _TokenAuth(grpc.ServerInterceptor):
     def __init__(self, tokens: dict[str, str | None]):
         self.tokens = tokens
 
-    def intercept_service(self, continuation, details):
-        if details.method.startswith(self.OPEN):
-            return continuation(details)
-        token = _bearer(details.invocation_metadata)
-        if token is None or token not in self.tokens:
-            handler = continuation(details)
-            if handler is None:
-                return None
-            return _denying(handler)
-        return continuation(details)
-
-
-def _bearer(metadata) -> str | None:
-    """The token of an `authorization: Bearer TOKEN` header, if any."""
-    value = dict(metadata or ()).get("authorization", "")
-    return value[7:] if value.startswith("Bearer ") else None
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(self.OPEN):
+            return handler
+        if _bearer(details.invocation_metadata) in self.tokens:
+            return handler
+        return _denying(handler)
 
 
 def _denying(handler):
     """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
-    def deny(request_or_iterator, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
+    async def deny(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
 
-    def deny_stream(request_or_iterator, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
+    async def deny_stream(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
         yield  # pragma: no cover
 
     kinds = {
@@ -206,34 +449,50 @@ def _denying(handler):
                 response_serializer=handler.response_serializer)
 
 
+# --- the server ---------------------------------------------------------------------
+
+
 class SyncerServer:
-    """A running shard: gRPC server, health, timer thread. `start()` then `stop()`."""
+    """A running shard: gRPC server, health (and its optional plaintext port), round timer.
+
+    `start()` serves at once as NOT_SERVING, recovers, then reports SERVING; `stop()`
+    reports NOT_SERVING, stops serving and writes a final snapshot. Both are called
+    from ordinary threads; the servers themselves live on the shared event loop.
+    """
 
     def __init__(self, cfg: ShardConfig, shard: Shard | None = None):
         self.cfg = cfg
         self.shard = shard or Shard(cfg)
+        self.loop = event_loop()
+        self.metrics = ServingMetrics(self.shard.metrics.registry)
+        self.workers = concurrent.futures.ThreadPoolExecutor(
+            WORKERS, thread_name_prefix=f"shard{cfg.shard_index}-worker")
+        tokens = load_tokens(cfg.token_file) if cfg.token_file else None
+        self.metrics_port: int | None = None
+        self.health_port: int | None = None
+        self._started = self._stopping = False
+        self._tick_failures = 0
+        self._stop = threading.Event()
+        self._timer = threading.Thread(target=self._tick_loop, name="round-timer", daemon=True)
+        self._lease_task: asyncio.Future | None = None
+        self.port = _run(self._build(tokens))
+        self._listener = lambda: self.loop.call_soon_threadsafe(self.servicer.board.poke)
+        self.shard.listeners.append(self._listener)
+
+    async def _build(self, tokens) -> int:
+        """Makes the servers on the event loop (grpc.aio objects belong to the loop they
+        are made on) and binds them; returns the gRPC port."""
+        cfg = self.cfg
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
                    ("grpc.max_concurrent_streams", cfg.max_concurrent_streams)]
-        tokens = load_tokens(cfg.token_file) if cfg.token_file else None
-        interceptors = [_TokenAuth(tokens)] if tokens else []
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max(8, cfg.max_concurrent_streams)),
-                                  options=options, interceptors=interceptors)
-        pb_grpc.add_SyncerServicer_to_server(SyncerServicer(self.shard, cfg.max_message_bytes * 64, tokens), self.server)
-        self.health = health.HealthServicer()
+        self.health = aio_health.HealthServicer()
+        self.servicer = SyncerServicer(self.shard, cfg, tokens, self.workers, self.metrics)
+        self.server = grpc.aio.server(options=options, interceptors=[_TokenAuth(tokens)] if tokens else [])
+        pb_grpc.add_SyncerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server)
-        for name in ("", SERVICE):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self._bind()
-        self.metrics_port: int | None = None
-        self._stop = threading.Event()
-        self._timer = threading.Thread(target=self._tick_loop, name="round-timer", daemon=True)
-
-    def _bind(self) -> int:
-        cfg = self.cfg
+        reflection.enable_server_reflection((SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server)
+        await self._publish_health()
         if cfg.tls:
             creds = grpc.ssl_server_credentials(
                 [(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())],
@@ -244,31 +503,100 @@ class SyncerServer:
             port = self.server.add_insecure_port(cfg.listen)
         if port == 0:
             raise OSError(f"could not listen on {cfg.listen}")
+        self.health_server = None
+        if cfg.health_port is not None:
+            # Plaintext health only, mirroring the main port's: probes read NOT_SERVING
+            # even where the main port needs TLS and client certificates.
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+            self.health_port = self.health_server.add_insecure_port(f"{host}:{cfg.health_port}")
+            if self.health_port == 0:
+                raise OSError(f"could not listen on {host}:{cfg.health_port} for --health-port")
         return port
+
+    @property
+    def serving(self) -> bool:
+        """What health says: recovered, not stopping, and the round timer making progress."""
+        return self._started and not self._stopping and self._tick_failures < TICK_FAILURES_UNHEALTHY
+
+    async def _publish_health(self) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if self.serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
+        self.metrics.serving.set(1 if self.serving else 0)
+
+    async def _start_servers(self) -> None:
+        await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
 
     def start(self) -> None:
         """Serves at once (NOT_SERVING), recovers, then reports SERVING."""
-        self.server.start()
+        _run(self._start_servers())
         if self.cfg.metrics_port is not None:
-            host = self.cfg.listen.rsplit(":", 1)[0].strip("[]")
-            self.metrics_port = self.shard.metrics.serve(self.cfg.metrics_port, host)
+            self.metrics_port = self.shard.metrics.serve(self.cfg.metrics_port, self.cfg.host)
         replayed = self.shard.recover()
         log.info("shard %d/%d recovered (%d log records replayed) on port %d",
                  self.cfg.shard_index, self.cfg.num_shards, replayed, self.port)
-        for name in ("", SERVICE):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._started = True
+        _run(self._publish_health())
+        self._lease_task = asyncio.run_coroutine_threadsafe(self._refresh_leases(), self.loop)
         self._timer.start()
 
+    async def _refresh_leases(self) -> None:
+        """An open Watch keeps its learner's lease, refreshed for all of them at once."""
+        interval = min(max(self.cfg.lease_seconds / 3, 0.05), 5.0)
+        while True:
+            await asyncio.sleep(interval)
+            if self.servicer.watching:
+                with contextlib.suppress(ShardError):
+                    await self.servicer._call(self.servicer.touch_watchers)
+
     def _tick_loop(self) -> None:
+        """Closes rounds on time. Never dies: a failing tick is logged and counted, and
+        health says NOT_SERVING while ticks keep failing (rounds cannot close)."""
         while not self._stop.is_set():
-            wake = self.shard.tick()
-            delay = 0.5 if wake is None else max(0.0, min(0.5, wake - self.shard.clock()))
+            try:
+                wake = self.shard.tick()
+                delay = 0.5 if wake is None else max(0.0, min(0.5, wake - self.shard.clock()))
+            except Exception:
+                self.metrics.tick_failures.inc()
+                self._tick_failures += 1
+                log.exception("round timer: tick failed (%d in a row)", self._tick_failures)
+                if self._tick_failures == TICK_FAILURES_UNHEALTHY:
+                    log.error("round timer: %d failures in a row; health says NOT_SERVING until a tick "
+                              "succeeds", self._tick_failures)
+                    _run(self._publish_health())
+                self._stop.wait(TICK_RETRY_SECONDS)
+                continue
+            if self._tick_failures:
+                unhealthy = self._tick_failures >= TICK_FAILURES_UNHEALTHY
+                self._tick_failures = 0
+                if unhealthy:
+                    log.info("round timer: ticking again; health says SERVING")
+                    _run(self._publish_health())
             self._stop.wait(delay)
 
+    async def _stop_servers(self, grace: float) -> None:
+        await self._publish_health()
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+        await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
+
     def stop(self, grace: float = 2.0) -> None:
+        """NOT_SERVING, stops serving (calls still open after `grace` seconds are
+        cancelled), waits for domain calls in progress, then the final snapshot."""
+        self._stopping = True
         self._stop.set()
-        for name in ("", SERVICE):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.server.stop(grace).wait()
+        _run(self._stop_servers(grace))
+        if self._timer.is_alive():
+            self._timer.join()
+        self.workers.shutdown(wait=True)
+        with contextlib.suppress(ValueError):
+            self.shard.listeners.remove(self._listener)
         self.shard.metrics.stop()
         self.shard.close()

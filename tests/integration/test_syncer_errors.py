@@ -150,9 +150,13 @@ MALFORMED = {
     "empty push stream": (lambda s: push_messages(s, []), INVALID),
     "frame_bytes over the shard's limit": (lambda s: push_messages(s, [pb.PushRequest(
         header=pb.PushHeader(**{**_fields(HEADER.header), "frame_bytes": FRAME_LIMIT + 1}))]), EXHAUSTED),
-    "one message over max_message_bytes": (lambda s: push_messages(s, [pb.PushRequest(
-        header=pb.PushHeader(**{**_fields(HEADER.header), "frame_bytes": 2 << 20})),
-        pb.PushRequest(chunk=bytes((1 << 20) + 1))]), EXHAUSTED),
+    "one message over max_message_bytes": (lambda s: push_messages(s, [HEADER, pb.PushRequest(
+        chunk=bytes((1 << 20) + 1))]), EXHAUSTED),
+    "frame_bytes over what the fragment can need": (lambda s: push_messages(s, [pb.PushRequest(
+        header=pb.PushHeader(**{**_fields(HEADER.header), "frame_bytes": codec.max_frame_bytes(SIZE, codec.Codec.INT4)
+                                + 1}))]), INVALID),
+    "learner_id too long": (lambda s: raw_push(s, GOOD, learner="l" * 129), INVALID),
+    "learner_id with a space": (lambda s: raw_push(s, GOOD, learner="l 0"), INVALID),
     "base_version from the future": (lambda s: push(s, PLAN, P, "x", 1, 4, delta("l9", 1)), INVALID),
     "unknown fragment": (lambda s: push(s, PLAN, UNKNOWN, "x", 1, 0, delta("l9", 1)), NOT_FOUND),
     "fragment of another shard": (lambda s: push(s, PLAN, OTHER_SHARDS, "x", 1, 0,
@@ -175,8 +179,12 @@ MALFORMED = {
         PLAN, 2, np.zeros(PLAN.fragment_sizes[2], np.float32), plan_fingerprint="0123456789abcdef")),
         timeout=DEADLINE), PRECONDITION),
     "Init: one message over max_message_bytes": (lambda s: s.Init(iter([
-        init_requests(PLAN, 2, np.zeros(PLAN.fragment_sizes[2], np.float32), frame_bytes=2 << 20)[0],
+        init_requests(PLAN, 2, np.zeros(PLAN.fragment_sizes[2], np.float32))[0],
         pb.InitRequest(chunk=bytes((1 << 20) + 1))]), timeout=DEADLINE), EXHAUSTED),
+    "Init: frame_bytes over what the fragment can need": (lambda s: s.Init(iter(init_requests(
+        PLAN, 2, np.zeros(PLAN.fragment_sizes[2], np.float32),
+        frame_bytes=codec.max_frame_bytes(PLAN.fragment_sizes[2], codec.Codec.FP32) + 1)[:1]),
+        timeout=DEADLINE), INVALID),
     "Init: empty stream": (lambda s: s.Init(iter([]), timeout=DEADLINE), INVALID),
     "Watch: unknown fragment": (lambda s: next(s.Watch(pb.WatchRequest(fragments=[UNKNOWN]), timeout=DEADLINE)),
                                 NOT_FOUND),
