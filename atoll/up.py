@@ -48,7 +48,7 @@ class UpConfig:
     learners: int = 4  # M: learner processes, >= 1
     preset: str = "small"  # model preset (learner.model.PRESETS)
     steps: int = 200  # inner steps of a full-speed learner, >= 1
-    slowdown: tuple[float, ...] = ()  # per learner, >= 1; missing ones run at 1; () = last M//2 at 2x
+    slowdown: tuple[float, ...] = ()  # >= 1: one factor for all learners or one each; () = last M//2 at 2x
     same_time: bool = True  # a learner slowed s× runs steps/s steps, so all islands finish together
     batch_size: int = 16  # sequences per inner step per learner
     period: int = 32  # H: inner steps between two syncs of a fragment
@@ -83,8 +83,9 @@ class UpConfig:
         need(self.period >= 1, f"--period must be at least 1, got {self.period}")
         need(0 <= self.overlap < self.period, f"--overlap must be in [0, --period={self.period}), got {self.overlap}")
         need(self.codec in ("int4", "mxfp4", "fp32"), f"--codec must be int4, mxfp4 or fp32, got {self.codec!r}")
-        need(len(self.slowdown) <= self.learners,
-             f"--slowdown lists {len(self.slowdown)} factors for {self.learners} learners")
+        need(len(self.slowdown) in (0, 1, self.learners),
+             f"--slowdown lists {len(self.slowdown)} factors for {self.learners} learners: give one factor "
+             f"for all of them or exactly {self.learners}, one per learner")
         need(all(math.isfinite(s) and s >= 1 for s in self.slowdown),
              f"--slowdown factors must be >= 1 (1 = full speed), got {list(self.slowdown)}")
         need(0 <= self.quorum <= self.learners, f"--quorum must be in [1, --learners={self.learners}], got {self.quorum}")
@@ -102,7 +103,7 @@ class UpConfig:
         # resolve the defaults that depend on M, so config.json says what actually ran
         slow = self.slowdown or tuple(1.0 if i < self.learners - self.learners // 2 else 2.0
                                       for i in range(self.learners))
-        object.__setattr__(self, "slowdown", tuple(float(s) for s in slow) + (1.0,) * (self.learners - len(slow)))
+        object.__setattr__(self, "slowdown", tuple(float(s) for s in slow) * (self.learners // len(slow)))
         # K = 2: a round merges at least two islands' deltas but never waits for all of them
         # (with K = M, learners blocked on rounds that each need the other can stall)
         object.__setattr__(self, "quorum", self.quorum or min(2, self.learners))
@@ -203,9 +204,9 @@ def _flag_text(value) -> str:
 
 def _slowdowns(text: str) -> tuple[float, ...]:
     try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
+        values = tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected factors like 1,1,2,2, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected one factor (2) or one per learner (1,1,2,2), got {text!r}") from None
     return values
 
 
@@ -220,8 +221,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help=f"model size: tiny, small, base, large (default {d['preset']})")
     p.add_argument("--steps", type=int, help=f"inner steps of a full-speed learner (default {d['steps']})")
     p.add_argument("--slowdown", type=_slowdowns,
-                   help="per-learner slowdown factors, e.g. 1,1,2,2 (emulates older accelerators; "
-                        "default: the last M//2 learners at 2)")
+                   help="slowdown factors emulating older accelerators: one for every learner (2) or one "
+                        "per learner (1,1,2,2); default: the last M//2 learners at 2")
     p.add_argument("--same-steps", dest="same_time", action="store_false", default=None,
                    help="every learner runs --steps (default: a learner slowed s× runs steps/s, "
                         "so all finish at about the same time)")

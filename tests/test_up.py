@@ -28,13 +28,14 @@ def test_defaults_follow_the_learner_count():
     cfg = UpConfig(learners=3, eval_batches=8)
     assert cfg.slowdown == (1.0, 1.0, 2.0) and cfg.quorum == 2 and cfg.eval_batches == 9
     assert UpConfig(learners=1).quorum == 1 and UpConfig(learners=1).slowdown == (1.0,)
-    assert UpConfig(learners=4, slowdown=(3.0,)).slowdown == (3.0, 1.0, 1.0, 1.0)
+    assert UpConfig(learners=4, slowdown=(3.0,)).slowdown == (3.0, 3.0, 3.0, 3.0)  # one factor: every learner
 
 
 @pytest.mark.parametrize("fields, message", [
     (dict(shards=4, fragments=2), "--fragments (2) must be at least --shards (4)"),
     (dict(slowdown=(0.5,)), "--slowdown factors must be >= 1"),
     (dict(learners=2, slowdown=(1, 1, 2)), "--slowdown lists 3 factors for 2 learners"),
+    (dict(learners=4, slowdown=(1, 2)), "--slowdown lists 2 factors for 4 learners: give one factor for all"),
     (dict(period=4, overlap=4), "--overlap must be in [0, --period=4)"),
     (dict(learners=2, quorum=3), "--quorum must be in [1, --learners=2]"),
     (dict(preset="huge"), "unknown --preset 'huge'"),
