@@ -470,7 +470,7 @@ class SyncerServer:
         tokens = load_tokens(cfg.token_file) if cfg.token_file else None
         self.metrics_port: int | None = None
         self.health_port: int | None = None
-        self._started = self._stopping = False
+        self._started = self._stopping = self._stopped = False
         self._tick_failures = 0
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._tick_loop, name="round-timer", daemon=True)
@@ -590,7 +590,9 @@ class SyncerServer:
     def stop(self, grace: float = 2.0) -> None:
         """NOT_SERVING, stops serving (calls still open after `grace` seconds are
         cancelled), waits for domain calls in progress, then the final snapshot."""
-        self._stopping = True
+        if self._stopped:
+            return
+        self._stopped = self._stopping = True
         self._stop.set()
         _run(self._stop_servers(grace))
         if self._timer.is_alive():
