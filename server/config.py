@@ -144,7 +144,15 @@ def _int_env(name: str) -> int:
 
 
 def load_tokens(path: pathlib.Path) -> dict[str, str | None]:
-    """Reads a token file: {token: learner id or None (any learner)}."""
+    """Reads a token file: {token: learner id or None (any learner)}.
+
+    Refuses, at start, a token that is a placeholder (the REPLACE-ME line shipped in
+    k8s/base/common/token) or shorter than 32 characters: either would let anyone who
+    guesses it push outer gradients.
+    """
+    min_chars = 32  # `openssl rand -hex 32` gives 64
+    placeholder = re.compile(r"replace[-_ ]?me|change[-_ ]?me|placeholder|example", re.IGNORECASE)
+    how = f"put a real one there, e.g. `openssl rand -hex 32 > {path}`"
     tokens: dict[str, str | None] = {}
     for number, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
         line = line.strip()
@@ -154,6 +162,11 @@ def load_tokens(path: pathlib.Path) -> dict[str, str | None]:
         if len(parts) > 2:
             raise ConfigError(f"{path}:{number}: expected 'TOKEN' or 'LEARNER_ID TOKEN'")
         learner, token = (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+        if placeholder.search(token):
+            raise ConfigError(f"{path}:{number}: the token is a placeholder, not a secret; {how}")
+        if len(token) < min_chars:
+            raise ConfigError(f"{path}:{number}: the token has {len(token)} characters, fewer than the "
+                              f"{min_chars} a bearer token needs; {how}")
         tokens[token] = learner
     if not tokens:
         raise ConfigError(f"{path}: no tokens (one per line, '#' starts a comment)")

@@ -50,11 +50,15 @@ def serve(tmp_path):
 
 # --- bearer tokens ---
 
+# Tokens as long as config.load_tokens demands (32 characters at least).
+SECRET_A = "secret-a-4f1c9e2b7d3a8c6e5b0f9a1d2c"
+SHARED = "shared-secret-7c1e0b5a9d3f4e2b8a6c"
+
 
 @pytest.fixture
 def token_server(tmp_path, serve):
     tokens = tmp_path / "tokens"
-    tokens.write_text("# learner-bound and shared tokens\nlearner-a secret-a\n\nshared-secret\n")
+    tokens.write_text(f"# learner-bound and shared tokens\nlearner-a {SECRET_A}\n\n{SHARED}\n")
     return serve(token_file=tokens)
 
 
@@ -71,12 +75,12 @@ def _calls(stub, metadata):
     }
 
 
-@pytest.mark.parametrize("metadata", [None, bearer("wrong"), bearer(""), [("authorization", "secret-a")],
-                                      [("authorization", "Basic secret-a")]],
+@pytest.mark.parametrize("metadata", [None, bearer("wrong"), bearer(""), [("authorization", SECRET_A)],
+                                      [("authorization", f"Basic {SECRET_A}")]],
                          ids=["none", "wrong", "empty", "no-scheme", "basic"])
 def test_calls_without_a_known_bearer_token_are_unauthenticated(token_server, metadata):
     channel, stub = connect(token_server.port)
-    good = bearer("secret-a")
+    good = bearer(SECRET_A)
     assert init(stub, PLAN, 0, np.zeros(PLAN.fragment_sizes[0], np.float32), learner="learner-a", metadata=good).created
     before = describe(stub, metadata=good)
     for method, call in _calls(stub, metadata).items():
@@ -87,9 +91,9 @@ def test_calls_without_a_known_bearer_token_are_unauthenticated(token_server, me
 
 def test_known_tokens_open_every_call(token_server):
     channel, stub = connect(token_server.port)
-    for token in ("secret-a", "shared-secret"):
+    for token in (SECRET_A, SHARED):
         calls = _calls(stub, bearer(token))
-        assert calls["Init"]().created == (token == "secret-a")  # then it exists
+        assert calls["Init"]().created == (token == SECRET_A)  # then it exists
         assert calls["Push"]().accepted  # the second time: a duplicate, answered the same
         assert calls["Pull"]()[0].fragment == 0
         assert calls["Describe"]().num_shards == 1
@@ -110,11 +114,11 @@ def test_health_and_reflection_need_no_token(token_server):
 
 
 def test_a_learner_bound_token_cannot_push_as_another_learner(token_server):
-    """`learner-a secret-a` binds the token to learner-a (config.load_tokens): a push
+    """`learner-a SECRET_A` binds the token to learner-a (config.load_tokens): a push
     that says it comes from learner-b under that token is refused and changes nothing."""
     channel, stub = connect(token_server.port)
     size = PLAN.fragment_sizes[0]
-    good = bearer("secret-a")
+    good = bearer(SECRET_A)
     init(stub, PLAN, 0, np.zeros(size, np.float32), learner="learner-a", metadata=good)
     code = status_of(lambda: push(stub, PLAN, 0, "learner-b", 1, 0, np.full(size, 0.01, np.float32),
                                   metadata=good))
@@ -242,9 +246,9 @@ def test_mutual_tls_requires_a_client_certificate_from_its_ca(serve, pki):
 
 def test_tokens_and_mutual_tls_together(tmp_path, serve, pki):
     tokens = tmp_path / "tokens"
-    tokens.write_text("shared-secret\n")
+    tokens.write_text(f"{SHARED}\n")
     server = serve(tls_cert=pki.server_cert, tls_key=pki.server_key, tls_client_ca=pki.ca, token_file=tokens)
     channel, stub = connect(server.port, _credentials(pki.ca, pki.client_cert, pki.client_key))
-    assert describe(stub, metadata=bearer("shared-secret")).num_shards == 1
+    assert describe(stub, metadata=bearer(SHARED)).num_shards == 1
     assert status_of(lambda: describe(stub)) == UNAUTHENTICATED  # a certificate is not a token
     channel.close()
