@@ -63,14 +63,23 @@ class _Metrics:
     def __init__(self, learner_id: str):
         self.registry = prom.CollectorRegistry()
         g = lambda name, doc: prom.Gauge(name, doc, registry=self.registry)  # noqa: E731
+        c = lambda name, doc: prom.Counter(name, doc, registry=self.registry)  # noqa: E731
         self.step, self.loss, self.eval_loss = g("atoll_learner_step", "Inner steps done"), \
             g("atoll_learner_loss", "Training loss of the last step"), \
             g("atoll_learner_eval_loss", "Held-out loss of the last evaluation")
         self.tokens_per_s = g("atoll_learner_tokens_per_second", "Training throughput")
-        self.bytes_sent = g("atoll_learner_sent_bytes", "Bytes pushed and offered to shards")
-        self.bytes_received = g("atoll_learner_received_bytes", "Bytes pulled from shards")
         self.lag = g("atoll_learner_version_lag", "Newest known version minus adopted, worst fragment")
-        self.blocked = g("atoll_learner_blocked_seconds", "Time the training loop waited on sync")
+        # Totals are counters (exposed with _total; rate() them). The sync engine keeps running
+        # totals, so _observe adds what grew since it last looked (`seen`).
+        self.bytes_sent = c("atoll_learner_sent_bytes", "Bytes pushed and offered to shards")
+        self.bytes_received = c("atoll_learner_received_bytes", "Bytes pulled from shards")
+        self.blocked = c("atoll_learner_blocked_seconds", "Time the training loop waited on sync")
+        self.tokens = c("atoll_learner_tokens", "Tokens trained on by this process")
+        self.seen = {"bytes_sent": 0.0, "bytes_received": 0.0, "blocked_seconds": 0.0}
+        # The goodput denominator: 1 from start-up on (loading, compiling, joining and training
+        # are all provisioned time), labelled with the learner id, which outlives its pods.
+        prom.Gauge("atoll_learner_up", "1 while this learner process runs (provisioned)", ["learner"],
+                   registry=self.registry).labels(learner_id).set(1)
         prom.Info("atoll_learner", "Which learner this is", registry=self.registry).info({"learner": learner_id})
 
 
@@ -196,12 +205,16 @@ def _observe(metrics: _Metrics, m: dict, sync: Synchronizer | None) -> None:
     metrics.step.set(m["step"])
     metrics.loss.set(m["loss"])
     metrics.tokens_per_s.set(m["tokens_per_s"])
+    metrics.tokens.inc(m["tokens"])
     if "eval_loss" in m:
         metrics.eval_loss.set(m["eval_loss"])
     if sync is not None:
-        metrics.bytes_sent.set(sync.stats["bytes_sent"])
-        metrics.bytes_received.set(sync.stats["bytes_received"])
-        metrics.blocked.set(sync.stats["blocked_seconds"])
+        for counter, key in ((metrics.bytes_sent, "bytes_sent"), (metrics.bytes_received, "bytes_received"),
+                             (metrics.blocked, "blocked_seconds")):
+            total = sync.stats[key]
+            if total > metrics.seen[key]:
+                counter.inc(total - metrics.seen[key])
+                metrics.seen[key] = total
         metrics.lag.set(sync.standing()[1])
 
 
