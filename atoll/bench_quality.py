@@ -1,8 +1,11 @@
 """`atoll bench quality`: does the method train as well as data-parallel training?
 
-Three runs of the same model on the same data for the same number of tokens:
+Four runs of the same model on the same data for the same number of tokens:
 (a) the data-parallel baseline (one process, M× batch), (b) atoll with M learners
-and 4-bit outer gradients, (c) the same with fp32 outer gradients. Each atoll run is
+and 4-bit outer gradients, (c) the same with fp32 outer gradients, (d) (b) with
+mixed-speed islands: half the learners 2× slower (`--slowdown 2`), each still training
+its full share of tokens, so the slow ones take fewer inner steps per sync and twice
+the wall time. Each atoll run is
 a real `atoll up` (shard and learner processes over loopback); its eval loss is the
 *global* model's, pulled from the shards at the end, on the same held-out rows the
 baseline is scored on.
@@ -24,8 +27,9 @@ import tempfile
 from atoll.session import Session
 from atoll.up import UpConfig, prepare_run_dir
 
-TARGET_GAP_PCT = 1.5
+TARGET_GAP_PCT = 1.0
 TARGET_REDUCTION = 400.0
+MIXED_SLOWDOWN = 2.0  # how much slower the slow half of the islands is in run (d)
 
 
 def _run(cfg: UpConfig, run_dir: pathlib.Path) -> dict:
@@ -41,6 +45,10 @@ def bench_quality(cfg: UpConfig, work_dir: pathlib.Path | None = None) -> dict:
     base = pathlib.Path(work_dir or tempfile.mkdtemp(prefix="atoll-quality-"))
     four = _run(dataclasses.replace(cfg, codec="int4", baseline=True), base / "int4")
     fp32 = _run(dataclasses.replace(cfg, codec="fp32", baseline=False), base / "fp32")
+    m = cfg.learners
+    slow = tuple(1.0 if i < m - m // 2 else MIXED_SLOWDOWN for i in range(m))
+    mixed = _run(dataclasses.replace(cfg, codec="int4", baseline=False, slowdown=slow, same_time=False),
+                 base / "mixed")
     learners = four["learners"].values()
     params = next(iter(learners))["params"]
     steps = sum(r["steps"] for r in learners)
@@ -49,18 +57,24 @@ def bench_quality(cfg: UpConfig, work_dir: pathlib.Path | None = None) -> dict:
     bytes_dp = steps * params * 4  # one fp32 gradient per learner step
     baseline_loss = four["baseline"]["final_eval_loss"]
     loss4, loss32 = four["global"]["eval_loss"], fp32["global"]["eval_loss"]
+    loss_mixed = mixed["global"]["eval_loss"]
     gap = 100 * (loss4 / baseline_loss - 1)
+    mixed_gap = 100 * (loss_mixed / baseline_loss - 1)
     reduction = bytes_dp / sent
     return {
         "budget": {"preset": cfg.preset, "params": params, "learners": cfg.learners,
                    "tokens": four["global"]["tokens"], "baseline_tokens": four["baseline"]["tokens"],
                    "inner_steps_per_learner": cfg.steps, "batch_size": cfg.batch_size,
                    "period": cfg.period, "overlap": cfg.overlap, "fragments": cfg.fragments,
-                   "quorum": cfg.quorum, "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum},
+                   "mixed_tokens": mixed["global"]["tokens"], "mixed_slowdown": list(slow)},
+        "config": {"outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum, "quorum": cfg.quorum,
+                   "learners": cfg.learners, "grace_factor": cfg.grace_factor, "seed": cfg.seed},
         "baseline_eval_loss": baseline_loss,
         "atoll_4bit_eval_loss": loss4,
         "atoll_fp32_eval_loss": loss32,
+        "atoll_mixed_speed_eval_loss": loss_mixed,
         "gap_pct": round(gap, 3),
+        "mixed_speed_gap_pct": round(mixed_gap, 3),
         "gap_fp32_pct": round(100 * (loss32 / baseline_loss - 1), 3),
         "bytes_dp": bytes_dp,
         "bytes_atoll": sent,
@@ -68,10 +82,15 @@ def bench_quality(cfg: UpConfig, work_dir: pathlib.Path | None = None) -> dict:
         "bytes_atoll_fp32": sum(r["bytes_sent"] for r in fp32["learners"].values()),
         "bandwidth_reduction": round(reduction, 1),
         "bandwidth_reduction_both_ways": round(2 * bytes_dp / (sent + received), 1),
-        "wall_seconds": {"int4_and_baseline": four["wall_seconds"], "fp32": fp32["wall_seconds"]},
-        "run_dirs": {"int4": str(base / "int4"), "fp32": str(base / "fp32")},
+        "outer_steps_per_period": {"int4": four["global"].get("outer_steps_per_period"),
+                                   "mixed": mixed["global"].get("outer_steps_per_period")},
+        "wall_seconds": {"int4_and_baseline": four["wall_seconds"], "fp32": fp32["wall_seconds"],
+                         "mixed": mixed["wall_seconds"]},
+        "run_dirs": {"int4": str(base / "int4"), "fp32": str(base / "fp32"), "mixed": str(base / "mixed")},
         "targets": {
             "gap_pct": {"want": f"<= {TARGET_GAP_PCT}", "got": round(gap, 3), "met": gap <= TARGET_GAP_PCT},
+            "mixed_speed_gap_pct": {"want": f"<= {TARGET_GAP_PCT}", "got": round(mixed_gap, 3),
+                                    "met": mixed_gap <= TARGET_GAP_PCT},
             "bandwidth_reduction": {"want": f">= {TARGET_REDUCTION:g}", "got": round(reduction, 1),
                                     "met": reduction >= TARGET_REDUCTION},
         },

@@ -19,6 +19,8 @@ def _positive_int(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from server.config import OUTER_LR, OUTER_MOMENTUM
+
     parser = argparse.ArgumentParser(
         prog="atoll",
         description="Decoupled DiLoCo training across islands of accelerators.")
@@ -86,8 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     quality.add_argument("--overlap", type=int, default=1, help="τ (default %(default)s)")
     quality.add_argument("--fragments", type=_positive_int, default=4, help="P (default %(default)s)")
     quality.add_argument("--quorum", type=_positive_int, default=2, help="K (default %(default)s)")
-    quality.add_argument("--outer-lr", type=float, default=1.0, help="shards' outer lr (default %(default)s)")
-    quality.add_argument("--outer-momentum", type=float, default=0.0, help="shards' outer momentum (default %(default)s)")
+    quality.add_argument("--outer-lr", type=float, default=OUTER_LR, help="shards' outer lr (default %(default)s)")
+    quality.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM,
+                         help="shards' outer Nesterov momentum (default %(default)s)")
+    quality.add_argument("--seed", type=int, default=0, help="init and data-order seed (default %(default)s)")
     quality.add_argument("--work-dir", type=pathlib.Path, default=None, help="where the runs go (default: a temp dir)")
     quality.add_argument("--json", action="store_true", help="print one JSON object (the only output format)")
     ingest = benches.add_parser("ingest", help="one shard process's push ingest rate vs raw gRPC, "
@@ -161,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = UpConfig(learners=args.learners, preset=args.preset, steps=args.steps,
                            slowdown=(1.0,) * args.learners, batch_size=args.batch_size, period=args.period,
                            overlap=args.overlap, fragments=args.fragments, quorum=args.quorum,
-                           outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, evals=4)
+                           outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, evals=4, seed=args.seed)
         except UpConfigError as e:
             parser.error(str(e))
         print(json.dumps(bench_quality(cfg, args.work_dir), indent=2))

@@ -60,7 +60,8 @@ def read_status(path: pathlib.Path) -> list[dict]:
 
 
 def scrape(port: int | None, timeout: float = SCRAPE_TIMEOUT) -> dict | None:
-    """A shard's /metrics as {versions, rounds, pushes, refused, live, received, sent}; None if unreachable."""
+    """A shard's /metrics as {versions, outer_steps_per_period, cadence_seconds, rounds, pushes, refused,
+    live, received, sent}; None if unreachable."""
     if port is None:
         return None
     try:
@@ -68,12 +69,16 @@ def scrape(port: int | None, timeout: float = SCRAPE_TIMEOUT) -> dict | None:
             text = r.read().decode()
     except (OSError, ValueError):
         return None
-    out = {"versions": {}, "rounds": 0, "pushes": 0, "refused": 0, "refused_calls": 0, "live": 0,
+    out = {"versions": {}, "outer_steps_per_period": {}, "cadence_seconds": None, "rounds": 0, "pushes": 0, "refused": 0, "refused_calls": 0, "live": 0,
            "received_bytes": 0, "sent_bytes": 0}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "atoll_fragment_version":
                 out["versions"][int(s.labels["fragment"])] = int(s.value)
+            elif s.name == "atoll_outer_steps_per_period":
+                out["outer_steps_per_period"][int(s.labels["fragment"])] = s.value
+            elif s.name == "atoll_cadence_seconds":
+                out["cadence_seconds"] = s.value
             elif s.name == "atoll_rounds_total":
                 out["rounds"] = int(s.value)
             elif s.name == "atoll_pushes_total":

@@ -33,6 +33,10 @@ DEFINITIONS = {
                            "2(M-1)/M x 4 bytes x params each way",
     "tokens": "tokens trained on (predicted targets), all learners together",
     "lag": "a learner's newest known global version minus the version it holds, worst fragment",
+    "outer_steps_per_period": "outer steps a fragment took per sync period (the cadence the shards ask "
+                              "learners to keep: H steps of the fastest live learner), measured by each "
+                              "shard between its first and last close; mean over fragments (1 = one merge "
+                              "per fragment per period)",
     "shards": "each shard's last metrics sample; counters (rounds, pushes, bytes) count since its process "
               "last started, versions are durable",
 }
@@ -159,6 +163,8 @@ def build_report(run_dir: pathlib.Path, cfg, specs, baseline_spec=None, *, globa
     shards = {}
     for sample in _read_jsonl(run_dir / "shards.jsonl"):
         shards[str(sample["shard"])] = {k: v for k, v in sample.items() if k not in ("shard", "time")}
+    per_period = [v for s in shards.values() for v in (s.get("outer_steps_per_period") or {}).values()]
+    g["outer_steps_per_period"] = sum(per_period) / len(per_period) if per_period else None
     for i, n in (shard_restarts or {}).items():
         shards.setdefault(str(i), {})["restarts_this_session"] = n
     done = all(l["state"] == "done" and l["steps"] >= l["target_steps"] for l in learners.values())

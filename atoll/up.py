@@ -34,6 +34,7 @@ import pathlib
 import sys
 
 from atoll import progress
+from server.config import OUTER_LR, OUTER_MOMENTUM
 
 FORMAT = "atoll.up.v1"  # config.json format; bump when UpConfig changes meaning
 
@@ -60,10 +61,8 @@ class UpConfig:
     lease_seconds: float = 10.0  # a learner silent this long is not waited for
     max_staleness: int = 4  # versions a push's base may lag before it is refused
     sync_patience: float = 30.0  # seconds a learner waits on a round holding its push, then trains on
-    # the outer step: plain averaging. The shards' default (Nesterov, lr 0.7, momentum 0.9)
-    # diverged in this run (held-out loss 2.4 -> 4.6 over the second half); this reached 2.10
-    outer_lr: float = 1.0  # shards' outer SGD learning rate, > 0
-    outer_momentum: float = 0.0  # shards' outer Nesterov momentum, in [0, 1)
+    outer_lr: float = OUTER_LR  # shards' outer SGD learning rate, > 0
+    outer_momentum: float = OUTER_MOMENTUM  # shards' outer Nesterov momentum, in [0, 1)
     evals: int = 6  # held-out evaluations per learner during the run (plus the final one)
     eval_batches: int = 8  # held-out batches per evaluation (rounded up to a multiple of M)
     seed: int = 0  # model init and data order

@@ -1,9 +1,14 @@
 """The learner's side of Decoupled DiLoCo: when to push which fragment, and adopting
 what comes back (DESIGN.md §1).
 
-Fragment p syncs every H inner steps, at steps t ≡ t_p (mod H) with offsets
-t_p = round((p+1)·H/P) spread over the period, so the link carries one fragment at a
-time. At a sync point the training thread only copies θ_p; a background task forms
+Fragment p first syncs at step t_p = round((p+1)·H/P), the offsets spread over the
+period so the link carries one fragment at a time. After that every learner keeps one
+wall-clock cadence (dynamic local updates, arXiv 2401.09135): the shard tells it the
+period T = H steps of the fastest live learner, and the learner pushes fragment p again
+at the first step boundary about T after the round holding its last push closed. A
+fast island takes about H steps per sync, a 2× slower one about H/2, and all of them
+push within a step of each other, so a round gathers one push per learner per period
+(see `sync_due`). At a sync point the training thread only copies θ_p; a background task forms
 the outer gradient Δ = Θ_p(base) − θ_p, adds the error-feedback residual, encodes it
 to 4 bits, pushes it (retrying the same seq until acknowledged: pushes are
 idempotent), waits until a version holding it is published (Watch), and pulls the
@@ -17,11 +22,14 @@ or a mix with the local weights (α > 0). It blocks only when the next sync poin
 the same fragment comes before the task is done.
 
 A push refused as too stale, or one in a round that already holds this learner,
-resyncs the fragment instead: θ_p ← Θ_current, residual dropped.
+resyncs the fragment instead: θ_p ← Θ_current, residual dropped. A learner that gave
+up waiting on a round (its push is in it, but the round did not close) measures its
+next outer gradient from θ_p at that push, so the same steps are never sent twice.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -42,6 +50,9 @@ log = logging.getLogger("atoll.learner")
 Params = dict  # nested str-keyed dict of arrays, the model's parameter tree
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
              grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+STEP_WINDOW = 16  # recent steps whose median is this learner's step time (what the cadence follows)
 
 
 class SyncError(RuntimeError):
@@ -74,6 +85,60 @@ def offsets(num_fragments: int, period: int) -> list[int]:
     return [max(1, round((p + 1) * period / num_fragments)) for p in range(num_fragments)]
 
 
+def steps_per_period(period: int, cadence_seconds: float | None, step_seconds: float) -> int:
+    """Inner steps this learner takes in one sync period: H until the shard names a
+    cadence, then as many of its own steps as fit in it (at least 1)."""
+    if not cadence_seconds or step_seconds <= 0:
+        return period
+    return max(1, round(cadence_seconds / step_seconds))
+
+
+def anchor_for(own: float | None, closes_seen, cadence_seconds: float | None) -> float | None:
+    """The instant a learner's next period starts: the close of the round holding its
+    last push (`own`), or a later close it saw within half a period of that one.
+
+    Learners whose pushes fell into two rounds of one period fall in step this way (the
+    earlier group waits for the later group's close), while a close long after `own`
+    (a round of stragglers) never postpones a push that is due."""
+    if own is None or not cadence_seconds:
+        return own
+    return max((c for c in closes_seen if own <= c <= own + cadence_seconds / 2), default=own)
+
+
+def sync_due(*, step: int, first_step: int, last_sync_step: int | None, anchor: float | None,
+             now: float, period: int, cadence_seconds: float | None, step_seconds: float) -> bool:
+    """Whether fragment p's next push starts at this step boundary (no push in flight).
+
+    Args:
+      step: inner steps done since joining.
+      first_step: t_p, the fragment's first sync step (staggered over the period).
+      last_sync_step: the step of the fragment's last push, or None before the first.
+      anchor: when the round holding that push closed (or the learner resynced or gave
+        up on it), on this learner's monotonic clock; None when not known.
+      now: the same clock, at this step boundary.
+      period: H, inner steps per sync of the fastest learner.
+      cadence_seconds: the sync period the shard asks for (None: not known yet).
+      step_seconds: this learner's recent seconds per inner step.
+
+    Returns:
+      True when the push is due: at t_p first; then at the step boundary nearest to
+      anchor + cadence, so every learner, fast or slow, pushes once per period and
+      within a step of the others; without a cadence or anchor, every H steps.
+
+    Example:
+      >>> sync_due(step=40, first_step=8, last_sync_step=8, anchor=100.0, now=103.1,
+      ...          period=32, cadence_seconds=3.2, step_seconds=0.2)
+      True
+    """
+    if last_sync_step is None:
+        return step >= first_step
+    if step <= last_sync_step:
+        return False
+    if anchor is None or not cadence_seconds:
+        return step - last_sync_step >= period
+    return now + step_seconds / 2 >= anchor + cadence_seconds
+
+
 @dataclasses.dataclass
 class _Outcome:
     """What a finished sync task hands the training thread."""
@@ -81,6 +146,7 @@ class _Outcome:
     version: int
     correction: np.ndarray | None  # add to θ_p (adopt), or None with `values` set (resync)
     values: np.ndarray | None = None
+    anchor: float = 0.0  # when the round holding the push closed (or the task gave up), monotonic
 
 
 class _Fragment:
@@ -91,7 +157,9 @@ class _Fragment:
         self.version = 0  # the global version adopted
         self.base: np.ndarray = np.zeros(size, np.float32)  # Θ_p at `version`, bit-exact
         self.ef = codec.ErrorFeedback(size, wire_codec)
-        self.last_sync_step = 0
+        self.last_sync_step: int | None = None  # the step of the last push
+        self.anchor: float | None = None  # when the round holding the last push closed (monotonic)
+        self.origin: np.ndarray | None = None  # what the next Δ is measured from, if not `base`
         self.compute = 0.0  # seconds of inner steps since the last sync (what the next push carries)
         self.task: concurrent.futures.Future | None = None
         self.task_step = 0  # the step the in-flight task was started at
@@ -121,8 +189,13 @@ class Synchronizer:
         self.lock = threading.Lock()
         self.known = threading.Condition(self.lock)
         self.latest: dict[int, int] = {}  # newest version each fragment is known to have
+        # when this learner saw each fragment's recent versions come out (monotonic)
+        self.closes_seen: dict[int, collections.deque[float]] = {
+            p: collections.deque(maxlen=8) for p in range(plan.num_fragments)}
         self.stopping = threading.Event()
-        self.step_seconds = 0.0
+        self.step_seconds = 0.0  # median of the recent steps' seconds (compiles and evals are outliers)
+        self._recent_steps: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
+        self.cadence_seconds: float | None = None  # the sync period the shards ask for
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "pushes": 0, "refused": 0, "resyncs": 0,
                       "adopted": 0, "stalled": 0, "blocked_seconds": 0.0}
         self._watches: list[grpc.Future] = []  # open Watch calls, cancelled by close()
@@ -176,24 +249,34 @@ class Synchronizer:
                    tokens_per_step: int) -> dict[int, np.ndarray]:
         """Adopts finished syncs, starts due ones; `step` counts inner steps done since join.
         Returns {fragment: new vector} for the fragments whose tensors the caller must replace."""
-        self.step_seconds = step_seconds if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * step_seconds
+        self._recent_steps.append(step_seconds)
+        self.step_seconds = float(np.median(self._recent_steps))
         updates: dict[int, np.ndarray] = {}
         flat_now: dict[int, np.ndarray] = {}
+        now = time.monotonic()
+        per_period = steps_per_period(self.cfg.period, self.cadence_seconds, self.step_seconds)
         for frag in self.frags:
             frag.compute += step_seconds
-            due = step >= self.offsets[frag.p] and (step - self.offsets[frag.p]) % self.cfg.period == 0
-            ready = frag.task is not None and step >= frag.task_step + self.cfg.overlap and frag.task.done()
-            if frag.task is not None and (ready or due):
-                if not frag.task.done():  # the next sync is here: this is the only place we block
-                    started = time.perf_counter()
-                    concurrent.futures.wait([frag.task])
-                    self._count("blocked_seconds", time.perf_counter() - started)
-                self._adopt(frag, step, params, flat_now, updates)
-            if due:
+            if frag.task is not None:
+                ready = step >= frag.task_step + self.cfg.overlap and frag.task.done()
+                overdue = step - frag.task_step >= per_period  # a whole period and still not back
+                if ready or overdue:
+                    if not frag.task.done():  # this is the only place we block
+                        started = time.perf_counter()
+                        concurrent.futures.wait([frag.task])
+                        self._count("blocked_seconds", time.perf_counter() - started)
+                    self._adopt(frag, step, params, flat_now, updates)
+            with self.lock:
+                anchor = anchor_for(frag.anchor, self.closes_seen[frag.p], self.cadence_seconds)
+            if frag.task is None and sync_due(step=step, first_step=self.offsets[frag.p],
+                                              last_sync_step=frag.last_sync_step, anchor=anchor,
+                                              now=now, period=self.cfg.period,
+                                              cadence_seconds=self.cadence_seconds,
+                                              step_seconds=self.step_seconds):
                 theta = updates.get(frag.p)
                 if theta is None:
                     theta = flat_now.setdefault(frag.p, self.plan.flatten_fragment(params, frag.p))
-                steps = step - frag.last_sync_step
+                steps = step - (frag.last_sync_step or 0)
                 frag.last_sync_step = step
                 frag.task_step = step
                 self.seq += 1
@@ -212,6 +295,7 @@ class Synchronizer:
             updates[frag.p] = outcome.values
             frag.last_sync_step = step
         frag.version = outcome.version
+        frag.anchor = outcome.anchor
         self._count("adopted", 1)
 
     def finish(self, step: int, params: Params, timeout: float) -> dict[int, np.ndarray]:
@@ -230,12 +314,16 @@ class Synchronizer:
               compute: float = 0.0) -> _Outcome:
         """Push, wait for the round holding it, pull: the background half of one sync."""
         p, client = frag.p, self.client_of(frag.p)
-        frame = frag.ef.encode(frag.base - theta)
+        # after giving up on a round that holds our last push, only what came since counts
+        origin = frag.base if frag.origin is None else frag.origin
+        frame = frag.ef.encode(origin - theta)
         header = pb.PushHeader(fragment=p, base_version=frag.version, seq=seq, inner_steps=max(1, steps),
                                tokens=max(1, tokens), codec=int(self.cfg.codec), num_params=theta.size,
                                plan_fingerprint=self.plan.fingerprint, step_seconds=self.step_seconds,
-                               overlap_steps=self.cfg.overlap)
+                               overlap_steps=self.cfg.overlap, period_steps=self.cfg.period)
         ack = self._retry(lambda: client.push(header, frame), f"push fragment {p}")
+        if ack.cadence_seconds > 0:
+            self.cadence_seconds = ack.cadence_seconds
         self._count("bytes_sent", len(frame))
         self._count("pushes", 1)
         if self.on_push is not None:
@@ -251,7 +339,8 @@ class Synchronizer:
                      ack.detail)
             frag.ef.reset()
             self._advance(frag, None)
-            return _Outcome(frag.version, None, frag.base.copy())
+            frag.origin = None
+            return _Outcome(frag.version, None, frag.base.copy(), time.monotonic())
         merged_in = frag.version + ack.staleness + 1  # the version that will hold this push
         patience = max(self.cfg.patience, 4 * self.cfg.period * self.step_seconds)
         if not self._wait_for(p, merged_in, patience):
@@ -260,10 +349,13 @@ class Synchronizer:
             # wait on it; the next push finds us still in that round and resyncs
             self._count("stalled", 1)
             log.warning("fragment %d: no version %d after %.0f s; going on without it", p, merged_in, patience)
-            return _Outcome(frag.version, np.zeros_like(theta))
+            frag.origin = theta  # the round still holds the steps up to here
+            return _Outcome(frag.version, np.zeros_like(theta), anchor=time.monotonic())
+        anchor = time.monotonic()  # the round holding our push has closed: the next period starts
         self._advance(frag, merged_in)
+        frag.origin = None
         keep = 1.0 - self.cfg.mix
-        return _Outcome(frag.version, np.float32(keep) * (frag.base - theta))
+        return _Outcome(frag.version, np.float32(keep) * (frag.base - theta), anchor=anchor)
 
     def _advance(self, frag: _Fragment, at_least: int | None) -> None:
         """Brings frag.base up to the newest version (>= at_least) by deltas, or a snapshot."""
@@ -302,6 +394,8 @@ class Synchronizer:
                 for notice in call:
                     failures = 0
                     with self.known:
+                        if notice.version > self.latest.get(notice.fragment, 0):
+                            self.closes_seen[notice.fragment].append(time.monotonic())
                         self.latest[notice.fragment] = max(self.latest.get(notice.fragment, 0), notice.version)
                         self.known.notify_all()
             except grpc.RpcError:

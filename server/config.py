@@ -19,6 +19,12 @@ ENV_DATA_DIR = "ATOLL_DATA_DIR"
 ENV_TOKEN_FILE = "ATOLL_TOKEN_FILE"
 
 
+# The outer optimiser's defaults (DiLoCo, arXiv 2311.08105): the one source for the shard,
+# `atoll up`, `atoll bench quality` and the Kubernetes ConfigMap (a test keeps them equal).
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
+
+
 class ConfigError(ValueError):
     """A setting that cannot work; the message says how to fix it."""
 
@@ -34,8 +40,8 @@ class ShardConfig:
     max_staleness: int = 4  # versions a push's base may lag, >= 0
     staleness_discount: float = 0.0  # a in (1 + s)^-a, >= 0; 0 disables discounting
     lease_seconds: float = 30.0  # a learner is live this long after its last call, > 0
-    outer_lr: float = 0.7  # outer SGD learning rate, > 0
-    outer_momentum: float = 0.9  # Nesterov momentum, in [0, 1)
+    outer_lr: float = OUTER_LR  # outer SGD learning rate, > 0
+    outer_momentum: float = OUTER_MOMENTUM  # Nesterov momentum, in [0, 1)
     rda: bool = True  # radial-directional averaging for non-embedding tensors
     delta_ring: int = 4  # published deltas kept for cheap pulls, >= 1; past max_staleness a push is refused anyway
     snapshot_every: int = 50  # rounds between snapshots, >= 1

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from server import merge
+from server import merge, rules
 from wire import codec
 from wire.plan import FragmentPlan
 
@@ -30,14 +30,15 @@ class Answer:
     detail: str
     version: int
     staleness: int
-    weight: float
+    weight: float  # the merge weight: token weight × discount
+    discount: float = 1.0  # the staleness discount in `weight`; the round is shrunk by it too
 
 
 class Fragment:
     """Fragment p of a shard. `params is None` until initialized."""
 
     def __init__(self, index: int, plan: FragmentPlan, *, lr: float, momentum: float, rda: bool,
-                 delta_ring: int, publish_codec: codec.Codec):
+                 delta_ring: int, publish_codec: codec.Codec, quorum: int = 1):
         self.index = index
         self.size = plan.fragment_sizes[index]
         self.segments = merge.Segments.from_plan(plan, index)
@@ -48,10 +49,13 @@ class Fragment:
         self.opt_state = None
         self.version = 0
         self.ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=delta_ring)
+        self.quorum = quorum  # K, for stamping when the open round reaches it
         self.round = merge.RoundAccumulator(self.segments, rda=rda)
-        self.contributors: set[str] = set()  # learners in the open round
+        self.round_state = rules.open_round()  # who is in the open round, and since when
+        self.full_weight = 0.0  # Σ token weights of the open round before staleness discounts
         self.last_round_size = 0  # learners merged into the round that made `version`
-        self.answers: dict[str, Answer] = {}  # learner -> answer to its newest push
+        self.answers: dict[str, Answer] = {}  # learner -> answer to its newest accepted push
+        self.refusals: dict[str, Answer] = {}  # learner -> its newest refused push (not durable)
 
     @property
     def initialized(self) -> bool:
@@ -67,16 +71,30 @@ class Fragment:
         self.opt_state = self.opt.init(self.params)
         self.version = 0
 
-    def contribute(self, learner: str, delta: np.ndarray, answer: Answer) -> None:
+    @property
+    def contributors(self) -> frozenset[str]:
+        return self.round_state.contributors
+
+    def contribute(self, learner: str, delta: np.ndarray, answer: Answer, now: float) -> None:
         """Folds an accepted outer gradient into the open round."""
         self.round.add(delta, answer.weight)
-        self.contributors.add(learner)
+        self.full_weight += answer.weight / answer.discount
+        self.round_state = rules.add_contributor(self.round_state, learner, now, self.quorum)
         self.answers[learner] = answer
 
-    def close_round(self) -> bytes:
-        """Merges the round, takes one outer step, publishes; returns the delta frame."""
+    def close_round(self, trigger: str | None = None) -> bytes:
+        """Merges the round, takes one outer step, publishes; returns the delta frame.
+
+        `trigger`, the learner whose push closed the round, has its answer moved to the
+        new version. Live closes and replayed ones both come here."""
         assert self.round.count > 0, "closing an empty round"
         merged = self.round.result()
+        # The staleness discount shrinks stale work in absolute terms: the merge above
+        # normalises by Σ w·d, so scale by Σ w·d / Σ w (a lone push with discount d
+        # moves the model d times as far; a fresh round is untouched).
+        shrink = self.round.total_weight / self.full_weight
+        if shrink != 1.0:
+            np.multiply(merged, np.float32(shrink), out=merged)
         self.params, self.opt_state = merge.outer_step(self.params, self.opt_state, merged, self.opt)
         # The published copy follows params through quantised deltas; what a delta
         # fails to carry stays in params − published and goes out with the next one.
@@ -86,8 +104,19 @@ class Fragment:
         self.last_round_size = self.round.count
         self.ring.append((self.version, frame))
         self.round.reset()
-        self.contributors.clear()
+        self.round_state = rules.open_round()
+        self.full_weight = 0.0
+        if trigger in self.answers:
+            self.answers[trigger] = dataclasses.replace(self.answers[trigger], version=self.version)
         return frame
+
+    def restamp(self, contributors, now: float) -> rules.RoundState:
+        """The open round holding `contributors`, as if they had all pushed at `now`
+        (after a restart: round timing is not durable, membership is)."""
+        state = rules.open_round()
+        for learner in sorted(contributors):
+            state = rules.add_contributor(state, learner, now, self.quorum)
+        return state
 
     def deltas_since(self, have_version: int) -> list[tuple[int, bytes]] | None:
         """Delta frames taking have_version to the current version, or None when the
@@ -119,11 +148,12 @@ class Fragment:
             arrays[f"ring.{i}"] = np.frombuffer(frame, np.uint8)
         rs = self.round.state()
         arrays["round.acc"], arrays["round.norm_sum"] = rs.acc, rs.norm_sum
-        meta["round"] = {"total_weight": rs.total_weight, "count": rs.count}
+        meta["round"] = {"total_weight": rs.total_weight, "count": rs.count,
+                         "full_weight": self.full_weight}
         return meta, arrays
 
-    def restore(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
-        """Inverse of `state()`."""
+    def restore(self, meta: dict, arrays: dict[str, np.ndarray], now: float) -> None:
+        """Inverse of `state()`; the open round's clock restarts at `now`."""
         self.version = int(meta["version"])
         self.last_round_size = int(meta["last_round_size"])
         if meta["initialized"]:
@@ -141,5 +171,6 @@ class Fragment:
             rs._replace(acc=arrays["round.acc"], norm_sum=arrays["round.norm_sum"],
                         total_weight=meta["round"]["total_weight"], count=meta["round"]["count"]),
             self.segments)
-        self.contributors = set(meta["contributors"])
+        self.full_weight = float(meta["round"].get("full_weight", meta["round"]["total_weight"]))
+        self.round_state = self.restamp(meta["contributors"], now)
         self.answers = {k: Answer(**a) for k, a in meta["answers"].items()}

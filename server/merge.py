@@ -26,6 +26,7 @@ import jax
 import numpy as np
 import optax
 
+from server.config import OUTER_LR, OUTER_MOMENTUM
 from wire.plan import FragmentPlan, FragmentVector
 
 OuterGrad = np.ndarray  # Θ_base − θ_learner over one fragment; points like a gradient
@@ -233,7 +234,7 @@ class RoundAccumulator:
         return out
 
 
-def outer_optimizer(lr: float = 0.7, momentum: float = 0.9) -> optax.GradientTransformation:
+def outer_optimizer(lr: float = OUTER_LR, momentum: float = OUTER_MOMENTUM) -> optax.GradientTransformation:
     """SGD with Nesterov momentum, the outer optimiser (DESIGN.md §1 defaults)."""
     if not lr > 0 or not 0 <= momentum < 1:
         raise ValueError(f"lr={lr}, momentum={momentum}: want lr > 0 and 0 <= momentum < 1")

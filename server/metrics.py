@@ -9,6 +9,7 @@ are never stale.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import prometheus_client as prom
 
@@ -18,8 +19,20 @@ _SECONDS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.
 _COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
 _STALENESS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 
-# (fragment -> (version, open round size)), live learners, grace window seconds
-Gauges = Callable[[], tuple[dict[int, tuple[int, int]], int, float]]
+class FragmentGauges(NamedTuple):
+    version: int
+    open_round: int  # contributions in the open round
+    outer_steps_per_period: float | None  # None until two closes a known cadence apart
+
+
+class ScrapeGauges(NamedTuple):
+    fragments: dict[int, FragmentGauges]
+    live: int  # learners whose lease is current
+    grace: float  # seconds
+    cadence: float | None  # the sync period learners keep, seconds
+
+
+Gauges = Callable[[], ScrapeGauges]
 
 
 class ShardMetrics:
@@ -87,18 +100,29 @@ class _ScrapeTime:
         return []
 
     def collect(self):
-        fragments, live, grace = self.gauges()
+        g = self.gauges()
         version = prom.metrics_core.GaugeMetricFamily(
             "atoll_fragment_version", "Global version of each fragment", labels=["fragment"])
         open_round = prom.metrics_core.GaugeMetricFamily(
             "atoll_open_round_size", "Learners in each fragment's open round", labels=["fragment"])
-        for p, (v, n) in sorted(fragments.items()):
-            version.add_metric([str(p)], v)
-            open_round.add_metric([str(p)], n)
+        per_period = prom.metrics_core.GaugeMetricFamily(
+            "atoll_outer_steps_per_period", "Outer steps each fragment took per sync period since the "
+            "shard started (1 = one merge per period)", labels=["fragment"])
+        for p, f in sorted(g.fragments.items()):
+            version.add_metric([str(p)], f.version)
+            open_round.add_metric([str(p)], f.open_round)
+            if f.outer_steps_per_period is not None:
+                per_period.add_metric([str(p)], f.outer_steps_per_period)
         yield version
         yield open_round
+        yield per_period
+        live, grace = g.live, g.grace
         yield prom.metrics_core.GaugeMetricFamily("atoll_live_learners", "Learners whose lease is current",
                                                   value=live)
         yield prom.metrics_core.GaugeMetricFamily("atoll_grace_window_seconds",
-                                                  "The grace window a round waits now after quorum",
+                                                  "The grace window a round waits after its first push",
                                                   value=grace)
+        if g.cadence is not None:
+            yield prom.metrics_core.GaugeMetricFamily(
+                "atoll_cadence_seconds", "The sync period learners are asked to keep: H steps of the "
+                "fastest live learner", value=g.cadence)

@@ -31,8 +31,12 @@ class Reason(enum.StrEnum):
     # Membership of a push in the open round (judge_membership).
     NEW_IN_ROUND = "new_in_round"  # first contribution of this learner to the round
     ALREADY_IN_ROUND = "already_in_round"  # refused: it already contributed this round
+    # Sequence numbers (admit).
+    DUPLICATE = "duplicate"  # a retry (same seq: answered with the first answer) or an older seq
     # Closing a round (decide_close).
+    EMPTY = "empty"  # no contribution yet: nothing to close
     WAITING_FOR_QUORUM = "waiting_for_quorum"  # fewer than K contributors
+    WAITING_FOR_JOINERS = "waiting_for_joiners"  # start-up: fewer than K learners have ever joined
     IN_GRACE = "in_grace"  # quorum reached, live learners still missing
     ALL_LIVE_CONTRIBUTED = "all_live_contributed"  # close: nobody live left to wait for
     GRACE_ELAPSED = "grace_elapsed"  # close: the grace window has passed
@@ -141,7 +145,65 @@ def token_weight(tokens: int, inner_steps: int) -> float:
     return t * t / n
 
 
-# ---------------------------------------------------------------- timing, grace
+class Admission(NamedTuple):
+    """The shard's decision on one push (see admit)."""
+
+    accept: bool
+    reason: Reason
+    staleness: int  # current - base; negative for FUTURE_BASE
+    discount: float  # (1 + s)^-a; shrinks the contribution in absolute terms; 0.0 when refused
+    weight: float  # token weight tokens² / steps, before the discount; 0.0 when refused
+    detail: str  # what the learner should do, for refusals
+
+
+def admit(*, seq: int, newest_seq: int | None, base_version: int, current_version: int,
+          in_round: bool, tokens: int, inner_steps: int, policy: RoundPolicy) -> Admission:
+    """Decides whether one push joins its fragment's open round, and with what weight.
+
+    The one place a push is judged (DESIGN.md §1, §2), in this order: a retry of the
+    learner's newest push (same seq) or an older seq is a DUPLICATE (the caller answers a
+    retry with the first answer); a base from the future is FUTURE_BASE (an invalid
+    argument, never lag); a base more than s_max behind is TOO_STALE (resync); a learner
+    already in the open round is ALREADY_IN_ROUND; anything else is accepted, FRESH or
+    STALE_DISCOUNTED.
+
+    Args:
+      seq: the push's per-learner sequence number.
+      newest_seq: the seq of this learner's newest answered push for the fragment, or None.
+      base_version: the version the outer gradient was computed against.
+      current_version: the fragment's version now.
+      in_round: whether this learner already contributed to the open round.
+      tokens, inner_steps: the training the push carries (both >= 1).
+      policy: the shard's RoundPolicy (max_staleness, discount_exponent).
+
+    Returns:
+      An Admission; e.g. admit(seq=9, newest_seq=8, base_version=6, current_version=7,
+      in_round=False, tokens=100, inner_steps=10, policy=RoundPolicy(discount_exponent=1))
+      accepts with STALE_DISCOUNTED, staleness 1, discount 0.5 and weight 1000.0.
+    """
+    if newest_seq is not None and seq <= newest_seq:
+        detail = ("a retry of this learner's newest push" if seq == newest_seq else
+                  f"seq {seq} is older than this learner's newest push ({newest_seq}): "
+                  "already handled or superseded")
+        return Admission(False, Reason.DUPLICATE, 0, 0.0, 0.0, detail)
+    verdict = judge_staleness(current_version, base_version, policy.max_staleness,
+                              policy.discount_exponent)
+    if verdict.reason is Reason.FUTURE_BASE:
+        return Admission(False, verdict.reason, verdict.staleness, 0.0, 0.0,
+                         f"base_version {base_version} is ahead of the fragment's version "
+                         f"{current_version}")
+    if not verdict.accept:
+        return Admission(False, verdict.reason, verdict.staleness, 0.0, 0.0,
+                         f"base {base_version} is {verdict.staleness} versions behind "
+                         f"(max {policy.max_staleness}): pull, then go on")
+    if in_round:
+        return Admission(False, Reason.ALREADY_IN_ROUND, verdict.staleness, 0.0, 0.0,
+                         "this learner is already in the open round")
+    return Admission(True, verdict.reason, verdict.staleness, verdict.discount,
+                     token_weight(tokens, inner_steps), "")
+
+
+# ---------------------------------------------------------------- timing, grace, cadence
 
 
 class Ewma(NamedTuple):
@@ -173,7 +235,7 @@ def grace_window(grace_factor: float, overlap_steps: float, step_seconds: float,
       grace_factor: γ >= 0.
       overlap_steps: τ >= 0, inner steps a learner computes while a push is in flight.
       step_seconds: ξ_step >= 0, a learner's inner step time.
-      quorum_seconds: ξ_quorum >= 0, round open -> quorum reached.
+      quorum_seconds: ξ_quorum >= 0, a round's first push -> quorum reached.
       sync_seconds: ξ_sync >= 0, transfer + merge + outer step.
 
     Returns:
@@ -188,15 +250,47 @@ def grace_window(grace_factor: float, overlap_steps: float, step_seconds: float,
     return g * max(0.0, tau * step - quorum - sync)
 
 
-def estimate_grace(policy: RoundPolicy, overlap_steps: float, step: Ewma, quorum: Ewma,
-                   sync: Ewma) -> float:
-    """grace_window from the running estimates; no step sample yet means no grace."""
-    # Without a step time there is no known slack to wait in; missing quorum or sync
-    # times only mean nothing has been measured to subtract yet.
-    if step.value is None:
+def estimate_grace(policy: RoundPolicy, overlap_steps: float, step_seconds: float | None,
+                   sync: Ewma, cadence_seconds: float | None = None) -> float:
+    """The grace window, counted from a round's first push: γ·max(0, τ·ξ_step − ξ_sync).
+
+    Counted from the first push, the round's own ξ_quorum (first push -> quorum) is
+    inside the window, so this is DESIGN.md's γ·max(0, τ·ξ_step − ξ_quorum − ξ_sync)
+    after quorum with each round's own ξ_quorum, rather than an average that one
+    straggler's early push would inflate for every later round.
+
+    `step_seconds` is the slowest live learner's step time: the pushes of one period
+    arrive spread by up to one of its steps, since a learner pushes between steps. No
+    step time yet means no grace. Past one period (`cadence_seconds`) the next period's
+    pushes are due, so waiting longer would only merge two periods at once.
+    """
+    if step_seconds is None:
         return 0.0
-    return grace_window(policy.grace_factor, overlap_steps, step.value,
-                        max(0.0, quorum.value_or(0.0)), max(0.0, sync.value_or(0.0)))
+    grace = grace_window(policy.grace_factor, overlap_steps, step_seconds, 0.0, max(0.0, sync.value_or(0.0)))
+    return grace if cadence_seconds is None else min(grace, cadence_seconds)
+
+
+def cadence(period_steps: int, step_seconds: Mapping[LearnerId, float],
+            live: frozenset[LearnerId] | set[LearnerId]) -> float | None:
+    """The sync period in seconds every learner keeps: H steps of the fastest live learner.
+
+    Dynamic local updates (arXiv 2401.09135): the fastest island takes H inner steps per
+    sync, a slower one as many as fit in the same wall-clock time, so every learner
+    pushes a fragment once per period whatever its speed (its token weight says how
+    much it did).
+
+    Args:
+      period_steps: H >= 1.
+      step_seconds: learner -> its recent seconds per inner step.
+      live: the learners with a live lease; only they set the pace.
+
+    Returns:
+      H × the smallest live step time, or None before any live learner reported one;
+      e.g. cadence(32, {"a": 0.125, "b": 0.25}, {"a", "b"}) == 4.0.
+    """
+    h = _int("period_steps", period_steps, low=1)
+    times = [t for m, t in step_seconds.items() if m in live and t > 0]
+    return h * min(times) if times else None
 
 
 # ---------------------------------------------------------------- leases
@@ -230,23 +324,26 @@ def next_lease_expiry(last_seen: Mapping[LearnerId, Seconds], now: Seconds,
 
 
 class RoundState(NamedTuple):
-    """One fragment's open round: when it opened, who contributed, when K was hit."""
+    """One fragment's open round: who is in it, when its first push came, when K was hit.
 
-    opened_at: Seconds
+    `contributors` is the only record of who is in a round: admission reads it, the
+    close rule reads it, snapshots store it."""
+
+    first_push_at: Seconds | None = None
     contributors: frozenset[LearnerId] = frozenset()
     quorum_reached_at: Seconds | None = None
 
     @property
     def quorum_seconds(self) -> Seconds | None:
-        """ξ_quorum sample for this round (open -> quorum), or None before quorum."""
-        if self.quorum_reached_at is None:
+        """ξ_quorum sample for this round (first push -> quorum), or None before quorum."""
+        if self.quorum_reached_at is None or self.first_push_at is None:
             return None
-        return self.quorum_reached_at - self.opened_at
+        return self.quorum_reached_at - self.first_push_at
 
 
-def open_round(now: Seconds) -> RoundState:
-    """A new, empty round opened at `now`."""
-    return RoundState(opened_at=now)
+def open_round() -> RoundState:
+    """A new, empty round; its clock starts with its first push."""
+    return RoundState()
 
 
 class MembershipVerdict(NamedTuple):
@@ -265,7 +362,7 @@ def judge_membership(state: RoundState, learner: LearnerId) -> MembershipVerdict
 
 def add_contributor(state: RoundState, learner: LearnerId, now: Seconds,
                     quorum: int) -> RoundState:
-    """The round with `learner` added, stamping the instant the quorum is first met.
+    """The round with `learner` added, stamping its first push and when K is first met.
 
     Args:
       state: the open round.
@@ -274,17 +371,19 @@ def add_contributor(state: RoundState, learner: LearnerId, now: Seconds,
       quorum: K >= 1, the same K later given to decide_close.
 
     Returns:
-      The new RoundState; quorum_reached_at is set once, when K is first reached.
+      The new RoundState; first_push_at is set by the first contributor,
+      quorum_reached_at once, when K is first reached.
     """
     k = _int("quorum", quorum, low=1)
     if learner in state.contributors:
         raise ValueError(f"learner {learner!r} already contributed to this round; "
                          "check judge_membership before adding")
     contributors = state.contributors | {learner}
+    first = now if state.first_push_at is None else state.first_push_at
     reached = state.quorum_reached_at
     if reached is None and len(contributors) >= k:
         reached = now
-    return RoundState(state.opened_at, contributors, reached)
+    return RoundState(first, contributors, reached)
 
 
 class CloseDecision(NamedTuple):
@@ -296,21 +395,26 @@ class CloseDecision(NamedTuple):
 
 
 def decide_close(state: RoundState, live: frozenset[LearnerId] | set[LearnerId],
-                 now: Seconds, quorum: int, grace_seconds: float) -> CloseDecision:
+                 now: Seconds, quorum: int, grace_seconds: float,
+                 joined: int | None = None) -> CloseDecision:
     """Decides whether the open round closes at `now`.
 
-    A round closes once it has K contributors and either every live learner has
-    contributed or the grace window after reaching quorum has passed. Learners whose
-    lease lapsed are not waited for; contributors who have since gone still count.
-    When failures leave fewer than K learners live and all of them are in, the round
-    closes below quorum: a failed learner never stops the run.
+    A round gathers the pushes of one sync period. It closes once it has K
+    contributors and either every live learner has contributed or the grace window,
+    counted from the round's first push, has passed; a push arriving after the close
+    joins the next round. Learners whose lease lapsed are not waited for; contributors
+    who have since gone still count. When failures leave fewer than K learners live and
+    all of them are in, the round closes below quorum (a failed learner never stops the
+    run), but only once K learners have ever joined: at start-up the first learner
+    does not close rounds alone before the others arrive.
 
     Args:
       state: the open round (built with add_contributor and the same quorum).
       live: the learners with a live lease at `now` (see live_learners).
       now: the current instant.
       quorum: K >= 1.
-      grace_seconds: >= 0, how long to wait for stragglers once K is reached.
+      grace_seconds: >= 0, how long after the round's first push to wait for stragglers.
+      joined: how many learners the shard has ever known (None: at least K).
 
     Returns:
       A CloseDecision. While in grace, wake_at is the instant the grace ends, so the
@@ -319,17 +423,21 @@ def decide_close(state: RoundState, live: frozenset[LearnerId] | set[LearnerId],
     """
     k = _int("quorum", quorum, low=1)
     grace = _real("grace_seconds", grace_seconds, low=0.0)
+    if not state.contributors:
+        return CloseDecision(False, Reason.EMPTY, None)
     if len(state.contributors) < k:
-        if state.contributors and set(live) <= state.contributors:
-            return CloseDecision(True, Reason.QUORUM_UNREACHABLE, None)
-        return CloseDecision(False, Reason.WAITING_FOR_QUORUM, None)
-    if state.quorum_reached_at is None:
+        if not set(live) <= state.contributors:
+            return CloseDecision(False, Reason.WAITING_FOR_QUORUM, None)
+        if joined is not None and joined < k:
+            return CloseDecision(False, Reason.WAITING_FOR_JOINERS, None)
+        return CloseDecision(True, Reason.QUORUM_UNREACHABLE, None)
+    if state.quorum_reached_at is None or state.first_push_at is None:
         raise ValueError(f"round has {len(state.contributors)} >= quorum={k} contributors "
                          "but no quorum_reached_at; pass decide_close the quorum given "
                          "to add_contributor")
     if set(live) <= state.contributors:
         return CloseDecision(True, Reason.ALL_LIVE_CONTRIBUTED, None)
-    ends = state.quorum_reached_at + grace
+    ends = state.first_push_at + grace
     if now >= ends:
         return CloseDecision(True, Reason.GRACE_ELAPSED, None)
     return CloseDecision(False, Reason.IN_GRACE, ends)

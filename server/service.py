@@ -309,12 +309,14 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 async with self._intake("Push", context) as (header, frame):
                     h = PushHeader(header.learner_id, header.fragment, header.base_version, header.seq,
                                    header.inner_steps, header.tokens, header.codec, header.num_params,
-                                   header.plan_fingerprint, header.step_seconds, header.overlap_steps)
+                                   header.plan_fingerprint, header.step_seconds, header.overlap_steps,
+                                   header.period_steps)
                     a = await self._call(self._push, h, frame)
             except ShardError as e:
                 await self._refuse(context, "Push", e)
             return pb.PushResponse(accepted=a.accepted, reason=_REASONS[a.reason], detail=a.detail,
-                                   version=a.version, staleness=max(0, a.staleness), weight=a.weight)
+                                   version=a.version, staleness=max(0, a.staleness), weight=a.weight,
+                                   cadence_seconds=self.shard.cadence_seconds or 0.0)
 
     def _push(self, h: PushHeader, frame: bytes):
         with self.shard.metrics.push_seconds.time():

@@ -12,26 +12,70 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import struct
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import grpc
 import numpy as np
 
-from server import rules, storage
+from server import merge, rules, storage
 from server.config import ShardConfig
 from server.fragment import Answer, Fragment
-from server.metrics import ShardMetrics
+from server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
 from wire import codec
 from wire.plan import FragmentPlan
 
 _RECORD = struct.Struct("<BI")  # kind, meta length; then meta JSON, then payload
 PLAN, INIT, PUSH, CLOSE = 1, 2, 3, 4
 ACCEPTED_CODECS = (codec.Codec.INT4, codec.Codec.MXFP4, codec.Codec.FP32)
+# Header bounds. Weights tokens²/steps stay below 2^80 and outer-gradient values below
+# MAX_ABS_VALUE, so a round of up to 2^17 pushes cannot overflow its float32 accumulator.
+MAX_TOKENS = 1 << 40  # tokens one push may carry (a trillion: more than any sync period trains)
+MAX_INNER_STEPS = 1 << 31
+MAX_SEQ = (1 << 63) - 1
+MAX_STEP_SECONDS = 86400.0  # a step longer than a day is a broken clock, not a slow island
+MAX_PERIOD_STEPS = 1 << 20
+MAX_ABS_VALUE = 1e9  # |outer gradient| or |initial weight| per element; training that far off has diverged
 PRUNE_AFTER_LEASES = 10  # a learner silent this many leases is forgotten (its lease table entry)
+
+
+class PeriodCount(NamedTuple):
+    """Outer steps a fragment took against the sync periods that elapsed meanwhile."""
+
+    closes: int = 0
+    periods: float = 0.0  # Σ (time between closes / the cadence then)
+    last_close_at: float | None = None
+
+    def closed(self, now: float, cadence_seconds: float | None) -> PeriodCount:
+        """The count with one more close at `now` (periods advance once the cadence is known)."""
+        if self.last_close_at is None or not cadence_seconds:
+            return PeriodCount(self.closes + 1, self.periods, now)
+        return PeriodCount(self.closes + 1, self.periods + (now - self.last_close_at) / cadence_seconds, now)
+
+    @property
+    def outer_steps_per_period(self) -> float | None:
+        """Closes after the first per elapsed period (1.0: one outer step per period)."""
+        return (self.closes - 1) / self.periods if self.periods > 0 else None
+
+
+def _magnitude_problem(values: np.ndarray, segments: merge.Segments) -> str | None:
+    """Why a decoded outer gradient could overflow the merge, or None.
+
+    Per-tensor norms (float32 per chunk, float64 across: the merge's own) are finite
+    only if no square overflows; a norm under MAX_ABS_VALUE bounds every element, and
+    only a larger one needs the exact element check."""
+    norms = merge.segment_norms(values, segments)
+    if not np.all(np.isfinite(norms)):
+        bad = int(np.argmin(np.isfinite(norms)))
+        return f"tensor {bad} of the fragment has values whose squares overflow float32"
+    if norms.max(initial=0.0) > MAX_ABS_VALUE and float(np.max(np.abs(values))) > MAX_ABS_VALUE:
+        return f"values beyond ±{MAX_ABS_VALUE:g}: a diverged learner's update is not merged"
+    return None
 
 
 class ShardError(Exception):
@@ -66,6 +110,28 @@ class PushHeader:
     plan_fingerprint: str
     step_seconds: float = 0.0
     overlap_steps: int = 0
+    period_steps: int = 0  # H of the learner; 0: not given
+
+    def problem(self) -> str | None:
+        """What is out of range in this header, or None. Every field is checked here,
+        before anything is logged: the timing fields size the grace window and the
+        cadence, tokens and steps the merge weight."""
+        if not self.learner_id:
+            return "learner_id is empty"
+        for name, value, low, high in (("inner_steps", self.inner_steps, 1, MAX_INNER_STEPS),
+                                       ("tokens", self.tokens, 1, MAX_TOKENS), ("seq", self.seq, 0, MAX_SEQ)):
+            if not low <= value <= high:
+                return f"{name}={value}: must be in [{low}, {high}]"
+        if self.tokens < self.inner_steps:
+            return f"tokens={self.tokens} < inner_steps={self.inner_steps}: a step trains on at least one token"
+        if not (math.isfinite(self.step_seconds) and 0 <= self.step_seconds <= MAX_STEP_SECONDS):
+            return f"step_seconds={self.step_seconds}: must be a finite number in [0, {MAX_STEP_SECONDS}]"
+        if not 0 <= self.period_steps <= MAX_PERIOD_STEPS:
+            return f"period_steps={self.period_steps}: must be in [0, {MAX_PERIOD_STEPS}]"
+        most = self.period_steps - 1 if self.period_steps else MAX_PERIOD_STEPS
+        if not 0 <= self.overlap_steps <= most:
+            return f"overlap_steps={self.overlap_steps}: must be in [0, {most}] (below period_steps when given)"
+        return None
 
 
 class Shard:
@@ -83,10 +149,11 @@ class Shard:
         self.snapshots = storage.SnapshotStore(data / "snapshots")
         self.plan: FragmentPlan | None = None
         self.fragments: dict[int, Fragment] = {}
-        self.rounds: dict[int, rules.RoundState] = {}
         self.last_seen: dict[str, float] = {}
-        self.step_time = rules.Ewma()
-        self.quorum_time = rules.Ewma()
+        self.step_times: dict[str, float] = {}  # learner -> its recent seconds per inner step (its own median)
+        self.period_steps = 0  # H, as the learners report it
+        self.cadence_seconds: float | None = None  # the sync period learners are asked to keep
+        self.periods: dict[int, PeriodCount] = {}  # fragment -> outer steps against elapsed periods
         self.sync_time = rules.Ewma()
         self.overlap_steps = 0
         self.rounds_since_snapshot = 0
@@ -111,20 +178,15 @@ class Shard:
                 self.last_lsn = lsn
                 replayed += 1
             now = self.clock()
-            for p in self.fragments:
-                self.rounds[p] = self._round_after_restart(p, now)
+            for frag in self.fragments.values():
+                # round timing is not durable: the open round's clock restarts now
+                frag.round_state = frag.restamp(frag.contributors, now)
                 # learners known before the restart get a fresh lease, so the first
                 # one back does not find itself alone and close a round below quorum
-                for learner in self.fragments[p].answers:
+                for learner in frag.answers:
                     self.last_seen[learner] = now
             self.ready = True
             return replayed
-
-    def _round_after_restart(self, p: int, now: float) -> rules.RoundState:
-        state = rules.open_round(now)
-        for learner in sorted(self.fragments[p].contributors):
-            state = rules.add_contributor(state, learner, now, self.policy.quorum)
-        return state
 
     def _apply(self, record: bytes, live: bool) -> None:
         """Applies one log record; the same code runs live and during replay."""
@@ -137,13 +199,9 @@ class Shard:
         elif kind == PUSH:
             frag = self.fragments[meta["fragment"]]
             delta = codec.decode(payload, num_values=frag.size)
-            frag.contribute(meta["learner"], delta, Answer(**meta["answer"]))
+            frag.contribute(meta["learner"], delta, Answer(**meta["answer"]), self.clock())
         elif kind == CLOSE:
-            frag = self.fragments[meta["fragment"]]
-            frag.close_round()
-            trigger = meta.get("trigger")
-            if trigger in frag.answers:
-                frag.answers[trigger] = dataclasses.replace(frag.answers[trigger], version=frag.version)
+            self.fragments[meta["fragment"]].close_round(meta.get("trigger"))
         else:
             raise RuntimeError(f"unknown log record kind {kind}")
 
@@ -160,8 +218,8 @@ class Shard:
         for p in plan.fragments_of_shard(self.cfg.shard_index, self.cfg.num_shards):
             self.fragments[p] = Fragment(p, plan, lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
                                          rda=self.cfg.rda, delta_ring=self.cfg.delta_ring,
-                                         publish_codec=self.cfg.publish_codec)
-            self.rounds[p] = rules.open_round(self.clock())
+                                         publish_codec=self.cfg.publish_codec, quorum=self.policy.quorum)
+            self.periods[p] = PeriodCount()
 
     # --- snapshots ---
 
@@ -189,7 +247,8 @@ class Shard:
         for key, fmeta in meta["fragments"].items():
             prefix = f"f{key}."
             self.fragments[int(key)].restore(
-                fmeta, {k[len(prefix):]: v for k, v in snap.arrays.items() if k.startswith(prefix)})
+                fmeta, {k[len(prefix):]: v for k, v in snap.arrays.items() if k.startswith(prefix)},
+                self.clock())
         self.last_lsn = snap.lsn
 
     # --- the calls ---
@@ -263,6 +322,9 @@ class Shard:
             values = codec.decode(frame, codec=codec.Codec(frame_codec), num_values=size)
         except codec.CodecError as e:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"init frame: {e}") from None
+        too_big = _magnitude_problem(values, merge.Segments.from_plan(plan, p))
+        if too_big is not None:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"init frame: {too_big}")
         with self.lock:
             records = [_record(INIT, {"fragment": p}, frame)]
             if self.plan is None:  # the plan and its first fragment are durable together or not at all
@@ -282,11 +344,9 @@ class Shard:
     def push(self, h: PushHeader, frame: bytes) -> Answer:
         """Judges, logs and merges one outer gradient; returns its acknowledgement."""
         self._require_ready()
-        if not h.learner_id:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "learner_id is empty")
-        if h.inner_steps < 1 or h.tokens < 1:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"inner_steps={h.inner_steps}, tokens={h.tokens}: both must be >= 1")
+        problem = h.problem()
+        if problem is not None:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if h.codec not in ACCEPTED_CODECS:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"codec {h.codec} is not accepted")
         with self.lock:
@@ -300,73 +360,92 @@ class Shard:
         except codec.CodecError as e:
             # the codec refuses frames holding or decoding to NaN/Inf: delta is finite
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"push frame: {e}") from None
+        # Checked before logging: a logged record must be one the merge can apply.
+        too_big = _magnitude_problem(delta, frag.segments)
+        if too_big is not None:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"push frame: {too_big}")
         with self.lock:
             now = self.clock()
-            self.last_seen[h.learner_id] = now
-            if h.step_seconds > 0:
-                self.step_time = self.step_time.update(h.step_seconds, self.policy.ewma_alpha)
-            self.overlap_steps = max(self.overlap_steps, h.overlap_steps)
+            self._heard_from(h, now)
             prior = frag.answers.get(h.learner_id)
+            refused = frag.refusals.get(h.learner_id)
             if prior is not None and prior.seq == h.seq:
-                return self._count(dataclasses.replace(prior, reason="duplicate"))
-            if prior is not None and h.seq < prior.seq:
-                return self._count(Answer(h.seq, False, "duplicate",
-                                          f"seq {h.seq} is older than this learner's newest push ({prior.seq}) "
-                                          f"for fragment {h.fragment}: already handled or superseded",
-                                          frag.version, 0, 0.0))
-            verdict = rules.judge_staleness(frag.version, h.base_version, self.policy.max_staleness,
-                                            self.policy.discount_exponent)
-            if verdict.reason == rules.Reason.FUTURE_BASE:
-                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"base_version {h.base_version} is ahead of fragment {h.fragment}'s "
-                                 f"version {frag.version}")
+                return self._count(dataclasses.replace(prior, reason=str(rules.Reason.DUPLICATE)))
+            if refused is not None and refused.seq == h.seq:
+                return self._count(refused)  # a retried refusal gets its first answer
+            newest = max((a.seq for a in (prior, refused) if a is not None), default=None)
+            verdict = rules.admit(seq=h.seq, newest_seq=newest, base_version=h.base_version,
+                                  current_version=frag.version, in_round=h.learner_id in frag.contributors,
+                                  tokens=h.tokens, inner_steps=h.inner_steps, policy=self.policy)
+            if verdict.reason is rules.Reason.FUTURE_BASE:
+                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"fragment {h.fragment}: {verdict.detail}")
             if not verdict.accept:
-                return self._count(Answer(h.seq, False, str(verdict.reason),
-                                          f"base {h.base_version} is {verdict.staleness} versions behind "
-                                          f"(max {self.policy.max_staleness}): pull, then go on",
-                                          frag.version, verdict.staleness, 0.0))
-            if h.learner_id in frag.contributors:
-                return self._count(Answer(h.seq, False, str(rules.Reason.ALREADY_IN_ROUND),
-                                          "this learner is already in the open round", frag.version,
-                                          verdict.staleness, 0.0))
-            weight = rules.token_weight(h.tokens, h.inner_steps) * verdict.discount
-            answer = Answer(h.seq, True, str(verdict.reason), "", frag.version, verdict.staleness, weight)
+                answer = Answer(h.seq, False, str(verdict.reason), verdict.detail, frag.version,
+                                verdict.staleness, 0.0)
+                if verdict.reason is not rules.Reason.DUPLICATE:
+                    frag.refusals[h.learner_id] = answer
+                return self._count(answer)
+            answer = Answer(h.seq, True, str(verdict.reason), "", frag.version, verdict.staleness,
+                            verdict.weight * verdict.discount, verdict.discount)
             self._log(PUSH, {"fragment": h.fragment, "learner": h.learner_id,
                              "answer": dataclasses.asdict(answer)}, frame)
-            frag.contribute(h.learner_id, delta, answer)
-            self.rounds[h.fragment] = rules.add_contributor(self.rounds[h.fragment], h.learner_id, now,
-                                                            self.policy.quorum)
+            frag.contribute(h.learner_id, delta, answer, now)
+            frag.refusals.pop(h.learner_id, None)
             self.metrics.staleness.observe(verdict.staleness)
-            self.metrics.compute_seconds.inc(h.inner_steps * max(h.step_seconds, 0.0) / self.plan.num_fragments)
+            self.metrics.compute_seconds.inc(h.inner_steps * h.step_seconds / self.plan.num_fragments)
             self._maybe_close(h.fragment, now, trigger=h.learner_id)
             return self._count(frag.answers[h.learner_id])
+
+    def _heard_from(self, h: PushHeader, now: float) -> None:
+        """A push renews its learner's lease and brings its timing: step time, τ, H."""
+        self.last_seen[h.learner_id] = now
+        if h.step_seconds > 0:
+            self.step_times[h.learner_id] = h.step_seconds
+        self.overlap_steps = max(self.overlap_steps, h.overlap_steps)
+        if h.period_steps:
+            self.period_steps = h.period_steps
+        self._update_cadence(now)
+
+    def _update_cadence(self, now: float) -> None:
+        live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
+        period = rules.cadence(self.period_steps, self.step_times, live) if self.period_steps else None
+        if period is not None:
+            self.cadence_seconds = period
 
     def _count(self, answer: Answer) -> Answer:
         self.metrics.pushes.labels(answer.reason).inc()
         return answer
 
-    def _grace(self) -> float:
-        return rules.estimate_grace(self.policy, self.overlap_steps, self.step_time,
-                                    self.quorum_time, self.sync_time)
+    def _slowest_step(self, live: frozenset[str]) -> float | None:
+        times = [t for m, t in self.step_times.items() if m in live]
+        return max(times, default=None)
+
+    def _grace(self, live: frozenset[str]) -> float:
+        return rules.estimate_grace(self.policy, self.overlap_steps, self._slowest_step(live),
+                                    self.sync_time, self.cadence_seconds)
+
+    def _joined(self) -> int:
+        """Learners this shard knows: any with a lease, any whose push it holds."""
+        known = set(self.last_seen)
+        for frag in self.fragments.values():
+            known.update(frag.answers)
+        return len(known)
 
     def _maybe_close(self, p: int, now: float, trigger: str | None = None) -> float | None:
         """Closes fragment p's round if the rules say so; returns when to look again."""
-        state = self.rounds[p]
+        frag = self.fragments[p]
+        state = frag.round_state
         live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
-        decision = rules.decide_close(state, live, now, self.policy.quorum, self._grace())
+        decision = rules.decide_close(state, live, now, self.policy.quorum, self._grace(live),
+                                      joined=self._joined())
         if not decision.close:
             return decision.wake_at
-        frag = self.fragments[p]
-        started = time.perf_counter()
+        started = self.clock()  # the shard's clock: ξ_sync sizes the grace window on it
         self._log(CLOSE, {"fragment": p, "trigger": trigger})
-        frag.close_round()
-        if trigger in frag.answers:
-            frag.answers[trigger] = dataclasses.replace(frag.answers[trigger], version=frag.version)
-        if state.quorum_seconds is not None:
-            self.quorum_time = self.quorum_time.update(state.quorum_seconds, self.policy.ewma_alpha)
-        merge_seconds = time.perf_counter() - started
+        frag.close_round(trigger)  # the same call replay makes
+        merge_seconds = self.clock() - started
         self.sync_time = self.sync_time.update(merge_seconds, self.policy.ewma_alpha)
-        self.rounds[p] = rules.open_round(now)
+        self.periods[p] = self.periods[p].closed(now, self.cadence_seconds)
         self.metrics.rounds.inc()
         self.metrics.round_size.observe(frag.last_round_size)
         self.metrics.merge_seconds.observe(merge_seconds)
@@ -431,13 +510,14 @@ class Shard:
                 lambda: any(self.fragments[p].version != known.get(p) and self.fragments[p].initialized
                             for p in (fragments or self.fragments)), timeout)
 
-    def _gauges(self) -> tuple[dict[int, tuple[int, int]], int, float]:
-        """What the metrics read at scrape time: versions and open rounds, live learners, grace."""
+    def _gauges(self) -> ScrapeGauges:
+        """What the metrics read at scrape time: versions, open rounds, cadence, leases, grace."""
         with self.lock:
             now = self.clock()
-            fragments = {p: (f.version, f.round.count) for p, f in self.fragments.items() if f.initialized}
-            live = len(rules.live_learners(self.last_seen, now, self.policy.lease_seconds))
-            return fragments, live, self._grace()
+            fragments = {p: FragmentGauges(f.version, f.round.count, self.periods[p].outer_steps_per_period)
+                         for p, f in self.fragments.items() if f.initialized}
+            live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
+            return ScrapeGauges(fragments, len(live), self._grace(live), self.cadence_seconds)
 
     def describe(self) -> dict:
         with self.lock:
@@ -445,7 +525,6 @@ class Shard:
             return {
                 "plan": self.plan,
                 "fragments": {p: f for p, f in self.fragments.items()},
-                "rounds": dict(self.rounds),
                 "live": sorted(rules.live_learners(self.last_seen, now, self.policy.lease_seconds)),
             }
 

@@ -7,8 +7,8 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from server.rules import (CloseDecision, Ewma, Reason, RoundPolicy, RoundState,
-                          add_contributor, decide_close, estimate_grace, grace_window,
+from server.rules import (CloseDecision, Ewma, Reason, RoundPolicy, RoundState, admit,
+                          add_contributor, cadence, decide_close, estimate_grace, grace_window,
                           judge_membership, judge_staleness, live_learners,
                           next_lease_expiry, open_round, token_weight)
 
@@ -16,9 +16,9 @@ T0 = 1000.0  # an arbitrary instant on the injected monotonic clock
 FAST = settings(max_examples=150, deadline=None)
 
 
-def round_with(learners, at=T0, quorum=1, opened_at=T0):
-    """A round opened at `opened_at` with `learners` contributing at instants `at`."""
-    state = open_round(opened_at)
+def round_with(learners, at=T0, quorum=1):
+    """A round with `learners` contributing at instants `at`."""
+    state = open_round()
     times = at if isinstance(at, (list, tuple)) else [at] * len(learners)
     for m, t in zip(learners, times):
         state = add_contributor(state, m, t, quorum)
@@ -160,10 +160,25 @@ def test_ewma_refuses_bad_samples_and_alpha(sample, alpha):
 
 def test_estimate_grace_from_running_timings():
     policy = RoundPolicy(grace_factor=1.0)
-    step, quorum, sync = Ewma(0.5, 3), Ewma(0.5, 3), Ewma(0.25, 3)
-    assert estimate_grace(policy, 4, step, quorum, sync) == pytest.approx(1.25)
-    assert estimate_grace(policy, 4, Ewma(), quorum, sync) == 0.0  # no step time yet
-    assert estimate_grace(policy, 4, step, Ewma(), Ewma()) == pytest.approx(2.0)
+    step, sync = 0.5, Ewma(0.25, 3)
+    # counted from the first push: τ·ξ_step − ξ_sync (the round's own ξ_quorum is inside it)
+    assert estimate_grace(policy, 4, step, sync) == pytest.approx(1.75)
+    assert estimate_grace(policy, 4, None, sync) == 0.0  # no step time yet
+    assert estimate_grace(policy, 4, step, Ewma()) == pytest.approx(2.0)
+    assert estimate_grace(RoundPolicy(grace_factor=0.5), 4, step, Ewma()) == pytest.approx(1.0)
+    # never past one sync period: the next period's pushes are due then
+    assert estimate_grace(policy, 4, step, Ewma(), cadence_seconds=1.5) == 1.5
+    assert estimate_grace(policy, 4, step, Ewma(), cadence_seconds=9.0) == pytest.approx(2.0)
+
+
+def test_cadence_is_h_steps_of_the_fastest_live_learner():
+    steps = {"fast": 0.125, "slow": 0.25, "gone": 0.0625}
+    assert cadence(32, steps, {"fast", "slow"}) == 4.0  # "gone" has no lease: not the pace
+    assert cadence(32, steps, {"slow"}) == 8.0
+    assert cadence(32, steps, set()) is None
+    assert cadence(32, {"a": 0.0}, {"a"}) is None  # no measured step yet
+    with pytest.raises(ValueError):
+        cadence(0, steps, {"fast"})
 
 
 # ---------------------------------------------------------------- leases
@@ -196,15 +211,16 @@ def test_leases_refuse_non_positive_duration(lease):
 # ---------------------------------------------------------------- round transitions
 
 
-def test_add_contributor_stamps_first_quorum_only():
-    s = open_round(T0)
-    assert s == RoundState(T0, frozenset(), None) and s.quorum_seconds is None
+def test_add_contributor_stamps_first_push_and_first_quorum_only():
+    s = open_round()
+    assert s == RoundState(None, frozenset(), None) and s.quorum_seconds is None
     s = add_contributor(s, "a", T0 + 1, quorum=2)
-    assert s.contributors == {"a"} and s.quorum_reached_at is None
-    s = add_contributor(s, "b", T0 + 2, quorum=2)
-    assert s.quorum_reached_at == T0 + 2 and s.quorum_seconds == 2.0
-    s = add_contributor(s, "c", T0 + 3, quorum=2)
-    assert s.contributors == {"a", "b", "c"} and s.quorum_reached_at == T0 + 2
+    assert s.contributors == {"a"} and s.quorum_reached_at is None and s.first_push_at == T0 + 1
+    s = add_contributor(s, "b", T0 + 3, quorum=2)
+    # ξ_quorum runs from the round's first push, not from the previous close
+    assert s.quorum_reached_at == T0 + 3 and s.quorum_seconds == 2.0 and s.first_push_at == T0 + 1
+    s = add_contributor(s, "c", T0 + 4, quorum=2)
+    assert s.contributors == {"a", "b", "c"} and s.quorum_reached_at == T0 + 3
 
 
 def test_membership_once_per_round():
@@ -222,18 +238,21 @@ def test_waits_for_quorum_without_a_timer():
     s = round_with(["a", "b"], quorum=3)
     d = decide_close(s, {"a", "b", "c"}, T0 + 1e6, quorum=3, grace_seconds=0.0)
     assert d == CloseDecision(False, Reason.WAITING_FOR_QUORUM, None)
-    assert decide_close(open_round(T0), set(), T0, 1, 0.0).reason is Reason.WAITING_FOR_QUORUM
+    assert decide_close(open_round(), set(), T0, 1, 0.0) == (False, Reason.EMPTY, None)
 
 
-def test_quorum_exactly_k_then_grace_window_with_wake_time():
+def test_quorum_exactly_k_then_grace_window_from_the_first_push():
     s = round_with(["a", "b"], at=[T0 + 1, T0 + 2], quorum=2)
     live = {"a", "b", "c"}
     d = decide_close(s, live, T0 + 2, quorum=2, grace_seconds=3.0)
-    assert d == CloseDecision(False, Reason.IN_GRACE, T0 + 5)
-    assert decide_close(s, live, T0 + 4.999, 2, 3.0).reason is Reason.IN_GRACE
+    assert d == CloseDecision(False, Reason.IN_GRACE, T0 + 4)  # first push + grace
+    assert decide_close(s, live, T0 + 3.999, 2, 3.0).reason is Reason.IN_GRACE
     # Grace exactly elapsed closes.
-    assert decide_close(s, live, T0 + 5, 2, 3.0) == CloseDecision(
+    assert decide_close(s, live, T0 + 4, 2, 3.0) == CloseDecision(
         True, Reason.GRACE_ELAPSED, None)
+    # A quorum reached after the grace ran out closes at once.
+    late = round_with(["a", "b"], at=[T0, T0 + 10], quorum=2)
+    assert decide_close(late, live, T0 + 10, 2, 3.0).reason is Reason.GRACE_ELAPSED
 
 
 def test_all_live_contributed_closes_before_grace():
@@ -277,6 +296,17 @@ def test_round_closes_below_quorum_when_every_live_learner_is_in():
     # b's lease lapsed: nobody else can come, so a lone survivor's round closes.
     assert decide_close(s, {"a"}, T0 + 1, 3, 0.0) == (True, Reason.QUORUM_UNREACHABLE, None)
     assert decide_close(s, frozenset(), T0 + 1, 3, 0.0).reason is Reason.QUORUM_UNREACHABLE
+
+
+def test_no_round_closes_below_quorum_before_k_learners_joined():
+    s = round_with(["a"], quorum=2)
+    # start-up: "a" is the only learner the shard has ever known, and alone it waits
+    assert decide_close(s, {"a"}, T0 + 1e6, 2, 0.0, joined=1) == (False, Reason.WAITING_FOR_JOINERS, None)
+    # once K have joined, a lone survivor's round closes below quorum
+    assert decide_close(s, {"a"}, T0 + 1, 2, 0.0, joined=2).reason is Reason.QUORUM_UNREACHABLE
+    # at quorum, joiners do not matter
+    both = round_with(["a", "b"], quorum=2)
+    assert decide_close(both, {"a", "b"}, T0, 2, 0.0, joined=2).close
 
 
 def test_decide_close_refuses_bad_arguments_and_mismatched_quorum():
@@ -335,3 +365,49 @@ def test_policy_refuses_bad_fields_saying_how_to_fix(field, value, hint):
     with pytest.raises(ValueError, match=re.escape(hint)) as err:
         RoundPolicy(**{field: value})
     assert field in str(err.value)
+
+
+# ---------------------------------------------------------------- admission
+
+
+def _admit(**kw):
+    args = dict(seq=10, newest_seq=9, base_version=5, current_version=5, in_round=False,
+                tokens=1000, inner_steps=10, policy=RoundPolicy(max_staleness=2, discount_exponent=1.0))
+    return admit(**(args | kw))
+
+
+def test_admit_fresh_and_stale_pushes_with_weight_and_discount():
+    assert _admit() == (True, Reason.FRESH, 0, 1.0, 100000.0, "")
+    stale = _admit(base_version=4)
+    assert stale[:5] == (True, Reason.STALE_DISCOUNTED, 1, 0.5, 100000.0)
+    assert _admit(newest_seq=None).accept  # a learner's first push
+
+
+def test_admit_judges_in_order_duplicate_future_stale_in_round():
+    assert _admit(seq=9).reason is Reason.DUPLICATE  # a retry: the caller answers it
+    older = _admit(seq=3)
+    assert older.reason is Reason.DUPLICATE and "older" in older.detail and not older.accept
+    # a duplicate wins over every other judgement: retries get the first answer
+    assert _admit(seq=9, base_version=99, in_round=True).reason is Reason.DUPLICATE
+    assert _admit(base_version=6).reason is Reason.FUTURE_BASE
+    assert _admit(base_version=6, in_round=True).reason is Reason.FUTURE_BASE
+    too = _admit(base_version=2, in_round=True)
+    assert too.reason is Reason.TOO_STALE and "pull" in too.detail and too.weight == 0.0
+    assert _admit(in_round=True) == (False, Reason.ALREADY_IN_ROUND, 0, 0.0, 0.0,
+                                     "this learner is already in the open round")
+
+
+@FAST
+@given(current=st.integers(0, 50), lag=st.integers(-3, 10), in_round=st.booleans(),
+       tokens=st.integers(1, 10**6), steps=st.integers(1, 1000))
+def test_admit_accepts_exactly_the_pushes_the_rules_allow(current, lag, in_round, tokens, steps):
+    base = current - lag
+    if base < 0:
+        return
+    a = _admit(base_version=base, current_version=current, in_round=in_round, tokens=tokens,
+               inner_steps=steps)
+    assert a.accept == (0 <= lag <= 2 and not in_round)
+    if a.accept:
+        assert a.weight == token_weight(tokens, steps) and a.discount == (1.0 + lag) ** -1.0
+    else:
+        assert a.weight == 0.0 and a.discount == 0.0

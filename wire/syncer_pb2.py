@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61toll/v1/syncer.proto\x12\x08\x61toll.v1\"<\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x11\n\tembedding\x18\x03 \x01(\x08\"\xa8\x01\n\nInitHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ragment\x18\x02 \x01(\r\x12\x18\n\x10plan_fingerprint\x18\x03 \x01(\t\x12\x11\n\tplan_json\x18\x04 \x01(\t\x12\x1e\n\x05\x63odec\x18\x05 \x01(\x0e\x32\x0f.atoll.v1.Codec\x12\x12\n\nnum_params\x18\x06 \x01(\x04\x12\x13\n\x0b\x66rame_bytes\x18\x07 \x01(\x04\"N\n\x0bInitRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.atoll.v1.InitHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"0\n\x0cInitResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\x8a\x02\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ragment\x18\x02 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x13\n\x0binner_steps\x18\x05 \x01(\x04\x12\x0e\n\x06tokens\x18\x06 \x01(\x04\x12\x1e\n\x05\x63odec\x18\x07 \x01(\x0e\x32\x0f.atoll.v1.Codec\x12\x12\n\nnum_params\x18\x08 \x01(\x04\x12\x18\n\x10plan_fingerprint\x18\t \x01(\t\x12\x13\n\x0b\x66rame_bytes\x18\n \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x0b \x01(\x01\x12\x15\n\roverlap_steps\x18\x0c \x01(\r\"N\n\x0bPushRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.atoll.v1.PushHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x8a\x01\n\x0cPushResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12$\n\x06reason\x18\x02 \x01(\x0e\x32\x14.atoll.v1.PushReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x11\n\tstaleness\x18\x05 \x01(\x04\x12\x0e\n\x06weight\x18\x06 \x01(\x01\"_\n\x0bPullRequest\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x19\n\x0chave_version\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nlearner_id\x18\x03 \x01(\tB\x0f\n\r_have_version\"i\n\nPullHeader\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x12\n\nnum_params\x18\x04 \x01(\x04\x12\x12\n\nnum_frames\x18\x05 \x01(\r\"X\n\tPullChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x1e\n\x05\x63odec\x18\x02 \x01(\x0e\x32\x0f.atoll.v1.Codec\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"d\n\x0cPullResponse\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.atoll.v1.PullHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.atoll.v1.PullChunkH\x00\x42\x06\n\x04kind\"5\n\x0cWatchRequest\x12\x11\n\tfragments\x18\x01 \x03(\r\x12\x12\n\nlearner_id\x18\x02 \x01(\t\"H\n\rWatchResponse\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x0c\x63ontributors\x18\x03 \x01(\r\"\x11\n\x0f\x44\x65scribeRequest\"\xb0\x01\n\x0c\x46ragmentInfo\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x13\n\x0binitialized\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x12\n\nnum_params\x18\x04 \x01(\x04\x12%\n\x07tensors\x18\x05 \x03(\x0b\x32\x14.atoll.v1.TensorInfo\x12\x12\n\nround_size\x18\x06 \x01(\r\x12\x19\n\x11oldest_delta_base\x18\x07 \x01(\x04\"\xe1\x01\n\x08Settings\x12\x0e\n\x06quorum\x18\x01 \x01(\r\x12\x14\n\x0cgrace_factor\x18\x02 \x01(\x01\x12\x15\n\rmax_staleness\x18\x03 \x01(\r\x12\x1a\n\x12staleness_discount\x18\x04 \x01(\x01\x12\x10\n\x08outer_lr\x18\x05 \x01(\x01\x12\x16\n\x0eouter_momentum\x18\x06 \x01(\x01\x12\x12\n\ndelta_ring\x18\x07 \x01(\r\x12\x16\n\x0esnapshot_every\x18\x08 \x01(\r\x12&\n\rpublish_codec\x18\t \x01(\x0e\x32\x0f.atoll.v1.Codec\"\xd4\x01\n\x10\x44\x65scribeResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x18\n\x10plan_fingerprint\x18\x03 \x01(\t\x12\x15\n\rnum_fragments\x18\x04 \x01(\r\x12)\n\tfragments\x18\x05 \x03(\x0b\x32\x16.atoll.v1.FragmentInfo\x12$\n\x08settings\x18\x06 \x01(\x0b\x32\x12.atoll.v1.Settings\x12\x15\n\rlive_learners\x18\x07 \x03(\t*O\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0f\n\x0b\x43ODEC_MXFP4\x10\x02\x12\x0e\n\nCODEC_INT4\x10\x03*\xba\x01\n\nPushReason\x12\x1b\n\x17PUSH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11PUSH_REASON_FRESH\x10\x01\x12 \n\x1cPUSH_REASON_STALE_DISCOUNTED\x10\x02\x12\x19\n\x15PUSH_REASON_DUPLICATE\x10\x03\x12\x19\n\x15PUSH_REASON_TOO_STALE\x10\x04\x12 \n\x1cPUSH_REASON_ALREADY_IN_ROUND\x10\x05\x32\xb2\x02\n\x06Syncer\x12\x37\n\x04Init\x12\x15.atoll.v1.InitRequest\x1a\x16.atoll.v1.InitResponse(\x01\x12\x37\n\x04Push\x12\x15.atoll.v1.PushRequest\x1a\x16.atoll.v1.PushResponse(\x01\x12\x37\n\x04Pull\x12\x15.atoll.v1.PullRequest\x1a\x16.atoll.v1.PullResponse0\x01\x12:\n\x05Watch\x12\x16.atoll.v1.WatchRequest\x1a\x17.atoll.v1.WatchResponse0\x01\x12\x41\n\x08\x44\x65scribe\x12\x19.atoll.v1.DescribeRequest\x1a\x1a.atoll.v1.DescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61toll/v1/syncer.proto\x12\x08\x61toll.v1\"<\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x11\n\tembedding\x18\x03 \x01(\x08\"\xa8\x01\n\nInitHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ragment\x18\x02 \x01(\r\x12\x18\n\x10plan_fingerprint\x18\x03 \x01(\t\x12\x11\n\tplan_json\x18\x04 \x01(\t\x12\x1e\n\x05\x63odec\x18\x05 \x01(\x0e\x32\x0f.atoll.v1.Codec\x12\x12\n\nnum_params\x18\x06 \x01(\x04\x12\x13\n\x0b\x66rame_bytes\x18\x07 \x01(\x04\"N\n\x0bInitRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.atoll.v1.InitHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"0\n\x0cInitResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\xa0\x02\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ragment\x18\x02 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x13\n\x0binner_steps\x18\x05 \x01(\x04\x12\x0e\n\x06tokens\x18\x06 \x01(\x04\x12\x1e\n\x05\x63odec\x18\x07 \x01(\x0e\x32\x0f.atoll.v1.Codec\x12\x12\n\nnum_params\x18\x08 \x01(\x04\x12\x18\n\x10plan_fingerprint\x18\t \x01(\t\x12\x13\n\x0b\x66rame_bytes\x18\n \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x0b \x01(\x01\x12\x15\n\roverlap_steps\x18\x0c \x01(\r\x12\x14\n\x0cperiod_steps\x18\r \x01(\r\"N\n\x0bPushRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.atoll.v1.PushHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\xa3\x01\n\x0cPushResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12$\n\x06reason\x18\x02 \x01(\x0e\x32\x14.atoll.v1.PushReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x11\n\tstaleness\x18\x05 \x01(\x04\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x17\n\x0f\x63\x61\x64\x65nce_seconds\x18\x07 \x01(\x01\"_\n\x0bPullRequest\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x19\n\x0chave_version\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nlearner_id\x18\x03 \x01(\tB\x0f\n\r_have_version\"i\n\nPullHeader\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x12\n\nnum_params\x18\x04 \x01(\x04\x12\x12\n\nnum_frames\x18\x05 \x01(\r\"X\n\tPullChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x1e\n\x05\x63odec\x18\x02 \x01(\x0e\x32\x0f.atoll.v1.Codec\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"d\n\x0cPullResponse\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.atoll.v1.PullHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.atoll.v1.PullChunkH\x00\x42\x06\n\x04kind\"5\n\x0cWatchRequest\x12\x11\n\tfragments\x18\x01 \x03(\r\x12\x12\n\nlearner_id\x18\x02 \x01(\t\"H\n\rWatchResponse\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x0c\x63ontributors\x18\x03 \x01(\r\"\x11\n\x0f\x44\x65scribeRequest\"\xb0\x01\n\x0c\x46ragmentInfo\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x13\n\x0binitialized\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x12\n\nnum_params\x18\x04 \x01(\x04\x12%\n\x07tensors\x18\x05 \x03(\x0b\x32\x14.atoll.v1.TensorInfo\x12\x12\n\nround_size\x18\x06 \x01(\r\x12\x19\n\x11oldest_delta_base\x18\x07 \x01(\x04\"\xe1\x01\n\x08Settings\x12\x0e\n\x06quorum\x18\x01 \x01(\r\x12\x14\n\x0cgrace_factor\x18\x02 \x01(\x01\x12\x15\n\rmax_staleness\x18\x03 \x01(\r\x12\x1a\n\x12staleness_discount\x18\x04 \x01(\x01\x12\x10\n\x08outer_lr\x18\x05 \x01(\x01\x12\x16\n\x0eouter_momentum\x18\x06 \x01(\x01\x12\x12\n\ndelta_ring\x18\x07 \x01(\r\x12\x16\n\x0esnapshot_every\x18\x08 \x01(\r\x12&\n\rpublish_codec\x18\t \x01(\x0e\x32\x0f.atoll.v1.Codec\"\xd4\x01\n\x10\x44\x65scribeResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x18\n\x10plan_fingerprint\x18\x03 \x01(\t\x12\x15\n\rnum_fragments\x18\x04 \x01(\r\x12)\n\tfragments\x18\x05 \x03(\x0b\x32\x16.atoll.v1.FragmentInfo\x12$\n\x08settings\x18\x06 \x01(\x0b\x32\x12.atoll.v1.Settings\x12\x15\n\rlive_learners\x18\x07 \x03(\t*O\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0f\n\x0b\x43ODEC_MXFP4\x10\x02\x12\x0e\n\nCODEC_INT4\x10\x03*\xba\x01\n\nPushReason\x12\x1b\n\x17PUSH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11PUSH_REASON_FRESH\x10\x01\x12 \n\x1cPUSH_REASON_STALE_DISCOUNTED\x10\x02\x12\x19\n\x15PUSH_REASON_DUPLICATE\x10\x03\x12\x19\n\x15PUSH_REASON_TOO_STALE\x10\x04\x12 \n\x1cPUSH_REASON_ALREADY_IN_ROUND\x10\x05\x32\xb2\x02\n\x06Syncer\x12\x37\n\x04Init\x12\x15.atoll.v1.InitRequest\x1a\x16.atoll.v1.InitResponse(\x01\x12\x37\n\x04Push\x12\x15.atoll.v1.PushRequest\x1a\x16.atoll.v1.PushResponse(\x01\x12\x37\n\x04Pull\x12\x15.atoll.v1.PullRequest\x1a\x16.atoll.v1.PullResponse0\x01\x12:\n\x05Watch\x12\x16.atoll.v1.WatchRequest\x1a\x17.atoll.v1.WatchResponse0\x01\x12\x41\n\x08\x44\x65scribe\x12\x19.atoll.v1.DescribeRequest\x1a\x1a.atoll.v1.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'atoll.v1.syncer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=2054
-  _globals['_CODEC']._serialized_end=2133
-  _globals['_PUSHREASON']._serialized_start=2136
-  _globals['_PUSHREASON']._serialized_end=2322
+  _globals['_CODEC']._serialized_start=2101
+  _globals['_CODEC']._serialized_end=2180
+  _globals['_PUSHREASON']._serialized_start=2183
+  _globals['_PUSHREASON']._serialized_end=2369
   _globals['_TENSORINFO']._serialized_start=35
   _globals['_TENSORINFO']._serialized_end=95
   _globals['_INITHEADER']._serialized_start=98
@@ -45,31 +45,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INITRESPONSE']._serialized_start=348
   _globals['_INITRESPONSE']._serialized_end=396
   _globals['_PUSHHEADER']._serialized_start=399
-  _globals['_PUSHHEADER']._serialized_end=665
-  _globals['_PUSHREQUEST']._serialized_start=667
-  _globals['_PUSHREQUEST']._serialized_end=745
-  _globals['_PUSHRESPONSE']._serialized_start=748
-  _globals['_PUSHRESPONSE']._serialized_end=886
-  _globals['_PULLREQUEST']._serialized_start=888
-  _globals['_PULLREQUEST']._serialized_end=983
-  _globals['_PULLHEADER']._serialized_start=985
-  _globals['_PULLHEADER']._serialized_end=1090
-  _globals['_PULLCHUNK']._serialized_start=1092
-  _globals['_PULLCHUNK']._serialized_end=1180
-  _globals['_PULLRESPONSE']._serialized_start=1182
-  _globals['_PULLRESPONSE']._serialized_end=1282
-  _globals['_WATCHREQUEST']._serialized_start=1284
-  _globals['_WATCHREQUEST']._serialized_end=1337
-  _globals['_WATCHRESPONSE']._serialized_start=1339
-  _globals['_WATCHRESPONSE']._serialized_end=1411
-  _globals['_DESCRIBEREQUEST']._serialized_start=1413
-  _globals['_DESCRIBEREQUEST']._serialized_end=1430
-  _globals['_FRAGMENTINFO']._serialized_start=1433
-  _globals['_FRAGMENTINFO']._serialized_end=1609
-  _globals['_SETTINGS']._serialized_start=1612
-  _globals['_SETTINGS']._serialized_end=1837
-  _globals['_DESCRIBERESPONSE']._serialized_start=1840
-  _globals['_DESCRIBERESPONSE']._serialized_end=2052
-  _globals['_SYNCER']._serialized_start=2325
-  _globals['_SYNCER']._serialized_end=2631
+  _globals['_PUSHHEADER']._serialized_end=687
+  _globals['_PUSHREQUEST']._serialized_start=689
+  _globals['_PUSHREQUEST']._serialized_end=767
+  _globals['_PUSHRESPONSE']._serialized_start=770
+  _globals['_PUSHRESPONSE']._serialized_end=933
+  _globals['_PULLREQUEST']._serialized_start=935
+  _globals['_PULLREQUEST']._serialized_end=1030
+  _globals['_PULLHEADER']._serialized_start=1032
+  _globals['_PULLHEADER']._serialized_end=1137
+  _globals['_PULLCHUNK']._serialized_start=1139
+  _globals['_PULLCHUNK']._serialized_end=1227
+  _globals['_PULLRESPONSE']._serialized_start=1229
+  _globals['_PULLRESPONSE']._serialized_end=1329
+  _globals['_WATCHREQUEST']._serialized_start=1331
+  _globals['_WATCHREQUEST']._serialized_end=1384
+  _globals['_WATCHRESPONSE']._serialized_start=1386
+  _globals['_WATCHRESPONSE']._serialized_end=1458
+  _globals['_DESCRIBEREQUEST']._serialized_start=1460
+  _globals['_DESCRIBEREQUEST']._serialized_end=1477
+  _globals['_FRAGMENTINFO']._serialized_start=1480
+  _globals['_FRAGMENTINFO']._serialized_end=1656
+  _globals['_SETTINGS']._serialized_start=1659
+  _globals['_SETTINGS']._serialized_end=1884
+  _globals['_DESCRIBERESPONSE']._serialized_start=1887
+  _globals['_DESCRIBERESPONSE']._serialized_end=2099
+  _globals['_SYNCER']._serialized_start=2372
+  _globals['_SYNCER']._serialized_end=2678
 # @@protoc_insertion_point(module_scope)

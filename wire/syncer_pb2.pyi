@@ -79,7 +79,7 @@ class InitResponse(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "fragment", "base_version", "seq", "inner_steps", "tokens", "codec", "num_params", "plan_fingerprint", "frame_bytes", "step_seconds", "overlap_steps")
+    __slots__ = ("learner_id", "fragment", "base_version", "seq", "inner_steps", "tokens", "codec", "num_params", "plan_fingerprint", "frame_bytes", "step_seconds", "overlap_steps", "period_steps")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class PushHeader(_message.Message):
     FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PERIOD_STEPS_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment: int
     base_version: int
@@ -104,7 +105,8 @@ class PushHeader(_message.Message):
     frame_bytes: int
     step_seconds: float
     overlap_steps: int
-    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., num_params: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., frame_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., overlap_steps: _Optional[int] = ...) -> None: ...
+    period_steps: int
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., num_params: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., frame_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., overlap_steps: _Optional[int] = ..., period_steps: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -115,20 +117,22 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "detail", "version", "staleness", "weight")
+    __slots__ = ("accepted", "reason", "detail", "version", "staleness", "weight", "cadence_seconds")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CADENCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: PushReason
     detail: str
     version: int
     staleness: int
     weight: float
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[PushReason, str]] = ..., detail: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+    cadence_seconds: float
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[PushReason, str]] = ..., detail: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., cadence_seconds: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("fragment", "have_version", "learner_id")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -59,7 +60,8 @@ def test_offsets_spread_fragments_over_the_period():
 
 
 def test_two_learners_train_toward_a_target_and_hold_the_published_copy(shards):
-    """Each inner step moves a learner's params 5 % of the way to zero; syncing must keep that."""
+    """Each inner step moves a learner's params 5 % of the way to zero; syncing must keep that.
+    Steps take (at least) the 5 ms they declare, so the shards' cadence is H x 5 ms."""
     cfg = SyncConfig(period=8, overlap=2)
     zeros = _zeros(START)
     results = {}
@@ -68,8 +70,9 @@ def test_two_learners_train_toward_a_target_and_hold_the_published_copy(shards):
         sync = Synchronizer(cfg, PLAN, _clients(shards, f"l{i}"))
         params = sync.join(_copy(START))
         for step in range(1, 65):
+            time.sleep(0.005)
             params = _toward(params, zeros, 0.05)
-            params = sync.apply(params, sync.after_step(step, params, 0.002, 128))
+            params = sync.apply(params, sync.after_step(step, params, 0.005, 128))
         results[i] = (dict(sync.stats), sync.versions(), [f.base.copy() for f in sync.frags], params)
         sync.close()
 
@@ -81,10 +84,11 @@ def test_two_learners_train_toward_a_target_and_hold_the_published_copy(shards):
     assert len(results) == 2
 
     for i, (stats, versions, bases, params) in results.items():
-        # 64 steps, H=8: every fragment pushed 8 times; the last push may still be in flight
-        assert 4 * 7 <= stats["pushes"] <= 4 * 8 and stats["refused"] == 0
-        assert stats["adopted"] >= 4 * 7
-        assert all(adopted >= 6 for adopted, _ in versions.values())
+        # 64 steps, H=8: a fragment pushes at most every H steps (once per cadence, a round
+        # trip later on a busy machine), and its rounds merge both learners
+        assert 4 * 3 <= stats["pushes"] <= 4 * 8 and stats["refused"] == 0
+        assert stats["adopted"] >= stats["pushes"] - 4
+        assert all(adopted >= 3 for adopted, _ in versions.values())
         # 4-bit frames: a push is at most ~4.5 bits per parameter plus a 16-byte header
         assert stats["bytes_sent"] - 4 * PLAN.num_params <= stats["pushes"] * (PLAN.num_params / 4 * 4.5 / 8 + 64)
         # the model moved toward the targets (all zeros) from |N(0,1)| ≈ 0.8
@@ -125,9 +129,10 @@ def test_a_learner_does_not_wait_forever_on_a_round_that_cannot_close(shards):
     params = a.join(_copy(START))
     b.join(_copy(START))
     zeros = _zeros(START)
-    for step in range(1, 13):  # three periods: every fragment is due again while stuck
+    for step in range(1, 41):  # ten periods: every fragment is due again while stuck
+        time.sleep(0.002)
         params = _toward(params, zeros, 0.05)
-        params = a.apply(params, a.after_step(step, params, 0.001, 64))
+        params = a.apply(params, a.after_step(step, params, 0.002, 64))
     stats = dict(a.stats)
     a.close()
     b.close()

@@ -1,0 +1,185 @@
+"""Rounds follow the sync period: the real Shard and the learners' real schedule
+(`learner.sync.sync_due`) on a fake clock, with islands of two speeds.
+
+Each simulated learner steps at its own pace (with jitter), pushes a fragment when
+`sync_due` says so, adopts the round's result once its version is out and τ steps have
+passed, and blocks only when a whole period passes with its push still in an open round,
+as `Synchronizer.after_step` does. The shard is the real one, with its write-ahead log in
+a temporary directory, its rules and its timers (`tick`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import random
+
+import numpy as np
+import pytest
+
+from learner.sync import anchor_for, offsets, steps_per_period, sync_due
+from server.config import ShardConfig
+from server.shard import PushHeader, Shard
+from wire import codec
+from wire.plan import FragmentPlan, TensorSpec
+
+SPECS = [TensorSpec("embed", (40, 8)), TensorSpec("w1", (8, 36)), TensorSpec("w2", (36, 8)),
+         TensorSpec("w3", (16, 16))]
+PLAN = FragmentPlan.build(SPECS, 4)
+H, TAU, TOKENS_PER_STEP = 32, 1, 512
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclasses.dataclass
+class Frag:
+    version: int = 0
+    last_sync_step: int | None = None
+    anchor: float | None = None
+    pushed_at_step: int | None = None  # the step of the push in flight, None when none
+    merged_in: int = 0
+
+
+@dataclasses.dataclass
+class Learner:
+    name: str
+    step_seconds: float
+    rng: random.Random
+    step: int = 0
+    seq: int = 0
+    blocked_seconds: float = 0.0
+    pushes: list = dataclasses.field(default_factory=list)  # (fragment, staleness, accepted)
+
+    def __post_init__(self):
+        self.frags = {p: Frag() for p in range(PLAN.num_fragments)}
+
+
+def simulate(speeds: list[float], quorum: int, periods: int, tmp_path, seed: int = 0, jitter: float = 0.05):
+    """Runs the learners for `periods` sync periods of the fastest; returns (shard, learners, close times)."""
+    clock = Clock()
+    cfg = ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path / "shard", quorum=quorum,
+                      lease_seconds=30.0, snapshot_every=1000)
+    shard = Shard(cfg, clock=clock)
+    shard.recover()
+    rng = np.random.default_rng(seed)
+    for p in range(PLAN.num_fragments):
+        shard.init("setup", p, PLAN.fingerprint, PLAN.to_json(),
+                   codec.encode(np.zeros(PLAN.fragment_sizes[p], np.float32), codec.Codec.FP32),
+                   int(codec.Codec.FP32), PLAN.fragment_sizes[p])
+    frames = {p: codec.encode(rng.normal(0, 1e-3, PLAN.fragment_sizes[p]).astype(np.float32), codec.Codec.INT4)
+              for p in range(PLAN.num_fragments)}
+    learners = [Learner(f"l{i}", s, random.Random(seed * 100 + i)) for i, s in enumerate(speeds)]
+    closes: dict[int, list[float]] = {p: [] for p in range(PLAN.num_fragments)}
+    known = {p: 0 for p in range(PLAN.num_fragments)}
+    first_steps = offsets(PLAN.num_fragments, H)
+    end = periods * H * min(speeds)
+    # (time, order, learner index) for step boundaries; learners start up to a period apart
+    events = [(l.rng.uniform(0, H * min(speeds)), i, i) for i, l in enumerate(learners)]
+    heapq.heapify(events)
+    order = len(learners)
+    while events and clock.now < end:
+        t, _, i = heapq.heappop(events)
+        wake = shard.tick() if t > clock.now else None
+        while wake is not None and wake < t:  # the shard's round timer fires before this step ends
+            clock.now = wake
+            wake = shard.tick()
+            note_closes(shard, known, closes, clock.now)
+        clock.now = max(clock.now, t)
+        shard.tick()
+        note_closes(shard, known, closes, clock.now)
+        l = learners[i]
+        shard.touch(l.name)  # the learner's Watch keeps its lease
+        if l.step == 0:  # joining: it pulls every fragment's current version
+            for p, f in l.frags.items():
+                f.version = shard.fragments[p].version
+        l.step += 1
+        cadence = shard.cadence_seconds
+        per_period = steps_per_period(H, cadence, l.step_seconds)
+        blocked_until = clock.now
+        for p, f in l.frags.items():
+            if f.pushed_at_step is not None:
+                out = shard.fragments[p].version >= f.merged_in
+                ready = out and l.step >= f.pushed_at_step + TAU
+                if not ready and l.step - f.pushed_at_step >= per_period:
+                    return_at = close_time(closes[p], f.merged_in)
+                    if return_at is None:
+                        continue  # still not out: a real learner would block; try again next step
+                    blocked_until = max(blocked_until, return_at)
+                    ready = True
+                if ready:
+                    f.anchor = close_time(closes[p], f.merged_in)
+                    f.version = shard.fragments[p].version
+                    f.pushed_at_step = None
+            # like the learner's Watch, it knows when the fragment's newest version came out
+            anchor = anchor_for(f.anchor, closes[p], cadence)
+            if f.pushed_at_step is None and sync_due(step=l.step, first_step=first_steps[p],
+                                                     last_sync_step=f.last_sync_step, anchor=anchor,
+                                                     now=clock.now, period=H, cadence_seconds=cadence,
+                                                     step_seconds=l.step_seconds):
+                steps = l.step - (f.last_sync_step or 0)
+                l.seq += 1
+                h = PushHeader(l.name, p, f.version, l.seq, steps, steps * TOKENS_PER_STEP, int(codec.Codec.INT4),
+                               PLAN.fragment_sizes[p], PLAN.fingerprint, l.step_seconds, TAU, H)
+                answer = shard.push(h, frames[p])
+                note_closes(shard, known, closes, clock.now)
+                l.pushes.append((p, answer.staleness, answer.accepted))
+                f.last_sync_step = l.step
+                if answer.accepted:
+                    f.pushed_at_step, f.merged_in = l.step, f.version + answer.staleness + 1
+                else:  # resync: adopt the current version
+                    f.version, f.anchor = shard.fragments[p].version, clock.now
+        l.blocked_seconds += blocked_until - clock.now
+        step = l.step_seconds * (1 + l.rng.uniform(-jitter, jitter))
+        order += 1
+        heapq.heappush(events, (blocked_until + step, order, i))
+    return shard, learners, closes, end
+
+
+def note_closes(shard: Shard, known: dict[int, int], closes: dict[int, list[float]], now: float) -> None:
+    for p, frag in shard.fragments.items():
+        while known[p] < frag.version:
+            known[p] += 1
+            closes[p].append(now)
+
+
+def close_time(times: list[float], version: int) -> float | None:
+    return times[version - 1] if len(times) >= version else None
+
+
+def outer_steps_per_period(closes: list[float], period_seconds: float, start: float, end: float) -> float:
+    return sum(start <= t < end for t in closes) / ((end - start) / period_seconds)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_outer_step_per_period_with_half_speed_islands_and_k_below_m(tmp_path, seed):
+    speeds = [0.1, 0.1, 0.2, 0.2]  # two islands at half speed
+    shard, learners, closes, end = simulate(speeds, quorum=2, periods=30, tmp_path=tmp_path, seed=seed)
+    period = H * min(speeds)
+    assert shard.cadence_seconds == pytest.approx(period, rel=0.06)
+    start = 5 * period  # after the first periods, once the learners are in step
+    rates = [outer_steps_per_period(c, period, start, end) for c in closes.values()]
+    assert all(0.8 <= r <= 1.25 for r in rates), rates
+    for l in learners:
+        late = [s for p, s, ok in l.pushes[len(l.pushes) // 3:] if ok and s > 0]
+        # a 2x-slower island is neither refused nor chronically a version behind
+        assert all(ok for _, _, ok in l.pushes), l.name
+        assert len(late) <= len(l.pushes) // 5, (l.name, late)
+        assert l.blocked_seconds < 0.05 * end, (l.name, l.blocked_seconds)
+    # the slow islands take about H/2 steps per sync, the fast ones about H
+    fast, slow = learners[0], learners[2]
+    assert fast.step / len(fast.pushes) == pytest.approx(2 * slow.step / len(slow.pushes), rel=0.25)
+
+
+def test_rounds_close_once_per_period_whatever_k(tmp_path):
+    speeds = [0.1] * 4
+    for quorum in (1, 2, 4):
+        shard, _, closes, end = simulate(speeds, quorum=quorum, periods=20, tmp_path=tmp_path / str(quorum))
+        period = H * 0.1
+        rates = [outer_steps_per_period(c, period, 5 * period, end) for c in closes.values()]
+        assert all(0.8 <= r <= 1.25 for r in rates), (quorum, rates)
