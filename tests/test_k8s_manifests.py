@@ -1,10 +1,15 @@
-"""Tests for k8s/: every overlay renders, validates strictly, and keeps the conventions.
+"""Tests for k8s/ and the Dockerfile: every overlay and component renders, validates
+strictly, and keeps the rules a real cluster needs.
 
 Core objects are validated with kubernetes-validate's strict schemas (unknown fields
-are errors) for the oldest and newest Kubernetes we support. JobSets, a custom
-resource those schemas do not know, are validated against the JobSet CRD's OpenAPI
-schema (tests/data/, made strict the same way), and each replicated Job inside them
-is validated again as a core batch/v1 Job, pod template included.
+are errors) for the oldest and newest Kubernetes we support. Custom resources those
+schemas do not know (JobSet, PodMonitoring, Rules, ServiceMonitor, PrometheusRule) are
+validated against their CRDs' schemas (tests/data/, made strict the same way), and each
+replicated Job inside a JobSet is validated again as a core batch/v1 Job.
+
+The containers' command lines are run too: Kubernetes' $(VAR) expansion is applied, the
+learner's shell wrapper runs with a stand-in `atoll`, and the arguments that come out
+are parsed by the real `atoll` parser into a validated config.
 """
 
 from __future__ import annotations
@@ -15,11 +20,16 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
+import sys
+import tempfile
+import tomllib
 
 import jsonschema
 import kubernetes_validate
+import prometheus_client
 import prometheus_client.parser
 import pytest
 import yaml
@@ -28,14 +38,28 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
+COMPONENTS = sorted(p.name for p in (K8S / "components").iterdir() if (p / "kustomization.yaml").is_file())
 SYNCER_OVERLAYS = ["syncer", "all-in-one"]
 LEARNER_OVERLAYS = ["learners-tpu-v5p", "learners-tpu-v6e", "learners-cpu", "all-in-one"]
 # overlay -> (accelerator node label, chips per host)
 TPU_OVERLAYS = {"learners-tpu-v5p": ("tpu-v5p-slice", 4), "learners-tpu-v6e": ("tpu-v6e-slice", 8)}
+# Each component added to overlays the way an operator would add it (every component is used).
+COMBINATIONS = [("syncer", ("tls", "operator", "monitoring-gmp")),
+                ("syncer", ("monitoring-prometheus-operator",)),
+                ("all-in-one", ("operator", "monitoring-prometheus-operator")),
+                ("learners-tpu-v5p", ("kueue", "spot", "monitoring-gmp")),
+                ("learners-tpu-v6e", ("kueue", "flex-start", "monitoring-prometheus-operator")),
+                ("learners-cpu", ("kueue", "spot"))]
 KUBERNETES_VERSIONS = ["1.27", "1.37"]
 NAMESPACE = "atoll"
 COMMON_LABELS = {"app.kubernetes.io/name": "atoll", "app.kubernetes.io/part-of": "atoll"}
-CLUSTER_SCOPED = {"Namespace"}
+CLUSTER_SCOPED = {"Namespace", "StorageClass"}
+# kind -> (schema file in tests/data: a CRD, or a CRD's version schema as JSON; the version)
+CRDS = {("jobset.x-k8s.io/v1alpha2", "JobSet"): ("jobset.x-k8s.io_jobsets.yaml", "v1alpha2"),
+        ("monitoring.googleapis.com/v1", "PodMonitoring"): ("monitoring.googleapis.com_podmonitoring_v1.json", "v1"),
+        ("monitoring.googleapis.com/v1", "Rules"): ("monitoring.googleapis.com_rules_v1.json", "v1"),
+        ("monitoring.coreos.com/v1", "ServiceMonitor"): ("monitoring.coreos.com_servicemonitor_v1.json", "v1"),
+        ("monitoring.coreos.com/v1", "PrometheusRule"): ("monitoring.coreos.com_prometheusrule_v1.json", "v1")}
 
 needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
                                    reason="kubectl not installed: it renders the kustomize overlays")
@@ -58,10 +82,12 @@ def _strict(schema):
 
 
 @functools.cache
-def _jobset_validator() -> jsonschema.Draft202012Validator:
-    crd = yaml.safe_load((DATA / "jobset.x-k8s.io_jobsets.yaml").read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
-    return jsonschema.Draft202012Validator(_strict(version["schema"]["openAPIV3Schema"]))
+def _crd_validator(filename: str, version: str) -> jsonschema.Draft202012Validator:
+    if filename.endswith(".json"):
+        return jsonschema.Draft202012Validator(_strict(json.loads((DATA / filename).read_text())))
+    crd = yaml.safe_load((DATA / filename).read_text())
+    (v,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return jsonschema.Draft202012Validator(_strict(v["schema"]["openAPIV3Schema"]))
 
 
 def validate(obj: dict, kubernetes: str) -> None:
@@ -70,15 +96,26 @@ def validate(obj: dict, kubernetes: str) -> None:
     A kind with no known schema raises too (kubernetes_validate.SchemaNotFoundError):
     nothing passes unchecked.
     """
-    if obj.get("apiVersion") == "jobset.x-k8s.io/v1alpha2" and obj.get("kind") == "JobSet":
-        _jobset_validator().validate(obj)
+    crd = CRDS.get((obj.get("apiVersion"), obj.get("kind")))
+    if crd is None:
+        kubernetes_validate.validate(obj, kubernetes, strict=True)
+        return
+    _crd_validator(*crd).validate(obj)
+    if obj["kind"] == "JobSet":
         for rj in obj["spec"]["replicatedJobs"]:
             job = {"apiVersion": "batch/v1", "kind": "Job",
                    "metadata": {"name": f"{obj['metadata']['name']}-{rj['name']}"},
                    "spec": rj["template"]["spec"]}
             kubernetes_validate.validate(job, kubernetes, strict=True)
-        return
-    kubernetes_validate.validate(obj, kubernetes, strict=True)
+
+
+def _validate_all(objs, where: str) -> None:
+    for o in objs:
+        for kubernetes in KUBERNETES_VERSIONS:
+            try:
+                validate(o, kubernetes)
+            except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as e:
+                pytest.fail(f"{where}: {o['kind']}/{o['metadata']['name']} invalid for Kubernetes {kubernetes}: {e}")
 
 
 # -- rendering ----------------------------------------------------------------------
@@ -91,8 +128,24 @@ def _kustomize(path: pathlib.Path) -> list[dict]:
 
 
 @functools.cache
-def render(overlay: str) -> tuple[dict, ...]:
-    return tuple(_kustomize(K8S / "overlays" / overlay))
+def render(overlay: str, components: tuple[str, ...] = ()) -> tuple[dict, ...]:
+    """The overlay as `kubectl apply -k` sends it; with `components` added to its
+    kustomization.yaml (in a copy of k8s/), the way the docs say to add them."""
+    if not components:
+        return tuple(_kustomize(K8S / "overlays" / overlay))
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = pathlib.Path(tmp) / "k8s"
+        shutil.copytree(K8S, tree)
+        path = tree / "overlays" / overlay / "kustomization.yaml"
+        doc = yaml.safe_load(path.read_text())
+        doc.setdefault("components", []).extend(f"../../components/{c}" for c in components)
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return tuple(_kustomize(path.parent))
+
+
+@functools.cache
+def render_dir(name: str) -> tuple[dict, ...]:
+    return tuple(_kustomize(K8S / name))
 
 
 def find(objs, kind: str, name: str | None = None) -> list[dict]:
@@ -116,19 +169,100 @@ def pod_templates(objs) -> list[dict]:
     return out
 
 
+def component_of(template: dict) -> str:
+    return template["metadata"]["labels"].get("app.kubernetes.io/component", "")
+
+
 def learner_templates(objs) -> list[dict]:
-    return [t for t in pod_templates(objs) if t["metadata"]["labels"].get("app.kubernetes.io/component") == "learner"]
+    return [t for t in pod_templates(objs) if component_of(t) == "learner"]
+
+
+def all_containers(template: dict) -> list[dict]:
+    return template["spec"].get("initContainers", []) + template["spec"]["containers"]
 
 
 def env_of(container: dict) -> dict[str, dict]:
     return {e["name"]: e for e in container.get("env", [])}
 
 
+def learner_workloads(objs) -> list[tuple[dict, dict, int]]:
+    """(owner, pod template, learners it runs) of every learner JobSet or Job."""
+    out = []
+    for o in objs:
+        if o["kind"] == "JobSet":
+            out += [(o, rj["template"]["spec"]["template"], rj["replicas"]) for rj in o["spec"]["replicatedJobs"]]
+        elif o["kind"] == "Job" and component_of(o["spec"]["template"]) == "learner":
+            out.append((o, o["spec"]["template"], o["spec"]["completions"]))
+    return out
+
+
+# -- running a container's command line -----------------------------------------------
+
+
+def k8s_expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' expansion of command, args and env values: $$ is a $, $(VAR) the value of a
+    variable defined before (else left as it is)."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
+def container_env(container: dict, objs, fields: dict[str, str]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: envFrom ConfigMaps, then env in
+    order, each value expanded with what came before; `fields` answers the fieldRefs."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(one(objs, "ConfigMap", source["configMapRef"]["name"])["data"])
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = k8s_expand(e["value"], env)
+        else:
+            path = e["valueFrom"]["fieldRef"]["fieldPath"]
+            assert path in fields, f"{e['name']}: no value for fieldRef {path} in this test"
+            env[e["name"]] = fields[path]
+    return env
+
+
+def pod_fields(owner: dict, template: dict, index: int) -> dict[str, str]:
+    """What the downward API gives a pod of `owner` with job/completion index `index`."""
+    labels = template["metadata"]["labels"]
+    fields = {f"metadata.labels['{k}']": v for k, v in labels.items()}
+    fields.update({"metadata.name": f"{owner['metadata']['name']}-{index}", "metadata.namespace": NAMESPACE,
+                   "metadata.labels['jobset.sigs.k8s.io/jobset-name']": owner["metadata"]["name"],
+                   "metadata.labels['jobset.sigs.k8s.io/job-index']": str(index),
+                   "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(index)})
+    return fields
+
+
+def run_container(container: dict, env: dict[str, str], tmp_path: pathlib.Path) -> tuple[list[str], dict]:
+    """Runs the container's command line with `atoll` replaced by a stand-in that reports its
+    arguments and environment; returns (atoll's argv, atoll's environment)."""
+    stub = tmp_path / "bin"
+    stub.mkdir(exist_ok=True)
+    (stub / "atoll").write_text('#!/bin/sh\nexec "$ATOLL_TEST_PYTHON" -c \'import json, os, sys; '
+                                'print(json.dumps([sys.argv[1:], dict(os.environ)]))\' "$@"\n')
+    (stub / "atoll").chmod(0o755)
+    argv = [k8s_expand(a, env) for a in container.get("command", ["atoll"]) + container.get("args", [])]
+    if argv[0] == "atoll":
+        argv[0] = str(stub / "atoll")
+    out = subprocess.run(argv, env={**env, "PATH": f"{stub}:/usr/bin:/bin", "ATOLL_TEST_PYTHON": sys.executable},
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, f"{shlex.join(argv)} failed:\n{out.stderr}"
+    args, seen_env = json.loads(out.stdout)
+    return args, seen_env
+
+
+def atoll_parser():
+    from atoll.cli import _parser
+
+    return _parser()
+
+
 # -- every overlay ------------------------------------------------------------------
 
 
-def test_every_overlay_is_tested():
+def test_every_overlay_and_component_is_tested():
     assert set(OVERLAYS) == {"syncer", "learners-tpu-v5p", "learners-tpu-v6e", "learners-cpu", "all-in-one"}
+    assert set(COMPONENTS) == {c for _, cs in COMBINATIONS for c in cs}
 
 
 @needs_kubectl
@@ -145,20 +279,125 @@ def test_overlay_validates_strictly(overlay, kubernetes):
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_labels_and_namespace(overlay):
-    objs = render(overlay)
-    namespace = one(objs, "Namespace", NAMESPACE)
-    assert namespace["metadata"]["labels"]["atoll.dev/enabled"] == "true"
+@pytest.mark.parametrize("overlay, components", COMBINATIONS, ids=[f"{o}+{'+'.join(c)}" for o, c in COMBINATIONS])
+def test_overlay_with_components_validates_strictly(overlay, components):
+    objs = render(overlay, components)
+    assert len(objs) > len(render(overlay)) or components in (("kueue", "spot"),)
+    _validate_all(objs, f"{overlay} with {components}")
+    _check_labels_and_namespace(objs)
+
+
+def _check_labels_and_namespace(objs) -> None:
     for o in objs:
         where = f"{o['kind']}/{o['metadata']['name']}"
+        assert o["kind"] != "Namespace", f"{where}: an overlay must not own the namespace (k8s/namespace does)"
         assert COMMON_LABELS.items() <= o["metadata"].get("labels", {}).items(), where
         if o["kind"] not in CLUSTER_SCOPED:
             assert o["metadata"].get("namespace") == NAMESPACE, where
     for t in pod_templates(objs):
         assert COMMON_LABELS.items() <= t["metadata"]["labels"].items()
         assert t["spec"]["securityContext"]["runAsNonRoot"] is True
-        assert t["spec"]["automountServiceAccountToken"] is False
+        # Only the operator Jobs talk to the Kubernetes API.
+        assert t["spec"]["automountServiceAccountToken"] is (component_of(t) == "operator")
+        for c in all_containers(t):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            if sc.get("runAsUser") == 0:  # the one root container: chown of the state volume
+                assert c["name"] == "state-owner" and sc["capabilities"]["add"] == ["CHOWN"], c["name"]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_labels_and_namespace(overlay):
+    _check_labels_and_namespace(render(overlay))
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_overlay_owns_a_namespace_or_cluster_object(overlay):
+    """`kubectl delete -k` of an overlay must not take the namespace (and its claims) with it."""
+    kinds = {o["kind"] for o in render(overlay)}
+    assert not kinds & CLUSTER_SCOPED, f"{overlay} renders {kinds & CLUSTER_SCOPED}"
+
+
+@needs_kubectl
+def test_namespace_is_applied_apart():
+    (namespace,) = render_dir("namespace")
+    assert namespace["kind"] == "Namespace" and namespace["metadata"]["name"] == NAMESPACE
+    assert namespace["metadata"]["labels"]["atoll.dev/enabled"] == "true"
+    _validate_all([namespace], "k8s/namespace")
+
+
+@needs_kubectl
+def test_storage_classes_retain_their_disks():
+    classes = {o["metadata"]["name"]: o for o in render_dir("storage")}
+    _validate_all(classes.values(), "k8s/storage")
+    assert set(classes) == {"atoll-wal", "atoll-learner-state"}
+    for c in classes.values():
+        assert c["reclaimPolicy"] == "Retain", c["metadata"]["name"]
+        assert c["volumeBindingMode"] == "WaitForFirstConsumer"
+    assert classes["atoll-wal"]["parameters"]["type"] == "pd-ssd"
+    sts = one(render("syncer"), "StatefulSet", "atoll-syncer")
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["storageClassName"] == "atoll-wal"
+    assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Retain"}
+    for overlay in ("learners-tpu-v5p", "learners-cpu"):
+        state = one(render(overlay), "PersistentVolumeClaim", "atoll-learner-state")
+        assert state["spec"]["storageClassName"] == "atoll-learner-state"
+        assert state["spec"]["accessModes"] == ["ReadWriteMany"]  # a recreated pod lands on any node
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_claim_a_pod_mounts_exists(overlay):
+    objs = render(overlay)
+    claims = {o["metadata"]["name"] for o in find(objs, "PersistentVolumeClaim")}
+    claims |= {c["metadata"]["name"] for o in find(objs, "StatefulSet") for c in o["spec"]["volumeClaimTemplates"]}
+    for t in pod_templates(objs):
+        volumes = {v["name"]: v for v in t["spec"]["volumes"]}
+        for v in volumes.values():
+            if "persistentVolumeClaim" in v:
+                assert v["persistentVolumeClaim"]["claimName"] in claims, v
+        for c in all_containers(t):
+            for m in c.get("volumeMounts", []):
+                assert m["name"] in volumes or m["name"] in claims, f"{c['name']} mounts unknown {m['name']}"
+
+
+def _image_rule(image: str) -> str | None:
+    """Why `image` would not pull on a real cluster, or None."""
+    name, _, tag = image.rpartition(":") if "@" not in image else (image.split("@")[0], "", "digest")
+    if "/" not in image or not re.search(r"[.:]", image.split("/")[0]):
+        return "no registry host: the kubelet would pull it from docker.io"
+    if not name or not tag or "/" in tag:
+        return "no tag"
+    if tag == "latest":
+        return ":latest"
+    return None
+
+
+def test_image_rule():
+    assert _image_rule("registry.example/atoll:0.1.0") is None
+    assert _image_rule("us-docker.pkg.dev/p/atoll/atoll-tpu@sha256:abc") is None
+    assert _image_rule("localhost:5000/atoll:1") is None
+    assert _image_rule("atoll:0.1.0") and _image_rule("atoll") and _image_rule("library/atoll:1")
+    assert _image_rule("registry.example/atoll:latest") == ":latest"
+    assert _image_rule("registry.example/atoll") == "no tag"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay, components", [(o, ()) for o in OVERLAYS] + COMBINATIONS,
+                         ids=[o for o in OVERLAYS] + [f"{o}+{'+'.join(c)}" for o, c in COMBINATIONS])
+def test_images_name_a_registry_and_a_tag(overlay, components):
+    objs = render(overlay, components)
+    for t in pod_templates(objs):
+        tpu = "google.com/tpu" in str(t["spec"]["containers"][0].get("resources", {}))
+        for c in all_containers(t):
+            problem = _image_rule(c["image"])
+            assert problem is None, f"{overlay}: {c['name']} image {c['image']}: {problem}"
+            repository = c["image"].split("@")[0].rsplit(":", 1)[0].rsplit("/", 1)[1]
+            # A TPU pod runs the TPU image (it has libtpu); nothing else does.
+            assert repository == ("atoll-tpu" if tpu else "atoll"), f"{overlay}: {c['name']} runs {c['image']}"
 
 
 # -- the syncer ---------------------------------------------------------------------
@@ -184,15 +423,42 @@ def test_syncer_statefulset(overlay):
     (claim,) = sts["spec"]["volumeClaimTemplates"]
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts[claim["metadata"]["name"]] == env["ATOLL_DATA_DIR"]["value"]
-    assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert template["spec"]["securityContext"]["fsGroup"] == 10001
-    # Every $(VAR) in the args comes from the settings ConfigMap.
     config = one(objs, "ConfigMap", c["envFrom"][0]["configMapRef"]["name"])
-    for arg in c["args"]:
-        for var in re.findall(r"\$\((\w+)\)", arg):
-            assert var in config["data"] or var in env, f"{arg}: {var} is set nowhere"
     assert int(config["data"]["ATOLL_NUM_SHARDS"]) == sts["spec"]["replicas"]
     assert c["resources"]["requests"] and c["resources"]["limits"]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay, components", [("syncer", ()), ("all-in-one", ()), ("syncer", ("tls",))])
+def test_syncer_command_line_is_a_valid_shard_config(overlay, components, tmp_path, monkeypatch):
+    """The StatefulSet's args, expanded as the kubelet does, make a ShardConfig that validates."""
+    from server.main import config_from_args
+
+    objs = render(overlay, components)
+    sts = one(objs, "StatefulSet", "atoll-syncer")
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    env = container_env(c, objs, pod_fields(sts, sts["spec"]["template"], 1))
+    args, seen = run_container(c, env, tmp_path)
+    # Files the pod mounts, made here.
+    for flag in ("--tls-cert", "--tls-key"):
+        for i, a in enumerate(args):
+            if a.startswith(flag + "="):
+                (tmp_path / flag[2:]).write_text("pem")
+                args[i] = f"{flag}={tmp_path / flag[2:]}"
+    (tmp_path / "token").write_text("0123456789abcdef" * 4 + "\n")
+    for name, value in seen.items():
+        if name.startswith("ATOLL_"):
+            monkeypatch.setenv(name, value)
+    monkeypatch.setenv("ATOLL_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("ATOLL_TOKEN_FILE", str(tmp_path / "token"))
+    cfg = config_from_args(atoll_parser().parse_args(args))
+    assert cfg.shard_index == 1 and cfg.num_shards == sts["spec"]["replicas"]
+    assert cfg.port == 50051 and cfg.metrics_port == 9090
+    assert cfg.tls == ("tls" in components)
+    if "tls" in components:
+        health = {p["name"]: p["containerPort"] for p in c["ports"]}["health"]
+        assert cfg.health_port == health
 
 
 @needs_kubectl
@@ -205,6 +471,21 @@ def test_syncer_grpc_probes(overlay):
         assert type(grpc["port"]) is int and grpc["port"] == 50051, f"{kind}: {grpc}"
         # No service: the probe asks for the server's overall health, which the shard sets.
         assert grpc.get("service", "") == "", f"{kind} probes service {grpc['service']!r}"
+
+
+@needs_kubectl
+def test_tls_keeps_grpc_probes_on_a_plaintext_health_port():
+    objs = render("syncer", ("tls",))
+    (c,) = one(objs, "StatefulSet", "atoll-syncer")["spec"]["template"]["spec"]["containers"]
+    assert "--tls-cert=/etc/atoll/tls/tls.crt" in c["args"] and "--tls-key=/etc/atoll/tls/tls.key" in c["args"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert f"--health-port={ports['health']}" in c["args"] and ports["health"] != ports["grpc"]
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        # Still native gRPC probes (they see NOT_SERVING during replay), on the plaintext port.
+        assert c[kind]["grpc"]["port"] == ports["health"] and "tcpSocket" not in c[kind], kind
+    # No Service publishes the plaintext port.
+    for s in find(objs, "Service"):
+        assert all(p["targetPort"] != "health" and p["port"] != ports["health"] for p in s["spec"]["ports"])
 
 
 @needs_kubectl
@@ -242,19 +523,17 @@ def test_syncer_disruption_budget_and_network_policy(overlay):
 
 
 @needs_kubectl
-def test_tls_component(tmp_path):
-    rel = os.path.relpath(K8S, tmp_path)
-    (tmp_path / "kustomization.yaml").write_text(
-        f"resources: [{rel}/overlays/syncer]\ncomponents: [{rel}/components/tls]\n")
-    objs = _kustomize(tmp_path)
-    for o in objs:
-        for kubernetes in KUBERNETES_VERSIONS:
-            validate(o, kubernetes)
-    (c,) = one(objs, "StatefulSet", "atoll-syncer")["spec"]["template"]["spec"]["containers"]
-    assert "--tls-cert=/etc/atoll/tls/tls.crt" in c["args"] and "--tls-key=/etc/atoll/tls/tls.key" in c["args"]
-    # Kubelet's gRPC probes cannot speak TLS.
-    assert all("grpc" not in c[k] and c[k]["tcpSocket"]["port"] == 50051
-               for k in ("startupProbe", "readinessProbe", "livenessProbe"))
+def test_load_balancers_admit_the_same_ranges_as_the_network_policy():
+    """The learners' Pod ranges, listed twice in the syncer overlay, must agree."""
+    objs = render("syncer")
+    policy = one(objs, "NetworkPolicy", "atoll-syncer")
+    grpc = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "grpc")
+    ranges = sorted(f["ipBlock"]["cidr"] for f in grpc["from"] if "ipBlock" in f)
+    balancers = [s for s in find(objs, "Service") if s["spec"].get("type") == "LoadBalancer"]
+    assert len(balancers) == one(objs, "StatefulSet")["spec"]["replicas"], "one load balancer per shard"
+    for s in balancers:
+        assert sorted(s["spec"]["loadBalancerSourceRanges"]) == ranges, s["metadata"]["name"]
+        assert s["spec"]["externalTrafficPolicy"] == "Local"  # keeps the Pod IP the policy checks
 
 
 # -- the learners -------------------------------------------------------------------
@@ -276,18 +555,71 @@ def test_learner_pods(overlay):
         labels = t["metadata"]["labels"]
         assert labels.get("atoll.dev/region"), "learner pods carry atoll.dev/region"
         assert t["metadata"]["annotations"]["prometheus.io/port"] == "9091"
+        assert t["spec"]["restartPolicy"] == "Never"  # a podFailurePolicy needs it
         (c,) = t["spec"]["containers"]
         assert c["args"][0] == "learner" and "--metrics-port=9091" in c["args"]
         assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("metrics", 9091)]
         env = env_of(c)
         assert env["ATOLL_REGION"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['atoll.dev/region']"
         assert env["ATOLL_LEARNER_ID"]["value"].startswith("$(ATOLL_REGION)-")
-        defined = set(config) | set(env)
-        for text in c["args"] + [e.get("value", "") for e in env.values()]:
-            for var in re.findall(r"\$\((\w+)\)", text):
-                assert var in defined, f"{text}: {var} is set nowhere"
-        if "ATOLL_LEARNER_INDEX" not in env:
-            assert 0 <= int(config["ATOLL_LEARNER_INDEX"]) < int(config["ATOLL_NUM_LEARNERS"])
+        assert "ATOLL_LEARNER_INDEX" not in env and "ATOLL_LEARNER_INDEX" not in config  # computed (below)
+        # Status records and compiled programs on the state volume, one name per learner id.
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        for flag in ("--status-file", "--compile-cache"):
+            (value,) = [a.split("=", 1)[1] for a in c["args"] if a.startswith(flag + "=")]
+            assert "$(ATOLL_LEARNER_ID)" in value and mounts[str(pathlib.PurePath(value).parent)] == "state"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", LEARNER_OVERLAYS)
+def test_learner_command_line_is_a_valid_learner_config(overlay, tmp_path, monkeypatch):
+    """For every learner the overlay runs: the kubelet's expansion, then the shell wrapper,
+    then the real parser and LearnerConfig. The learner index is the cluster's base plus
+    the job index, and the id is stable and unique."""
+    from learner.main import config_from_args
+
+    objs = render(overlay)
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef" * 4 + "\n")
+    ids = set()
+    for owner, template, learners in learner_workloads(objs):
+        (c,) = template["spec"]["containers"]
+        for index in range(learners):
+            env = container_env(c, objs, pod_fields(owner, template, index))
+            args, seen = run_container(c, env, tmp_path)
+            base = int(env["ATOLL_LEARNER_INDEX_BASE"])
+            assert seen["ATOLL_LEARNER_INDEX"] == str(base + index)
+            with monkeypatch.context() as m:
+                for name in [n for n in os.environ if n.startswith("ATOLL_")]:
+                    m.delenv(name)
+                for name, value in seen.items():
+                    if name.startswith("ATOLL_"):
+                        m.setenv(name, value)
+                m.setenv("ATOLL_TOKEN_FILE", str(token))
+                cfg = config_from_args(atoll_parser().parse_args(args))
+            assert cfg.learner_index == base + index and cfg.num_learners == int(env["ATOLL_NUM_LEARNERS"])
+            assert len(cfg.shards) == int(env["ATOLL_NUM_SHARDS"]) and "{i}" not in cfg.shards[0]
+            assert cfg.learner_id == seen["ATOLL_LEARNER_ID"] and "$(" not in cfg.learner_id
+            assert cfg.status_file.name == f"{cfg.learner_id}.status.jsonl"
+            assert cfg.compile_cache is not None and cfg.token_file == token
+            ids.add(cfg.learner_id)
+    assert len(ids) == sum(n for _, _, n in learner_workloads(objs)), "learner ids must be unique"
+
+
+@needs_kubectl
+def test_learner_clusters_read_disjoint_data_shards():
+    """The TPU regions of one run: the same M, and each its own range of learner indices."""
+    ranges, sizes = [], set()
+    for overlay in TPU_OVERLAYS:
+        objs = render(overlay)
+        config = one(objs, "ConfigMap", "atoll-learner-config")["data"]
+        base, sizes = int(config["ATOLL_LEARNER_INDEX_BASE"]), sizes | {int(config["ATOLL_NUM_LEARNERS"])}
+        (jobset,) = find(objs, "JobSet")
+        ranges.append(range(base, base + sum(rj["replicas"] for rj in jobset["spec"]["replicatedJobs"])))
+    (m,) = sizes
+    seen = [i for r in ranges for i in r]
+    assert len(seen) == len(set(seen)), f"overlapping learner indices {ranges}"
+    assert all(0 <= i < m for i in seen), f"indices {ranges} outside [0, {m})"
 
 
 def _chips(topology: str) -> int:
@@ -301,24 +633,193 @@ def _chips(topology: str) -> int:
 @pytest.mark.parametrize("overlay", sorted(TPU_OVERLAYS))
 def test_tpu_jobset(overlay):
     accelerator, chips_per_host = TPU_OVERLAYS[overlay]
-    jobset = one(render(overlay), "JobSet")
-    assert jobset["spec"]["failurePolicy"]["maxRestarts"] > 0, "a failed learner must be restarted"
-    for rj in jobset["spec"]["replicatedJobs"]:
-        job = rj["template"]["spec"]
-        pod = job["template"]["spec"]
-        selector = pod["nodeSelector"]
-        assert selector["cloud.google.com/gke-tpu-accelerator"] == accelerator
-        hosts = _chips(selector["cloud.google.com/gke-tpu-topology"]) // chips_per_host
-        assert job["parallelism"] == job["completions"] == hosts, "one pod per host of the slice"
-        assert hosts == 1, "a learner runs on one host (learner.main.multi_host_refusal)"
-        assert pod["restartPolicy"] == "Never"
-        (c,) = pod["containers"]
-        res = c["resources"]
-        assert res["requests"]["google.com/tpu"] == res["limits"]["google.com/tpu"] == str(chips_per_host)
-        assert job["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "learner"
+    objs = render(overlay)
+    (jobset,) = find(objs, "JobSet")
+    assert jobset["metadata"]["name"] == f"atoll-learner-{overlay.rsplit('-', 1)[1]}"
+    # No exclusive-topology annotation: it would allow one slice per node pool.
+    assert not any("exclusive-topology" in k for k in jobset["metadata"].get("annotations", {}))
+    (rj,) = jobset["spec"]["replicatedJobs"]
+    assert rj["replicas"] >= 2, "one JobSet per region, one replicated Job per slice"
+    job = rj["template"]["spec"]
+    pod = job["template"]["spec"]
+    selector = pod["nodeSelector"]
+    assert selector["cloud.google.com/gke-tpu-accelerator"] == accelerator
+    hosts = _chips(selector["cloud.google.com/gke-tpu-topology"]) // chips_per_host
+    assert job["parallelism"] == job["completions"] == hosts == 1, "a learner runs on one host"
+    (c,) = pod["containers"]
+    res = c["resources"]
+    assert res["requests"]["google.com/tpu"] == res["limits"]["google.com/tpu"] == str(chips_per_host)
+    assert env_of(c)["JAX_PLATFORMS"]["value"] == "tpu", "the CPU image must fail fast, not train on CPU"
+    assert job["template"]["metadata"]["labels"]["atoll.dev/region"] == jobset["metadata"]["labels"]["atoll.dev/region"]
 
 
-# -- the dashboard ------------------------------------------------------------------
+def _pod_failure_rules(job_spec: dict) -> dict[str, dict]:
+    return {r["action"]: r for r in job_spec["podFailurePolicy"]["rules"]}
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", LEARNER_OVERLAYS)
+def test_learner_failure_policy(overlay):
+    """Exit 2 (a setting error) fails at once; preemption costs nothing; the rest restarts."""
+    for owner, template, _ in learner_workloads(render(overlay)):
+        job = owner["spec"] if owner["kind"] == "Job" else owner["spec"]["replicatedJobs"][0]["template"]["spec"]
+        rules = list(job["podFailurePolicy"]["rules"])
+        by_action = _pod_failure_rules(job)
+        assert by_action["FailJob"]["onExitCodes"] == {"containerName": "learner", "operator": "In", "values": [2]}
+        assert by_action["Ignore"]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
+        assert rules.index(by_action["Ignore"]) < rules.index(by_action["FailJob"])  # a preempted pod is never a setting error
+        assert template["spec"]["containers"][0]["name"] == "learner"
+        if owner["kind"] == "JobSet":
+            assert job["backoffLimit"] == 0  # a failed slice fails its Job; the JobSet recreates it
+            policy = owner["spec"]["failurePolicy"]
+            first, last = policy["rules"][0], policy["rules"][-1]
+            assert first["action"] == "FailJobSet" and first["onJobFailureReasons"] == ["PodFailurePolicy"]
+            assert last["action"] == "RestartJob" and not last.get("onJobFailureReasons")
+            assert policy["maxRestarts"] > 0
+        else:
+            assert job["backoffLimit"] > 0
+
+
+@needs_kubectl
+def test_state_volume_is_owned_by_the_learner():
+    (_, template, _), = learner_workloads(render("learners-tpu-v5p"))
+    (init,) = template["spec"]["initContainers"]
+    uid = template["spec"]["securityContext"]["runAsUser"]
+    assert init["command"] == ["chown", f"{uid}:{uid}", "/var/lib/atoll"]
+    assert {m["mountPath"]: m["name"] for m in init["volumeMounts"]}["/var/lib/atoll"] == "state"
+    # all-in-one keeps the state in the pod and asks for no claim it does not make.
+    objs = render("all-in-one")
+    (_, template, _), = learner_workloads(objs)
+    volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+    assert volumes["state"] == {"name": "state", "emptyDir": {}} and not find(objs, "PersistentVolumeClaim")
+
+
+# -- components ---------------------------------------------------------------------
+
+
+@needs_kubectl
+def test_queue_and_capacity_components():
+    objs = render("learners-tpu-v5p", ("kueue", "spot"))
+    (jobset,) = find(objs, "JobSet")
+    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "atoll"
+    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"]["cloud.google.com/gke-spot"] == "true"
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu-v5p-slice"  # kept
+    assert {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true",
+            "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["terminationGracePeriodSeconds"] < 30  # inside Spot's notice
+    pod = find(render("learners-tpu-v6e", ("kueue", "flex-start")), "JobSet")[0]["spec"]["replicatedJobs"][0]
+    assert pod["template"]["spec"]["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-flex-start"] == "true"
+    (job,) = find(render("learners-cpu", ("kueue", "spot")), "Job")
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "atoll"
+    assert job["spec"]["template"]["spec"]["nodeSelector"] == {"cloud.google.com/gke-spot": "true"}
+    # The operator Jobs are not queued learners.
+    for o in find(render("all-in-one", ("operator",)), "Job"):
+        assert "kueue.x-k8s.io/queue-name" not in o["metadata"]["labels"]
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    ok = selector.get("matchLabels", {}).items() <= labels.items()
+    for e in selector.get("matchExpressions", []):
+        present = e["key"] in labels
+        ok &= {"Exists": present, "DoesNotExist": not present,
+               "In": present and labels.get(e["key"]) in e.get("values", []),
+               "NotIn": labels.get(e["key"]) not in e.get("values", [])}[e["operator"]]
+    return ok
+
+
+@needs_kubectl
+def test_operator_component():
+    objs = render("syncer", ("operator",))
+    account = one(objs, "ServiceAccount", "atoll-operator")
+    binding = one(objs, "RoleBinding", "atoll-operator")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                    "namespace": NAMESPACE}]
+    assert binding["roleRef"]["name"] == one(objs, "Role", "atoll-operator")["metadata"]["name"]
+    jobs = {o["metadata"]["name"]: o for o in find(objs, "Job")}
+    assert set(jobs) == {"atoll-status", "atoll-chaos"} and jobs["atoll-chaos"]["spec"]["suspend"] is True
+    syncer_labels = one(objs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    policy = one(objs, "NetworkPolicy", "atoll-operator")
+    assert _selects(policy["spec"]["podSelector"], syncer_labels)
+    (rule,) = policy["spec"]["ingress"]
+    assert {p["port"] for p in rule["ports"]} == {"grpc", "metrics"}
+    for job in jobs.values():
+        spec = job["spec"]["template"]["spec"]
+        assert spec["serviceAccountName"] == "atoll-operator"
+        labels = job["spec"]["template"]["metadata"]["labels"]
+        assert any(_selects(f["podSelector"], labels) for f in rule["from"]), "the policy must admit the Jobs"
+        (c,) = spec["containers"]
+        env = container_env(c, objs, {"metadata.namespace": NAMESPACE})
+        args = [k8s_expand(a, env) for a in c["args"]]
+        parsed = atoll_parser().parse_args(args)  # every flag is a real one
+        assert parsed.namespace == NAMESPACE
+    assert atoll_parser().parse_args([k8s_expand(a, {"POD_NAMESPACE": NAMESPACE}) for a in
+                                      jobs["atoll-chaos"]["spec"]["template"]["spec"]["containers"][0]["args"]]).kubernetes
+
+
+# -- monitoring ---------------------------------------------------------------------
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["all-in-one", "learners-tpu-v5p"])
+def test_monitors_select_pods_and_ports_that_exist(overlay):
+    for component in ("monitoring-gmp", "monitoring-prometheus-operator"):
+        objs = render(overlay, (component,))
+        templates = pod_templates(objs)
+        for m in find(objs, "PodMonitoring"):
+            pods = [t for t in templates if _selects(m["spec"]["selector"], t["metadata"]["labels"])]
+            if overlay == "all-in-one" or "learner" in m["metadata"]["name"]:
+                assert pods, f"{component}: PodMonitoring {m['metadata']['name']} selects no pods"
+            for t in pods:
+                ports = {p["name"] for c in t["spec"]["containers"] for p in c.get("ports", [])}
+                assert {e["port"] for e in m["spec"]["endpoints"]} <= ports
+        for m in find(objs, "ServiceMonitor"):
+            services = [s for s in find(objs, "Service") if _selects(m["spec"]["selector"], s["metadata"]["labels"])]
+            assert len(services) <= 1, f"{m['metadata']['name']} scrapes pods through {len(services)} Services"
+            for s in services:
+                assert {e["port"] for e in m["spec"]["endpoints"]} <= {p["name"] for p in s["spec"]["ports"]}
+                assert any(_selects({"matchLabels": s["spec"]["selector"]}, t["metadata"]["labels"])
+                           for t in templates) or overlay != "all-in-one"
+            if overlay == "all-in-one":
+                assert services, f"ServiceMonitor {m['metadata']['name']} selects no Service"
+
+
+@needs_kubectl
+def test_gmp_collectors_may_scrape_the_shards():
+    objs = render("syncer", ("monitoring-gmp",))
+    policy = one(objs, "NetworkPolicy", "atoll-gmp-collector")
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert rule["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "gmp-system"}
+
+
+def _alert_groups(component: str) -> list[dict]:
+    (doc,) = [d for d in yaml.safe_load_all((K8S / "components" / component / "alerts.yaml").read_text())]
+    return doc["spec"]["groups"]
+
+
+def test_alerts_are_the_same_for_both_monitoring_stacks():
+    assert _alert_groups("monitoring-gmp") == _alert_groups("monitoring-prometheus-operator")
+
+
+def test_alerts_read_metrics_atoll_exposes():
+    rules = {r["alert"]: r for g in _alert_groups("monitoring-prometheus-operator") for r in g["rules"]}
+    assert {"AtollShardNotServing", "AtollNoVersionProgress", "AtollRefusalsRising",
+            "AtollWalFsyncSlow"} <= set(rules)
+    known = exposed_metric_names() | {"up"}
+    for name, rule in rules.items():
+        unknown = promql_metric_names(rule["expr"]) - known
+        assert not unknown, f"alert {name} reads unknown metrics {sorted(unknown)}"
+        assert re.fullmatch(r"\d+[smh]", rule["for"]) and rule["labels"]["severity"] in ("critical", "warning")
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+    assert 'job="atoll-syncer"' in rules["AtollShardNotServing"]["expr"]
+    # `job` is the PodMonitoring's name under GMP and the scraped Service's name under the operator.
+    assert one(render("syncer", ("monitoring-gmp",)), "PodMonitoring", "atoll-syncer")
+    assert one(render("syncer", ("monitoring-prometheus-operator",)), "ServiceMonitor", "atoll-syncer")
+    assert one(render("syncer"), "Service", "atoll-syncer")
+
+
+# -- the dashboard and the metrics it reads -------------------------------------------
 
 _PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
                  "unless", "offset"}
@@ -342,6 +843,7 @@ def test_promql_metric_names():
         'sum by (le) (rate(atoll_push_staleness_bucket{job="x"}[5m])) / count(up{a="b"})'
     ) == {"atoll_push_staleness_bucket", "up"}
     assert promql_metric_names("histogram_quantile(0.9, x_bucket)") == {"x_bucket"}
+    assert promql_metric_names("max by (f) (changes(v[15m])) == 0 and on () max(w) > 0") == {"v", "w"}
 
 
 # Sample names Prometheus stores for each metric type (a labelled metric with no
@@ -350,17 +852,49 @@ _SAMPLE_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_buck
                     "summary": ("", "_sum", "_count"), "info": ("_info",)}
 
 
+def _families(registry_text: str) -> dict[str, object]:
+    return {f.name: f for f in prometheus_client.parser.text_string_to_metric_families(registry_text)}
+
+
 @functools.cache
 def exposed_metric_names() -> frozenset[str]:
     """Sample names a shard and a learner expose, as Prometheus stores them."""
     from learner.loop import _Metrics
-    from server.metrics import ShardMetrics
+    from server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
+    from server.service import ServingMetrics
 
-    shard = ShardMetrics(0, gauges=lambda: ({0: (1, 0)}, 1, 0.0))
+    shard = ShardMetrics(0, gauges=lambda: ScrapeGauges({0: FragmentGauges(1, 0, 1.0)}, 1, 0.0, 2.0))
+    ServingMetrics(shard.registry)
     texts = [shard.text(), prometheus_client.generate_latest(_Metrics("learner-0").registry).decode()]
-    families = [f for text in texts for f in prometheus_client.parser.text_string_to_metric_families(text)]
+    families = [f for text in texts for f in _families(text).values()]
     return frozenset({s.name for f in families for s in f.samples}
                      | {f.name + suffix for f in families for suffix in _SAMPLE_SUFFIXES[f.type]})
+
+
+def test_learner_totals_are_counters_and_up_says_provisioned():
+    """Bytes, blocked time and tokens only grow: counters, so rate() works across restarts."""
+    from learner.loop import _Metrics, _observe
+
+    class Sync:
+        stats = {"bytes_sent": 0, "bytes_received": 0, "blocked_seconds": 0.0}
+
+        def standing(self):
+            return 3, 1
+
+    metrics, sync = _Metrics("us-east5-atoll-learner-v5p-1"), Sync()
+    step = {"step": 1, "loss": 2.5, "tokens_per_s": 100.0, "tokens": 512}
+    for sent, received, blocked in ((1000, 4000, 0.5), (1500, 4000, 0.75)):
+        sync.stats = {"bytes_sent": sent, "bytes_received": received, "blocked_seconds": blocked}
+        _observe(metrics, step, sync)
+    families = _families(prometheus_client.generate_latest(metrics.registry).decode())
+    value = {s.name: s.value for f in families.values() for s in f.samples}
+    for name, total in (("atoll_learner_sent_bytes", 1500), ("atoll_learner_received_bytes", 4000),
+                        ("atoll_learner_blocked_seconds", 0.75), ("atoll_learner_tokens", 1024)):
+        assert families[name].type == "counter", name
+        assert value[name + "_total"] == pytest.approx(total), name
+    (up,) = families["atoll_learner_up"].samples
+    assert families["atoll_learner_up"].type == "gauge"
+    assert up.value == 1 and up.labels == {"learner": "us-east5-atoll-learner-v5p-1"}
 
 
 def test_dashboard():
@@ -371,14 +905,130 @@ def test_dashboard():
     for title in ("Goodput", "Fragment versions", "Push staleness", "Bytes", "Rounds closed per second",
                   "Live learners"):
         assert title in exprs, f"dashboard lacks {title!r}"
-    assert any("atoll_accepted_compute_seconds_total" in e and 'app_kubernetes_io_component="learner"' in e
-               for e in exprs["Goodput"])
+    for title in ("Goodput", "Goodput over time"):
+        (goodput,) = exprs[title]
+        numerator, denominator = goodput.split(" / ", 1)
+        assert "atoll_accepted_compute_seconds_total" in numerator
+        # Provisioned learners from the learners' own metric, by learner id (which outlives pods),
+        # not from `up` and relabelled pod labels, which GMP does not have.
+        assert promql_metric_names(denominator) == {"atoll_learner_up"} and "by (learner)" in denominator
     known = exposed_metric_names() | {"up"}  # up: Prometheus's own, per scrape target
     for p in dashboard["panels"]:
         assert p["datasource"]["uid"] == "${datasource}", p["title"]
         for t in p["targets"]:
             unknown = promql_metric_names(t["expr"]) - known
             assert not unknown, f"panel {p['title']!r} reads unknown metrics {sorted(unknown)}"
+            assert "app_kubernetes_io" not in t["expr"], f"panel {p['title']!r} relies on relabelled pod labels"
+
+
+# -- the image ----------------------------------------------------------------------
+
+
+def _dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
+    """Stage name -> [(instruction, rest)], continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        instruction, _, rest = line.partition(" ")
+        if instruction.upper() == "FROM":
+            m = re.fullmatch(r"(\S+)(?:\s+AS\s+(\S+))?", rest.strip(), re.I)
+            current = m.group(2) or f"stage{len(stages)}"
+            stages[current] = [("FROM", m.group(1))]
+        elif current is not None:
+            stages[current].append((instruction.upper(), rest))
+    return stages
+
+
+def _chain(stages, name: str) -> list[tuple[str, str]]:
+    """Every instruction that builds stage `name`, its parents' first."""
+    base = stages[name][0][1]
+    return (_chain(stages, base) if base in stages else []) + stages[name]
+
+
+def test_dockerfile_installs_dependencies_before_sources():
+    stages = _dockerfile_stages()
+    assert list(stages)[-1] == "cpu" and "tpu" in stages, "targets: tpu, and cpu as the default"
+    for target, build in (("cpu", "build"), ("tpu", "build-tpu")):
+        final = stages[target]
+        assert ("COPY", f"--from={build} /opt/atoll /opt/atoll") in final
+        assert ("USER", "10001:10001") in _chain(stages, target)
+        steps = _chain(stages, build)
+        runs = [i for i, (ins, _) in enumerate(steps) if ins == "RUN"]
+        installs = [i for i in runs if "pip install" in steps[i][1]]
+        sources = [i for i, (ins, rest) in enumerate(steps) if ins == "COPY" and "sources" in rest]
+        (source_copy,) = sources
+        # Dependencies first, from pyproject.toml alone; the project itself last, without deps.
+        assert steps[installs[-1]][1].startswith("/opt/atoll/bin/pip install --no-deps .")
+        assert installs[-1] > source_copy and all(i < source_copy for i in installs[:-1]) and installs[:-1]
+        copies_before = [rest for ins, rest in steps[:source_copy] if ins == "COPY"]
+        assert copies_before == ["pyproject.toml ./"], copies_before
+    tpu_deps = " ".join(rest for ins, rest in _chain(stages, "build-tpu") if ins == "RUN")
+    assert 'python -c "import libtpu"' in tpu_deps, "the TPU image must prove libtpu imports at build time"
+    assert "ARG" not in {ins for s in stages.values() for ins, _ in s}, "no build argument picks the accelerator"
+    sources = [rest for ins, rest in stages["sources"] if ins == "COPY"]
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert {f"{p} /src/{p}" for p in packages} <= set(sources)
+
+
+def _python_one_liners() -> list[str]:
+    text = (REPO / "Dockerfile").read_text()
+    return [m.group(1) for m in re.finditer(r'python -c "(import tomllib;[^"]+)"', text)]
+
+
+def test_dockerfile_requirements_come_from_pyproject(tmp_path):
+    """The image's dependency lists, computed by the Dockerfile's own commands, are
+    pyproject.toml's pins (and jax[tpu] at the pinned jax version)."""
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (everything, tpu) = _python_one_liners()
+    out = [subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+           for code in (everything, tpu)]
+    assert out[0].split() == deps
+    (jax,) = [d for d in deps if d.startswith("jax==")]
+    assert out[1].split() == [jax.replace("jax==", "jax[tpu]==")]
+
+
+def test_dockerignore_keeps_what_the_build_copies():
+    ignored = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    for needed in ("pyproject.toml", "setup.py", "README.md", "atoll", "server", "learner", "wire"):
+        assert needed not in ignored
+    assert {".git", ".venv", "tests", "k8s"} <= set(ignored)
+
+
+# -- tokens -------------------------------------------------------------------------
+
+
+def test_the_shipped_placeholder_token_is_refused(tmp_path):
+    from server.config import ConfigError, load_tokens
+
+    with pytest.raises(ConfigError, match="placeholder"):
+        load_tokens(K8S / "base" / "common" / "token")
+    short = tmp_path / "short"
+    short.write_text("learner-a " + "x" * 31 + "\n")
+    with pytest.raises(ConfigError, match="32"):
+        load_tokens(short)
+    good = tmp_path / "good"
+    good.write_text("# the run's token\n" + "0123456789abcdef" * 4 + "\nlearner-b " + "f" * 32 + "\n")
+    assert load_tokens(good) == {"0123456789abcdef" * 4: None, "f" * 32: "learner-b"}
+
+
+# -- docs ---------------------------------------------------------------------------
+
+
+def test_docs_never_delete_the_namespace_or_an_overlay():
+    """Deleting an overlay or the namespace deleted the shards' claims once; the docs delete by label."""
+    for doc in (REPO / "docs" / "kubernetes.md", REPO / "docs" / "operations.md", REPO / "README.md"):
+        for line in doc.read_text().splitlines():
+            if re.search(r"kubectl\b.*\bdelete\b", line):
+                assert not re.search(r"\bdelete\s+(-k|-f|--kustomize|--filename)\b", line), f"{doc.name}: {line}"
+                assert not re.search(r"\bdelete\s+(ns|namespaces?)\b", line), f"{doc.name}: {line}"
+                assert re.search(r"\s(-l|--selector)[\s=]", line) or re.search(r"\bdelete\s+\w+/\S+|delete\s+job\s", line), \
+                    f"{doc.name}: delete by label: {line}"
 
 
 # -- the checks can fail ------------------------------------------------------------
@@ -392,7 +1042,15 @@ def _statefulset() -> dict:
 
 
 def _jobset() -> dict:
-    return yaml.safe_load((K8S / "overlays" / "learners-tpu-v5p" / "jobset.yaml").read_text())
+    return yaml.safe_load((K8S / "base" / "learners-tpu" / "jobset.yaml").read_text())
+
+
+def _rules() -> dict:
+    return yaml.safe_load((K8S / "components" / "monitoring-prometheus-operator" / "alerts.yaml").read_text())
+
+
+def _pod_monitoring() -> dict:
+    return next(yaml.safe_load_all((K8S / "components" / "monitoring-gmp" / "podmonitorings.yaml").read_text()))
 
 
 def _container(obj: dict) -> dict:
@@ -403,8 +1061,8 @@ def _container(obj: dict) -> dict:
 
 @pytest.mark.parametrize("kubernetes", KUBERNETES_VERSIONS)
 def test_unbroken_sources_validate(kubernetes):
-    validate(_statefulset(), kubernetes)
-    validate(_jobset(), kubernetes)
+    for obj in (_statefulset(), _jobset(), _rules(), _pod_monitoring()):
+        validate(obj, kubernetes)
 
 
 def _probe_port_as_string(o):
@@ -439,10 +1097,30 @@ def _replicas_as_string(o):
     o["spec"]["replicatedJobs"][0]["replicas"] = "1"
 
 
+def _unknown_failure_action(o):
+    o["spec"]["failurePolicy"]["rules"][-1]["action"] = "RestartSlice"
+
+
+def _misspelled_pod_failure_policy(o):
+    o["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"][1]["onExitCode"] = \
+        o["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"][1].pop("onExitCodes")
+
+
+def _misspelled_alert_field(o):
+    rule = o["spec"]["groups"][0]["rules"][0]
+    rule["expression"] = rule.pop("expr")
+
+
+def _misspelled_endpoint_field(o):
+    o["spec"]["endpoints"][0]["intervall"] = o["spec"]["endpoints"][0].pop("interval")
+
+
 BREAKAGES = [(_statefulset, _probe_port_as_string), (_statefulset, _misspelled_probe),
              (_statefulset, _misspelled_template_field), (_jobset, _port_as_string),
              (_jobset, _misspelled_container_field), (_jobset, _misspelled_template_field),
-             (_jobset, _misspelled_jobset_field), (_jobset, _replicas_as_string)]
+             (_jobset, _misspelled_jobset_field), (_jobset, _replicas_as_string),
+             (_jobset, _unknown_failure_action), (_jobset, _misspelled_pod_failure_policy),
+             (_rules, _misspelled_alert_field), (_pod_monitoring, _misspelled_endpoint_field)]
 
 
 @pytest.mark.parametrize("kubernetes", KUBERNETES_VERSIONS)
@@ -457,7 +1135,6 @@ def test_broken_manifest_is_rejected(make, breakage, kubernetes):
 
 
 def test_unknown_kind_is_rejected():
-    monitor = {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
-               "metadata": {"name": "atoll"}, "spec": {}}
+    probe = {"apiVersion": "monitoring.coreos.com/v1", "kind": "Probe", "metadata": {"name": "atoll"}, "spec": {}}
     with pytest.raises(kubernetes_validate.SchemaNotFoundError):
-        validate(monitor, "1.37")
+        validate(probe, "1.37")
