@@ -60,6 +60,7 @@ class Pulled:
     snapshot: bool
     num_params: int
     frames: list[tuple[int, codec.Codec, bytes]]  # (version it leads to, codec, frame)
+    last_seq: int = 0  # the newest seq the shard answered for this learner on the fragment
 
 
 class ShardClient:
@@ -119,7 +120,7 @@ class ShardClient:
                 parts = []
         if header is None or len(frames) != header.num_frames or parts:
             raise IncompletePull(f"pull of fragment {fragment} from {self.address} ended early")
-        return Pulled(fragment, header.version, header.snapshot, header.num_params, frames)
+        return Pulled(fragment, header.version, header.snapshot, header.num_params, frames, header.last_seq)
 
     def watch(self, fragments: list[int], timeout: float | None = None):
         """A stream of WatchResponse (fragment, version, contributors); cancel() it to stop."""

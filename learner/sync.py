@@ -185,7 +185,7 @@ class Synchronizer:
         self.offsets = offsets(plan.num_fragments, cfg.period)
         self.frags = [_Fragment(p, plan.fragment_sizes[p], cfg.codec) for p in range(plan.num_fragments)]
         self.pool = concurrent.futures.ThreadPoolExecutor(max(2, plan.num_fragments), "sync")
-        self.seq = time.time_ns() // 1000  # grows across restarts, so a rejoin never reuses one
+        self.seq = 0  # pushes so far; join() goes on from the newest seq the shards answered
         self.lock = threading.Lock()
         self.known = threading.Condition(self.lock)
         self.latest: dict[int, int] = {}  # newest version each fragment is known to have
@@ -235,6 +235,8 @@ class Synchronizer:
                 log.info("seeded fragment %d on shard %d", p, p % self.num_shards)
         for p, frag in enumerate(self.frags):
             pulled = self._pull(p, None)
+            # a restarted learner's seqs go on from its newest answered push: no clock involved
+            self.seq = max(self.seq, pulled.last_seq)
             frag.base = codec.decode(pulled.frames[0][2], num_values=frag.base.size).copy()
             frag.version = pulled.version
             vectors[p] = frag.base.copy()

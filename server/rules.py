@@ -33,6 +33,7 @@ class Reason(enum.StrEnum):
     ALREADY_IN_ROUND = "already_in_round"  # refused: it already contributed this round
     # Sequence numbers (admit).
     DUPLICATE = "duplicate"  # a retry (same seq: answered with the first answer) or an older seq
+    SEQ_TOO_FAR = "seq_too_far"  # refused as invalid: more than MAX_SEQ_JUMP past the newest
     # Closing a round (decide_close).
     EMPTY = "empty"  # no contribution yet: nothing to close
     WAITING_FOR_QUORUM = "waiting_for_quorum"  # fewer than K contributors
@@ -145,6 +146,9 @@ def token_weight(tokens: int, inner_steps: int) -> float:
     return t * t / n
 
 
+MAX_SEQ_JUMP = 1 << 20  # how far past its newest seq (or past 0) a learner's next push may be
+
+
 class Admission(NamedTuple):
     """The shard's decision on one push (see admit)."""
 
@@ -162,7 +166,8 @@ def admit(*, seq: int, newest_seq: int | None, base_version: int, current_versio
 
     The one place a push is judged (DESIGN.md §1, §2), in this order: a retry of the
     learner's newest push (same seq) or an older seq is a DUPLICATE (the caller answers a
-    retry with the first answer); a base from the future is FUTURE_BASE (an invalid
+    retry with the first answer); a seq more than MAX_SEQ_JUMP past the newest is
+    SEQ_TOO_FAR (an invalid argument); a base from the future is FUTURE_BASE (an invalid
     argument, never lag); a base more than s_max behind is TOO_STALE (resync); a learner
     already in the open round is ALREADY_IN_ROUND; anything else is accepted, FRESH or
     STALE_DISCOUNTED.
@@ -186,6 +191,12 @@ def admit(*, seq: int, newest_seq: int | None, base_version: int, current_versio
                   f"seq {seq} is older than this learner's newest push ({newest_seq}): "
                   "already handled or superseded")
         return Admission(False, Reason.DUPLICATE, 0, 0.0, 0.0, detail)
+    # A seq far ahead would lock the learner out for ever (every later push "older"):
+    # seqs count pushes, so a real learner never jumps by millions.
+    if seq > (newest_seq or 0) + MAX_SEQ_JUMP:
+        return Admission(False, Reason.SEQ_TOO_FAR, 0, 0.0, 0.0,
+                         f"seq {seq} is more than {MAX_SEQ_JUMP} past this learner's newest "
+                         f"({newest_seq or 0}): a learner counts its pushes; rejoin to read its seq back")
     verdict = judge_staleness(current_version, base_version, policy.max_staleness,
                               policy.discount_exponent)
     if verdict.reason is Reason.FUTURE_BASE:

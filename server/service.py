@@ -327,13 +327,13 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         with self._open("Pull"):
             try:
                 self._check_caller(context, request.learner_id)
-                version, snapshot, frames, size = await self._call(self._pull, request.learner_id,
-                                                                   request.fragment, have)
+                version, snapshot, frames, size, last_seq = await self._call(self._pull, request.learner_id,
+                                                                             request.fragment, have)
             except ShardError as e:
                 await self._refuse(context, "Pull", e)
             yield pb.PullResponse(header=pb.PullHeader(fragment=request.fragment, version=version,
                                                        snapshot=snapshot, num_frames=len(frames),
-                                                       num_params=size))
+                                                       num_params=size, last_seq=last_seq))
             for v, c, frame in frames:
                 for start in range(0, max(len(frame), 1), CHUNK_BYTES):
                     piece = frame[start:start + CHUNK_BYTES]
@@ -343,7 +343,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     def _pull(self, learner: str, p: int, have: int | None):
         self.shard.touch(learner)
         version, snapshot, frames = self.shard.pull(p, have)
-        return version, snapshot, frames, self.shard.fragments[p].size
+        return version, snapshot, frames, self.shard.fragments[p].size, self.shard.newest_seq(learner, p)
 
     async def Watch(self, request, context):
         fragments = list(request.fragments) or None

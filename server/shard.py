@@ -377,7 +377,7 @@ class Shard:
             verdict = rules.admit(seq=h.seq, newest_seq=newest, base_version=h.base_version,
                                   current_version=frag.version, in_round=h.learner_id in frag.contributors,
                                   tokens=h.tokens, inner_steps=h.inner_steps, policy=self.policy)
-            if verdict.reason is rules.Reason.FUTURE_BASE:
+            if verdict.reason in (rules.Reason.FUTURE_BASE, rules.Reason.SEQ_TOO_FAR):
                 raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"fragment {h.fragment}: {verdict.detail}")
             if not verdict.accept:
                 answer = Answer(h.seq, False, str(verdict.reason), verdict.detail, frag.version,
@@ -493,6 +493,13 @@ class Shard:
                 snapshot = True
             self.metrics.bytes_out.inc(sum(len(f) for _, _, f in out))
             return frag.version, snapshot, out
+
+    def newest_seq(self, learner: str, p: int) -> int:
+        """The newest seq answered for `learner` on fragment p (0: none)."""
+        with self.lock:
+            frag = self._fragment(p, need_init=False)
+            answers = (frag.answers.get(learner), frag.refusals.get(learner))
+            return max((a.seq for a in answers if a is not None), default=0)
 
     def versions(self, fragments: list[int] | None = None) -> dict[int, tuple[int, int]]:
         """{fragment: (version, contributors of the last round)} for initialized fragments."""

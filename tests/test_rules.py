@@ -411,3 +411,13 @@ def test_admit_accepts_exactly_the_pushes_the_rules_allow(current, lag, in_round
         assert a.weight == token_weight(tokens, steps) and a.discount == (1.0 + lag) ** -1.0
     else:
         assert a.weight == 0.0 and a.discount == 0.0
+
+
+def test_admit_refuses_a_seq_far_past_the_newest():
+    from server.rules import MAX_SEQ_JUMP
+
+    assert _admit(seq=9 + MAX_SEQ_JUMP).accept
+    far = _admit(seq=10 + MAX_SEQ_JUMP)
+    assert far.reason is Reason.SEQ_TOO_FAR and not far.accept and "rejoin" in far.detail
+    assert _admit(seq=MAX_SEQ_JUMP, newest_seq=None).accept  # a first push counts from 0
+    assert _admit(seq=MAX_SEQ_JUMP + 1, newest_seq=None).reason is Reason.SEQ_TOO_FAR

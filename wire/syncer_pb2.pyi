@@ -145,18 +145,20 @@ class PullRequest(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., have_version: _Optional[int] = ..., learner_id: _Optional[str] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("fragment", "version", "snapshot", "num_params", "num_frames")
+    __slots__ = ("fragment", "version", "snapshot", "num_params", "num_frames", "last_seq")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     snapshot: bool
     num_params: int
     num_frames: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., snapshot: _Optional[bool] = ..., num_params: _Optional[int] = ..., num_frames: _Optional[int] = ...) -> None: ...
+    last_seq: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., snapshot: _Optional[bool] = ..., num_params: _Optional[int] = ..., num_frames: _Optional[int] = ..., last_seq: _Optional[int] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("version", "codec", "data", "last")
