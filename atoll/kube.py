@@ -1,8 +1,12 @@
-"""`atoll status` and `atoll chaos --kubernetes`: read and disturb a run in a cluster.
+"""`atoll status` and `atoll chaos --kubernetes`: read and disturb a run in its clusters.
 
 Both act only on a namespace labelled `atoll.dev/enabled: "true"` and only on pods
 labelled `app.kubernetes.io/name: atoll`, whatever a label selector returns (the label
 check is repeated on every pod before it is shown or deleted).
+
+A run is one syncer cluster (`--context`, or the pod's own cluster inside a pod) and any
+number of learner clusters (`--learner-context`, each a kubeconfig context): the shards
+are found in the first, learner pods in all of them.
 
 * status: syncer pods (StatefulSet `atoll-syncer`, shard index = ordinal) and learner
   pods with phase, readiness, restarts, node and region; each ready shard is asked
@@ -14,6 +18,9 @@ check is repeated on every pod before it is shown or deleted).
   /metrics at its start and end:
 
       goodput = Δ Σ_shards atoll_accepted_compute_seconds_total / (learner pods × window)
+
+  with the learner pods of every cluster named, so that the shards' accepted compute
+  (which every learner feeds) is divided by every learner that provides it.
 """
 
 from __future__ import annotations
@@ -89,8 +96,8 @@ def _call(api, what: str, method: str, *args, absent_ok: bool = False, **kwargs)
         if e.status == 404 and absent_ok:
             return None
         if e.status in (401, 403):
-            raise KubeError(f"{what}: forbidden ({e.status} {e.reason}); the account needs the Role in "
-                            "docs/operations.md (get namespaces; get, list and delete pods)") from None
+            raise KubeError(f"{what}: forbidden ({e.status} {e.reason}); the account needs the Role of "
+                            "k8s/components/operator (get the namespace; get, list and delete pods)") from None
         raise KubeError(f"{what}: the API answered {e.status} {e.reason}") from None
     except (HTTPError, OSError) as e:
         host = api.api_client.configuration.host
@@ -106,6 +113,12 @@ def check_namespace(api, namespace: str) -> None:
     if (ns.metadata.labels or {}).get(ENABLED) != "true":
         raise KubeError(f"namespace {namespace!r} is not labelled {ENABLED}=true; atoll acts only on "
                         f"namespaces marked for it (kubectl label namespace {namespace} {ENABLED}=true)")
+
+
+def learner_clusters(api, learner_contexts, kubeconfig: str | None) -> list[tuple[str | None, object]]:
+    """(context, API) of every cluster that may hold learner pods: the syncer's (context None)
+    first, then each of `learner_contexts`, read from `kubeconfig`."""
+    return [(None, api)] + [(c, connect(kubeconfig, c)) for c in learner_contexts or ()]
 
 
 def list_pods(api, namespace: str, labels: dict[str, str]) -> list:
@@ -179,23 +192,33 @@ def _describe_all(shards: list[dict], deadline: float, token: str | None) -> lis
 
 
 def status(namespace: str, *, api=None, kubeconfig: str | None = None, context: str | None = None,
+           learner_contexts: tuple[str, ...] = (), learner_kubeconfig: str | None = None,
            address_template: str = ADDRESS_TEMPLATE, deadline: float = DESCRIBE_DEADLINE,
            token: str | None = None) -> dict:
     """Shards and learners of the run in `namespace`, with every ready shard's Describe.
 
+    Args:
+      learner_contexts: kubeconfig contexts of learner clusters (in `learner_kubeconfig`, else
+        `kubeconfig`), listed besides the syncer's own cluster.
+
     Returns:
       {"namespace", "shards": [{"index", "pod", "phase", "ready", "restarts", "node", "address",
       "describe" (shard_index, num_shards, fragments [{fragment, version, round_size, ...}],
-      live_learners) or "error"}], "learners": [{"pod", "region", "phase", "ready", "restarts",
-      "node"}]}. Example: `status("atoll")["shards"][0]["describe"]["fragments"][0]["version"]`.
+      live_learners) or "error"}], "learners": [{"pod", "context" (None: the syncer's cluster),
+      "region", "phase", "ready", "restarts", "node"}]}.
+      Example: `status("atoll")["shards"][0]["describe"]["fragments"][0]["version"]`.
     """
     api = api or connect(kubeconfig, context)
     check_namespace(api, namespace)
+    clusters = learner_clusters(api, learner_contexts, learner_kubeconfig or kubeconfig)
+    for _, other in clusters[1:]:
+        check_namespace(other, namespace)
     shards = [{"index": shard_index(p), **pod_row(p), "address": pod_address(p, "grpc", address_template)}
               for p in list_pods(api, namespace, SYNCERS)]
     for s in shards:
         s.pop("region")
-    learners = [pod_row(p) for p in list_pods(api, namespace, LEARNERS)]
+    learners = [{"context": c, **pod_row(p)} for c, cluster in clusters
+                for p in list_pods(cluster, namespace, LEARNERS)]
     return {"namespace": namespace, "shards": _describe_all(shards, deadline, token), "learners": learners}
 
 
@@ -232,9 +255,9 @@ def render_status(report: dict) -> str:
     if report["learners"] == []:
         lines += ["", "no learner pods"]
     elif report["learners"] is not None:
-        lines += [""] + table(["LEARNER", "REGION", "PHASE", "READY", "RESTARTS", "NODE"],
-                              [[r["pod"], r["region"], r["phase"], yes(r["ready"]), r["restarts"], r["node"]]
-                               for r in report["learners"]])
+        lines += [""] + table(["LEARNER", "CONTEXT", "REGION", "PHASE", "READY", "RESTARTS", "NODE"],
+                              [[r["pod"], r.get("context"), r["region"], r["phase"], yes(r["ready"]), r["restarts"],
+                                r["node"]] for r in report["learners"]])
         ready = sum(r["ready"] for r in report["learners"])
         lines.append(f"{ready}/{len(report['learners'])} learner pods ready")
     return "\n".join(lines)
@@ -283,7 +306,8 @@ def _increase(start: float, end: float) -> float:
 
 
 def chaos(namespace: str, mtbf_seconds: float, duration_seconds: float, seed: int = 0, *, api=None,
-          kubeconfig: str | None = None, context: str | None = None, dry_run: bool = False,
+          kubeconfig: str | None = None, context: str | None = None, learner_contexts: tuple[str, ...] = (),
+          learner_kubeconfig: str | None = None, dry_run: bool = False,
           address_template: str = ADDRESS_TEMPLATE, out=None, clock=time.monotonic,
           sleep=time.sleep) -> dict:
     """Deletes learner pods at random for `duration_seconds` and reports what the run kept.
@@ -292,6 +316,9 @@ def chaos(namespace: str, mtbf_seconds: float, duration_seconds: float, seed: in
       mtbf_seconds: mean seconds between failures of each learner pod (> 0).
       duration_seconds: how long to inject failures (> 0).
       seed: the schedule's random seed.
+      learner_contexts: kubeconfig contexts of learner clusters (in `learner_kubeconfig`, else
+        `kubeconfig`) whose learner pods count and may be deleted too; a pod there is named
+        "context/pod".
       dry_run: print and return the planned deletions (with today's pods) and delete nothing.
 
     Returns:
@@ -308,8 +335,11 @@ def chaos(namespace: str, mtbf_seconds: float, duration_seconds: float, seed: in
     out = out or sys.stderr
     api = api or connect(kubeconfig, context)
     check_namespace(api, namespace)  # before anything else is read or touched
+    clusters = learner_clusters(api, learner_contexts, learner_kubeconfig or kubeconfig)
+    for _, other in clusters[1:]:
+        check_namespace(other, namespace)
     rng = random.Random(seed)
-    learners = [p.metadata.name for p in list_pods(api, namespace, LEARNERS)]
+    learners = list(_alive(clusters, namespace))
     if dry_run:
         plan, t = [], next_failure_in(rng, len(learners), mtbf_seconds)
         while t < duration_seconds:
@@ -319,20 +349,25 @@ def chaos(namespace: str, mtbf_seconds: float, duration_seconds: float, seed: in
         return {"namespace": namespace, "learner_pods": len(learners), "duration_seconds": duration_seconds,
                 "dry_run": True, "would_delete": plan}
     if not learners:
+        where = "" if not learner_contexts else f" (nor in contexts {', '.join(learner_contexts)})"
         raise KubeError(f"no learner pods ({','.join(f'{k}={v}' for k, v in LEARNERS.items())}) "
-                        f"in namespace {namespace!r}")
+                        f"in namespace {namespace!r}{where}; learners in other clusters: --learner-context")
     shards = {p.metadata.name: pod_address(p, "metrics", address_template)
               for p in list_pods(api, namespace, SYNCERS)}
+    if not shards:
+        print(f"no syncer pods in namespace {namespace!r} of this cluster, so no goodput: run from the "
+              "syncer's cluster (--context) and name the learners' with --learner-context", file=out, flush=True)
     before, start = _scrape_all(shards), clock()
     deleted, end, interrupted = [], start + duration_seconds, False
     try:
         while (now := clock()) < end:
-            wait = next_failure_in(rng, len(_alive(api, namespace)), mtbf_seconds)
+            wait = next_failure_in(rng, len(_alive(clusters, namespace)), mtbf_seconds)
             if wait > min(RELIST_SECONDS, end - now):
                 sleep(min(RELIST_SECONDS, end - now))  # memoryless: drawing again after a re-count is fair
                 continue
             sleep(wait)
-            if (alive := _alive(api, namespace)) and _delete(api, namespace, victim := rng.choice(alive)):
+            alive = _alive(clusters, namespace)
+            if alive and _delete(*alive[victim := rng.choice(list(alive))], namespace):
                 deleted.append(victim)
                 print(f"{clock() - start:7.1f} s  deleted pod {victim}", file=out, flush=True)
     except KeyboardInterrupt:  # Ctrl-C ends the window early; the report still comes
@@ -353,12 +388,18 @@ def chaos(namespace: str, mtbf_seconds: float, duration_seconds: float, seed: in
             "unscraped_shards": sorted(set(shards) - set(scraped)), "interrupted": interrupted}
 
 
-def _alive(api, namespace: str) -> list[str]:
-    """Learner pods not already terminating."""
-    return [p.metadata.name for p in list_pods(api, namespace, LEARNERS) if not p.metadata.deletion_timestamp]
+def _alive(clusters: list[tuple[str | None, object]], namespace: str) -> dict[str, tuple[object, str]]:
+    """Learner pods not already terminating, in cluster order then by name: {shown name: (API, pod)},
+    the shown name being "pod" in the syncer's cluster and "context/pod" in a learner cluster."""
+    alive = {}
+    for c, cluster in clusters:
+        for p in list_pods(cluster, namespace, LEARNERS):
+            if not p.metadata.deletion_timestamp:
+                alive[p.metadata.name if c is None else f"{c}/{p.metadata.name}"] = (cluster, p.metadata.name)
+    return alive
 
 
-def _delete(api, namespace: str, name: str) -> bool:
+def _delete(api, name: str, namespace: str) -> bool:
     """Deletes one learner pod; False when it was gone already."""
     return _call(api, f"deleting pod {name}", "delete_namespaced_pod", name, namespace, absent_ok=True,
                  grace_period_seconds=DELETE_GRACE_SECONDS) is not None
@@ -369,7 +410,8 @@ def render_chaos(r: dict) -> str:
         return (f"dry run in {r['namespace']}: {len(r['would_delete'])} deletions planned over "
                 f"{r['duration_seconds']:g} s among {r['learner_pods']} learner pods; nothing was deleted")
     goodput = (f"{100 * r['goodput']:.1f} %" if r["goodput"] is not None else
-               "n/a (no syncer pods)" if not r["unscraped_shards"] else
+               "n/a (no syncer pods here: give the syncer's --context and the learners' --learner-context)"
+               if not r["unscraped_shards"] else
                f"n/a (no /metrics from {', '.join(r['unscraped_shards'])})")
     advance = "  ".join(f"{p}:+{n}" for p, n in r["version_advance"].items()) or "-"
     return "\n".join([
@@ -396,6 +438,10 @@ def _cluster_arguments(add) -> None:
     add("--kubeconfig", default=None, help="kubeconfig file (default $KUBECONFIG, ~/.kube/config, "
         "or the in-cluster service account inside a pod)")
     add("--context", default=None, help="kubeconfig context (default its current-context)")
+    add("--learner-context", action="append", default=[], metavar="CONTEXT",
+        help="a learner cluster's kubeconfig context, besides the syncer's own cluster; repeat for each")
+    add("--learner-kubeconfig", default=None,
+        help="kubeconfig holding the --learner-context contexts (default: the --kubeconfig search)")
     add("--address-template", default=ADDRESS_TEMPLATE,
         help="how to reach a pod's port: fields {pod} {ip} {port} {namespace} {index}, e.g. "
              "'{pod}.{namespace}.svc:{port}' through the per-shard Services (default %(default)s)")
@@ -460,6 +506,8 @@ def status_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             report = status_of_addresses(addresses, args.deadline, token)
         else:
             report = status(args.namespace, kubeconfig=args.kubeconfig, context=args.context,
+                            learner_contexts=tuple(args.learner_context),
+                            learner_kubeconfig=args.learner_kubeconfig,
                             address_template=args.address_template, deadline=args.deadline, token=token)
     except KubeError as e:
         return _fail("status", e)
@@ -478,7 +526,9 @@ def chaos_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     _check_template(args.address_template, parser)
     try:
         result = chaos(args.namespace, args.mtbf, args.duration, args.seed or 0, kubeconfig=args.kubeconfig,
-                       context=args.context, dry_run=args.dry_run, address_template=args.address_template,
+                       context=args.context, learner_contexts=tuple(args.learner_context),
+                       learner_kubeconfig=args.learner_kubeconfig, dry_run=args.dry_run,
+                       address_template=args.address_template,
                        out=sys.stderr if args.json else sys.stdout)
     except KubeError as e:
         return _fail("chaos", e)

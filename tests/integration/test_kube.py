@@ -3,6 +3,10 @@
 
 The emulator ignores label selectors (it lists every pod of the namespace), so the decoy
 pods here also check that atoll repeats the label check itself before showing or deleting.
+
+A second emulator plays a learner cluster (`--learner-context`), and a third, over HTTPS
+with a service-account token, the cluster the operator Jobs of k8s/components/operator run
+in; every request atoll makes is checked against that component's Role.
 """
 
 from __future__ import annotations
@@ -10,16 +14,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import datetime
+import ipaddress
 import json
+import pathlib
 import random
+import re
 import socket
+import ssl
 import statistics
 import threading
 import time
 
+import aiohttp.test_utils
 import kmock
 import numpy as np
 import pytest
+import yaml
 
 from atoll import kube
 from syncer_helpers import PLAN, connect, describe, init, push, syncer_processes
@@ -34,7 +45,10 @@ NOT_READY = "atoll-learner-eu-1"
 # not atoll's: no labels; a learner and a syncer of some other app (no app.kubernetes.io/name=atoll)
 BYSTANDERS = {"postgres-0": {}, "other-learner": {"app.kubernetes.io/component": "learner"},
               "other-syncer": {"app.kubernetes.io/component": "syncer"}}
+# a learner cluster's learners (context kmock-learners), beside a pod of another app
+REMOTE = {"atoll-learner-v5p-slice-0": "us-east5", "atoll-learner-v5p-slice-1": "us-east5"}
 COMPUTE_PER_PUSH = 10 * 0.5 / PLAN.num_fragments  # inner_steps x step_seconds / fragments
+ROLE = pathlib.Path(__file__).resolve().parents[2] / "k8s" / "components" / "operator" / "rbac.yaml"
 
 
 def free_port() -> int:
@@ -55,60 +69,24 @@ def pod(name: str, labels: dict, namespace: str = NS, ports: dict | None = None,
                                               "restartCount": restarts}]}}
 
 
-class Cluster:
-    """kmock's KubernetesEmulator served over HTTP from its own thread and event loop."""
+class Emulator:
+    """kmock's KubernetesEmulator served over HTTP (HTTPS with `tls`) from its own thread and
+    event loop; `seed(k)` fills it."""
 
-    def __init__(self, shards: list[tuple[int, int]], tmp_path):
-        self.shards, self.ready, self.stop = shards, threading.Event(), None
+    def __init__(self, seed, tls: ssl.SSLContext | None = None):
+        self.seed, self.tls, self.ready, self.stop = seed, tls, threading.Event(), None
         self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
         self.thread.start()
         assert self.ready.wait(30), "emulator did not start"
-        # one kubeconfig, two contexts: the emulator, and (current) an API nobody listens on
-        self.dead_url = f"http://127.0.0.1:{free_port()}"
-        self.kubeconfig = tmp_path / "kubeconfig"
-        self.kubeconfig.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "down",
-            "clusters": [{"name": "kmock", "cluster": {"server": self.url}},
-                         {"name": "down", "cluster": {"server": self.dead_url}}],
-            "users": [{"name": "tester", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "tester"}},
-                         {"name": "down", "context": {"cluster": "down", "user": "tester"}}]}))
 
     async def _serve(self) -> None:
-        async with kmock.KubernetesEmulator() as k, kmock.Server(k) as server:
-            self._seed(k)
-            self.k, self.url, self.stop = k, str(server.url).rstrip("/"), asyncio.Event()
+        server_cls = _tls_server(self.tls) if self.tls else aiohttp.test_utils.RawTestServer
+        async with kmock.KubernetesEmulator() as k, kmock.Server(k, server_cls=server_cls) as server:
+            self.seed(k)
+            self.k, self.url, self.port, self.stop = k, str(server.url).rstrip("/"), server.port, asyncio.Event()
             self.loop = asyncio.get_running_loop()
             self.ready.set()
             await self.stop.wait()
-
-    def _seed(self, k) -> None:
-        def namespace(name: str, labels: dict) -> None:
-            # kmock reads GET /api/v1/namespaces/NAME as a list, so namespaces are served explicitly
-            obj = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
-            k[f"get /api/v1/namespaces/{name}"] << (lambda: obj)
-
-        def add(p: dict) -> None:
-            k.objects["v1/pods", p["metadata"]["namespace"], p["metadata"]["name"]] = p
-
-        namespace(NS, {"atoll.dev/enabled": "true"})
-        for i, (grpc_port, metrics_port) in enumerate(self.shards):
-            add(pod(f"atoll-syncer-{i}", SYNCER, ports={"grpc": grpc_port, "metrics": metrics_port},
-                    node=f"node-{i}", restarts=i))
-        for name, region in LEARNERS.items():
-            add(pod(name, {**LEARNER, "atoll.dev/region": region}, ports={"metrics": 9091},
-                    ready=name != NOT_READY, restarts=2 * (name == NOT_READY)))
-        for name, labels in BYSTANDERS.items():
-            add(pod(name, labels, ports={"grpc": self.shards[0][0]}))
-        # labelled, but one shard does not answer and the other is not ready
-        namespace("atoll-down", {"atoll.dev/enabled": "true"})
-        add(pod("atoll-syncer-0", SYNCER, "atoll-down", ports={"grpc": free_port(), "metrics": free_port()}))
-        add(pod("atoll-syncer-1", SYNCER, "atoll-down", ports={"grpc": self.shards[1][0]}, ready=False))
-        namespace("plain", {})  # not marked for atoll: every tool must refuse it
-        add(pod("atoll-learner-0", LEARNER, "plain"))
-        namespace("locked", {"atoll.dev/enabled": "true"})
-        k["get /api/v1/namespaces/locked/pods"] << kmock.KubernetesError(
-            status=403, reason="Forbidden", message='pods is forbidden: User "tester" cannot list pods')
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.stop.set)
@@ -124,6 +102,87 @@ class Cluster:
             return not self.k.objects["v1/pods", namespace, name].deleted
         except KeyError:
             return False
+
+
+def _tls_server(context: ssl.SSLContext):
+    class TlsServer(aiohttp.test_utils.RawTestServer):
+        async def start_server(self, loop=None, **kwargs):
+            return await super().start_server(loop=loop, ssl=context, **kwargs)
+
+    return TlsServer
+
+
+def seed_run(k, shards: list[tuple[int, int]]) -> None:
+    """Namespace `atoll` with the two shard pods, the learner pods and the bystanders."""
+    serve_namespace(k, NS, {"atoll.dev/enabled": "true"})
+    for i, (grpc_port, metrics_port) in enumerate(shards):
+        add_pod(k, pod(f"atoll-syncer-{i}", SYNCER, ports={"grpc": grpc_port, "metrics": metrics_port},
+                       node=f"node-{i}", restarts=i))
+    for name, region in LEARNERS.items():
+        add_pod(k, pod(name, {**LEARNER, "atoll.dev/region": region}, ports={"metrics": 9091},
+                       ready=name != NOT_READY, restarts=2 * (name == NOT_READY)))
+    for name, labels in BYSTANDERS.items():
+        add_pod(k, pod(name, labels, ports={"grpc": shards[0][0]}))
+
+
+def serve_namespace(k, name: str, labels: dict) -> None:
+    # kmock reads GET /api/v1/namespaces/NAME as a list, so namespaces are served explicitly
+    obj = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
+    k[f"get /api/v1/namespaces/{name}"] << (lambda: obj)
+
+
+def add_pod(k, p: dict) -> None:
+    k.objects["v1/pods", p["metadata"]["namespace"], p["metadata"]["name"]] = p
+
+
+class Cluster(Emulator):
+    """The syncer's cluster (context kmock) and a learner cluster (context kmock-learners)."""
+
+    def __init__(self, shards: list[tuple[int, int]], tmp_path):
+        self.shards = shards
+        super().__init__(self._seed)
+        self.learners = Emulator(self._seed_learners)
+        # one kubeconfig, three contexts: the two emulators, and (current) an API nobody listens on
+        self.dead_url = f"http://127.0.0.1:{free_port()}"
+        self.kubeconfig = tmp_path / "kubeconfig"
+        self.kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "down",
+            "clusters": [{"name": "kmock", "cluster": {"server": self.url}},
+                         {"name": "kmock-learners", "cluster": {"server": self.learners.url}},
+                         {"name": "down", "cluster": {"server": self.dead_url}}],
+            "users": [{"name": "tester", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "tester"}},
+                         {"name": "kmock-learners", "context": {"cluster": "kmock-learners", "user": "tester"}},
+                         {"name": "down", "context": {"cluster": "down", "user": "tester"}}]}))
+
+    def close(self) -> None:
+        self.learners.close()
+        super().close()
+
+    @staticmethod
+    def _seed_learners(k) -> None:
+        serve_namespace(k, NS, {"atoll.dev/enabled": "true"})
+        for name, region in REMOTE.items():
+            add_pod(k, pod(name, {**LEARNER, "atoll.dev/region": region}, ports={"metrics": 9091}))
+        add_pod(k, pod("other-learner", {"app.kubernetes.io/component": "learner"}))
+
+    def _seed(self, k) -> None:
+        def namespace(name: str, labels: dict) -> None:
+            serve_namespace(k, name, labels)
+
+        def add(p: dict) -> None:
+            add_pod(k, p)
+
+        seed_run(k, self.shards)
+        # labelled, but one shard does not answer and the other is not ready
+        namespace("atoll-down", {"atoll.dev/enabled": "true"})
+        add(pod("atoll-syncer-0", SYNCER, "atoll-down", ports={"grpc": free_port(), "metrics": free_port()}))
+        add(pod("atoll-syncer-1", SYNCER, "atoll-down", ports={"grpc": self.shards[1][0]}, ready=False))
+        namespace("plain", {})  # not marked for atoll: every tool must refuse it
+        add(pod("atoll-learner-0", LEARNER, "plain"))
+        namespace("locked", {"atoll.dev/enabled": "true"})
+        k["get /api/v1/namespaces/locked/pods"] << kmock.KubernetesError(
+            status=403, reason="Forbidden", message='pods is forbidden: User "tester" cannot list pods')
 
 
 @pytest.fixture(scope="module")
@@ -350,3 +409,139 @@ def test_failure_rate_grows_with_the_learner_pods():
         mean = statistics.fmean(kube.next_failure_in(rng, pods, 60.0) for _ in range(20_000))
         assert mean == pytest.approx(60.0 / pods, rel=0.05), f"{pods} pods"
     assert kube.next_failure_in(rng, 0, 60.0) == float("inf")
+
+
+# --- several clusters ---
+
+
+def test_status_lists_the_learners_of_every_cluster(cluster, capsys):
+    argv = ["--kubeconfig", str(cluster.kubeconfig), "--context", "kmock", "--learner-context", "kmock-learners",
+            "--namespace", NS]
+    assert run(kube.status_main, status_parser(), argv + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [s["pod"] for s in report["shards"]] == ["atoll-syncer-0", "atoll-syncer-1"]  # from kmock only
+    contexts = {r["pod"]: r["context"] for r in report["learners"]}
+    assert contexts == {**{n: None for n in LEARNERS}, **{n: "kmock-learners" for n in REMOTE}}
+    assert run(kube.status_main, status_parser(), argv) == 0
+    table = capsys.readouterr().out
+    assert "kmock-learners" in table and "atoll-learner-v5p-slice-1" in table and "5/6 learner pods ready" in table
+    assert "other-learner" not in table
+
+
+def test_chaos_across_clusters_deletes_learners_where_they_run(cluster, shards, capsys):
+    argv = ["--kubernetes", "--kubeconfig", str(cluster.kubeconfig), "--context", "kmock",
+            "--learner-context", "kmock-learners", "--namespace", NS, "--mtbf", "0.5", "--duration", "1.5",
+            "--seed", "3", "--json"]
+    assert run(kube.chaos_main, chaos_parser(), argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    remote = [name.split("/", 1)[1] for name in r["deleted"] if name.startswith("kmock-learners/")]
+    local = [name for name in r["deleted"] if "/" not in name]
+    assert remote and local, r["deleted"]  # seed 3: both clusters lose pods
+    assert set(remote) <= set(REMOTE) and set(local) <= set(LEARNERS)
+    assert [q.name for q in cluster.learners.requests("DELETE")] == remote
+    assert [q.name for q in cluster.requests("DELETE")] == local
+    assert cluster.learners.alive("other-learner")
+    # Goodput: the shards' accepted compute over every learner that feeds them.
+    assert r["learner_pods"] == len(LEARNERS) + len(REMOTE) and r["unscraped_shards"] == []
+    assert r["goodput"] == pytest.approx(r["accepted_compute_seconds"] / (r["learner_pods"] * r["window_seconds"]))
+
+
+def test_chaos_in_a_learner_cluster_says_where_the_shards_are(cluster, capsys):
+    argv = ["--kubernetes", "--kubeconfig", str(cluster.kubeconfig), "--context", "kmock-learners",
+            "--namespace", NS, "--mtbf", "1000", "--duration", "0.2"]
+    assert run(kube.chaos_main, chaos_parser(), argv) == 0
+    out = capsys.readouterr().out
+    assert "no syncer pods" in out and "--learner-context" in out and "goodput n/a" in out
+
+
+# --- the operator Jobs: in-cluster, over HTTPS, with the operator Role ---
+
+
+def _self_signed(tmp_path) -> tuple[ssl.SSLContext, pathlib.Path]:
+    """A server context for 127.0.0.1 and its certificate (the pod's ca.crt)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kubernetes")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    ca, pem = tmp_path / "ca.crt", tmp_path / "key.pem"
+    ca.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pem.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption()))
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(ca, pem)
+    return context, ca
+
+
+def _operator_role() -> dict:
+    (role,) = [d for d in yaml.safe_load_all(ROLE.read_text()) if d["kind"] == "Role"]
+    return role
+
+
+def _allowed(role: dict, method: str, path: str) -> bool:
+    """Whether the Role lets a request through (core API group, namespaced paths only)."""
+    m = re.fullmatch(r"/api/v1/namespaces/([^/]+)(?:/(pods)(?:/([^/]+))?)?", path)
+    if m is None:
+        return False
+    namespace, resource, name = m.groups()
+    if resource is None:
+        resource, name, verb = "namespaces", namespace, {"GET": "get"}.get(method)
+    else:
+        verb = {"GET": "get" if name else "list", "DELETE": "delete"}.get(method)
+    return any("" in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
+               and (not r.get("resourceNames") or name in r["resourceNames"]) for r in role["rules"])
+
+
+def test_role_check_refuses_what_the_role_does_not_grant():
+    role = _operator_role()
+    assert _allowed(role, "GET", "/api/v1/namespaces/atoll") and _allowed(role, "DELETE", "/api/v1/namespaces/atoll/pods/x")
+    assert not _allowed(role, "GET", "/api/v1/namespaces/kube-system")  # only its own namespace
+    assert not _allowed(role, "PATCH", "/api/v1/namespaces/atoll/pods/x")
+    assert not _allowed(role, "GET", "/api/v1/namespaces/atoll/secrets")
+
+
+def test_operator_jobs_run_in_cluster_with_the_operator_role(shards, tmp_path, monkeypatch, capsys):
+    """As the operator component's Jobs run them: no kubeconfig, the pod's service account
+    (token and CA files, KUBERNETES_SERVICE_HOST/PORT), an API server over HTTPS."""
+    from kubernetes.config import incluster_config
+
+    context, ca = _self_signed(tmp_path)
+    api = Emulator(lambda k: seed_run(k, shards), tls=context)
+    try:
+        token = tmp_path / "token"
+        token.write_text("service-account-token")  # as the kubelet writes it: no newline
+        monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token))
+        monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(ca))
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(api.port))
+        monkeypatch.delenv("KUBECONFIG", raising=False)
+        assert api.url.startswith("https://")
+
+        assert run(kube.status_main, status_parser(), ["--namespace", NS, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert all("describe" in s for s in report["shards"]) and len(report["learners"]) == len(LEARNERS)
+        argv = ["--kubernetes", "--namespace", NS, "--mtbf", "0.5", "--duration", "1", "--seed", "1", "--json"]
+        assert run(kube.chaos_main, chaos_parser(), argv) == 0
+        r = json.loads(capsys.readouterr().out)
+        assert r["failures_injected"] >= 1 and r["goodput"] is not None
+
+        requests = list(api.k)
+        assert requests and all(q.headers.get("Authorization", "").lower() == "bearer service-account-token"
+                                for q in requests)
+        role = _operator_role()
+        refused = [(q.method.value.upper(), q.url.path) for q in requests
+                   if not _allowed(role, q.method.value.upper(), q.url.path)]
+        assert not refused, f"the operator Role does not allow {refused}"
+        assert {q.method.value.upper() for q in requests} == {"GET", "DELETE"}
+    finally:
+        api.close()
