@@ -44,6 +44,14 @@ MAX_ABS_VALUE = 1e9  # |outer gradient| or |initial weight| per element; trainin
 PRUNE_AFTER_LEASES = 10  # a learner silent this many leases is forgotten (its lease table entry)
 
 
+class Timing(NamedTuple):
+    """What a learner's last push said of its pace (validated by PushHeader.problem)."""
+
+    step_seconds: float  # its recent seconds per inner step; 0: not measured yet
+    overlap_steps: int  # τ
+    period_steps: int  # H; 0: not given
+
+
 class PeriodCount(NamedTuple):
     """Outer steps a fragment took against the sync periods that elapsed meanwhile."""
 
@@ -150,12 +158,10 @@ class Shard:
         self.plan: FragmentPlan | None = None
         self.fragments: dict[int, Fragment] = {}
         self.last_seen: dict[str, float] = {}
-        self.step_times: dict[str, float] = {}  # learner -> its recent seconds per inner step (its own median)
-        self.period_steps = 0  # H, as the learners report it
+        self.timings: dict[str, Timing] = {}  # learner -> the timing its last push reported
         self.cadence_seconds: float | None = None  # the sync period learners are asked to keep
         self.periods: dict[int, PeriodCount] = {}  # fragment -> outer steps against elapsed periods
         self.sync_time = rules.Ewma()
-        self.overlap_steps = 0
         self.rounds_since_snapshot = 0
         self.last_lsn = 0
         self.lock = threading.Lock()
@@ -399,30 +405,30 @@ class Shard:
     def _heard_from(self, h: PushHeader, now: float) -> None:
         """A push renews its learner's lease and brings its timing: step time, τ, H."""
         self.last_seen[h.learner_id] = now
-        if h.step_seconds > 0:
-            self.step_times[h.learner_id] = h.step_seconds
-        self.overlap_steps = max(self.overlap_steps, h.overlap_steps)
-        if h.period_steps:
-            self.period_steps = h.period_steps
-        self._update_cadence(now)
-
-    def _update_cadence(self, now: float) -> None:
-        live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
-        period = rules.cadence(self.period_steps, self.step_times, live) if self.period_steps else None
+        self.timings[h.learner_id] = Timing(h.step_seconds, h.overlap_steps, h.period_steps)
+        live = self._live_timings(now)
+        periods = [t.period_steps for t in live.values() if t.period_steps]
+        steps = {m: t.step_seconds for m, t in live.items()}
+        period = rules.cadence(min(periods), steps, frozenset(live)) if periods else None
         if period is not None:
             self.cadence_seconds = period
+
+    def _live_timings(self, now: float) -> dict[str, Timing]:
+        live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
+        return {m: t for m, t in self.timings.items() if m in live}
 
     def _count(self, answer: Answer) -> Answer:
         self.metrics.pushes.labels(answer.reason).inc()
         return answer
 
-    def _slowest_step(self, live: frozenset[str]) -> float | None:
-        times = [t for m, t in self.step_times.items() if m in live]
-        return max(times, default=None)
-
     def _grace(self, live: frozenset[str]) -> float:
-        return rules.estimate_grace(self.policy, self.overlap_steps, self._slowest_step(live),
-                                    self.sync_time, self.cadence_seconds)
+        """The grace window from the live learners' timing: the slowest step, the largest τ;
+        never past one period, nor past a lease (whom the shard waits for is live for that long)."""
+        timings = [t for m, t in self.timings.items() if m in live]
+        slowest = max((t.step_seconds for t in timings if t.step_seconds > 0), default=None)
+        overlap = max((t.overlap_steps for t in timings), default=0)
+        cap = min(self.cadence_seconds or math.inf, self.policy.lease_seconds)
+        return rules.estimate_grace(self.policy, overlap, slowest, self.sync_time, cap)
 
     def _joined(self) -> int:
         """Learners this shard knows: any with a lease, any whose push it holds."""
@@ -471,6 +477,7 @@ class Shard:
             horizon = now - PRUNE_AFTER_LEASES * self.policy.lease_seconds
             for learner in [m for m, seen in self.last_seen.items() if seen < horizon]:
                 del self.last_seen[learner]
+                self.timings.pop(learner, None)
             wakes = [self._maybe_close(p, now) for p, f in self.fragments.items() if f.round.count]
             expiry = rules.next_lease_expiry(self.last_seen, now, self.policy.lease_seconds)
             candidates = [w for w in wakes if w is not None] + ([expiry] if expiry is not None else [])
