@@ -53,6 +53,7 @@ class ShardConfig:
     tls_key: pathlib.Path | None = None  # PEM private key for tls_cert
     tls_client_ca: pathlib.Path | None = None  # PEM CA bundle: require client certificates (mTLS)
     metrics_port: int | None = None  # Prometheus /metrics port; None disables, 0 picks one
+    quarantine_records: tuple[int, ...] = ()  # log LSNs to set aside at recovery (an operator's decision)
     health_port: int | None = None  # plaintext grpc.health.v1 only, on the listen host; None disables, 0 picks one
     max_inflight_bytes: int = 2 << 30  # frame bytes all open Push/Init streams may declare at once, >= 1 MiB
     max_connection_inflight_bytes: int = 512 << 20  # the same for one client connection, >= 1 MiB

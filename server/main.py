@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connection-inflight-bytes", type=int,
                    default=d["max_connection_inflight_bytes"].default,
                    help="the same for one client connection; also the largest frame (default %(default)s)")
+    p.add_argument("--quarantine-record", type=int, action="append", default=[], metavar="LSN",
+                   help="at recovery, copy log record LSN to DATA_DIR/quarantine/ and replay without it; "
+                        "only when recovery names that record as one it cannot apply (repeatable)")
     p.add_argument("--stream-idle-seconds", type=float, default=d["stream_idle_seconds"].default,
                    help="a Push or Init stream that sends nothing this long is aborted (default %(default)s)")
 
@@ -85,7 +88,8 @@ def config_from_args(a: argparse.Namespace) -> ShardConfig:
         max_message_bytes=a.max_message_bytes, max_concurrent_streams=a.max_concurrent_streams,
         token_file=token, tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
         metrics_port=a.metrics_port, health_port=a.health_port, max_inflight_bytes=a.max_inflight_bytes,
-        max_connection_inflight_bytes=a.max_connection_inflight_bytes, stream_idle_seconds=a.stream_idle_seconds)
+        max_connection_inflight_bytes=a.max_connection_inflight_bytes, stream_idle_seconds=a.stream_idle_seconds,
+        quarantine_records=tuple(a.quarantine_record))
 
 
 def run(cfg: ShardConfig) -> int:
@@ -98,6 +102,12 @@ def run(cfg: ShardConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     server.start()
+    if server.shard.recovery_error is not None:
+        print(f"syncer shard {cfg.shard_index}/{cfg.num_shards} did not recover and serves nothing "
+              f"(port {server.port}): {server.shard.recovery_error}", flush=True)
+        done.wait()
+        server.stop()
+        return 3
     metrics = f", metrics on port {server.metrics_port}" if server.metrics_port is not None else ""
     metrics += f", health on port {server.health_port}" if server.health_port is not None else ""
     print(f"syncer shard {cfg.shard_index}/{cfg.num_shards} serving on port {server.port}{metrics}", flush=True)

@@ -36,7 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from server.config import ShardConfig, load_tokens
-from server.shard import PushHeader, Shard, ShardError
+from server.shard import PushHeader, RecoveryError, Shard, ShardError
 from wire import codec
 from wire import syncer_pb2 as pb
 from wire import syncer_pb2_grpc as pb_grpc
@@ -539,7 +539,13 @@ class SyncerServer:
         _run(self._start_servers())
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.shard.metrics.serve(self.cfg.metrics_port, self.cfg.host)
-        replayed = self.shard.recover()
+        try:
+            replayed = self.shard.recover()
+        except RecoveryError as e:
+            # Stay up and NOT_SERVING with the reason, rather than exit into a restart loop
+            # that would replay the same record: the operator decides (see the message).
+            log.error("shard %d/%d: %s", self.cfg.shard_index, self.cfg.num_shards, e)
+            return
         log.info("shard %d/%d recovered (%d log records replayed) on port %d",
                  self.cfg.shard_index, self.cfg.num_shards, replayed, self.port)
         self._started = True

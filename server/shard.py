@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import pathlib
 import struct
@@ -41,6 +42,7 @@ MAX_SEQ = (1 << 63) - 1
 MAX_STEP_SECONDS = 86400.0  # a step longer than a day is a broken clock, not a slow island
 MAX_PERIOD_STEPS = 1 << 20
 MAX_ABS_VALUE = 1e9  # |outer gradient| or |initial weight| per element; training that far off has diverged
+log = logging.getLogger("atoll.syncer")
 PRUNE_AFTER_LEASES = 10  # a learner silent this many leases is forgotten (its lease table entry)
 
 
@@ -84,6 +86,10 @@ def _magnitude_problem(values: np.ndarray, segments: merge.Segments) -> str | No
     if norms.max(initial=0.0) > MAX_ABS_VALUE and float(np.max(np.abs(values))) > MAX_ABS_VALUE:
         return f"values beyond ±{MAX_ABS_VALUE:g}: a diverged learner's update is not merged"
     return None
+
+
+class RecoveryError(RuntimeError):
+    """A log record that cannot be applied; the message names it and the way forward."""
 
 
 class ShardError(Exception):
@@ -155,6 +161,16 @@ class Shard:
         data = pathlib.Path(cfg.data_dir)
         self.wal = storage.WriteAheadLog(data / "wal")
         self.snapshots = storage.SnapshotStore(data / "snapshots")
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.listeners: list[Callable[[], None]] = []  # called under the lock when a version changes; must not block
+        self.ready = False
+        self.recovery_error: str | None = None  # why recovery stopped; the shard then serves nothing
+        self.metrics = ShardMetrics(cfg.shard_index, gauges=self._gauges)
+        self._reset()
+
+    def _reset(self) -> None:
+        """The state before recovery: no plan, no fragments, nothing replayed."""
         self.plan: FragmentPlan | None = None
         self.fragments: dict[int, Fragment] = {}
         self.last_seen: dict[str, float] = {}
@@ -164,25 +180,25 @@ class Shard:
         self.sync_time = rules.Ewma()
         self.rounds_since_snapshot = 0
         self.last_lsn = 0
-        self.lock = threading.Lock()
-        self.changed = threading.Condition(self.lock)
-        self.listeners: list[Callable[[], None]] = []  # called under the lock when a version changes; must not block
-        self.ready = False
-        self.metrics = ShardMetrics(cfg.shard_index, gauges=self._gauges)
 
     # --- recovery ---
 
     def recover(self) -> int:
-        """Loads the newest snapshot and replays the log after it; returns records replayed."""
+        """Loads the newest snapshot and replays the log after it; returns records replayed.
+
+        Every record was checked before it was logged, so every record applies. If one
+        does not (a log from an older build, a disk error), recovery stops and raises
+        RecoveryError naming it, leaving the files untouched; with
+        `cfg.quarantine_records` holding its LSN, the record is copied to
+        `quarantine/<lsn>.record` in the data directory and replay starts over without
+        it: an operator's decision, since that record may be an acknowledged push."""
         with self.lock:
-            snap = self.snapshots.latest()
-            if snap is not None:
-                self._restore(snap)
-            replayed = 0
-            for lsn, record in self.wal.replay(self.last_lsn):
-                self._apply(record, live=False)
-                self.last_lsn = lsn
-                replayed += 1
+            try:
+                replayed = self._replay(set(self.cfg.quarantine_records))
+            except RecoveryError as e:
+                self._reset()  # half a replay is no state to serve from
+                self.recovery_error = str(e)
+                raise
             now = self.clock()
             for frag in self.fragments.values():
                 # round timing is not durable: the open round's clock restarts now
@@ -193,6 +209,35 @@ class Shard:
                     self.last_seen[learner] = now
             self.ready = True
             return replayed
+
+    def _replay(self, skip: set[int]) -> int:
+        snap = self.snapshots.latest()
+        if snap is not None:
+            self._restore(snap)
+        replayed = 0
+        for lsn, record in self.wal.replay(self.last_lsn):
+            if lsn in skip:
+                self._quarantine(lsn, record)
+            else:
+                try:
+                    self._apply(record, live=False)
+                except Exception as e:  # noqa: BLE001 - any failure here must stop and say which record
+                    raise RecoveryError(
+                        f"log record {lsn} in {self.cfg.data_dir} cannot be applied ({type(e).__name__}: {e}); "
+                        f"the shard serves nothing until it can. Keep the data directory as it is, then "
+                        f"restart with --quarantine-record {lsn} to set that record aside (copied to "
+                        f"quarantine/{lsn}.record; if it was an acknowledged push, that push is lost) "
+                        f"and replay the rest") from e
+            self.last_lsn = lsn
+            replayed += 1
+        return replayed
+
+    def _quarantine(self, lsn: int, record: bytes) -> None:
+        folder = pathlib.Path(self.cfg.data_dir) / "quarantine"
+        folder.mkdir(exist_ok=True)
+        (folder / f"{lsn}.record").write_bytes(record)
+        log.warning("log record %d set aside in %s as --quarantine-record asked; replay goes on without it",
+                    lsn, folder)
 
     def _apply(self, record: bytes, live: bool) -> None:
         """Applies one log record; the same code runs live and during replay."""
@@ -260,6 +305,8 @@ class Shard:
     # --- the calls ---
 
     def _require_ready(self) -> None:
+        if self.recovery_error is not None:
+            raise ShardError(grpc.StatusCode.UNAVAILABLE, f"shard did not recover: {self.recovery_error}")
         if not self.ready:
             raise ShardError(grpc.StatusCode.UNAVAILABLE, "shard is recovering; retry shortly")
 

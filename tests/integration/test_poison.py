@@ -5,14 +5,20 @@ changes nothing, takes good pushes after them, and restarts after a kill -9."""
 from __future__ import annotations
 
 import math
+import re
+import subprocess
+import sys
 
 import grpc
+from grpc_health.v1 import health_pb2
 import numpy as np
 import pytest
 
+from server import storage
 from server.rules import MAX_SEQ_JUMP
-from syncer_helpers import (PLAN, connect, init, pull, push, push_requests, shard_state, status_of,
-                            syncer_processes)
+from server.shard import PUSH, _record
+from syncer_helpers import (PLAN, REPO, connect, health_status, init, pull, push, push_requests, shard_state,
+                            status_of, syncer_processes)
 from wire import codec
 from wire import syncer_pb2 as pb
 
@@ -92,3 +98,54 @@ def test_a_retried_refusal_gets_its_first_answer(shard):
     assert (retry.accepted, retry.reason, retry.version) == (False, pb.PUSH_REASON_ALREADY_IN_ROUND, 2)
     header, _ = pull(stub, 0, learner="a")
     assert header.last_seq == 4
+
+
+def test_a_log_record_that_cannot_be_applied_is_named_and_can_be_set_aside(tmp_path):
+    """A record no check of this build would log (say, from an older build): recovery
+    stops, says which record and what to do, serves nothing (NOT_SERVING, UNAVAILABLE)
+    and does not exit into a restart loop; --quarantine-record sets it aside."""
+    data = tmp_path / "data"
+    with syncer_processes(tmp_path) as start:
+        proc = start(data, "--quorum=2")
+        channel, stub = connect(proc.port)
+        for p in range(PLAN.num_fragments):
+            init(stub, PLAN, p, np.zeros(PLAN.fragment_sizes[p], np.float32))
+        assert push(stub, PLAN, 0, "good", 1, 0, np.full(SIZE0, 0.01, np.float32)).accepted
+        channel.close()
+        proc.kill()
+        answer = {"seq": 1, "accepted": True, "reason": "fresh", "detail": "", "version": 0,
+                  "staleness": 0, "weight": 1.0}
+        wal = storage.WriteAheadLog(data / "wal")
+        [bad] = wal.append_many([_record(PUSH, {"fragment": 0, "learner": "old-build", "answer": answer},
+                                         codec.encode(HUGE, codec.Codec.FP32))])
+        wal.close()
+
+        stuck = subprocess.Popen([sys.executable, "-m", "atoll.cli", "syncer", "--data-dir", str(data),
+                                  "--listen", "127.0.0.1:0"], cwd=REPO, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        try:
+            lines = []
+            for line in stuck.stdout:
+                lines.append(line)
+                if m := re.search(r"did not recover and serves nothing \(port (\d+)\)", line):
+                    break
+            assert m, "".join(lines)
+            assert f"--quarantine-record {bad}" in line and f"log record {bad}" in line
+            channel, stub = connect(int(m.group(1)))
+            assert health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as e:
+                push(stub, PLAN, 0, "good", 2, 0, np.full(SIZE0, 0.01, np.float32))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and f"log record {bad}" in e.value.details()
+            assert stuck.poll() is None  # up and saying why, not exiting into a restart loop
+            channel.close()
+        finally:
+            stuck.kill()
+            stuck.wait()
+            stuck.stdout.close()
+
+        again = start(data, "--quorum=2", f"--quarantine-record={bad}")
+        channel, stub = connect(again.port)
+        state = shard_state(stub)
+        assert state[0]["round_size"] == 1  # the good push is back; the bad one is set aside
+        assert (data / "quarantine" / f"{bad}.record").exists()
+        channel.close()
