@@ -114,28 +114,27 @@ def sync_due(*, step: int, first_step: int, last_sync_step: int | None, anchor: 
       first_step: t_p, the fragment's first sync step (staggered over the period).
       last_sync_step: the step of the fragment's last push, or None before the first.
       anchor: when the round holding that push closed (or the learner resynced or gave
-        up on it), on this learner's monotonic clock; None when not known.
+        up on it; before a first push, a close it saw), on this learner's monotonic
+        clock; None when not known.
       now: the same clock, at this step boundary.
       period: H, inner steps per sync of the fastest learner.
       cadence_seconds: the sync period the shard asks for (None: not known yet).
       step_seconds: this learner's recent seconds per inner step.
 
     Returns:
-      True when the push is due: at t_p first; then at the step boundary nearest to
-      anchor + cadence, so every learner, fast or slow, pushes once per period and
-      within a step of the others; without a cadence or anchor, every H steps.
+      True when the push is due: at the step boundary nearest to anchor + cadence, so
+      every learner, fast or slow, pushes once per period and within a step of the
+      others; without a cadence or anchor, at t_p first and then every H steps.
 
     Example:
       >>> sync_due(step=40, first_step=8, last_sync_step=8, anchor=100.0, now=103.1,
       ...          period=32, cadence_seconds=3.2, step_seconds=0.2)
       True
     """
-    if last_sync_step is None:
-        return step >= first_step
-    if step <= last_sync_step:
+    if step <= (last_sync_step or 0):
         return False
     if anchor is None or not cadence_seconds:
-        return step - last_sync_step >= period
+        return step >= first_step if last_sync_step is None else step - last_sync_step >= period
     return now + step_seconds / 2 >= anchor + cadence_seconds
 
 
@@ -269,7 +268,10 @@ class Synchronizer:
                         self._count("blocked_seconds", time.perf_counter() - started)
                     self._adopt(frag, step, params, flat_now, updates)
             with self.lock:
-                anchor = anchor_for(frag.anchor, self.closes_seen[frag.p], self.cadence_seconds)
+                seen = self.closes_seen[frag.p]
+                # before its first push, a learner falls in step with the closes it has seen
+                anchor = (anchor_for(frag.anchor, seen, self.cadence_seconds) if frag.anchor is not None
+                          else seen[-1] if seen and self.cadence_seconds else None)
             if frag.task is None and sync_due(step=step, first_step=self.offsets[frag.p],
                                               last_sync_step=frag.last_sync_step, anchor=anchor,
                                               now=now, period=self.cfg.period,

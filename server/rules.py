@@ -263,7 +263,7 @@ def grace_window(grace_factor: float, overlap_steps: float, step_seconds: float,
 
 def estimate_grace(policy: RoundPolicy, overlap_steps: float, step_seconds: float | None,
                    sync: Ewma, cadence_seconds: float | None = None) -> float:
-    """The grace window, counted from a round's first push: γ·max(0, τ·ξ_step − ξ_sync).
+    """The grace window, counted from a round's first push: γ·max(ξ_step, τ·ξ_step − ξ_sync).
 
     Counted from the first push, the round's own ξ_quorum (first push -> quorum) is
     inside the window, so this is DESIGN.md's γ·max(0, τ·ξ_step − ξ_quorum − ξ_sync)
@@ -271,13 +271,16 @@ def estimate_grace(policy: RoundPolicy, overlap_steps: float, step_seconds: floa
     straggler's early push would inflate for every later round.
 
     `step_seconds` is the slowest live learner's step time: the pushes of one period
-    arrive spread by up to one of its steps, since a learner pushes between steps. No
-    step time yet means no grace. Past one period (`cadence_seconds`) the next period's
+    arrive spread by up to one of its steps, since a learner pushes between steps, so
+    the window is never shorter than that step (with τ = 1 and a slow merge the formula
+    alone gives nothing, and each period's pushes split into two rounds). No step time
+    yet means no grace. Past one period (`cadence_seconds`) the next period's
     pushes are due, so waiting longer would only merge two periods at once.
     """
     if step_seconds is None:
         return 0.0
-    grace = grace_window(policy.grace_factor, overlap_steps, step_seconds, 0.0, max(0.0, sync.value_or(0.0)))
+    grace = max(policy.grace_factor * step_seconds,
+                grace_window(policy.grace_factor, overlap_steps, step_seconds, 0.0, max(0.0, sync.value_or(0.0))))
     return grace if cadence_seconds is None else min(grace, cadence_seconds)
 
 

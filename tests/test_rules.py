@@ -166,6 +166,9 @@ def test_estimate_grace_from_running_timings():
     assert estimate_grace(policy, 4, None, sync) == 0.0  # no step time yet
     assert estimate_grace(policy, 4, step, Ewma()) == pytest.approx(2.0)
     assert estimate_grace(RoundPolicy(grace_factor=0.5), 4, step, Ewma()) == pytest.approx(1.0)
+    # never shorter than one step: a period's pushes arrive spread by up to a step
+    assert estimate_grace(policy, 1, step, Ewma(0.4, 3)) == pytest.approx(0.5)
+    assert estimate_grace(RoundPolicy(grace_factor=0.0), 4, step, Ewma()) == 0.0
     # never past one sync period: the next period's pushes are due then
     assert estimate_grace(policy, 4, step, Ewma(), cadence_seconds=1.5) == 1.5
     assert estimate_grace(policy, 4, step, Ewma(), cadence_seconds=9.0) == pytest.approx(2.0)
