@@ -117,12 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "syncer":
         import logging
 
-        from server.config import ConfigError
+        from server.config import ConfigError, load_tokens
         from server.main import config_from_args, run
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         try:
             cfg = config_from_args(args)
+            if cfg.token_file is not None:
+                load_tokens(cfg.token_file)  # a bad token file is a flag error, before any replay
         except ConfigError as e:
             parser.error(str(e))
         return run(cfg)
