@@ -2,11 +2,14 @@
 
 The 4-bit formats are checked value by value against tests/codec_reference.py, an
 independent numpy/ml_dtypes statement of INT4 and MXFP4; scales and codes are pulled
-straight out of the decompressed frame body, so the wire layout is pinned too.
+straight out of the decompressed chunks (parsed here from the documented layout), so
+the wire layout is pinned too. The merge kernels (`range_sq_norms`,
+`accumulate_ranges`) are checked bit for bit against numpy statements of their order.
 
 """
 
 import concurrent.futures
+import itertools
 import struct
 
 import ml_dtypes
@@ -18,9 +21,10 @@ from hypothesis.extra import numpy as hnp
 
 from codec_reference import (INT4_MAX_SCALE, int4_reference, int4_values, mxfp4_reference,
                              mxfp4_values)
-from wire import syncer_pb2
-from wire.codec import (BLOCK, HEADER_BYTES, Codec, CodecError, ErrorFeedback, body_bytes, decode,
-                        decode_into, encode, frame_info)
+from wire import codec as codec_module, syncer_pb2
+from wire.codec import (BLOCK, CHUNK_VALUES, FRAME_VERSION, HEADER_BYTES, Codec, CodecError, Codes,
+                        ErrorFeedback, accumulate_ranges, body_bytes, decode, decode_into, encode,
+                        frame_info, max_frame_bytes, range_sq_norms, read_codes)
 
 INT4, MXFP4, FP32 = Codec.INT4, Codec.MXFP4, Codec.FP32
 FOUR_BIT = [INT4, MXFP4]
@@ -32,8 +36,36 @@ E2M1 = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.flo
 
 # ---- helpers ----
 
+def chunks_of(frame: bytes) -> list[bytes]:
+    """The compressed chunks of a version 2 frame, from the documented layout: a table of
+    k - 1 u32 lengths after the header (k = ceil(n / CHUNK_VALUES), at least 1), then the
+    chunks, the last running to the end."""
+    n = HEADER.unpack_from(frame)[4]
+    k = max(1, -(-n // CHUNK_VALUES))
+    sizes = struct.unpack_from(f"<{k - 1}I", frame, HEADER_BYTES)
+    start = HEADER_BYTES + 4 * (k - 1)
+    bounds = list(itertools.accumulate(sizes, initial=start)) + [len(frame)]
+    return [frame[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
 def body_of(frame: bytes) -> bytes:
-    return zstandard.ZstdDecompressor().decompress(frame[HEADER_BYTES:])
+    """The frame's body in version 1's layout (all scales, then all codes), whatever its version."""
+    _, codec, version, _, n = HEADER.unpack_from(frame)
+    if version == 1:
+        return zstandard.ZstdDecompressor().decompress(frame[HEADER_BYTES:])
+    bodies = [zstandard.ZstdDecompressor().decompress(c) for c in chunks_of(frame)]
+    if codec == FP32:
+        return b"".join(bodies)
+    width = 2 if codec == INT4 else 1
+    counts = [min(CHUNK_VALUES, n - i * CHUNK_VALUES) for i in range(len(bodies))]
+    splits = [-(-c // BLOCK) * width for c in counts]
+    return b"".join([b[:w] for b, w in zip(bodies, splits)] + [b[w:] for b, w in zip(bodies, splits)])
+
+
+def v1_frame(frame: bytes) -> bytes:
+    """The same values as a version 1 frame (one zstd frame over the whole body)."""
+    _, codec, _, block, n = HEADER.unpack_from(frame)
+    return make_frame(codec, n, body_of(frame), block=block, version=1)
 
 
 def split_body(codec: Codec, n: int, body: bytes) -> tuple[np.ndarray, np.ndarray]:
@@ -73,9 +105,10 @@ def reference_values(codec: Codec, x: np.ndarray) -> np.ndarray:
     return mxfp4_values(*mxfp4_reference(x))[:x.size]
 
 
-def make_frame(codec_id: int, n: int, body: bytes, *, block: int | None = None, version: int = 1,
+def make_frame(codec_id: int, n: int, body: bytes, *, block: int | None = None, version: int = FRAME_VERSION,
                magic: bytes = b"ATLQ") -> bytes:
-    """A frame built by hand: header + body compressed with checksum and content size."""
+    """A frame built by hand: header + body compressed with checksum and content size (one
+    chunk: n <= CHUNK_VALUES, or version 1)."""
     if block is None:
         block = 1 if codec_id == FP32 else BLOCK
     payload = zstandard.ZstdCompressor(write_checksum=True, write_content_size=True).compress(body)
@@ -281,9 +314,11 @@ def test_golden_frames_pin_the_wire_layout():
         "7d80"                                          # 2^-2, 2^1
         "ffefeedecdac0a20425465667677f7ff"              # |q| 5 -> 4 (tie to even), 7 -> 6
         "070f000204050a0c" + "00" * 8)
-    assert encode(x, INT4)[:HEADER_BYTES] == HEADER.pack(b"ATLQ", 3, 1, 32, 40)
-    assert encode(x, MXFP4)[:HEADER_BYTES] == HEADER.pack(b"ATLQ", 2, 1, 32, 40)
-    assert encode(x, FP32)[:HEADER_BYTES] == HEADER.pack(b"ATLQ", 1, 1, 1, 40)
+    assert encode(x, INT4)[:HEADER_BYTES] == HEADER.pack(b"ATLQ", 3, 2, 32, 40)
+    assert encode(x, MXFP4)[:HEADER_BYTES] == HEADER.pack(b"ATLQ", 2, 2, 32, 40)
+    assert encode(x, FP32)[:HEADER_BYTES] == HEADER.pack(b"ATLQ", 1, 2, 1, 40)
+    # One chunk: the zstd frame follows the header directly (no table), as in version 1.
+    assert zstandard.ZstdDecompressor().decompress(encode(x, INT4)[HEADER_BYTES:]) == body_of(encode(x, INT4))
 
 
 # ---- 2. round-trip error bounds ----
@@ -578,7 +613,7 @@ def test_rejects_bad_header_fields(good):
     assert_rejected(HEADER.pack(b"\0\0\0\0", codec, 1, block, n) + body, "magic", n=n)
     for cid in [0, 4, 255]:
         assert_rejected(HEADER.pack(b"ATLQ", cid, 1, block, n) + body, f"unknown codec id {cid}", n=n)
-    for version in [0, 2, 255]:
+    for version in [0, 3, 255]:
         assert_rejected(HEADER.pack(b"ATLQ", codec, version, block, n) + body,
                         f"frame version {version} is not supported", n=n)
     for wrong in [0, 16, 33, 64, 65535] + ([32] if codec == FP32 else [1]):
@@ -766,3 +801,336 @@ def test_rejects_nonzero_padding(codec, n):
     assert_rejected(relabelled, "padding", n=n)
     honest = encode(np.linspace(-1, 1, n, dtype=np.float32), codec)
     assert decode(honest).size == n
+
+
+# ---- 9. chunked frames (version 2) ----
+
+@pytest.fixture
+def threads():
+    """set_threads for one test; the old count comes back after it."""
+    old = codec_module.get_threads()
+    yield codec_module.set_threads
+    codec_module.set_threads(old)
+
+
+def big_vector(n: int, seed: int = 0) -> np.ndarray:
+    """Gaussian values whose magnitude changes between chunks and within them."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 1, -(-n // 1000)).repeat(1000)[:n]).astype(np.float32)
+
+
+N3 = 2 * CHUNK_VALUES + 1000 + 7  # three chunks, the last with a tail block
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_chunk_layout(codec):
+    x = big_vector(N3)
+    frame = encode(x, codec)
+    chunks = chunks_of(frame)
+    assert len(chunks) == 3
+    assert frame[HEADER_BYTES:HEADER_BYTES + 8] == struct.pack("<2I", len(chunks[0]), len(chunks[1]))
+    for i, c in enumerate(chunks):  # each chunk is the frame of its own values, less the header
+        part = x[i * CHUNK_VALUES:(i + 1) * CHUNK_VALUES]
+        assert c == encode(part, codec)[HEADER_BYTES:]
+    assert same_bits(decode(frame), np.concatenate([decode(encode(x[i * CHUNK_VALUES:(i + 1) * CHUNK_VALUES],
+                                                                 codec)) for i in range(3)]))
+    assert len(frame) <= max_frame_bytes(N3, codec)
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+@pytest.mark.parametrize("n", [0, 1, 100, CHUNK_VALUES, CHUNK_VALUES + 1, N3])
+def test_version_1_frames_still_decode(codec, n):
+    """A shard may replay a log of version 1 frames: same values, norms and sums."""
+    x = big_vector(n, seed=n)
+    frame = encode(x, codec)
+    old = v1_frame(frame)
+    assert old[5] == 1 and frame[5] == 2
+    assert same_bits(decode(old), decode(frame))
+    if n <= CHUNK_VALUES:  # one chunk: a version 1 frame but for the version byte
+        assert same_bits(decode(frame[:5] + b"\x01" + frame[6:]), decode(frame))
+    offsets, ends = ragged_ranges(n, seed=n)
+    assert range_sq_norms(old, offsets, ends).tobytes() == range_sq_norms(frame, offsets, ends).tobytes()
+    a, b = sentinel(n), sentinel(n)
+    accumulate_ranges(old, a, offsets, ends, np.linspace(-2, 3, len(offsets)))
+    accumulate_ranges(frame, b, offsets, ends, np.linspace(-2, 3, len(offsets)))
+    assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_results_do_not_depend_on_threads(codec, threads):
+    x = big_vector(N3, seed=1)
+    r = (big_vector(N3, seed=2) * np.float32(0.01))
+    offsets, ends = ragged_ranges(N3, seed=3)
+    scales = np.random.default_rng(4).uniform(-3, 3, len(offsets))
+    scales[::5] = 0.0
+    seen = set()
+    for t in [1, 2, 3, 8]:
+        threads(t)
+        frame = encode(x, codec)
+        ef = ErrorFeedback(N3, codec)
+        ef.residual[...] = r
+        ef_frame = ef.encode(x)
+        codes = read_codes(frame)
+        out = sentinel(N3)
+        codes.accumulate_ranges(out, offsets, ends, scales)
+        dec = sentinel(N3)
+        decode_into(frame, dec, 0.75)
+        seen.add((frame, ef_frame, ef.residual.tobytes(), decode(frame).tobytes(),
+                  codes.range_sq_norms(offsets, ends).tobytes(), out.tobytes(), dec.tobytes()))
+    assert len(seen) == 1
+
+
+def test_concurrent_callers_share_the_threads(threads):
+    threads(2)
+    xs = [big_vector(CHUNK_VALUES + 5000, seed=s) for s in range(6)]
+    serial = [encode(v) for v in xs]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(encode, xs)) == serial
+        assert all(same_bits(a, decode(f)) for a, f in zip(pool.map(decode, serial), serial))
+
+
+@pytest.fixture(params=list(Codec), ids=lambda c: c.name)
+def chunked(request):
+    """(codec, n, frame) for a valid three-chunk frame."""
+    return request.param, N3, encode(big_vector(N3, seed=5), request.param)
+
+
+def test_rejects_truncated_chunked_frames(chunked):
+    _, n, frame = chunked
+    c0, c1, c2 = map(len, chunks_of(frame))
+    table_end = HEADER_BYTES + 8
+    cuts = [HEADER_BYTES, HEADER_BYTES + 3, table_end - 1, table_end, table_end + 5, table_end + c0 - 1,
+            table_end + c0, table_end + c0 + c1, len(frame) - c2 + 1, len(frame) - 1]
+    for cut in cuts:
+        assert_rejected(frame[:cut], "truncated|corrupt", n=n)
+
+
+def test_rejects_bad_chunk_tables(chunked):
+    _, n, frame = chunked
+    c0, c1, _ = map(len, chunks_of(frame))
+    rest = frame[HEADER_BYTES + 8:]
+    head = frame[:HEADER_BYTES]
+    for sizes in [(0, c1), (c0, 0), (c0 - 1, c1), (c0 + 1, c1), (c1, c0), (c0, c1 + len(rest)), (2**32 - 1, 1)]:
+        if sizes == (c1, c0) and c0 == c1:
+            continue
+        assert_rejected(head + struct.pack("<2I", *sizes) + rest, "truncated|corrupt|declares|stray", n=n)
+    assert_rejected(head + struct.pack("<I", c0) + rest, "truncated|corrupt|declares|stray", n=n)  # short table
+
+
+def test_rejects_stray_bytes_after_the_last_chunk(chunked):
+    _, n, frame = chunked
+    assert_rejected(frame + b"junk", "4 stray bytes after the chunk 2", n=n)
+
+
+def test_chunked_frame_bit_flips_are_caught(chunked):
+    """Flips in the table, around each chunk's zstd header, and in each chunk's checksum.
+
+    A flip may go unnoticed only in a zstd frame header where it cannot change values:
+    the descriptor's unused bit, or a window descriptor asking for a larger window."""
+    codec, n, frame = chunked
+    reference = decode(frame)
+    c0, c1, _ = map(len, chunks_of(frame))
+    starts = [HEADER_BYTES + 8, HEADER_BYTES + 8 + c0, HEADER_BYTES + 8 + c0 + c1]
+    positions = set(range(HEADER_BYTES, HEADER_BYTES + 8))
+    for s in starts:
+        positions |= set(range(s, s + 8))
+    positions |= {s - k for s in starts[1:] + [len(frame)] for k in range(1, 5)}
+    allowed = {(s + 4, 4) for s in starts} | {(s + 5, b) for s in starts for b in range(8)}
+    for pos in sorted(positions):
+        for bit in (0, 3, 4, 7):  # a sample, to stay fast
+            bad = bytearray(frame)
+            bad[pos] ^= 1 << bit
+            out = sentinel(n)
+            before = out.tobytes()
+            try:
+                decode_into(bytes(bad), out, accumulate=False)
+            except CodecError as e:
+                assert out.tobytes() == before
+                assert any(w in str(e) for w in ("corrupt", "truncated", "declares", "stray")), str(e)
+            else:
+                assert same_bits(out, reference) and (pos, bit) in allowed, f"byte {pos} bit {bit}"
+
+
+@pytest.mark.parametrize("codec", FOUR_BIT)
+def test_bad_scale_in_a_later_chunk_names_its_block(codec):
+    x = big_vector(N3, seed=6)
+    frame = encode(x, codec)
+    chunks = chunks_of(frame)
+    body = bytearray(zstandard.ZstdDecompressor().decompress(chunks[1]))
+    body[2 * 7:2 * 7 + 2] = b"\x80\x7f" if codec == INT4 else b"\xff\xff"  # block 7 (int4) / 14 (mxfp4)
+    bad_chunk = zstandard.ZstdCompressor(write_checksum=True, write_content_size=True).compress(bytes(body))
+    bad = frame[:HEADER_BYTES] + struct.pack("<2I", len(chunks[0]), len(bad_chunk)) + chunks[0] + bad_chunk + chunks[2]
+    block = CHUNK_VALUES // BLOCK + (7 if codec == INT4 else 14)
+    assert_rejected(bad, f"invalid scale .* in block {block}$")
+    with pytest.raises(CodecError, match=f"block {block}"):
+        read_codes(bad)
+    out = sentinel(N3)
+    with pytest.raises(CodecError):
+        accumulate_ranges(bad, out, [0], [N3], [1.0])
+    assert same_bits(out, sentinel(N3))
+
+
+def test_refuses_absurd_chunk_count_without_allocating():
+    frame = encode(np.ones(100, np.float32))
+    bad = HEADER.pack(b"ATLQ", INT4, 2, BLOCK, 1 << 40) + frame[HEADER_BYTES:]
+    with pytest.raises(CodecError, match="truncated frame: 1099511627776 values need a table"):
+        decode(bad)
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_max_frame_bytes_bounds_incompressible_frames(codec):
+    rng = np.random.default_rng(7)
+    n = CHUNK_VALUES + 333
+    if codec == FP32:
+        x = rng.integers(0, 2**31, n, dtype=np.uint32).view(np.float32)  # random positive floats
+        x[~np.isfinite(x)] = 1.0
+    else:
+        x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-30, 30, n)).astype(np.float32)
+    frame = encode(x, codec)
+    assert len(frame) <= max_frame_bytes(n, codec)
+
+
+# ---- 10. merge kernels: range_sq_norms and accumulate_ranges ----
+
+def ragged_ranges(n: int, seed: int = 0, count: int = 40) -> tuple[np.ndarray, np.ndarray]:
+    """Ordered ranges that ignore block and chunk boundaries, with gaps and empty ranges."""
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(np.concatenate([[0, n], rng.integers(0, n + 1, 2 * count - 2)]))
+    offsets, ends = cuts[0::2], cuts[1::2]
+    return offsets.astype(np.int64), ends.astype(np.int64)
+
+
+def sq_norms_reference(values: np.ndarray, offsets, ends) -> np.ndarray:
+    """The documented order, in numpy: per 32-value block a pairwise tree of float64 squares
+    (lanes outside the range +0), block sums in order within a chunk, chunk sums in order."""
+    out = []
+    for o, e in zip(offsets.tolist(), ends.tolist()):
+        total = 0.0
+        for c0 in range(0, max(values.size, 1), CHUNK_VALUES):
+            a, b = max(o, c0), min(e, c0 + CHUNK_VALUES)
+            part = 0.0
+            if a < b:
+                b0, b1 = a // BLOCK, -(-b // BLOCK)
+                sq = np.zeros((b1 - b0) * BLOCK)
+                v = values[a:b].astype(np.float64)
+                sq[a - b0 * BLOCK:b - b0 * BLOCK] = v * v
+                t = sq.reshape(-1, BLOCK)
+                while t.shape[1] > 1:
+                    h = t.shape[1] // 2
+                    t = t[:, :h] + t[:, h:]
+                for block_sum in t[:, 0].tolist():
+                    part += block_sum
+            total += part
+        out.append(total)
+    return np.array(out)
+
+
+def add_scaled_reference(out: np.ndarray, values: np.ndarray, offsets, ends, scales) -> None:
+    for o, e, s in zip(offsets.tolist(), ends.tolist(), np.asarray(scales, np.float64).astype(np.float32)):
+        if s != 0:
+            t = values[o:e] * s  # multiply, then add: two float32 roundings
+            out[o:e] = out[o:e] + t
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+@pytest.mark.parametrize("n", [1, 31, 33, 5000, N3])
+def test_range_sq_norms_follow_the_documented_order(codec, n):
+    x = big_vector(n, seed=n)
+    frame = encode(x, codec)
+    values = decode(frame)
+    offsets, ends = ragged_ranges(n, seed=n)
+    got = range_sq_norms(frame, offsets, ends)
+    assert got.dtype == np.float64
+    assert got.tobytes() == sq_norms_reference(values, offsets, ends).tobytes()
+    # From the decoded float32 vector: the same bits (4-bit block sums are exact).
+    assert got.tobytes() == Codes.of_values(values).range_sq_norms(offsets, ends).tobytes()
+    exact = [np.sum(values[o:e].astype(np.float64) ** 2) for o, e in zip(offsets, ends)]
+    np.testing.assert_allclose(got, exact, rtol=1e-13)
+
+
+@pytest.mark.parametrize("codec", FOUR_BIT)
+def test_block_sums_of_squares_are_exact(codec):
+    """Values at the extremes of the scale range: each block's sum is exact in float64."""
+    x = np.concatenate([np.full(BLOCK, 3e38, np.float32), np.full(BLOCK, 1e-40, np.float32),
+                        np.linspace(-1e30, 1e30, BLOCK, dtype=np.float32)])
+    frame = encode(x, codec)
+    values = decode(frame).astype(np.float64)
+    got = range_sq_norms(frame, [0, BLOCK, 2 * BLOCK, 2 * BLOCK + 3], [BLOCK, 2 * BLOCK, 2 * BLOCK + 3, 3 * BLOCK])
+    import fractions
+    for g, (a, b) in zip(got, [(0, 32), (32, 64), (64, 67), (67, 96)]):
+        exact = sum(fractions.Fraction(float(v)) ** 2 for v in values[a:b])
+        assert fractions.Fraction(float(g)) == exact
+    assert np.all(np.isfinite(got))
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+@pytest.mark.parametrize("n", [1, 31, 33, 5000, N3])
+def test_accumulate_ranges_matches_numpy_bit_for_bit(codec, n):
+    x = big_vector(n, seed=n + 1)
+    frame = encode(x, codec)
+    values = decode(frame)
+    offsets, ends = ragged_ranges(n, seed=n + 2)
+    rng = np.random.default_rng(n)
+    scales = rng.uniform(-5, 5, len(offsets)) * 10.0 ** rng.uniform(-6, 3, len(offsets))
+    scales[::4] = 0.0
+    out = sentinel(n)
+    want = out.copy()
+    add_scaled_reference(want, values, offsets, ends, scales)
+    accumulate_ranges(frame, out, offsets, ends, scales)
+    assert out.tobytes() == want.tobytes()  # gaps between ranges untouched, too
+    again = sentinel(n)
+    Codes.of_values(values).accumulate_ranges(again, offsets, ends, scales)
+    assert again.tobytes() == want.tobytes()
+
+
+def test_range_arguments_are_checked():
+    frame = encode(np.ones(100, np.float32))
+    out = np.zeros(100, np.float32)
+    for offsets, ends, match in [([0, 50], [60, 100], "ordered"), ([10], [5], "ordered"), ([-1], [5], "ordered"),
+                                 ([0], [101], "within"), ([[0]], [[5]], "1-D"), ([0, 1], [1], "1-D")]:
+        with pytest.raises(CodecError, match=match):
+            range_sq_norms(frame, offsets, ends)
+        with pytest.raises(CodecError, match=match):
+            accumulate_ranges(frame, out, offsets, ends, np.ones(len(offsets)))
+    with pytest.raises(CodecError, match="2 scales for 1 ranges"):
+        accumulate_ranges(frame, out, [0], [100], [1.0, 2.0])
+    with pytest.raises(CodecError, match="out holds 99"):
+        accumulate_ranges(frame, np.zeros(99, np.float32), [0], [100], [1.0])
+    for bad in [np.nan, np.inf, 1e39]:
+        with pytest.raises(CodecError, match="not finite in float32"):
+            accumulate_ranges(frame, out, [0, 50], [50, 100], [1.0, bad])
+    assert not out.any()
+    assert range_sq_norms(frame, [], []).size == 0
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_accumulate_refuses_overflow_and_changes_nothing(codec):
+    n = CHUNK_VALUES + 100
+    x = np.full(n, 1.0, np.float32)
+    x[-50] = 3e38  # in the last chunk, in range 1
+    frame = encode(x, codec)
+    out = np.zeros(n, np.float32)
+    out[-50] = 3e38
+    before = out.tobytes()
+    with pytest.raises(CodecError, match=f"adding range 1 .* would overflow float32 at index {n - 50}"):
+        accumulate_ranges(frame, out, [0, 10], [10, n], [1.0, 1.0])
+    assert out.tobytes() == before
+    # The same terms with room to spare, or scaled down, go in.
+    accumulate_ranges(frame, out, [0, 10], [10, n], [1.0, -1.0])
+    assert np.isfinite(out).all() and out.tobytes() != before
+    big = np.zeros(n, np.float32)
+    with pytest.raises(CodecError, match="overflow"):
+        accumulate_ranges(frame, big, [0], [n], [2.0])  # 2 * 3e38 alone
+    assert not big.any()
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_range_max_abs_is_exact(codec):
+    x = big_vector(N3, seed=8)
+    frame = encode(x, codec)
+    values = np.abs(decode(frame))
+    offsets, ends = ragged_ranges(N3, seed=9)
+    want = [values[o:e].max(initial=0.0) for o, e in zip(offsets, ends)]
+    assert read_codes(frame).range_max_abs(offsets, ends).tolist() == want

@@ -1,16 +1,23 @@
-/* Blockwise 4-bit kernels for wire/codec.py: encode with error feedback, and
- * validate-then-decode-accumulate into a caller's float32 buffer.
+/* Kernels for wire/codec.py: blockwise 4-bit encode with error feedback, and, over the
+ * checked codes of one frame chunk, decode, per-range sums of squares, and per-range
+ * scaled accumulation, with no float32 copy of the decoded values.
  *
- * Payload layout of one frame body (before zstd), for n values in nb = ceil(n/32)
- * blocks: nb scales (int4: uint16 bfloat16 bits; mxfp4: uint8 E8M0), then nb*16
- * bytes of codes, 16 per block: byte j holds element j of the block in its low
- * nibble and element j + 16 in its high nibble (both halves load and store as
- * contiguous vectors; no lane shuffles).
+ * A chunk's body (before zstd), for n values in nb = ceil(n/32) blocks: nb scales
+ * (int4: uint16 bfloat16 bits; mxfp4: uint8 E8M0), then nb*16 bytes of codes, 16 per
+ * block: byte j holds element j of the block in its low nibble and element j + 16 in
+ * its high nibble (both halves load and store as contiguous vectors; no lane
+ * shuffles). FP32 chunks are little-endian float32 values and have no scales.
  *
  * Determinism: decoded values are (code value) * scale, both exact in float32, then
  * out += weight * value with one rounding each; built with -ffp-contract=off so no
  * platform fuses them. A learner that rebuilds published weights from deltas gets
- * the shard's bytes exactly.
+ * the shard's bytes exactly. Sums of squares are exact per block (see block_sq) and
+ * summed in block order, so they do not depend on the vector width either.
+ *
+ * Speed: the hot loops are written with GCC/Clang vector extensions (8 float lanes, a
+ * block as four vectors), which the x86-64-v3 clone runs as AVX2 and the baseline as
+ * SSE2 pairs; INT4 encode computes the scales of 8 blocks with one vector division.
+ * Every function here releases the GIL; wire/codec.py runs chunks on threads.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,28 +41,59 @@
 #ifndef HOT
 #define HOT
 #endif
+/* Helpers are always inlined: only HOT functions are cloned per target, and a helper
+ * called out of line would run the baseline (SSE2) code. */
+#define INLINE static inline __attribute__((always_inline))
+
+typedef enum { FMT_INT4 = 0, FMT_MXFP4 = 1, FMT_FP32 = 2 } fmt_t;
+
+/* A block's 32 values as four 8-lane vectors (GCC/Clang vector extensions: AVX2 in the
+ * x86-64-v3 clone, SSE2 pairs otherwise). Lane order is element order. */
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef struct { f32x8 v[4]; } blk_t;
 
 static float POW2[255]; /* POW2[k] = 2^(k-127), the E8M0 value of code k */
-static const float FP4_VALUES[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static inline float rne(float v) { return (v + RNE_MAGIC) - RNE_MAGIC; }
+INLINE uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+INLINE float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+INLINE float rne(float v) { return (v + RNE_MAGIC) - RNE_MAGIC; }
+INLINE Py_ssize_t smin(Py_ssize_t a, Py_ssize_t b) { return a < b ? a : b; }
+INLINE Py_ssize_t smax(Py_ssize_t a, Py_ssize_t b) { return a > b ? a : b; }
 
-/* y = x + r over one block; returns the max of |y| as float bits (>= INF_BITS: non-finite). */
-static inline uint32_t load_block(const float *restrict x, const float *restrict r, float *restrict y) {
+/* y = x + r over one block; returns the max of |y| as float bits (>= INF_BITS: non-finite).
+ * Integer max over the bit patterns: one vector compare per 8 lanes, no NaN branches. */
+INLINE uint32_t load_block(const float *restrict x, const float *restrict r, float *restrict y) {
+    uint32_t bits[BLOCK];
+    if (r)
+        for (int i = 0; i < BLOCK; i++) y[i] = x[i] + r[i];
+    else
+        memcpy(y, x, sizeof(float) * BLOCK);
+    for (int i = 0; i < BLOCK; i++) bits[i] = f2u(y[i]) & ABS_MASK;
     uint32_t amax = 0;
-    for (int i = 0; i < BLOCK; i++) {
-        y[i] = r ? x[i] + r[i] : x[i];
-        uint32_t a = f2u(y[i]) & ABS_MASK;
-        amax = a > amax ? a : amax;
-    }
+    for (int i = 0; i < BLOCK; i++) amax = bits[i] > amax ? bits[i] : amax;
     return amax;
 }
 
+/* mask ? a : b, lane-wise, for a mask from a vector comparison (all bits set or clear).
+ * A cast between vector types of one size keeps the bits. Macros: a function passing
+ * 32-byte vectors by value has another ABI in the baseline build. */
+#define USEL(mask, a, b) (((a) & (u32x8)(mask)) | ((b) & ~(u32x8)(mask)))
+#define FSEL(mask, a, b) ((f32x8)USEL(mask, (u32x8)(a), (u32x8)(b)))
+
 /* out = w * v (acc = 0) or out += w * v: one rounding per operation, never fused. */
-static inline void store_block(const float *restrict v, float w, int acc, float *restrict out) {
+INLINE void store_blk(const blk_t *b, float w, int acc, float *restrict out) {
+    for (int k = 0; k < 4; k++) {
+        f32x8 p = w == 1.0f ? b->v[k] : b->v[k] * w, o;
+        if (acc) { memcpy(&o, out + 8 * k, sizeof o); p = o + p; }
+        memcpy(out + 8 * k, &p, sizeof p);
+    }
+}
+
+/* out = w * v (acc = 0) or out += w * v: one rounding per operation, never fused. */
+INLINE void store_block(const float *restrict v, float w, int acc, float *restrict out) {
     if (!acc)
         for (int i = 0; i < BLOCK; i++) out[i] = w == 1.0f ? v[i] : w * v[i];
     else if (w == 1.0f)
@@ -66,7 +104,7 @@ static inline void store_block(const float *restrict v, float w, int acc, float 
 
 /* ---- int4: symmetric [-7, 7], bfloat16 scale >= absmax / 7 ---- */
 
-static inline uint16_t int4_block(const float *restrict y, uint32_t amax_bits, float *restrict r_out,
+INLINE uint16_t int4_block(const float *restrict y, uint32_t amax_bits, float *restrict r_out,
                                   uint8_t *restrict codes) {
     uint32_t s_bits = f2u(u2f(amax_bits) / 7.0f);
     if (s_bits & 0xffffu) s_bits += 0x10000u; /* round the scale up: no value exceeds 7 */
@@ -86,22 +124,75 @@ static inline uint16_t int4_block(const float *restrict y, uint32_t amax_bits, f
     return (uint16_t)(s_bits >> 16);
 }
 
-static inline float int4_scale(uint16_t bits) { return u2f((uint32_t)bits << 16); }
-static inline int int4_scale_ok(uint16_t bits) { return bits <= INT4_MAX_SCALE; } /* also: sign clear, finite */
+#define GROUP 8 /* blocks whose scales are computed together: one vector division for 8 */
 
-static inline void int4_decode_block(float s, float w, int acc, const uint8_t *restrict codes,
-                                     float *restrict out) {
-    float v[BLOCK];
-    for (int j = 0; j < HALF; j++) {
-        v[j] = (float)((int8_t)(codes[j] << 4) >> 4) * s;
-        v[j + HALF] = (float)((int8_t)codes[j] >> 4) * s;
+/* int4_block for GROUP whole blocks at once, vectorized: the same bits. x (+ r) must be
+ * finite (the caller checks amax first); writes GROUP scales, codes and residuals. */
+INLINE void int4_group(const blk_t *restrict y, const uint32_t *restrict amax, float *restrict r_out,
+                       uint8_t *restrict scales, uint8_t *restrict codes) {
+    u32x8 bits;
+    memcpy(&bits, amax, sizeof bits);
+    bits = (u32x8)((f32x8)bits / 7.0f);
+    bits += (u32x8)((bits & 0xffffu) != 0u) & 0x10000u; /* round the scale up */
+    bits &= 0xffff0000u;
+    u32x8 cap = (u32x8){0} + (INT4_MAX_SCALE << 16);
+    bits = USEL(bits > cap, cap, bits); /* near FLT_MAX: clip at 7s */
+    for (int b = 0; b < GROUP; b++) {
+        uint16_t s16 = (uint16_t)(bits[b] >> 16);
+        memcpy(scales + 2 * b, &s16, 2);
+        float s = u2f(bits[b]);
+        i32x8 q[4] = {{0}};
+        if (s > 0.0f)
+            for (int k = 0; k < 4; k++) {
+                f32x8 v = y[b].v[k] / s; /* divide: the reciprocal would misround ties */
+                v = (v + RNE_MAGIC) - RNE_MAGIC;
+                v = FSEL(v > 7.0f, (f32x8){0} + 7.0f, v);
+                v = FSEL(v < -7.0f, (f32x8){0} - 7.0f, v);
+                q[k] = __builtin_convertvector(v, i32x8);
+            }
+        if (r_out)
+            for (int k = 0; k < 4; k++) {
+                f32x8 d = y[b].v[k] - __builtin_convertvector(q[k], f32x8) * s;
+                memcpy(r_out + b * BLOCK + 8 * k, &d, sizeof d);
+            }
+        u8x8 lo = __builtin_convertvector((q[0] & 15) | ((q[2] & 15) << 4), u8x8);
+        u8x8 hi = __builtin_convertvector((q[1] & 15) | ((q[3] & 15) << 4), u8x8);
+        memcpy(codes + b * HALF, &lo, 8);
+        memcpy(codes + b * HALF + 8, &hi, 8);
     }
-    store_block(v, w, acc, out);
+}
+
+INLINE float int4_scale(const uint8_t *scales, Py_ssize_t b) {
+    uint16_t bits;
+    memcpy(&bits, scales + 2 * b, 2); /* little-endian on every supported host */
+    return u2f((uint32_t)bits << 16);
+}
+INLINE int int4_scale_ok(uint16_t bits) { return bits <= INT4_MAX_SCALE; } /* also: sign clear, finite */
+
+/* A 4-bit two's complement nibble n as an int: (n ^ 8) - 8 (byte-wide ops vectorize). */
+INLINE int int4_of(unsigned n) { return (int)(n ^ 8u) - 8; }
+
+/* The 32 nibbles of a block as four 8-lane int vectors, in element order: elements
+ * 0-7 and 8-15 are the low nibbles of bytes 0-7 and 8-15, elements 16-31 the high ones. */
+INLINE void nibbles8(const uint8_t *restrict codes, u32x8 n[4]) {
+    u8x8 a, b;
+    memcpy(&a, codes, 8);
+    memcpy(&b, codes + 8, 8);
+    n[0] = __builtin_convertvector(a & 15, u32x8);
+    n[1] = __builtin_convertvector(b & 15, u32x8);
+    n[2] = __builtin_convertvector(a >> 4, u32x8);
+    n[3] = __builtin_convertvector(b >> 4, u32x8);
+}
+
+INLINE void int4_blk(float s, const uint8_t *restrict codes, blk_t *out) {
+    u32x8 n[4];
+    nibbles8(codes, n);
+    for (int k = 0; k < 4; k++) out->v[k] = __builtin_convertvector((i32x8)(n[k] ^ 8u) - 8, f32x8) * s;
 }
 
 /* ---- mxfp4: E2M1 elements, E8M0 scale 2^(floor(log2 absmax) - 2) ---- */
 
-static inline uint8_t mxfp4_block(const float *restrict y, uint32_t amax_bits, float *restrict r_out,
+INLINE uint8_t mxfp4_block(const float *restrict y, uint32_t amax_bits, float *restrict r_out,
                                   uint8_t *restrict codes) {
     int e;
     if (amax_bits == 0) e = -127;
@@ -133,27 +224,135 @@ static inline uint8_t mxfp4_block(const float *restrict y, uint32_t amax_bits, f
     return (uint8_t)(e + 127);
 }
 
-static inline void mxfp4_decode_block(float s, float w, int acc, const uint8_t *restrict codes,
-                                      float *restrict out) {
-    float v[BLOCK];
-    for (int j = 0; j < HALF; j++) {
-        v[j] = FP4_VALUES[codes[j] & 15] * s;
-        v[j + HALF] = FP4_VALUES[codes[j] >> 4] * s;
-    }
-    store_block(v, w, acc, out);
+/* (2 * |E2M1 value|)^2 of code n: an integer (0, 1, 4, 9, 16, 36, 64 or 144). */
+INLINE int fp4_sq4(uint32_t n) {
+    uint32_t e = (n >> 1) & 3u, m = n & 1u, t = 2u + m;
+    return (int)(e ? (t * t) << (2 * e - 2) : m);
 }
 
-/* ---- drivers over whole arrays ---- */
+INLINE void mxfp4_blk(float s, const uint8_t *restrict codes, blk_t *out) {
+    u32x8 n[4];
+    nibbles8(codes, n);
+    for (int k = 0; k < 4; k++) { /* E2M1 from its bits: e > 0 is 2^(e-1) (1 + m/2); e == 0 is m/2 */
+        u32x8 e = (n[k] >> 1) & 3u, m = n[k] & 1u;
+        u32x8 normal = ((e + 126u) << 23) | (m << 22), tiny = m * 0x3f000000u;
+        out->v[k] = (f32x8)(USEL(e != 0u, normal, tiny) | ((n[k] & 8u) << 28)) * s;
+    }
+}
 
-typedef enum { FMT_INT4 = 0, FMT_MXFP4 = 1 } fmt_t;
+/* ---- a chunk: scales + codes (4-bit) or float32 values (FP32), count values ---- */
+
+typedef struct {
+    fmt_t fmt;
+    const uint8_t *scales; /* 4-bit: nb scales */
+    const uint8_t *codes;  /* 4-bit: nb * 16 code bytes; FP32: count float32 values */
+    Py_ssize_t count;
+} chunk_t;
+
+/* The 32 values of full block b (FP32: b * 32 + 32 <= count). */
+INLINE void chunk_blk(const chunk_t *c, Py_ssize_t b, blk_t *out) {
+    if (c->fmt == FMT_INT4) int4_blk(int4_scale(c->scales, b), c->codes + b * HALF, out);
+    else if (c->fmt == FMT_MXFP4) mxfp4_blk(POW2[c->scales[b]], c->codes + b * HALF, out);
+    else memcpy(out, (const float *)c->codes + b * BLOCK, sizeof *out);
+}
+
+/* The 32 values of block b (FP32: only lanes below count are read; the rest are 0). */
+INLINE void block_values(const chunk_t *c, Py_ssize_t b, float *restrict v) {
+    if (c->fmt != FMT_FP32) {
+        blk_t t;
+        chunk_blk(c, b, &t);
+        memcpy(v, &t, sizeof t);
+    } else {
+        Py_ssize_t len = smin(c->count - b * BLOCK, BLOCK);
+        memcpy(v, (const float *)c->codes + b * BLOCK, len * sizeof(float));
+        if (len < BLOCK) memset(v + len, 0, (BLOCK - len) * sizeof(float));
+    }
+}
+
+/* The largest |value| of block b's lanes [lo, hi); with exact = 0 a 4-bit block gives
+ * the most its scale allows instead (7 or 6 times it), from the scale alone. */
+INLINE double block_max_abs(const chunk_t *c, Py_ssize_t b, int lo, int hi, int exact) {
+    if (!exact && c->fmt == FMT_INT4) return 7.0 * (double)int4_scale(c->scales, b);
+    if (!exact && c->fmt == FMT_MXFP4) return 6.0 * (double)POW2[c->scales[b]];
+    float v[BLOCK];
+    block_values(c, b, v);
+    uint32_t m = 0;
+    for (int i = lo; i < hi; i++) { uint32_t a = f2u(v[i]) & ABS_MASK; m = a > m ? a : m; }
+    return (double)u2f(m);
+}
+
+/* Sum of squares of block b's lanes [lo, hi), in float64.
+ *
+ * The definition is a pairwise tree: s[j] = sq[j] + sq[j + w] for w = 16, 8, 4, 2, 1,
+ * lanes outside [lo, hi) counting as +0. For 4-bit codes every partial sum of that tree
+ * is an integer times scale^2 (int4: sum q^2 <= 1568; mxfp4: sum (2e)^2 <= 4608, times
+ * (scale/2)^2) and exact in float64, so the integer sum below is the tree's value. */
+INLINE double block_sq(const chunk_t *c, Py_ssize_t b, int lo, int hi) {
+    if (c->fmt == FMT_FP32) {
+        const float *v = (const float *)c->codes + b * BLOCK;
+        double sq[BLOCK];
+        for (int i = 0; i < BLOCK; i++) sq[i] = 0.0;
+        for (int i = lo; i < hi; i++) sq[i] = (double)v[i] * (double)v[i];
+        for (int w = HALF; w >= 1; w /= 2)
+            for (int j = 0; j < w; j++) sq[j] = sq[j] + sq[j + w];
+        return sq[0];
+    }
+    const uint8_t *codes = c->codes + b * HALF;
+    int sum = 0;
+    if (c->fmt == FMT_INT4) {
+        if (lo == 0 && hi == BLOCK) {
+            for (int j = 0; j < HALF; j++) {
+                int l = int4_of(codes[j] & 15u), h = int4_of(codes[j] >> 4);
+                sum += l * l + h * h;
+            }
+        } else {
+            for (int i = lo; i < hi; i++) {
+                int q = int4_of(i < HALF ? codes[i] & 15u : codes[i - HALF] >> 4);
+                sum += q * q;
+            }
+        }
+        double s = (double)int4_scale(c->scales, b);
+        return (double)sum * (s * s);
+    }
+    if (lo == 0 && hi == BLOCK)
+        for (int j = 0; j < HALF; j++) sum += fp4_sq4(codes[j] & 15u) + fp4_sq4(codes[j] >> 4);
+    else
+        for (int i = lo; i < hi; i++) sum += fp4_sq4(i < HALF ? codes[i] & 15u : codes[i - HALF] >> 4);
+    double s = 0.5 * (double)POW2[c->scales[b]];
+    return (double)sum * (s * s);
+}
+
+/* ---- drivers ---- */
 
 /* Returns -1 on success, else the index of the first non-finite input (nothing then
  * is meaningful in the outputs, and the caller discards them). */
 HOT static Py_ssize_t encode_all(fmt_t fmt, const float *x, const float *r, float *r_out, Py_ssize_t n,
                                  uint8_t *scales, uint8_t *codes) {
-    Py_ssize_t nb = (n + BLOCK - 1) / BLOCK;
+    Py_ssize_t nb = (n + BLOCK - 1) / BLOCK, b = 0;
     float y[BLOCK], tx[BLOCK], tr[BLOCK], tro[BLOCK];
-    for (Py_ssize_t b = 0; b < nb; b++) {
+    if (fmt == FMT_INT4) /* groups of whole blocks, vectorized; the rest one block at a time */
+        for (; (b + GROUP) * BLOCK <= n; b += GROUP) {
+            blk_t yg[GROUP];
+            uint32_t amax[GROUP], worst = 0;
+            for (int g = 0; g < GROUP; g++) {
+                const float *bx = x + (b + g) * BLOCK, *br = r ? r + (b + g) * BLOCK : NULL;
+                u32x8 m = {0};
+                for (int k = 0; k < 4; k++) {
+                    f32x8 v, t;
+                    memcpy(&v, bx + 8 * k, sizeof v);
+                    if (br) { memcpy(&t, br + 8 * k, sizeof t); v = v + t; }
+                    yg[g].v[k] = v;
+                    u32x8 u = (u32x8)v & ABS_MASK;
+                    m = USEL(u > m, u, m); /* integer max of |y| bits: no NaN branches */
+                }
+                amax[g] = 0;
+                for (int l = 0; l < 8; l++) amax[g] = m[l] > amax[g] ? m[l] : amax[g];
+                worst = amax[g] > worst ? amax[g] : worst;
+            }
+            if (worst >= INF_BITS) break; /* the block-at-a-time loop finds and reports it */
+            int4_group(yg, amax, r_out ? r_out + b * BLOCK : NULL, scales + 2 * b, codes + b * HALF);
+        }
+    for (; b < nb; b++) {
         Py_ssize_t off = b * BLOCK, len = n - off < BLOCK ? n - off : BLOCK;
         const float *bx = x + off, *br = r ? r + off : NULL;
         float *bro = r_out ? r_out + off : NULL;
@@ -170,7 +369,7 @@ HOT static Py_ssize_t encode_all(fmt_t fmt, const float *x, const float *r, floa
         }
         if (fmt == FMT_INT4) {
             uint16_t s = int4_block(y, amax, bro, codes + b * HALF);
-            memcpy(scales + 2 * b, &s, 2); /* little-endian on every supported host */
+            memcpy(scales + 2 * b, &s, 2);
         } else {
             scales[b] = mxfp4_block(y, amax, bro, codes + b * HALF);
         }
@@ -179,21 +378,35 @@ HOT static Py_ssize_t encode_all(fmt_t fmt, const float *x, const float *r, floa
     return -1;
 }
 
-/* Returns -1 when the body is valid, else the index of the first bad block: a scale
- * out of range, or a nonzero code in the padding after the last value. */
-static Py_ssize_t check_body(fmt_t fmt, const uint8_t *scales, const uint8_t *codes, Py_ssize_t n) {
-    Py_ssize_t nb = (n + BLOCK - 1) / BLOCK;
-    for (Py_ssize_t b = 0; b < nb; b++) {
-        if (fmt == FMT_INT4) {
-            uint16_t s; memcpy(&s, scales + 2 * b, 2);
-            if (!int4_scale_ok(s)) return b;
-        } else if (scales[b] > MXFP4_MAX_SCALE) {
-            return b;
+/* Returns -1 when the chunk is valid, else (4-bit) the index of the first bad block: a
+ * scale out of range, or a nonzero code in the padding after the last value; (FP32)
+ * the index of the first non-finite value. */
+HOT static Py_ssize_t check_chunk(const chunk_t *c) {
+    Py_ssize_t n = c->count, nb = (n + BLOCK - 1) / BLOCK;
+    if (c->fmt == FMT_FP32) {
+        const float *v = (const float *)c->codes;
+        for (Py_ssize_t off = 0; off < n; off += BLOCK) { /* one vector test per block */
+            Py_ssize_t len = smin(n - off, BLOCK);
+            uint32_t amax = 0;
+            for (Py_ssize_t i = 0; i < len; i++) { uint32_t a = f2u(v[off + i]) & ABS_MASK; amax = a > amax ? a : amax; }
+            if (amax >= INF_BITS)
+                for (Py_ssize_t i = 0; i < len; i++)
+                    if (!isfinite(v[off + i])) return off + i;
         }
+        return -1;
+    }
+    if (c->fmt == FMT_INT4) {
+        uint16_t worst = 0; /* scan without branching, then find the block */
+        for (Py_ssize_t b = 0; b < nb; b++) { uint16_t s; memcpy(&s, c->scales + 2 * b, 2); worst = s > worst ? s : worst; }
+        if (!int4_scale_ok(worst))
+            for (Py_ssize_t b = 0; b < nb; b++) { uint16_t s; memcpy(&s, c->scales + 2 * b, 2); if (!int4_scale_ok(s)) return b; }
+    } else {
+        for (Py_ssize_t b = 0; b < nb; b++)
+            if (c->scales[b] > MXFP4_MAX_SCALE) return b;
     }
     Py_ssize_t tail = n % BLOCK;
     if (tail) {
-        const uint8_t *last = codes + (nb - 1) * HALF;
+        const uint8_t *last = c->codes + (nb - 1) * HALF;
         for (Py_ssize_t i = tail; i < BLOCK; i++) {
             uint8_t nibble = i < HALF ? last[i] & 15 : last[i - HALF] >> 4;
             if (nibble) return nb - 1;
@@ -202,46 +415,156 @@ static Py_ssize_t check_body(fmt_t fmt, const uint8_t *scales, const uint8_t *co
     return -1;
 }
 
-HOT static void decode_all(fmt_t fmt, const uint8_t *scales, const uint8_t *codes, Py_ssize_t n,
-                           float *out, float w, int acc) {
-    Py_ssize_t nb = n / BLOCK;
+/* out[0:count] = w * values (acc = 0) or += (acc = 1). The chunk must have passed check_chunk. */
+HOT static void decode_chunk(const chunk_t *c, float *out, float w, int acc) {
+    Py_ssize_t n = c->count, nb = n / BLOCK;
+    blk_t v;
     for (Py_ssize_t b = 0; b < nb; b++) {
-        if (fmt == FMT_INT4) {
-            uint16_t s; memcpy(&s, scales + 2 * b, 2);
-            int4_decode_block(int4_scale(s), w, acc, codes + b * HALF, out + b * BLOCK);
-        } else {
-            mxfp4_decode_block(POW2[scales[b]], w, acc, codes + b * HALF, out + b * BLOCK);
-        }
+        chunk_blk(c, b, &v);
+        store_blk(&v, w, acc, out + b * BLOCK);
     }
     Py_ssize_t tail = n - nb * BLOCK;
     if (tail) {
         float t[BLOCK];
+        block_values(c, nb, (float *)&v);
         memcpy(t, out + nb * BLOCK, tail * sizeof(float));
-        if (fmt == FMT_INT4) {
-            uint16_t s; memcpy(&s, scales + 2 * nb, 2);
-            int4_decode_block(int4_scale(s), w, acc, codes + nb * HALF, t);
-        } else {
-            mxfp4_decode_block(POW2[scales[nb]], w, acc, codes + nb * HALF, t);
-        }
+        store_block((const float *)&v, w, acc, t);
         memcpy(out + nb * BLOCK, t, tail * sizeof(float));
     }
 }
 
+/* Sum of squares of the 32 values of full block b, as block_sq(c, b, 0, 32). */
+INLINE double full_block_sq(const chunk_t *c, Py_ssize_t b) {
+    if (c->fmt == FMT_FP32) return block_sq(c, b, 0, BLOCK);
+    u32x8 n[4];
+    i32x8 sum = {0};
+    nibbles8(c->codes + b * HALF, n);
+    double s;
+    if (c->fmt == FMT_INT4) {
+        for (int k = 0; k < 4; k++) { i32x8 q = (i32x8)(n[k] ^ 8u) - 8; sum += q * q; }
+        s = (double)int4_scale(c->scales, b);
+    } else {
+        for (int k = 0; k < 4; k++) { /* fp4_sq4, lane-wise */
+            u32x8 e = (n[k] >> 1) & 3u, m = n[k] & 1u, t = 2u + m;
+            i32x8 normal = e != 0u;
+            sum += (i32x8)USEL(normal, (t * t) << ((2u * e - 2u) & (u32x8)normal), m);
+        }
+        s = 0.5 * (double)POW2[c->scales[b]];
+    }
+    int total = 0; /* integers: any order is exact */
+    for (int k = 0; k < 8; k++) total += sum[k];
+    return (double)total * (s * s);
+}
+
+/* sq[r] = sum over the blocks of range r in this chunk, in block order from 0.0, of
+ * block_sq; max_abs[r] = the largest |value| there (exact = 0: a bound from the scales).
+ * Ranges are [offsets[r] - start, ends[r] - start) clipped to the chunk. */
+HOT static void range_stats(const chunk_t *c, Py_ssize_t start, const int64_t *offsets, const int64_t *ends,
+                            Py_ssize_t nr, double *sq, double *max_abs, int exact) {
+    for (Py_ssize_t r = 0; r < nr; r++) {
+        Py_ssize_t a = smax(offsets[r] - start, 0), b = smin(ends[r] - start, c->count);
+        double total = 0.0, m = 0.0;
+        for (Py_ssize_t blk = a / BLOCK; a < b && blk * BLOCK < b; blk++) {
+            int lo = (int)smax(a - blk * BLOCK, 0), hi = (int)smin(b - blk * BLOCK, BLOCK);
+            if (sq) total += lo == 0 && hi == BLOCK ? full_block_sq(c, blk) : block_sq(c, blk, lo, hi);
+            if (max_abs) { double x = block_max_abs(c, blk, lo, hi, exact); m = x > m ? x : m; }
+        }
+        if (sq) sq[r] = total;
+        if (max_abs) max_abs[r] = m;
+    }
+}
+
+/* out[start + i] += w[r] * value_i for i in range r (w[r] == 0: skipped). check = 1 only
+ * computes the sums and returns the first global index where one is not finite (-1: none). */
+HOT static Py_ssize_t accumulate_ranges(const chunk_t *c, Py_ssize_t start, const int64_t *offsets,
+                                        const int64_t *ends, const float *ws, Py_ssize_t nr, float *out,
+                                        int check) {
+    float v[BLOCK];
+    for (Py_ssize_t r = 0; r < nr; r++) {
+        float w = ws[r];
+        Py_ssize_t a = smax(offsets[r] - start, 0), b = smin(ends[r] - start, c->count);
+        if (w == 0.0f || a >= b) continue;
+        for (Py_ssize_t blk = a / BLOCK; blk * BLOCK < b; blk++) {
+            int lo = (int)smax(a - blk * BLOCK, 0), hi = (int)smin(b - blk * BLOCK, BLOCK);
+            float *o = out + start + blk * BLOCK;
+            if (!check && lo == 0 && hi == BLOCK) { /* the bulk: whole blocks as vectors */
+                blk_t t;
+                chunk_blk(c, blk, &t);
+                store_blk(&t, w, 1, o);
+                continue;
+            }
+            block_values(c, blk, v);
+            if (check) {
+                uint32_t worst = 0;
+                for (int i = lo; i < hi; i++) {
+                    float p = w * v[i];
+                    uint32_t t = f2u(o[i] + p) & ABS_MASK;
+                    worst = t > worst ? t : worst;
+                }
+                if (worst >= INF_BITS)
+                    for (int i = lo; i < hi; i++) {
+                        float p = w * v[i];
+                        if (!isfinite(o[i] + p)) return start + blk * BLOCK + i;
+                    }
+            } else {
+                for (int i = lo; i < hi; i++) {
+                    float p = w * v[i]; /* multiply, then add: never fused */
+                    o[i] = o[i] + p;
+                }
+            }
+        }
+    }
+    return -1;
+}
+
 /* ---- Python bindings ---- */
 
-static Py_ssize_t scale_bytes(fmt_t fmt) { return fmt == FMT_INT4 ? 2 : 1; }
+static Py_ssize_t scale_bytes(fmt_t fmt) { return fmt == FMT_INT4 ? 2 : fmt == FMT_MXFP4 ? 1 : 0; }
 
 static int get_fmt(int code, fmt_t *fmt) {
-    if (code == FMT_INT4 || code == FMT_MXFP4) { *fmt = (fmt_t)code; return 0; }
+    if (code == FMT_INT4 || code == FMT_MXFP4 || code == FMT_FP32) { *fmt = (fmt_t)code; return 0; }
     PyErr_Format(PyExc_ValueError, "unknown kernel format %d", code);
     return -1;
 }
 
+/* Fills a chunk from (fmt, scales, codes, count) buffers, checking their lengths. */
+static int get_chunk(int code, Py_buffer *scales, Py_buffer *codes, Py_ssize_t count, chunk_t *c) {
+    if (get_fmt(code, &c->fmt) < 0) return -1;
+    if (count < 0) { PyErr_SetString(PyExc_ValueError, "negative count"); return -1; }
+    Py_ssize_t nb = (count + BLOCK - 1) / BLOCK;
+    Py_ssize_t want_s = c->fmt == FMT_FP32 ? 0 : nb * scale_bytes(c->fmt);
+    Py_ssize_t want_c = c->fmt == FMT_FP32 ? 4 * count : nb * HALF;
+    if (scales->len != want_s || codes->len != want_c) {
+        PyErr_Format(PyExc_ValueError, "chunk of %zd values needs %zd scale and %zd code bytes, got %zd and %zd",
+                     count, want_s, want_c, scales->len, codes->len);
+        return -1;
+    }
+    if (c->fmt == FMT_FP32 && ((uintptr_t)codes->buf % 4)) {
+        PyErr_SetString(PyExc_ValueError, "float32 values are not 4-byte aligned");
+        return -1;
+    }
+    c->scales = scales->buf;
+    c->codes = codes->buf;
+    c->count = count;
+    return 0;
+}
+
+/* Checks a ranges triple: int64 offsets and ends of nr ranges, and an output of nr items. */
+static int get_ranges(Py_buffer *offsets, Py_buffer *ends, Py_buffer *per_range, Py_ssize_t item, Py_ssize_t *nr) {
+    *nr = offsets->len / 8;
+    if (offsets->len % 8 || ends->len != offsets->len || per_range->len != *nr * item ||
+        ((uintptr_t)offsets->buf % 8) || ((uintptr_t)ends->buf % 8) || ((uintptr_t)per_range->buf % item)) {
+        PyErr_SetString(PyExc_ValueError, "offsets and ends must be aligned int64 arrays with one output per range");
+        return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(encode_doc,
 "encode(fmt, x, residual, residual_out, body) -> int\n\n"
-"Quantises float32 x (+ residual when not None) into body (scales then codes).\n"
-"Writes x + residual - decoded into residual_out when not None. Returns -1, or the\n"
-"index of the first non-finite value (outputs are then meaningless).");
+"Quantises float32 x (+ residual when not None) into body (scales then codes; 4-bit\n"
+"formats only). Writes x + residual - decoded into residual_out when not None. Returns\n"
+"-1, or the index of the first non-finite value (outputs are then meaningless).");
 
 static PyObject *py_encode(PyObject *self, PyObject *args) {
     int code;
@@ -252,6 +575,7 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
     int have_r = 0, have_ro = 0;
     fmt_t fmt;
     if (get_fmt(code, &fmt) < 0) goto done;
+    if (fmt == FMT_FP32) { PyErr_SetString(PyExc_ValueError, "encode takes a 4-bit format"); goto done; }
     if (r_obj != Py_None) { if (PyObject_GetBuffer(r_obj, &r, PyBUF_SIMPLE) < 0) goto done; have_r = 1; }
     if (ro_obj != Py_None) { if (PyObject_GetBuffer(ro_obj, &ro, PyBUF_WRITABLE) < 0) goto done; have_ro = 1; }
     if (x.len % 4) { PyErr_SetString(PyExc_ValueError, "x is not float32"); goto done; }
@@ -276,41 +600,125 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(check_doc,
+"check(fmt, scales, codes, count) -> int\n\n"
+"Checks one chunk: every scale in range and the tail block's padding zero (4-bit), or\n"
+"every value finite (FP32). Returns -1, else the first bad block (4-bit) or value (FP32).");
+
+static PyObject *py_check(PyObject *self, PyObject *args) {
+    int code;
+    Py_ssize_t count;
+    Py_buffer scales, codes;
+    if (!PyArg_ParseTuple(args, "iy*y*n", &code, &scales, &codes, &count)) return NULL;
+    PyObject *result = NULL;
+    chunk_t c;
+    if (get_chunk(code, &scales, &codes, count, &c) == 0) {
+        Py_ssize_t bad;
+        Py_BEGIN_ALLOW_THREADS
+        bad = check_chunk(&c);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSsize_t(bad);
+    }
+    PyBuffer_Release(&scales); PyBuffer_Release(&codes);
+    return result;
+}
+
 PyDoc_STRVAR(decode_doc,
-"decode(fmt, body, out, weight, accumulate) -> int\n\n"
-"Checks every scale and the tail padding in body, then writes (accumulate=False) or adds (True)\n"
-"weight * decoded into float32 out. Returns -1, or the index of the first block\n"
-"that fails the check, in which case out is untouched.");
+"decode(fmt, scales, codes, out, weight, accumulate) -> None\n\n"
+"Writes (accumulate=False) or adds (True) weight * values of a checked chunk into\n"
+"float32 out, which holds exactly the chunk's values.");
 
 static PyObject *py_decode(PyObject *self, PyObject *args) {
     int code, acc;
     float w;
-    Py_buffer body, out;
-    if (!PyArg_ParseTuple(args, "iy*w*fp", &code, &body, &out, &w, &acc)) return NULL;
+    Py_buffer scales, codes, out;
+    if (!PyArg_ParseTuple(args, "iy*y*w*fp", &code, &scales, &codes, &out, &w, &acc)) return NULL;
     PyObject *result = NULL;
-    fmt_t fmt;
-    if (get_fmt(code, &fmt) < 0) goto done;
-    if (out.len % 4) { PyErr_SetString(PyExc_ValueError, "out is not float32"); goto done; }
-    Py_ssize_t n = out.len / 4, nb = (n + BLOCK - 1) / BLOCK;
-    if (body.len != nb * (scale_bytes(fmt) + HALF)) {
-        PyErr_Format(PyExc_ValueError, "body holds %zd bytes, %zd values need %zd", body.len, n,
-                     nb * (scale_bytes(fmt) + HALF));
+    chunk_t c;
+    if (out.len % 4 || (uintptr_t)out.buf % 4) {
+        PyErr_SetString(PyExc_ValueError, "out is not aligned float32");
+    } else if (get_chunk(code, &scales, &codes, out.len / 4, &c) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        decode_chunk(&c, out.buf, w, acc);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&scales); PyBuffer_Release(&codes); PyBuffer_Release(&out);
+    return result;
+}
+
+PyDoc_STRVAR(range_stats_doc,
+"range_stats(fmt, scales, codes, count, start, offsets, ends, sq, max_abs, exact) -> None\n\n"
+"For the chunk holding values [start, start + count) of a vector and int64 ranges\n"
+"[offsets[r], ends[r]) of that vector: sq[r] (float64, or None) = the range's sum of\n"
+"squares within the chunk, in block order; max_abs[r] (float64, or None) = the largest\n"
+"|value| there (exact=False: for 4-bit, 7 or 6 times the largest scale, a bound).");
+
+static PyObject *py_range_stats(PyObject *self, PyObject *args) {
+    int code, exact;
+    Py_ssize_t count, start;
+    Py_buffer scales, codes, offsets, ends, sq = {0}, mx = {0};
+    PyObject *sq_obj, *mx_obj;
+    if (!PyArg_ParseTuple(args, "iy*y*nny*y*OOp", &code, &scales, &codes, &count, &start, &offsets, &ends,
+                          &sq_obj, &mx_obj, &exact)) return NULL;
+    PyObject *result = NULL;
+    int have_sq = 0, have_mx = 0;
+    chunk_t c;
+    Py_ssize_t nr;
+    if (get_chunk(code, &scales, &codes, count, &c) < 0) goto done;
+    if (sq_obj != Py_None) { if (PyObject_GetBuffer(sq_obj, &sq, PyBUF_WRITABLE) < 0) goto done; have_sq = 1; }
+    if (mx_obj != Py_None) { if (PyObject_GetBuffer(mx_obj, &mx, PyBUF_WRITABLE) < 0) goto done; have_mx = 1; }
+    if (get_ranges(&offsets, &ends, have_sq ? &sq : &mx, 8, &nr) < 0) goto done;
+    if (have_sq && have_mx && mx.len != sq.len) { PyErr_SetString(PyExc_ValueError, "sq and max_abs differ"); goto done; }
+    Py_BEGIN_ALLOW_THREADS
+    range_stats(&c, start, offsets.buf, ends.buf, nr, have_sq ? sq.buf : NULL, have_mx ? mx.buf : NULL, exact);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&scales); PyBuffer_Release(&codes); PyBuffer_Release(&offsets); PyBuffer_Release(&ends);
+    if (have_sq) PyBuffer_Release(&sq);
+    if (have_mx) PyBuffer_Release(&mx);
+    return result;
+}
+
+PyDoc_STRVAR(accumulate_doc,
+"accumulate(fmt, scales, codes, count, start, offsets, ends, weights, out, check) -> int\n\n"
+"For the chunk holding values [start, start + count) of float32 vector out and int64\n"
+"ranges [offsets[r], ends[r)): out[i] += float32 weights[r] * value_i (multiply, then\n"
+"add; ranges with weight 0 skipped). check=True writes nothing and returns the first\n"
+"index whose sum would not be finite (-1: none).");
+
+static PyObject *py_accumulate(PyObject *self, PyObject *args) {
+    int code, check;
+    Py_ssize_t count, start;
+    Py_buffer scales, codes, offsets, ends, ws, out;
+    if (!PyArg_ParseTuple(args, "iy*y*nny*y*y*w*p", &code, &scales, &codes, &count, &start, &offsets, &ends,
+                          &ws, &out, &check)) return NULL;
+    PyObject *result = NULL;
+    chunk_t c;
+    Py_ssize_t nr;
+    if (get_chunk(code, &scales, &codes, count, &c) < 0 || get_ranges(&offsets, &ends, &ws, 4, &nr) < 0) goto done;
+    if (out.len % 4 || (uintptr_t)out.buf % 4 || start < 0 || start + count > out.len / 4) {
+        PyErr_SetString(PyExc_ValueError, "out is not an aligned float32 vector holding the chunk");
         goto done;
     }
     Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = check_body(fmt, body.buf, (const uint8_t *)body.buf + nb * scale_bytes(fmt), n);
-    if (bad < 0) decode_all(fmt, body.buf, (const uint8_t *)body.buf + nb * scale_bytes(fmt), n, out.buf, w, acc);
+    bad = accumulate_ranges(&c, start, offsets.buf, ends.buf, ws.buf, nr, out.buf, check);
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(bad);
 done:
-    PyBuffer_Release(&body); PyBuffer_Release(&out);
+    PyBuffer_Release(&scales); PyBuffer_Release(&codes); PyBuffer_Release(&offsets); PyBuffer_Release(&ends);
+    PyBuffer_Release(&ws); PyBuffer_Release(&out);
     return result;
 }
 
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, encode_doc},
+    {"check", py_check, METH_VARARGS, check_doc},
     {"decode", py_decode, METH_VARARGS, decode_doc},
+    {"range_stats", py_range_stats, METH_VARARGS, range_stats_doc},
+    {"accumulate", py_accumulate, METH_VARARGS, accumulate_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -321,7 +729,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     if (PyModule_AddIntConstant(m, "INT4", FMT_INT4) < 0 || PyModule_AddIntConstant(m, "MXFP4", FMT_MXFP4) < 0 ||
-        PyModule_AddIntConstant(m, "BLOCK", BLOCK) < 0) {
+        PyModule_AddIntConstant(m, "FP32", FMT_FP32) < 0 || PyModule_AddIntConstant(m, "BLOCK", BLOCK) < 0) {
         Py_DECREF(m);
         return NULL;
     }
