@@ -1,18 +1,23 @@
 """`atoll bench …`: measurements printed as one JSON object.
 
-Rates are best-of-N wall times on one thread; each figure that has an anchor is
-quoted beside it from the same run (memcpy of the same float32 bytes), because this
-machine is shared and absolute numbers drift.
+Rates are best-of-N wall times; each figure that has an anchor is quoted beside it
+from the same run (memcpy of the same float32 bytes), because this machine is shared
+and absolute numbers drift.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
 import numpy as np
 
 from wire import codec
+
+# `atoll bench codec` targets (DESIGN.md §6), INT4 frames on all cores, M params/s.
+ENCODE_TARGET = 1000.0
+DECODE_ACCUMULATE_TARGET = 1500.0
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -30,51 +35,91 @@ def outer_gradient_like(num_params: int, seed: int = 0) -> np.ndarray:
     return (rng.standard_normal(num_params, dtype=np.float32) * np.float32(1e-3))
 
 
-def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> dict:
-    """Encode and decode+accumulate rates, wire size and error of every 4-bit codec.
+def transformer_like_sizes(num_params: int) -> list[int]:
+    """Tensor sizes of a fragment like a transformer's: an embedding table, then blocks of
+    matrices, norms and biases (some not a multiple of 32), cut to num_params."""
+    d = 1024
+    block = [3 * d * d, d * d, 4 * d * d + 8, 4 * d * d, d, d, 4 * d + 3, d + 17]
+    sizes, left = [], num_params
+    for size in [32_003 * 64] + block * (num_params // sum(block) + 1):
+        take = min(size, left)
+        if take:
+            sizes.append(take)
+        left -= take
+    return sizes
 
-    encode_*: x -> frame (kernel + zstd); encode_ef_*: the learner's path with error
-    feedback; decode_accumulate_*: frame -> out += w * values (zstd + kernel), the
-    shard's hot path. *_kernel_* leave zstd out, to show where the time goes.
+
+def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> dict:
+    """Frame rates of every 4-bit codec on one core and on all cores, with wire size and error.
+
+    Paths, each as M params/s and as a ratio to memcpy of the same float32 bytes:
+      encode: x -> frame (kernel + zstd, chunks on threads);
+      encode_ef: the learner's path, with error feedback;
+      decode_accumulate: frame -> out += w·values (zstd, checks, kernel);
+      read_codes: frame -> checked codes, zstd and checks alone;
+      norm_accumulate: the shard's merge straight from a frame
+        (`RoundAccumulator.add_frame`: per-tensor norms, then acc += w/‖Δ_t‖·Δ_t) over
+        a transformer-like tensor layout.
     """
+    from server.merge import RoundAccumulator, Segments
+
+    cores = codec.get_threads()
     x = outer_gradient_like(num_params, seed)
     scratch = np.empty_like(x)
+    load_before = os.getloadavg()[0]
     memcpy_s = _best_seconds(lambda: np.copyto(scratch, x), repeats)
-    memcpy_gbps = x.nbytes / memcpy_s / 1e9
+    memcpy_mps = num_params / memcpy_s / 1e6
+    sizes = transformer_like_sizes(num_params)
+    segments = Segments.from_sizes(sizes, embedding=[True] + [False] * (len(sizes) - 1))
     result: dict = {
         "params": num_params,
         "repeats": repeats,
-        "memcpy_gbps": round(memcpy_gbps, 3),
+        "cores": cores,
+        "tensors": len(sizes),
+        "memcpy_gbps": round(x.nbytes / memcpy_s / 1e9, 3),
+        "memcpy_mparams_per_s": round(memcpy_mps, 1),
         "default_codec": codec.DEFAULT_CODEC.name.lower(),
         "codecs": {},
     }
-    from wire import _kernels
-
     for c in (codec.Codec.INT4, codec.Codec.MXFP4):
-        fmt = codec._KERNEL_FORMAT[c]
-        body = np.empty(codec.body_bytes(c, num_params), np.uint8)
         frame = codec.encode(x, c)
-        encode_s = _best_seconds(lambda: codec.encode(x, c), repeats)
         ef = codec.ErrorFeedback(num_params, c)
-        ef_s = _best_seconds(lambda: ef.encode(x), repeats)
-        kernel_enc_s = _best_seconds(lambda: _kernels.encode(fmt, x, None, None, body), repeats)
+        acc = RoundAccumulator(segments)
+        paths = {
+            "encode": lambda: codec.encode(x, c),
+            "encode_ef": lambda: ef.encode(x),
+            "decode_accumulate": lambda: codec.decode_into(frame, scratch, 0.5),
+            "read_codes": lambda: codec.read_codes(frame),
+            "norm_accumulate": lambda: acc.add_frame(frame, 1.0),
+        }
         scratch[...] = 0.0
-        decode_s = _best_seconds(lambda: codec.decode_into(frame, scratch, 0.5), repeats)
-        kernel_dec_s = _best_seconds(lambda: _kernels.decode(fmt, body, scratch, 0.5, True), repeats)
+        figures = {}
+        for name, threads in (("per_core", 1), ("all_cores", cores)):
+            old = codec.set_threads(threads)
+            try:
+                rates = {path: num_params / _best_seconds(fn, repeats) / 1e6 for path, fn in paths.items()}
+            finally:
+                codec.set_threads(old)
+            figures[name] = {"threads": threads}
+            for path, rate in rates.items():
+                figures[name][f"{path}_mparams_per_s"] = round(rate, 1)
+                figures[name][f"{path}_vs_memcpy"] = round(rate / memcpy_mps, 3)
         decoded = codec.decode(frame)
         rel_error = float(np.linalg.norm((decoded - x).astype(np.float64)) /
                           np.linalg.norm(x.astype(np.float64)))
-        mp = num_params / 1e6
         result["codecs"][c.name.lower()] = {
-            "encode_mparams_per_s": round(mp / encode_s, 1),
-            "encode_ef_mparams_per_s": round(mp / ef_s, 1),
-            "decode_accumulate_mparams_per_s": round(mp / decode_s, 1),
-            "encode_kernel_mparams_per_s": round(mp / kernel_enc_s, 1),
-            "decode_accumulate_kernel_mparams_per_s": round(mp / kernel_dec_s, 1),
-            # float32 bytes read per second by encode, as a fraction of memcpy's rate
-            "encode_vs_memcpy": round((x.nbytes / encode_s / 1e9) / memcpy_gbps, 3),
-            "decode_accumulate_vs_memcpy": round((x.nbytes / decode_s / 1e9) / memcpy_gbps, 3),
+            **figures,
             "bits_per_param": round(len(frame) * 8 / num_params, 4),
             "rel_error": round(rel_error, 5),
         }
+    int4 = result["codecs"]["int4"]["all_cores"]
+    result["targets"] = {
+        "int4_encode_mparams_per_s": ENCODE_TARGET,
+        "int4_decode_accumulate_mparams_per_s": DECODE_ACCUMULATE_TARGET,
+        "met": bool(int4["encode_mparams_per_s"] >= ENCODE_TARGET
+                    and int4["decode_accumulate_mparams_per_s"] >= DECODE_ACCUMULATE_TARGET),
+    }
+    # Other work on a shared machine slows every figure of a run alike; the ratios to
+    # memcpy of the same run hold better than the rates. The load says how busy it was.
+    result["load_average_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return result

@@ -1,7 +1,7 @@
 """How one fragment's round of outer gradients becomes one outer step (DESIGN.md §1).
 
-Pushes arrive one at a time and each is decoded, folded into a `RoundAccumulator`,
-then dropped. When the round closes, `result()` is the merged outer gradient:
+Pushes arrive one at a time and each is folded into a `RoundAccumulator` straight
+from its frame's codes (`add_frame`: no float32 copy of the push), then dropped. When the round closes, `result()` is the merged outer gradient:
 radial-directional averaging (RDA) for non-embedding tensors,
 
     Δ_t = (Σ w‖Δ_m,t‖ / Σ w) · unit(Σ w·unit(Δ_m,t)),
@@ -12,8 +12,12 @@ the norm at the contributors' mean norm. `outer_step` then applies SGD with Nest
 momentum (optax) to the fragment's global params.
 
 Determinism: the shard replays its write-ahead log after a restart and must land on
-the same bytes, so every sum here runs in a fixed order on one thread, in fixed-size
-chunks, with no fused multiply-add: the same sequence of `add`s gives the same bits.
+the same bytes, so every sum here runs in a fixed order with no fused multiply-add:
+norms are exact per 32-value block and summed in float64 in block order, then in the
+codec's chunk order (`wire.codec.Codes.range_sq_norms`); the kernels run chunks on
+threads, but the chunk grid is fixed by the format, so the same sequence of adds gives
+the same bits on any number of threads. `add(delta)` and `add_frame(frame)` of a frame
+that decodes to delta give the same bits too.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ import numpy as np
 import optax
 
 from server.config import OUTER_LR, OUTER_MOMENTUM
+from wire.codec import Codec, Codes, read_codes
 from wire.plan import FragmentPlan, FragmentVector
 
 OuterGrad = np.ndarray  # Θ_base − θ_learner over one fragment; points like a gradient
 OuterState = optax.OptState  # the outer optimiser's state for one fragment
 Weight = float  # a push's merge weight, > 0: rules.token_weight × staleness discount
 
-CHUNK = 1 << 16  # elements per pass: 256 KiB of float32 scratch stays in L2 (measured best)
+CHUNK = 1 << 16  # elements per pass of add_scaled: 256 KiB of float32 scratch stays in L2
 ALIGN = 64  # bytes: XLA's CPU client adopts a host array this aligned instead of copying it
 
 
@@ -94,21 +99,18 @@ class Segments:
 
 
 def segment_norms(vec: np.ndarray, seg: Segments) -> np.ndarray:
-    """Per-tensor L2 norms (float64) of a float32 vector, in a fixed summation order."""
-    sq = np.zeros(len(seg), np.float64)
-    for i, (o, e) in enumerate(zip(seg.offsets.tolist(), seg.ends.tolist())):
-        acc = 0.0
-        for a in range(o, e, CHUNK):
-            v = vec[a:min(a + CHUNK, e)]
-            # einsum, not np.dot: BLAS may thread and so change the summation order.
-            acc += float(np.einsum("i,i->", v, v))  # float32 per chunk, float64 across
-        sq[i] = acc
-    return np.sqrt(sq)
+    """Per-tensor L2 norms (float64) of a finite float32 vector, in the codec's fixed order.
+
+    Not BLAS or einsum: their summation order may change with threads or the CPU."""
+    return np.sqrt(Codes.of_values(vec).range_sq_norms(seg.offsets, seg.ends))
 
 
 def add_scaled(acc: np.ndarray, vec: np.ndarray, seg: Segments, scales: np.ndarray,
                scratch: np.ndarray | None = None) -> None:
-    """acc[t] += float32(scales[t]) · vec[t] for every tensor t, in place; 0 scales skip."""
+    """acc[t] += float32(scales[t]) · vec[t] for every tensor t, in place; 0 scales skip.
+
+    The plain numpy statement of what `RoundAccumulator` adds; its kernel
+    (`Codes.accumulate_ranges`) is tested against this bit for bit."""
     scratch = np.empty(CHUNK, np.float32) if scratch is None else scratch
     s32 = np.asarray(scales, np.float64).astype(np.float32)
     for o, e, s in zip(seg.offsets.tolist(), seg.ends.tolist(), s32):
@@ -119,6 +121,26 @@ def add_scaled(acc: np.ndarray, vec: np.ndarray, seg: Segments, scales: np.ndarr
             t = scratch[:b - a]
             np.multiply(vec[a:b], s, out=t)  # multiply, then add: never fused
             np.add(acc[a:b], t, out=acc[a:b])
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _weight(weight: Weight) -> float:
+    w = float(weight)
+    if not (np.isfinite(w) and w > 0):
+        raise ValueError(f"weight {weight!r}: want a finite number > 0")
+    return w
+
+
+def _checked_codes(frame, codec: Codec | None, size: int) -> Codes:
+    if isinstance(frame, Codes):
+        if codec is not None and frame.info.codec != Codec(codec):
+            raise ValueError(f"frame uses {frame.info.codec.name}; expected {Codec(codec).name}")
+        if frame.num_values != size:
+            raise ValueError(f"frame holds {frame.num_values} values; the fragment holds {size}")
+        return frame
+    return read_codes(frame, codec=codec, num_values=size)
 
 
 class RoundState(NamedTuple):
@@ -139,7 +161,8 @@ class RoundAccumulator:
 
     Memory: one float32 vector the size of the fragment (float32 because it is the
     largest object a shard holds per open round and Σ w·unit(Δ) needs no more: each
-    term is already normalised), a 256 KiB scratch chunk, and float64 per-tensor sums.
+    term is already normalised) and float64 per-tensor sums. A push is read from its
+    frame's decompressed codes (~0.56 bytes per INT4 value), never as float32.
 
     Example:
       >>> seg = Segments.from_sizes([3, 2], embedding=[False, True])
@@ -153,7 +176,6 @@ class RoundAccumulator:
     def __init__(self, segments: Segments, *, rda: bool = True):
         self.segments = segments
         self.rda = bool(rda)
-        self._scratch = np.empty(CHUNK, np.float32)
         # Tensors merged by RDA; with rda=False every tensor is a plain average.
         self._rda_mask = ~segments.embedding if self.rda else np.zeros(len(segments), bool)
         self._acc = np.empty(segments.size, np.float32)
@@ -168,26 +190,42 @@ class RoundAccumulator:
         self.count = 0  # contributions so far
 
     def add(self, delta: OuterGrad, weight: Weight) -> None:
-        """Folds in one learner's outer gradient; refuses bad input without changing state."""
+        """Folds in one learner's outer gradient; refuses bad input without changing state.
+
+        The same as `add_frame` of a frame that decodes to delta, bit for bit."""
         delta = np.asarray(delta)
         if delta.dtype != np.float32 or delta.shape != (self.segments.size,):
             raise ValueError(f"delta {delta.dtype}{delta.shape}: want float32 "
                              f"({self.segments.size},), the fragment's flat vector")
-        w = float(weight)
-        if not (np.isfinite(w) and w > 0):
-            raise ValueError(f"weight {weight!r}: want a finite number > 0")
-        # Norms double as the NaN/Inf check: any non-finite element (or a square that
-        # overflows float32, |x| > ~1.8e19) makes its tensor's norm non-finite.
-        norms = segment_norms(delta, self.segments)
-        if not np.all(np.isfinite(norms)):
-            bad = int(np.argmin(np.isfinite(norms)))
-            raise ValueError(f"delta tensor {bad} (offset {self.segments.offsets[bad]}) "
-                             f"has NaN/Inf or overflowing values")
-        rda = self._rda_mask
+        w = _weight(weight)
+        self._add(Codes.of_values(delta), w)  # CodecError (a ValueError) on NaN/Inf
+
+    def add_frame(self, frame: bytes | Codes, weight: Weight, codec: Codec | None = None) -> None:
+        """Folds in one learner's outer gradient straight from its frame, with no float32 copy.
+
+        Args:
+          frame: the push's frame bytes, or its `read_codes` (already checked).
+          weight: the merge weight w > 0.
+          codec: when given, the frame must use this codec.
+
+        Raises:
+          ValueError: a bad weight. CodecError (a ValueError): a malformed frame, one of
+            another size or codec, or one whose terms would overflow the float32
+            accumulator. Either way the round is unchanged.
+        """
+        w = _weight(weight)
+        self._add(_checked_codes(frame, codec, self.segments.size), w)
+
+    def _add(self, codes: Codes, w: float) -> None:
+        seg, rda = self.segments, self._rda_mask
+        norms = np.sqrt(codes.range_sq_norms(seg.offsets, seg.ends))  # float64: never overflows
         scales = np.full(len(norms), w)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            scales[rda] = np.where(norms[rda] > 0, w / norms[rda], 0.0)  # zero: no direction
-        add_scaled(self._acc, delta, self.segments, scales, self._scratch)
+        with np.errstate(divide="ignore", over="ignore"):
+            unit = w / norms[rda]
+        # A zero norm has no direction; nor has one so small that w/‖Δ‖ is beyond float32
+        # (denormal-sized values only): both add their weight and no direction.
+        scales[rda] = np.where(unit <= _F32_MAX, unit, 0.0)
+        codes.accumulate_ranges(self._acc, seg.offsets, seg.ends, scales)  # checks all, then writes
         self._norm_sum[rda] += w * norms[rda]
         self.total_weight += w
         self.count += 1

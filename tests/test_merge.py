@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from server.merge import (RoundAccumulator, RoundState, Segments, outer_optimizer,
+from server.merge import (RoundAccumulator, RoundState, Segments, add_scaled, outer_optimizer,
                           outer_step, segment_norms)
+from wire import codec
 from wire.plan import FragmentPlan, TensorSpec
 
 
@@ -196,6 +197,107 @@ def test_from_state_refuses_another_layout():
         RoundAccumulator.from_state(acc.state(), Segments.from_sizes([2, 3]))
     resumed = RoundAccumulator.from_state(acc.state())
     assert resumed.count == 1 and resumed.rda
+
+
+def _same_state(a: RoundAccumulator, b: RoundAccumulator) -> bool:
+    return all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(a.state(), b.state()))
+
+
+# Tensors that ignore 32-value blocks and the codec's chunks (2^18 values), embeddings among them.
+WIDE = Segments.from_sizes([70_000, 3, 300_001, 999, 160_000, 33],
+                           embedding=[False, False, True, False, False, True])
+
+
+def _pushes(seg, seed=11):
+    rng = np.random.default_rng(seed)
+    scales = 10.0 ** rng.uniform(-4, 1, (4, len(seg)))
+    deltas = [(rng.standard_normal(seg.size) * np.repeat(s, seg.ends - seg.offsets)).astype(np.float32)
+              for s in scales]
+    codecs = [codec.Codec.INT4, codec.Codec.MXFP4, codec.Codec.FP32, codec.Codec.INT4]
+    return [codec.encode(d, c) for d, c in zip(deltas, codecs)], [1.0, 3.5, 0.25, 2.0]
+
+
+@pytest.mark.parametrize("rda", [True, False])
+def test_add_frame_is_bit_identical_to_add_of_the_decoded_frame(rda):
+    frames, weights = _pushes(WIDE)
+    old = codec.get_threads()
+    try:
+        states = []
+        for threads in (1, 2, 3):
+            codec.set_threads(threads)
+            from_frames, from_values = RoundAccumulator(WIDE, rda=rda), RoundAccumulator(WIDE, rda=rda)
+            for f, w in zip(frames, weights):
+                from_frames.add_frame(f, w, codec.frame_info(f).codec)
+                from_values.add(codec.decode(f), w)
+                assert _same_state(from_frames, from_values)
+            assert from_frames.result().tobytes() == from_values.result().tobytes()
+            states.append(from_frames)
+        assert _same_state(states[0], states[1]) and _same_state(states[0], states[2])  # any thread count
+    finally:
+        codec.set_threads(old)
+
+
+def test_add_frame_takes_checked_codes():
+    frames, weights = _pushes(WIDE, seed=12)
+    a, b = RoundAccumulator(WIDE), RoundAccumulator(WIDE)
+    for f, w in zip(frames, weights):
+        a.add_frame(f, w)
+        b.add_frame(codec.read_codes(f), w)
+    assert _same_state(a, b)
+
+
+def test_add_adds_what_add_scaled_states():
+    """The kernel's accumulation is numpy's multiply-then-add, bit for bit."""
+    rng = np.random.default_rng(13)
+    d = rand_deltas(rng, 1, WIDE.size)[0]
+    acc = RoundAccumulator(WIDE, rda=False)
+    acc.add(d, 2.5)
+    want = np.zeros(WIDE.size, np.float32)
+    add_scaled(want, d, WIDE, np.full(len(WIDE), 2.5))
+    assert acc.state().acc.tobytes() == want.tobytes()
+    acc = RoundAccumulator(WIDE)
+    acc.add(d, 2.5)
+    want = np.zeros(WIDE.size, np.float32)
+    norms = segment_norms(d, WIDE)
+    add_scaled(want, d, WIDE, np.where(WIDE.embedding, 2.5, 2.5 / norms))
+    assert acc.state().acc.tobytes() == want.tobytes()
+
+
+def test_add_frame_refuses_bad_frames_and_changes_nothing():
+    seg = Segments.from_sizes([40, 300], embedding=[True, False])
+    acc = RoundAccumulator(seg)
+    acc.add_frame(codec.encode(np.ones(340, np.float32)), 1.0)
+    before = acc.state()
+    huge = np.ones(340, np.float32)
+    huge[5] = 3e38  # an embedding: 2 · 3e38 overflows float32
+    good = codec.encode(np.ones(340, np.float32))
+    for frame, w, c, match in [
+            (codec.encode(np.ones(341, np.float32)), 1.0, None, "341 values; expected 340"),
+            (good, 1.0, codec.Codec.MXFP4, "expected MXFP4"),
+            (good[:-3], 1.0, None, "truncated|corrupt"),
+            (good, 0.0, None, "weight"), (good, float("inf"), None, "weight"),
+            (codec.encode(huge), 2.0, None, "overflow")]:
+        with pytest.raises(ValueError, match=match):
+            acc.add_frame(frame, w, c)
+    with pytest.raises(ValueError, match="overflow"):
+        acc.add(codec.decode(codec.encode(huge)), 2.0)  # add() refuses the same push
+    assert acc.count == 1 and _same_state(acc, RoundAccumulator.from_state(before))
+    acc.add_frame(codec.encode(huge), 1.0)  # the same values at weight 1 fit
+    huge[5], huge[45] = 1.0, 3e38  # RDA tensors are normalised first: huge values are fine there
+    acc.add_frame(codec.encode(huge), 1.0)
+    assert np.isfinite(acc.result()).all()
+
+
+def test_tiny_tensors_add_weight_but_no_direction():
+    """A tensor so small that w/‖Δ‖ is beyond float32 counts as a zero tensor; add and add_frame agree."""
+    seg = Segments.from_sizes([4, 3])
+    d = np.array([1e-44, 0, 0, 0, 1, 2, 2], np.float32)
+    a, b = RoundAccumulator(seg), RoundAccumulator(seg)
+    a.add(d, 1.0)
+    b.add_frame(codec.encode(d, codec.Codec.FP32), 1.0)
+    assert _same_state(a, b)
+    assert not a.state().acc[:4].any() and a.state().norm_sum[0] > 0
+    np.testing.assert_allclose(a.result()[4:], [1, 2, 2], rtol=1e-6)
 
 
 def test_segment_norms_match_numpy():
