@@ -34,7 +34,7 @@ import pathlib
 import sys
 
 from atoll import progress
-from server.config import OUTER_LR, OUTER_MOMENTUM
+from server.config import GRACE_FACTOR, OUTER_LR, OUTER_MOMENTUM
 
 FORMAT = "atoll.up.v1"  # config.json format; bump when UpConfig changes meaning
 
@@ -57,7 +57,7 @@ class UpConfig:
     fragments: int = 4  # P: fragments, >= shards
     codec: str = "int4"  # outer-gradient and published-delta codec: int4, mxfp4, fp32
     quorum: int = 0  # K: learners to close a round, <= learners; 0 = min(2, M)
-    grace_factor: float = 1.0  # γ: share of the overlap slack a round waits for stragglers
+    grace_factor: float = GRACE_FACTOR  # γ: multiplies the grace window a round waits for stragglers
     lease_seconds: float = 10.0  # a learner silent this long is not waited for
     max_staleness: int = 4  # versions a push's base may lag before it is refused
     sync_patience: float = 30.0  # seconds a learner waits on a round holding its push, then trains on

@@ -139,17 +139,19 @@ def run(cfg: LearnerConfig) -> int:
         stopping.append(sync.stopping)
         trainer.params = sync.join(trainer.params)
 
-    state, last_print, local, m = "done", 0.0, 0, {}
+    state, last_print, local, m, eval_pending = "done", 0.0, 0, {}, False
     started = time.perf_counter()
     try:
         while trainer.steps_done < cfg.steps:
             if stop.is_set():
                 state = "stopped"
                 break
-            m = trainer.step()
+            m = trainer.step(evaluate=sync is None)
             local += 1
+            eval_pending = eval_pending or (sync is not None and trainer.eval_due())
             if sync is not None:
                 try:
+                    pushes = sync.pushes_started
                     updates = sync.after_step(local, trainer.params, m["wall_time_s"], m["tokens"])
                 except SyncError:
                     if not stop.is_set():
@@ -158,6 +160,12 @@ def run(cfg: LearnerConfig) -> int:
                     break
                 for p, vector in updates.items():
                     trainer.set_tensors(plan.unflatten_fragment(p, vector))
+                # An evaluation waits for the step right after a push: there it overlaps the
+                # round in flight, where elsewhere it could make a push late for its round.
+                if eval_pending and (sync.pushes_started > pushes or trainer.steps_done >= cfg.steps):
+                    eval_pending = False
+                    result = trainer.evaluate()
+                    m.update(eval_loss=result["loss"], eval_bits_per_byte=result["bits_per_byte"])
             _observe(metrics, m, sync)
             emit("training", m)
             if cfg.progress and (time.perf_counter() - last_print > PROGRESS_SECONDS or trainer.steps_done == cfg.steps):

@@ -195,6 +195,7 @@ class Synchronizer:
         self.step_seconds = 0.0  # median of the recent steps' seconds (compiles and evals are outliers)
         self._recent_steps: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
         self.cadence_seconds: float | None = None  # the sync period the shards ask for
+        self.pushes_started = 0  # sync tasks started (the training loop times evaluations by it)
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "pushes": 0, "refused": 0, "resyncs": 0,
                       "adopted": 0, "stalled": 0, "blocked_seconds": 0.0}
         self._watches: list[grpc.Future] = []  # open Watch calls, cancelled by close()
@@ -285,6 +286,7 @@ class Synchronizer:
                 frag.task_step = step
                 self.seq += 1
                 compute, frag.compute = frag.compute, 0.0
+                self.pushes_started += 1
                 frag.task = self.pool.submit(self._sync, frag, theta.copy(), self.seq, steps,
                                              steps * tokens_per_step, compute)
         return updates

@@ -318,8 +318,9 @@ class Trainer:
             self.compile_time_s = time.perf_counter() - start
         return self.compile_time_s
 
-    def step(self) -> Metrics:
-        """One inner step on batch `steps_done`.
+    def step(self, evaluate: bool = True) -> Metrics:
+        """One inner step on batch `steps_done` (and the evaluation due after it, unless
+        `evaluate` is False: a caller that times its evaluations itself).
 
         Returns:
           {"step": steps done after it, "loss", "grad_norm", "lr", "tokens" (this step),
@@ -349,10 +350,14 @@ class Trainer:
         metrics = {"step": self.steps_done, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                    "tokens": tokens, "tokens_total": self.tokens_total,
                    "step_time_s": elapsed, "wall_time_s": wall, "tokens_per_s": tokens / wall}
-        if self.eval_set and self.steps_done % self.train_cfg.eval_every == 0:
+        if evaluate and self.eval_due():
             result = self.evaluate()
             metrics.update(eval_loss=result["loss"], eval_bits_per_byte=result["bits_per_byte"])
         return metrics
+
+    def eval_due(self) -> bool:
+        """Whether the step just done is one after which an evaluation is due."""
+        return bool(self.eval_set) and self.steps_done % self.train_cfg.eval_every == 0
 
     def evaluate(self, batches: Sequence[np.ndarray] | None = None) -> Metrics:
         """Held-out {"loss", "bits_per_byte"} of the current params (default: eval_set)."""
