@@ -137,6 +137,7 @@ INLINE void int4_group(const blk_t *restrict y, const uint32_t *restrict amax, f
     bits &= 0xffff0000u;
     u32x8 cap = (u32x8){0} + (INT4_MAX_SCALE << 16);
     bits = USEL(bits > cap, cap, bits); /* near FLT_MAX: clip at 7s */
+    int32_t packed[GROUP * HALF]; /* code bytes, one per int lane */
     for (int b = 0; b < GROUP; b++) {
         uint16_t s16 = (uint16_t)(bits[b] >> 16);
         memcpy(scales + 2 * b, &s16, 2);
@@ -155,11 +156,12 @@ INLINE void int4_group(const blk_t *restrict y, const uint32_t *restrict amax, f
                 f32x8 d = y[b].v[k] - __builtin_convertvector(q[k], f32x8) * s;
                 memcpy(r_out + b * BLOCK + 8 * k, &d, sizeof d);
             }
-        u8x8 lo = __builtin_convertvector((q[0] & 15) | ((q[2] & 15) << 4), u8x8);
-        u8x8 hi = __builtin_convertvector((q[1] & 15) | ((q[3] & 15) << 4), u8x8);
-        memcpy(codes + b * HALF, &lo, 8);
-        memcpy(codes + b * HALF + 8, &hi, 8);
+        i32x8 lo = (q[0] & 15) | ((q[2] & 15) << 4), hi = (q[1] & 15) | ((q[3] & 15) << 4);
+        memcpy(packed + b * HALF, &lo, sizeof lo);
+        memcpy(packed + b * HALF + 8, &hi, sizeof hi);
     }
+    /* One narrowing loop over the group: long enough that GCC vectorizes it with packs. */
+    for (int j = 0; j < GROUP * HALF; j++) codes[j] = (uint8_t)packed[j];
 }
 
 INLINE float int4_scale(const uint8_t *scales, Py_ssize_t b) {
@@ -192,13 +194,18 @@ INLINE void int4_blk(float s, const uint8_t *restrict codes, blk_t *out) {
 
 /* ---- mxfp4: E2M1 elements, E8M0 scale 2^(floor(log2 absmax) - 2) ---- */
 
-INLINE uint8_t mxfp4_block(const float *restrict y, uint32_t amax_bits, float *restrict r_out,
-                                  uint8_t *restrict codes) {
+/* The E8M0 shared exponent of a block: floor(log2 absmax) - 2, at least -127. */
+INLINE int mxfp4_exponent(uint32_t amax_bits) {
     int e;
     if (amax_bits == 0) e = -127;
     else if (amax_bits < 0x00800000u) { (void)frexpf(u2f(amax_bits), &e); e = e - 1 - 2; }
     else e = (int)(amax_bits >> 23) - 127 - 2;
-    if (e < -127) e = -127;
+    return e < -127 ? -127 : e;
+}
+
+INLINE uint8_t mxfp4_block(const float *restrict y, uint32_t amax_bits, float *restrict r_out,
+                                  uint8_t *restrict codes) {
+    int e = mxfp4_exponent(amax_bits);
     float scale = POW2[e + 127], inv = POW2[127 - e];
     uint8_t c[BLOCK];
     float d[BLOCK];
@@ -222,6 +229,42 @@ INLINE uint8_t mxfp4_block(const float *restrict y, uint32_t amax_bits, float *r
         for (int i = 0; i < BLOCK; i++) r_out[i] = y[i] - d[i] * scale;
     for (int j = 0; j < HALF; j++) codes[j] = (uint8_t)(c[j] | (c[j + HALF] << 4));
     return (uint8_t)(e + 127);
+}
+
+/* mxfp4_block for GROUP whole blocks, vectorized: the same bits (see int4_group). */
+INLINE void mxfp4_group(const blk_t *restrict y, const uint32_t *restrict amax, float *restrict r_out,
+                        uint8_t *restrict scales, uint8_t *restrict codes) {
+    int32_t packed[GROUP * HALF];
+    const f32x8 zero = {0};
+    for (int b = 0; b < GROUP; b++) {
+        int e = mxfp4_exponent(amax[b]);
+        float scale = POW2[e + 127], inv = POW2[127 - e];
+        scales[b] = (uint8_t)(e + 127);
+        i32x8 c[4];
+        for (int k = 0; k < 4; k++) {
+            f32x8 v = y[b].v[k] * inv;
+            u32x8 sign = (u32x8)v & 0x80000000u;
+            f32x8 a = (f32x8)((u32x8)v & ABS_MASK);
+            a = FSEL(a > 6.0f, zero + 6.0f, a);
+            /* E2M1 steps: 0.5 below 2, 1 below 4, 2 up to 6. */
+            i32x8 below4 = a < 4.0f, below2 = a < 2.0f;
+            f32x8 step = FSEL(below2, zero + 0.5f, FSEL(below4, zero + 1.0f, zero + 2.0f));
+            f32x8 per = FSEL(below2, zero + 2.0f, FSEL(below4, zero + 1.0f, zero + 0.5f));
+            f32x8 base = FSEL(below2, zero, FSEL(below4, zero + 2.0f, zero + 4.0f));
+            f32x8 kq = ((a * per) + RNE_MAGIC) - RNE_MAGIC;
+            f32x8 idx = kq + base;
+            f32x8 neg = FSEL(idx > 0.0f, zero + 8.0f, zero) * __builtin_convertvector((i32x8)(sign >> 31), f32x8);
+            c[k] = __builtin_convertvector(idx + neg, i32x8);
+            if (r_out) {
+                f32x8 d = (f32x8)((u32x8)(kq * step) | sign), res = y[b].v[k] - d * scale;
+                memcpy(r_out + b * BLOCK + 8 * k, &res, sizeof res);
+            }
+        }
+        i32x8 lo = c[0] | (c[2] << 4), hi = c[1] | (c[3] << 4);
+        memcpy(packed + b * HALF, &lo, sizeof lo);
+        memcpy(packed + b * HALF + 8, &hi, sizeof hi);
+    }
+    for (int j = 0; j < GROUP * HALF; j++) codes[j] = (uint8_t)packed[j];
 }
 
 /* (2 * |E2M1 value|)^2 of code n: an integer (0, 1, 4, 9, 16, 36, 64 or 144). */
@@ -330,29 +373,31 @@ HOT static Py_ssize_t encode_all(fmt_t fmt, const float *x, const float *r, floa
                                  uint8_t *scales, uint8_t *codes) {
     Py_ssize_t nb = (n + BLOCK - 1) / BLOCK, b = 0;
     float y[BLOCK], tx[BLOCK], tr[BLOCK], tro[BLOCK];
-    if (fmt == FMT_INT4) /* groups of whole blocks, vectorized; the rest one block at a time */
-        for (; (b + GROUP) * BLOCK <= n; b += GROUP) {
-            blk_t yg[GROUP];
-            uint32_t amax[GROUP], worst = 0;
-            for (int g = 0; g < GROUP; g++) {
-                const float *bx = x + (b + g) * BLOCK, *br = r ? r + (b + g) * BLOCK : NULL;
-                u32x8 m = {0};
-                for (int k = 0; k < 4; k++) {
-                    f32x8 v, t;
-                    memcpy(&v, bx + 8 * k, sizeof v);
-                    if (br) { memcpy(&t, br + 8 * k, sizeof t); v = v + t; }
-                    yg[g].v[k] = v;
-                    u32x8 u = (u32x8)v & ABS_MASK;
-                    m = USEL(u > m, u, m); /* integer max of |y| bits: no NaN branches */
-                }
-                amax[g] = 0;
-                for (int l = 0; l < 8; l++) amax[g] = m[l] > amax[g] ? m[l] : amax[g];
-                worst = amax[g] > worst ? amax[g] : worst;
+    for (; (b + GROUP) * BLOCK <= n; b += GROUP) { /* groups of whole blocks, vectorized */
+        blk_t yg[GROUP];
+        uint32_t amax[GROUP], worst = 0;
+        for (int g = 0; g < GROUP; g++) {
+            const float *bx = x + (b + g) * BLOCK, *br = r ? r + (b + g) * BLOCK : NULL;
+            u32x8 m = {0};
+            for (int k = 0; k < 4; k++) {
+                f32x8 v, t;
+                memcpy(&v, bx + 8 * k, sizeof v);
+                if (br) { memcpy(&t, br + 8 * k, sizeof t); v = v + t; }
+                yg[g].v[k] = v;
+                u32x8 u = (u32x8)v & ABS_MASK;
+                m = USEL(u > m, u, m); /* integer max of |y| bits: no NaN branches */
             }
-            if (worst >= INF_BITS) break; /* the block-at-a-time loop finds and reports it */
-            int4_group(yg, amax, r_out ? r_out + b * BLOCK : NULL, scales + 2 * b, codes + b * HALF);
+            amax[g] = 0;
+            for (int l = 0; l < 8; l++) amax[g] = m[l] > amax[g] ? m[l] : amax[g];
+            worst = amax[g] > worst ? amax[g] : worst;
         }
-    for (; b < nb; b++) {
+        if (worst >= INF_BITS) break; /* the block-at-a-time loop finds and reports it */
+        if (fmt == FMT_INT4)
+            int4_group(yg, amax, r_out ? r_out + b * BLOCK : NULL, scales + 2 * b, codes + b * HALF);
+        else
+            mxfp4_group(yg, amax, r_out ? r_out + b * BLOCK : NULL, scales + b, codes + b * HALF);
+    }
+    for (; b < nb; b++) { /* the rest (and a group holding a non-finite value) one block at a time */
         Py_ssize_t off = b * BLOCK, len = n - off < BLOCK ? n - off : BLOCK;
         const float *bx = x + off, *br = r ? r + off : NULL;
         float *bro = r_out ? r_out + off : NULL;
