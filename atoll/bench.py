@@ -1,8 +1,8 @@
 """`atoll bench …`: measurements printed as one JSON object.
 
 Rates are best-of-N wall times; each figure that has an anchor is quoted beside it
-from the same run (memcpy of the same float32 bytes), because this machine is shared
-and absolute numbers drift.
+from the same run (memcpy of the same float32 bytes, timed in turns with it), because
+this machine is shared and absolute numbers drift.
 """
 
 from __future__ import annotations
@@ -29,6 +29,21 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
+def _measure(fn: Callable[[], object], anchor: Callable[[], object], repeats: int) -> tuple[float, float, float]:
+    """(wall, cpu, anchor wall): best-of-N seconds of fn, its CPU seconds over all the
+    process's threads, and the anchor's seconds, the two run in turns so that other work
+    on the machine slows both alike."""
+    wall = cpu = base = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        anchor()
+        base = min(base, time.perf_counter() - start)
+        start, start_cpu = time.perf_counter(), time.process_time()
+        fn()
+        wall, cpu = min(wall, time.perf_counter() - start), min(cpu, time.process_time() - start_cpu)
+    return wall, cpu, base
+
+
 def outer_gradient_like(num_params: int, seed: int = 0) -> np.ndarray:
     """Gaussian values at a typical outer-gradient magnitude (float32, flat)."""
     rng = np.random.default_rng(seed)
@@ -52,7 +67,9 @@ def transformer_like_sizes(num_params: int) -> list[int]:
 def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> dict:
     """Frame rates of every 4-bit codec on one core and on all cores, with wire size and error.
 
-    Paths, each as M params/s and as a ratio to memcpy of the same float32 bytes:
+    Paths, each as M params/s, as a ratio to memcpy of the same float32 bytes timed in
+    turns with it, and as M params per CPU-second (all threads; what a core does when
+    the machine is busy):
       encode: x -> frame (kernel + zstd, chunks on threads);
       encode_ef: the learner's path, with error feedback;
       decode_accumulate: frame -> out += w·values (zstd, checks, kernel);
@@ -67,8 +84,11 @@ def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> 
     x = outer_gradient_like(num_params, seed)
     scratch = np.empty_like(x)
     load_before = os.getloadavg()[0]
-    memcpy_s = _best_seconds(lambda: np.copyto(scratch, x), repeats)
-    memcpy_mps = num_params / memcpy_s / 1e6
+
+    def memcpy():
+        np.copyto(scratch, x)
+
+    memcpy_s = _best_seconds(memcpy, repeats)
     sizes = transformer_like_sizes(num_params)
     segments = Segments.from_sizes(sizes, embedding=[True] + [False] * (len(sizes) - 1))
     result: dict = {
@@ -77,7 +97,7 @@ def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> 
         "cores": cores,
         "tensors": len(sizes),
         "memcpy_gbps": round(x.nbytes / memcpy_s / 1e9, 3),
-        "memcpy_mparams_per_s": round(memcpy_mps, 1),
+        "memcpy_mparams_per_s": round(num_params / memcpy_s / 1e6, 1),
         "default_codec": codec.DEFAULT_CODEC.name.lower(),
         "codecs": {},
     }
@@ -97,13 +117,14 @@ def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> 
         for name, threads in (("per_core", 1), ("all_cores", cores)):
             old = codec.set_threads(threads)
             try:
-                rates = {path: num_params / _best_seconds(fn, repeats) / 1e6 for path, fn in paths.items()}
+                times = {path: _measure(fn, memcpy, repeats) for path, fn in paths.items()}
             finally:
                 codec.set_threads(old)
             figures[name] = {"threads": threads}
-            for path, rate in rates.items():
-                figures[name][f"{path}_mparams_per_s"] = round(rate, 1)
-                figures[name][f"{path}_vs_memcpy"] = round(rate / memcpy_mps, 3)
+            for path, (wall, cpu, base) in times.items():
+                figures[name][f"{path}_mparams_per_s"] = round(num_params / wall / 1e6, 1)
+                figures[name][f"{path}_vs_memcpy"] = round(base / wall, 3)
+                figures[name][f"{path}_mparams_per_cpu_s"] = round(num_params / max(cpu, 1e-9) / 1e6, 1)
         decoded = codec.decode(frame)
         rel_error = float(np.linalg.norm((decoded - x).astype(np.float64)) /
                           np.linalg.norm(x.astype(np.float64)))
