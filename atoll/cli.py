@@ -108,6 +108,18 @@ def _parser() -> argparse.ArgumentParser:
                         help="unmeasured rounds first, 0-9 (default 1)")
     ingest.add_argument("--json", action="store_true",
                         help="print one JSON object (the only output format)")
+    streams = benches.add_parser("streams", help="one shard process under a crowd of open Watch and stalled "
+                                 "Push streams: health latency, pushes and memory before, during and after")
+    streams.add_argument("--watches", type=int, default=2000, help="open Watch streams (default %(default)s)")
+    streams.add_argument("--stalled", type=int, default=200,
+                         help="Push streams that send their header, then nothing (default %(default)s)")
+    streams.add_argument("--seconds", type=float, default=20.0, help="length of each phase (default %(default)s)")
+    streams.add_argument("--push-interval", type=float, default=1.0,
+                         help="seconds between real pushes; each closes a round and notifies every "
+                              "watcher (default %(default)s)")
+    streams.add_argument("--crowd-processes", type=_positive_int, default=4,
+                         help="client processes holding the Watch streams (default %(default)s)")
+    streams.add_argument("--json", action="store_true", help="print one JSON object (the only output format)")
     return parser
 
 
@@ -178,6 +190,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = bench_ingest(args.params, args.learners, args.fragments, args.rounds,
                                   args.warmup_rounds)
+        except ValueError as e:
+            parser.error(str(e))
+        print(json.dumps(result, indent=2))
+        return 0
+    if args.command == "bench" and args.bench == "streams":
+        from atoll.bench_streams import bench_streams
+
+        try:
+            result = bench_streams(args.watches, args.stalled, args.seconds, args.push_interval,
+                                   args.crowd_processes)
         except ValueError as e:
             parser.error(str(e))
         print(json.dumps(result, indent=2))

@@ -24,10 +24,11 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import ctypes
 import logging
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 import prometheus_client as prom
@@ -50,8 +51,19 @@ _REASONS = {"fresh": pb.PUSH_REASON_FRESH, "stale_discounted": pb.PUSH_REASON_ST
 CHUNK_BYTES = 1 << 20
 LEARNER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 WORKERS = 8  # threads running domain calls; the shard's lock serialises most of them anyway
+PENDING_CALLS = 10_000  # new calls queued before the event loop takes them up, then refused
 TICK_FAILURES_UNHEALTHY = 3  # round-timer failures in a row that make health NOT_SERVING
 TICK_RETRY_SECONDS = 0.5  # the round timer's pause after a failure
+TRIM_SECONDS = 10.0  # how often freed heap memory is handed back to the OS
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim: memory that closed streams freed stays in malloc's arenas
+    (threads allocate in their own) unless it is asked for back."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 # --- the event loop ---------------------------------------------------------------
@@ -126,19 +138,46 @@ class _Budget:
             self.gauge.set(self.held)
 
 
+class _Wake:
+    """One slice of woken Watch streams: done once each has sent its notices, or left."""
+
+    def __init__(self, streams: int):
+        self.left = streams
+        self.done = asyncio.Event()
+
+    def release(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.done.set()
+
+
 class _VersionBoard:
     """The newest fragment versions, read from the shard once per change and shared by
-    every Watch stream (so a version change costs one domain call, not one per stream)."""
+    every Watch stream: a change costs one domain call, not one per stream. Streams are
+    woken a slice at a time, the next slice once this one's notices are sent, so a
+    health check waits behind at most one slice of sends, never a crowd's."""
 
-    def __init__(self, read: Callable[[], asyncio.Future]):
-        self.read = read  # () -> awaitable {fragment: (version, contributors)}
+    WAKE_SLICE = 64  # Watch streams woken at once
+    SLICE_WAIT = 0.1  # seconds a slice may take before the next is woken anyway (a stuck reader)
+
+    def __init__(self, read: Callable[[], Awaitable[dict[int, tuple[int, int]]]]):
+        self.read = read  # the shard's {fragment: (version, contributors)}
         self.versions: dict[int, tuple[int, int]] = {}
-        self.changed = asyncio.Event()  # replaced, after being set, at each refresh
+        self._waiters: dict[asyncio.Future, None] = {}
         self._dirty = False
         self._task: asyncio.Task | None = None
 
+    def subscribe(self) -> asyncio.Future:
+        """A future that completes (with a _Wake to release) at the first refresh after this call."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[waiter] = None
+        return waiter
+
+    def unsubscribe(self, waiter: asyncio.Future) -> None:
+        self._waiters.pop(waiter, None)
+
     def poke(self) -> None:
-        """A version changed (event loop thread): refresh, at most one read at a time."""
+        """A version changed (called on the event loop): refresh, one read at a time."""
         self._dirty = True
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._refresh())
@@ -151,8 +190,17 @@ class _VersionBoard:
             except Exception:  # the next change tries again; watchers keep what they had
                 log.exception("reading fragment versions for Watch streams failed")
                 return
-            changed, self.changed = self.changed, asyncio.Event()
-            changed.set()
+            waiters, self._waiters = list(self._waiters), {}
+            for start in range(0, len(waiters), self.WAKE_SLICE):
+                batch = [w for w in waiters[start:start + self.WAKE_SLICE] if not w.done()]
+                if not batch:
+                    continue
+                wake = _Wake(len(batch))
+                for waiter in batch:
+                    waiter.set_result(wake)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.SLICE_WAIT):
+                        await wake.done.wait()
 
     def view(self, fragments: list[int] | None) -> dict[int, tuple[int, int]]:
         if fragments is None:
@@ -349,28 +397,36 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         fragments = list(request.fragments) or None
         learner = request.learner_id
         with self._open("Watch"):
+            waiter = self.board.subscribe()  # before the first read: no change slips between
             try:
-                self._check_caller(context, learner)
-                changed = self.board.changed  # taken before the first read: no change slips between
-                current = await self._call(self._watch_start, learner, fragments)
-            except ShardError as e:
-                await self._refuse(context, "Watch", e)
-            self.watching[learner] += 1
-            try:
-                known: dict[int, int] = {}
-                while True:
-                    for p, (version, contributors) in sorted(current.items()):
-                        # versions only grow; a board read older than the first read is skipped
-                        if version > known.get(p, -1):
-                            known[p] = version
-                            yield pb.WatchResponse(fragment=p, version=version, contributors=contributors)
-                    await changed.wait()
-                    changed = self.board.changed
-                    current = self.board.view(fragments)
+                try:
+                    self._check_caller(context, learner)
+                    current = await self._call(self._watch_start, learner, fragments)
+                except ShardError as e:
+                    await self._refuse(context, "Watch", e)
+                self.watching[learner] += 1
+                wake: _Wake | None = None
+                try:
+                    known: dict[int, int] = {}
+                    while True:
+                        for p, (version, contributors) in sorted(current.items()):
+                            # versions only grow; a board read older than the first read is skipped
+                            if version > known.get(p, -1):
+                                known[p] = version
+                                yield pb.WatchResponse(fragment=p, version=version, contributors=contributors)
+                        if wake is not None:  # resumed past the yields: the notices are sent
+                            wake, _ = None, wake.release()
+                        wake = await waiter
+                        waiter = self.board.subscribe()  # before reading the board, as above
+                        current = self.board.view(fragments)
+                finally:
+                    if wake is not None:
+                        wake.release()
+                    self.watching[learner] -= 1
+                    if not self.watching[learner]:
+                        del self.watching[learner]
             finally:
-                self.watching[learner] -= 1
-                if not self.watching[learner]:
-                    del self.watching[learner]
+                self.board.unsubscribe(waiter)
 
     def _watch_start(self, learner: str, fragments: list[int] | None):
         self.shard.touch(learner)
@@ -476,7 +532,7 @@ class SyncerServer:
         self._tick_failures = 0
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._tick_loop, name="round-timer", daemon=True)
-        self._lease_task: asyncio.Future | None = None
+        self._housekeeping: asyncio.Future | None = None
         self.port = _run(self._build(tokens))
         self._listener = lambda: self.loop.call_soon_threadsafe(self.servicer.board.poke)
         self.shard.listeners.append(self._listener)
@@ -487,7 +543,12 @@ class SyncerServer:
         cfg = self.cfg
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
-                   ("grpc.max_concurrent_streams", cfg.max_concurrent_streams)]
+                   ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
+                   # calls waiting for the event loop to take them: every learner's Watch
+                   # arrives at once after a restart, and past grpc's default (1,000, then
+                   # refused at random as CANCELLED) a tenth of a 2,000-stream crowd was lost
+                   ("grpc.server.max_pending_requests", PENDING_CALLS),
+                   ("grpc.server.max_pending_requests_hard_limit", 2 * PENDING_CALLS)]
         self.health = aio_health.HealthServicer()
         self.servicer = SyncerServicer(self.shard, cfg, tokens, self.workers, self.metrics)
         self.server = grpc.aio.server(options=options, interceptors=[_TokenAuth(tokens)] if tokens else [])
@@ -550,8 +611,11 @@ class SyncerServer:
                  self.cfg.shard_index, self.cfg.num_shards, replayed, self.port)
         self._started = True
         _run(self._publish_health())
-        self._lease_task = asyncio.run_coroutine_threadsafe(self._refresh_leases(), self.loop)
+        self._housekeeping = asyncio.run_coroutine_threadsafe(self._housekeep(), self.loop)
         self._timer.start()
+
+    async def _housekeep(self) -> None:
+        await asyncio.gather(self._refresh_leases(), self._give_back_memory())
 
     async def _refresh_leases(self) -> None:
         """An open Watch keeps its learner's lease, refreshed for all of them at once."""
@@ -561,6 +625,13 @@ class SyncerServer:
             if self.servicer.watching:
                 with contextlib.suppress(ShardError):
                     await self.servicer._call(self.servicer.touch_watchers)
+
+    async def _give_back_memory(self) -> None:
+        """What a crowd of streams took goes back to the OS once it has left."""
+        trim = _malloc_trim()
+        while trim is not None:
+            await asyncio.sleep(TRIM_SECONDS)
+            await asyncio.get_running_loop().run_in_executor(self.workers, trim, 0)
 
     def _tick_loop(self) -> None:
         """Closes rounds on time. Never dies: a failing tick is logged and counted, and
@@ -589,8 +660,8 @@ class SyncerServer:
 
     async def _stop_servers(self, grace: float) -> None:
         await self._publish_health()
-        if self._lease_task is not None:
-            self._lease_task.cancel()
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
         await self.server.stop(grace)
         if self.health_server is not None:
             await self.health_server.stop(None)
