@@ -345,18 +345,20 @@ def bench_streams(watches: int = 2000, stalled: int = 200, seconds: float = 20.0
         _recv(*prober)
         peak = round(_proc_status(shard.pid)["VmHWM"] / 2**20, 1)
     finally:
-        if crowd is not None:
-            crowd.close()
-        if prober is not None:
-            prober[1].join(5)
-            if prober[1].is_alive():
-                prober[1].kill()
-        if pusher is not None:
-            pusher.client.close()
-        if shard is not None:
-            shard.send_signal(signal.SIGKILL)  # the data is thrown away: no final snapshot needed
-            shard.wait()
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            if crowd is not None:
+                crowd.close()
+            if prober is not None and prober[1].pid is not None:
+                prober[1].join(5)
+                if prober[1].is_alive():
+                    prober[1].kill()
+            if pusher is not None:
+                pusher.client.close()
+        finally:  # whatever failed above, the shard process goes
+            if shard is not None:
+                shard.send_signal(signal.SIGKILL)  # the data is thrown away: no final snapshot needed
+                shard.wait()
+            shutil.rmtree(root, ignore_errors=True)
 
     held = during["rss_mb_start"] - before["rss_mb_end"]
     growth_open = during["rss_mb_end"] - during["rss_mb_start"]
