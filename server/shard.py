@@ -246,15 +246,24 @@ class Shard:
             self._adopt_plan(FragmentPlan.from_json(meta["plan"]))
         elif kind == INIT:
             frag = self.fragments[meta["fragment"]]
-            frag.initialize(codec.decode(payload, num_values=frag.size))
+            frag.initialize(self._checked(codec.decode(payload, num_values=frag.size), frag, live))
         elif kind == PUSH:
             frag = self.fragments[meta["fragment"]]
-            delta = codec.decode(payload, num_values=frag.size)
+            delta = self._checked(codec.decode(payload, num_values=frag.size), frag, live)
             frag.contribute(meta["learner"], delta, Answer(**meta["answer"]), self.clock())
         elif kind == CLOSE:
             self.fragments[meta["fragment"]].close_round(meta.get("trigger"))
         else:
             raise RuntimeError(f"unknown log record kind {kind}")
+
+    @staticmethod
+    def _checked(values: np.ndarray, frag: Fragment, live: bool) -> np.ndarray:
+        """Values a replayed record carries pass the checks a live call made before logging
+        them: a record this build would have refused (from an older build, say) stops
+        recovery instead of merging into the parameters."""
+        if not live and (problem := _magnitude_problem(values, frag.segments)):
+            raise ValueError(problem)
+        return values
 
     def _log(self, kind: int, meta: dict, payload: bytes = b"") -> None:
         self._append([_record(kind, meta, payload)])
