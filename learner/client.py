@@ -61,6 +61,7 @@ class Pulled:
     num_params: int
     frames: list[tuple[int, codec.Codec, bytes]]  # (version it leads to, codec, frame)
     last_seq: int = 0  # the newest seq the shard answered for this learner on the fragment
+    next_due_seconds: float = 0.0  # until this learner's next push of the fragment is due (0: unknown)
 
 
 class ShardClient:
@@ -120,7 +121,8 @@ class ShardClient:
                 parts = []
         if header is None or len(frames) != header.num_frames or parts:
             raise IncompletePull(f"pull of fragment {fragment} from {self.address} ended early")
-        return Pulled(fragment, header.version, header.snapshot, header.num_params, frames, header.last_seq)
+        return Pulled(fragment, header.version, header.snapshot, header.num_params, frames, header.last_seq,
+                      header.next_due_seconds)
 
     def watch(self, fragments: list[int], timeout: float | None = None):
         """A stream of WatchResponse (fragment, version, contributors); cancel() it to stop."""

@@ -93,49 +93,36 @@ def steps_per_period(period: int, cadence_seconds: float | None, step_seconds: f
     return max(1, round(cadence_seconds / step_seconds))
 
 
-def anchor_for(own: float | None, closes_seen, cadence_seconds: float | None) -> float | None:
-    """The instant a learner's next period starts: the close of the round holding its
-    last push (`own`), or a later close it saw within half a period of that one.
-
-    Learners whose pushes fell into two rounds of one period fall in step this way (the
-    earlier group waits for the later group's close), while a close long after `own`
-    (a round of stragglers) never postpones a push that is due."""
-    if own is None or not cadence_seconds:
-        return own
-    return max((c for c in closes_seen if own <= c <= own + cadence_seconds / 2), default=own)
-
-
-def sync_due(*, step: int, first_step: int, last_sync_step: int | None, anchor: float | None,
-             now: float, period: int, cadence_seconds: float | None, step_seconds: float) -> bool:
+def sync_due(*, step: int, first_step: int, last_sync_step: int | None, due_at: float | None,
+             now: float, period: int, step_seconds: float) -> bool:
     """Whether fragment p's next push starts at this step boundary (no push in flight).
 
     Args:
       step: inner steps done since joining.
       first_step: t_p, the fragment's first sync step (staggered over the period).
       last_sync_step: the step of the fragment's last push, or None before the first.
-      anchor: when the round holding that push closed (or the learner resynced or gave
-        up on it; before a first push, a close it saw), on this learner's monotonic
-        clock; None when not known.
+      due_at: when the shard asked for this learner's next push of the fragment
+        (PushResponse.next_due_seconds after its last push), on this learner's
+        monotonic clock; None when not known.
       now: the same clock, at this step boundary.
       period: H, inner steps per sync of the fastest learner.
-      cadence_seconds: the sync period the shard asks for (None: not known yet).
       step_seconds: this learner's recent seconds per inner step.
 
     Returns:
-      True when the push is due: at the step boundary nearest to anchor + cadence, so
-      every learner, fast or slow, pushes once per period and within a step of the
-      others; without a cadence or anchor, at t_p first and then every H steps.
+      True at the step boundary nearest to `due_at`, so every learner, fast or slow,
+      pushes once per period and within a step of the others; with no due time, at t_p
+      first and then every H steps.
 
     Example:
-      >>> sync_due(step=40, first_step=8, last_sync_step=8, anchor=100.0, now=103.1,
-      ...          period=32, cadence_seconds=3.2, step_seconds=0.2)
+      >>> sync_due(step=40, first_step=8, last_sync_step=8, due_at=103.15, now=103.1,
+      ...          period=32, step_seconds=0.2)
       True
     """
     if step <= (last_sync_step or 0):
         return False
-    if anchor is None or not cadence_seconds:
+    if due_at is None:
         return step >= first_step if last_sync_step is None else step - last_sync_step >= period
-    return now + step_seconds / 2 >= anchor + cadence_seconds
+    return now + step_seconds / 2 >= due_at
 
 
 @dataclasses.dataclass
@@ -145,7 +132,7 @@ class _Outcome:
     version: int
     correction: np.ndarray | None  # add to θ_p (adopt), or None with `values` set (resync)
     values: np.ndarray | None = None
-    anchor: float = 0.0  # when the round holding the push closed (or the task gave up), monotonic
+    due_at: float | None = None  # when the next push of the fragment is due (monotonic), None: not known
 
 
 class _Fragment:
@@ -157,7 +144,7 @@ class _Fragment:
         self.base: np.ndarray = np.zeros(size, np.float32)  # Θ_p at `version`, bit-exact
         self.ef = codec.ErrorFeedback(size, wire_codec)
         self.last_sync_step: int | None = None  # the step of the last push
-        self.anchor: float | None = None  # when the round holding the last push closed (monotonic)
+        self.due_at: float | None = None  # when the next push is due (monotonic), from the shard
         self.origin: np.ndarray | None = None  # what the next Δ is measured from, if not `base`
         self.compute = 0.0  # seconds of inner steps since the last sync (what the next push carries)
         self.task: concurrent.futures.Future | None = None
@@ -188,9 +175,6 @@ class Synchronizer:
         self.lock = threading.Lock()
         self.known = threading.Condition(self.lock)
         self.latest: dict[int, int] = {}  # newest version each fragment is known to have
-        # when this learner saw each fragment's recent versions come out (monotonic)
-        self.closes_seen: dict[int, collections.deque[float]] = {
-            p: collections.deque(maxlen=8) for p in range(plan.num_fragments)}
         self.stopping = threading.Event()
         self.step_seconds = 0.0  # median of the recent steps' seconds (compiles and evals are outliers)
         self._recent_steps: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
@@ -239,6 +223,8 @@ class Synchronizer:
             self.seq = max(self.seq, pulled.last_seq)
             frag.base = codec.decode(pulled.frames[0][2], num_values=frag.base.size).copy()
             frag.version = pulled.version
+            if pulled.next_due_seconds > 0:  # push the first one in step with the others
+                frag.due_at = time.monotonic() + pulled.next_due_seconds
             vectors[p] = frag.base.copy()
             with self.lock:
                 self.latest[p] = max(self.latest.get(p, 0), frag.version)
@@ -268,16 +254,9 @@ class Synchronizer:
                         concurrent.futures.wait([frag.task])
                         self._count("blocked_seconds", time.perf_counter() - started)
                     self._adopt(frag, step, params, flat_now, updates)
-            with self.lock:
-                seen = self.closes_seen[frag.p]
-                # before its first push, a learner falls in step with the closes it has seen
-                anchor = (anchor_for(frag.anchor, seen, self.cadence_seconds) if frag.anchor is not None
-                          else seen[-1] if seen and self.cadence_seconds else None)
             if frag.task is None and sync_due(step=step, first_step=self.offsets[frag.p],
-                                              last_sync_step=frag.last_sync_step, anchor=anchor,
-                                              now=now, period=self.cfg.period,
-                                              cadence_seconds=self.cadence_seconds,
-                                              step_seconds=self.step_seconds):
+                                              last_sync_step=frag.last_sync_step, due_at=frag.due_at,
+                                              now=now, period=self.cfg.period, step_seconds=self.step_seconds):
                 theta = updates.get(frag.p)
                 if theta is None:
                     theta = flat_now.setdefault(frag.p, self.plan.flatten_fragment(params, frag.p))
@@ -301,7 +280,7 @@ class Synchronizer:
             updates[frag.p] = outcome.values
             frag.last_sync_step = step
         frag.version = outcome.version
-        frag.anchor = outcome.anchor
+        frag.due_at = outcome.due_at
         self._count("adopted", 1)
 
     def finish(self, step: int, params: Params, timeout: float) -> dict[int, np.ndarray]:
@@ -330,6 +309,8 @@ class Synchronizer:
         ack = self._retry(lambda: client.push(header, frame), f"push fragment {p}")
         if ack.cadence_seconds > 0:
             self.cadence_seconds = ack.cadence_seconds
+        # the fragment's schedule, from the shard (relative: no clock in common needed)
+        due_at = time.monotonic() + ack.next_due_seconds if ack.next_due_seconds > 0 else None
         self._count("bytes_sent", len(frame))
         self._count("pushes", 1)
         if self.on_push is not None:
@@ -346,7 +327,7 @@ class Synchronizer:
             frag.ef.reset()
             self._advance(frag, None)
             frag.origin = None
-            return _Outcome(frag.version, None, frag.base.copy(), time.monotonic())
+            return _Outcome(frag.version, None, frag.base.copy(), self._due(due_at))
         merged_in = frag.version + ack.staleness + 1  # the version that will hold this push
         patience = max(self.cfg.patience, 4 * self.cfg.period * self.step_seconds)
         if not self._wait_for(p, merged_in, patience):
@@ -356,12 +337,18 @@ class Synchronizer:
             self._count("stalled", 1)
             log.warning("fragment %d: no version %d after %.0f s; going on without it", p, merged_in, patience)
             frag.origin = theta  # the round still holds the steps up to here
-            return _Outcome(frag.version, np.zeros_like(theta), anchor=time.monotonic())
-        anchor = time.monotonic()  # the round holding our push has closed: the next period starts
+            return _Outcome(frag.version, np.zeros_like(theta), due_at=self._due(due_at))
+        due_at = self._due(due_at)  # without a schedule: a period after the round holding our push closed
         self._advance(frag, merged_in)
         frag.origin = None
         keep = 1.0 - self.cfg.mix
-        return _Outcome(frag.version, np.float32(keep) * (frag.base - theta), anchor=anchor)
+        return _Outcome(frag.version, np.float32(keep) * (frag.base - theta), due_at=due_at)
+
+    def _due(self, due_at: float | None) -> float | None:
+        """The shard's due time, or one period from now when the shard gave none."""
+        if due_at is not None or not self.cadence_seconds:
+            return due_at
+        return time.monotonic() + self.cadence_seconds
 
     def _advance(self, frag: _Fragment, at_least: int | None) -> None:
         """Brings frag.base up to the newest version (>= at_least) by deltas, or a snapshot."""
@@ -400,8 +387,6 @@ class Synchronizer:
                 for notice in call:
                     failures = 0
                     with self.known:
-                        if notice.version > self.latest.get(notice.fragment, 0):
-                            self.closes_seen[notice.fragment].append(time.monotonic())
                         self.latest[notice.fragment] = max(self.latest.get(notice.fragment, 0), notice.version)
                         self.known.notify_all()
             except grpc.RpcError:

@@ -338,14 +338,26 @@ def next_lease_expiry(last_seen: Mapping[LearnerId, Seconds], now: Seconds,
 
 
 class RoundState(NamedTuple):
-    """One fragment's open round: who is in it, when its first push came, when K was hit.
+    """One fragment's open round: who is in it, when its first push came, when K was hit,
+    and when its pushes are due.
 
     `contributors` is the only record of who is in a round: admission reads it, the
-    close rule reads it, snapshots store it."""
+    close rule reads it, snapshots store it. `due_at` is the fragment's schedule (see
+    next_due): the instant the shard asked learners to push for this round; None until
+    a first round has set the phase or while the cadence is unknown."""
 
     first_push_at: Seconds | None = None
     contributors: frozenset[LearnerId] = frozenset()
     quorum_reached_at: Seconds | None = None
+    due_at: Seconds | None = None
+
+    @property
+    def started_at(self) -> Seconds | None:
+        """When the round's grace clock starts: its first push, or its due time if that
+        push came early (an early push does not cut short the wait for on-time ones)."""
+        if self.first_push_at is None or self.due_at is None:
+            return self.first_push_at
+        return max(self.first_push_at, self.due_at)
 
     @property
     def quorum_seconds(self) -> Seconds | None:
@@ -355,9 +367,57 @@ class RoundState(NamedTuple):
         return self.quorum_reached_at - self.first_push_at
 
 
-def open_round() -> RoundState:
-    """A new, empty round; its clock starts with its first push."""
-    return RoundState()
+def open_round(due_at: Seconds | None = None) -> RoundState:
+    """A new, empty round, due at `due_at` (None: its first push sets the phase)."""
+    return RoundState(due_at=due_at)
+
+
+def next_due(state: RoundState, now: Seconds, cadence_seconds: float | None) -> Seconds | None:
+    """When the round after `state` is due, as the round closes at `now`.
+
+    Each fragment keeps one schedule on the shard's clock, T_{r+1} = T_r + cadence,
+    and tells every learner when the next round is due (PushResponse.next_due_seconds),
+    so all learners push a fragment at the same instants whatever their speed, and a
+    round's close (grace, stragglers) never shifts the next period. The first round's
+    phase is its first push. A round that closed more than a period late skips the
+    instants already past rather than asking for pushes that are overdue.
+
+    Args:
+      state: the round closing (due_at or first_push_at set).
+      now: the instant it closes.
+      cadence_seconds: the sync period; None or 0 while unknown (no schedule yet).
+
+    Returns:
+      The next round's due instant (> now), or None without a cadence or a phase.
+
+    Example:
+      >>> next_due(RoundState(10.0, frozenset({"a"}), 10.0, 10.0), 10.5, 3.0)
+      13.0
+    """
+    phase = state.due_at if state.due_at is not None else state.first_push_at
+    if not cadence_seconds or phase is None:
+        return None
+    periods = max(1, math.floor((now - phase) / cadence_seconds) + 1)
+    return phase + periods * cadence_seconds
+
+
+def due_in(state: RoundState, now: Seconds, cadence_seconds: float | None, *, in_round: bool) -> float:
+    """Seconds until a learner's next push of this fragment is due; 0 when unknown.
+
+    A learner in the open round pushes next for the round after it (one period after
+    this round's due time); one not in it, for the open round itself when that is
+    still ahead, otherwise for the round after. Relative seconds, so learners need no
+    clock in common with the shard."""
+    if not cadence_seconds:
+        return 0.0
+    due = state.due_at if state.due_at is not None else state.first_push_at
+    if due is None:
+        return 0.0
+    if in_round or due < now - cadence_seconds / 2:
+        due = next_due(state._replace(due_at=due), now, cadence_seconds)
+        if in_round and due is not None and state.due_at is not None:
+            due = max(due, state.due_at + cadence_seconds)
+    return max(0.0, due - now)
 
 
 class MembershipVerdict(NamedTuple):
@@ -397,7 +457,7 @@ def add_contributor(state: RoundState, learner: LearnerId, now: Seconds,
     reached = state.quorum_reached_at
     if reached is None and len(contributors) >= k:
         reached = now
-    return RoundState(first, contributors, reached)
+    return RoundState(first, contributors, reached, state.due_at)
 
 
 class CloseDecision(NamedTuple):
@@ -451,7 +511,7 @@ def decide_close(state: RoundState, live: frozenset[LearnerId] | set[LearnerId],
                          "to add_contributor")
     if set(live) <= state.contributors:
         return CloseDecision(True, Reason.ALL_LIVE_CONTRIBUTED, None)
-    ends = state.first_push_at + grace
+    ends = state.started_at + grace
     if now >= ends:
         return CloseDecision(True, Reason.GRACE_ELAPSED, None)
     return CloseDecision(False, Reason.IN_GRACE, ends)

@@ -364,7 +364,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 await self._refuse(context, "Push", e)
             return pb.PushResponse(accepted=a.accepted, reason=_REASONS[a.reason], detail=a.detail,
                                    version=a.version, staleness=max(0, a.staleness), weight=a.weight,
-                                   cadence_seconds=self.shard.cadence_seconds or 0.0)
+                                   cadence_seconds=self.shard.cadence_seconds or 0.0,
+                                   next_due_seconds=self.shard.due_in(h.fragment, h.learner_id))
 
     def _push(self, h: PushHeader, frame: bytes):
         with self.shard.metrics.push_seconds.time():
@@ -381,7 +382,9 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 await self._refuse(context, "Pull", e)
             yield pb.PullResponse(header=pb.PullHeader(fragment=request.fragment, version=version,
                                                        snapshot=snapshot, num_frames=len(frames),
-                                                       num_params=size, last_seq=last_seq))
+                                                       num_params=size, last_seq=last_seq,
+                                                       next_due_seconds=self.shard.due_in(
+                                                           request.fragment, request.learner_id)))
             for v, c, frame in frames:
                 for start in range(0, max(len(frame), 1), CHUNK_BYTES):
                     piece = frame[start:start + CHUNK_BYTES]

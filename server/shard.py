@@ -486,6 +486,15 @@ class Shard:
         cap = min(self.cadence_seconds or math.inf, self.policy.lease_seconds)
         return rules.estimate_grace(self.policy, overlap, slowest, self.sync_time, cap)
 
+    def due_in(self, p: int, learner: str) -> float:
+        """Seconds until `learner`'s next push of fragment p is due (0: no schedule yet)."""
+        with self.lock:
+            frag = self.fragments.get(p)
+            if frag is None:
+                return 0.0
+            return rules.due_in(frag.round_state, self.clock(), self.cadence_seconds,
+                                in_round=learner in frag.contributors)
+
     def _joined(self) -> int:
         """Learners this shard knows: any with a lease, any whose push it holds."""
         known = set(self.last_seen)
@@ -505,6 +514,10 @@ class Shard:
         started = self.clock()  # the shard's clock: ξ_sync sizes the grace window on it
         self._log(CLOSE, {"fragment": p, "trigger": trigger})
         frag.close_round(trigger)  # the same call replay makes
+        # the fragment's schedule goes on a period after this round's due time, whenever
+        # the round closed (round timing is not logged: after a restart, the first push
+        # sets the phase again)
+        frag.round_state = frag.round_state._replace(due_at=rules.next_due(state, now, self.cadence_seconds))
         merge_seconds = self.clock() - started
         self.sync_time = self.sync_time.update(merge_seconds, self.policy.ewma_alpha)
         self.periods[p] = self.periods[p].closed(now, self.cadence_seconds)

@@ -17,7 +17,7 @@ import random
 import numpy as np
 import pytest
 
-from learner.sync import anchor_for, offsets, steps_per_period, sync_due
+from learner.sync import offsets, steps_per_period, sync_due
 from server.config import ShardConfig
 from server.shard import PushHeader, Shard
 from wire import codec
@@ -41,7 +41,7 @@ class Clock:
 class Frag:
     version: int = 0
     last_sync_step: int | None = None
-    anchor: float | None = None
+    due_at: float | None = None  # when the shard asked for the next push
     pushed_at_step: int | None = None  # the step of the push in flight, None when none
     merged_in: int = 0
 
@@ -60,7 +60,8 @@ class Learner:
         self.frags = {p: Frag() for p in range(PLAN.num_fragments)}
 
 
-def simulate(speeds: list[float], quorum: int, periods: int, tmp_path, seed: int = 0, jitter: float = 0.05):
+def simulate(speeds: list[float], quorum: int, periods: int, tmp_path, seed: int = 0, jitter: float = 0.05,
+             stalls: float = 0.0):
     """Runs the learners for `periods` sync periods of the fastest; returns (shard, learners, close times)."""
     clock = Clock()
     cfg = ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path / "shard", quorum=quorum,
@@ -95,9 +96,11 @@ def simulate(speeds: list[float], quorum: int, periods: int, tmp_path, seed: int
         note_closes(shard, known, closes, clock.now)
         l = learners[i]
         shard.touch(l.name)  # the learner's Watch keeps its lease
-        if l.step == 0:  # joining: it pulls every fragment's current version
+        if l.step == 0:  # joining: it pulls every fragment's current version and when to push it
             for p, f in l.frags.items():
                 f.version = shard.fragments[p].version
+                due_in = shard.due_in(p, l.name)  # PullHeader.next_due_seconds
+                f.due_at = clock.now + due_in if due_in > 0 else None
         l.step += 1
         cadence = shard.cadence_seconds
         per_period = steps_per_period(H, cadence, l.step_seconds)
@@ -113,29 +116,29 @@ def simulate(speeds: list[float], quorum: int, periods: int, tmp_path, seed: int
                     blocked_until = max(blocked_until, return_at)
                     ready = True
                 if ready:
-                    f.anchor = close_time(closes[p], f.merged_in)
                     f.version = shard.fragments[p].version
                     f.pushed_at_step = None
-            # like the learner's Watch, it knows when the fragment's newest version came out
-            anchor = anchor_for(f.anchor, closes[p], cadence)
             if f.pushed_at_step is None and sync_due(step=l.step, first_step=first_steps[p],
-                                                     last_sync_step=f.last_sync_step, anchor=anchor,
-                                                     now=clock.now, period=H, cadence_seconds=cadence,
-                                                     step_seconds=l.step_seconds):
+                                                     last_sync_step=f.last_sync_step, due_at=f.due_at,
+                                                     now=clock.now, period=H, step_seconds=l.step_seconds):
                 steps = l.step - (f.last_sync_step or 0)
                 l.seq += 1
                 h = PushHeader(l.name, p, f.version, l.seq, steps, steps * TOKENS_PER_STEP, int(codec.Codec.INT4),
                                PLAN.fragment_sizes[p], PLAN.fingerprint, l.step_seconds, TAU, H)
                 answer = shard.push(h, frames[p])
                 note_closes(shard, known, closes, clock.now)
+                due_in = shard.due_in(p, l.name)  # PushResponse.next_due_seconds
+                f.due_at = clock.now + due_in if due_in > 0 else (clock.now + cadence if cadence else None)
                 l.pushes.append((p, answer.staleness, answer.accepted))
                 f.last_sync_step = l.step
                 if answer.accepted:
                     f.pushed_at_step, f.merged_in = l.step, f.version + answer.staleness + 1
                 else:  # resync: adopt the current version
-                    f.version, f.anchor = shard.fragments[p].version, clock.now
+                    f.version = shard.fragments[p].version
         l.blocked_seconds += blocked_until - clock.now
         step = l.step_seconds * (1 + l.rng.uniform(-jitter, jitter))
+        if l.rng.random() < stalls:  # an evaluation, a GC pause, a busy host: a few steps lost
+            step += l.step_seconds * l.rng.uniform(2, 8)
         order += 1
         heapq.heappush(events, (blocked_until + step, order, i))
     return shard, learners, closes, end
@@ -183,3 +186,23 @@ def test_rounds_close_once_per_period_whatever_k(tmp_path):
         period = H * 0.1
         rates = [outer_steps_per_period(c, period, 5 * period, end) for c in closes.values()]
         assert all(0.8 <= r <= 1.25 for r in rates), (quorum, rates)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_stalls_do_not_split_rounds(tmp_path, seed):
+    """Learners that lose a few steps now and then (an evaluation, a busy host) still
+    push on the fragment's one schedule: a late push joins the next round, and the
+    round after it is still due a period after the last, so rounds do not split into
+    a punctual group and a late one."""
+    speeds = [0.1, 0.1, 0.2, 0.2]
+    shard, learners, closes, end = simulate(speeds, quorum=2, periods=30, tmp_path=tmp_path, seed=seed,
+                                            jitter=0.3, stalls=0.05)
+    period = H * min(speeds)
+    start = 5 * period
+    rates = [outer_steps_per_period(c, period, start, end) for c in closes.values()]
+    assert all(0.9 <= r <= 1.1 for r in rates), rates
+    for l in learners:
+        assert all(ok for _, _, ok in l.pushes), l.name
+        # versions a learner has to pull per push it makes (what pull bandwidth pays for)
+        pushes = sum(1 for _ in l.pushes) / PLAN.num_fragments
+        assert sum(rates) / len(rates) * (end / period) / pushes <= 1.3, l.name

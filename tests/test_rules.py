@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from server.rules import (CloseDecision, Ewma, Reason, RoundPolicy, RoundState, admit,
-                          add_contributor, cadence, decide_close, estimate_grace, grace_window,
+                          add_contributor, cadence, decide_close, due_in, estimate_grace, grace_window,
                           judge_membership, judge_staleness, live_learners,
-                          next_lease_expiry, open_round, token_weight)
+                          next_due, next_lease_expiry, open_round, token_weight)
 
 T0 = 1000.0  # an arbitrary instant on the injected monotonic clock
 FAST = settings(max_examples=150, deadline=None)
@@ -216,7 +216,7 @@ def test_leases_refuse_non_positive_duration(lease):
 
 def test_add_contributor_stamps_first_push_and_first_quorum_only():
     s = open_round()
-    assert s == RoundState(None, frozenset(), None) and s.quorum_seconds is None
+    assert s == RoundState(None, frozenset(), None, None) and s.quorum_seconds is None
     s = add_contributor(s, "a", T0 + 1, quorum=2)
     assert s.contributors == {"a"} and s.quorum_reached_at is None and s.first_push_at == T0 + 1
     s = add_contributor(s, "b", T0 + 3, quorum=2)
@@ -424,3 +424,31 @@ def test_admit_refuses_a_seq_far_past_the_newest():
     assert far.reason is Reason.SEQ_TOO_FAR and not far.accept and "rejoin" in far.detail
     assert _admit(seq=MAX_SEQ_JUMP, newest_seq=None).accept  # a first push counts from 0
     assert _admit(seq=MAX_SEQ_JUMP + 1, newest_seq=None).reason is Reason.SEQ_TOO_FAR
+
+
+# ---------------------------------------------------------------- the fragment's schedule
+
+
+def test_next_due_keeps_one_schedule_whenever_rounds_close():
+    due = RoundState(T0 + 0.2, frozenset({"a", "b"}), T0 + 0.3, T0)
+    assert next_due(due, T0 + 0.9, 3.0) == T0 + 3.0  # a late close does not shift the next period
+    assert next_due(due, T0 + 7.5, 3.0) == T0 + 9.0  # a round that closed periods late skips them
+    first = RoundState(T0 + 1.0, frozenset({"a"}), T0 + 1.0)  # no schedule yet: the first push sets it
+    assert next_due(first, T0 + 1.5, 3.0) == T0 + 4.0
+    assert next_due(due, T0 + 1.0, None) is None  # no cadence, no schedule
+
+
+def test_due_in_tells_each_learner_its_next_push():
+    state = add_contributor(open_round(due_at=T0 + 3.0), "a", T0 + 2.9, 2)
+    assert due_in(state, T0 + 2.9, 3.0, in_round=True) == pytest.approx(3.1)  # the round after this one
+    assert due_in(state, T0 + 2.9, 3.0, in_round=False) == pytest.approx(0.1)  # this one
+    assert due_in(state, T0 + 5.0, 3.0, in_round=False) == pytest.approx(1.0)  # overdue: the next instant
+    assert due_in(state, T0 + 2.9, None, in_round=False) == 0.0  # no cadence yet
+    assert due_in(open_round(), T0, 3.0, in_round=False) == 0.0  # no phase yet
+
+
+def test_an_early_push_does_not_start_the_grace_clock():
+    state = add_contributor(add_contributor(open_round(due_at=T0 + 3.0), "a", T0 + 1.0, 2), "b", T0 + 1.1, 2)
+    assert state.started_at == T0 + 3.0
+    assert decide_close(state, {"a", "b", "c"}, T0 + 3.4, 2, 0.5) == (False, Reason.IN_GRACE, T0 + 3.5)
+    assert decide_close(state, {"a", "b", "c"}, T0 + 3.5, 2, 0.5).close

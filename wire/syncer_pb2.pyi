@@ -117,7 +117,7 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "detail", "version", "staleness", "weight", "cadence_seconds")
+    __slots__ = ("accepted", "reason", "detail", "version", "staleness", "weight", "cadence_seconds", "next_due_seconds")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class PushResponse(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     CADENCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: PushReason
     detail: str
@@ -132,7 +133,8 @@ class PushResponse(_message.Message):
     staleness: int
     weight: float
     cadence_seconds: float
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[PushReason, str]] = ..., detail: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., cadence_seconds: _Optional[float] = ...) -> None: ...
+    next_due_seconds: float
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[PushReason, str]] = ..., detail: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., cadence_seconds: _Optional[float] = ..., next_due_seconds: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("fragment", "have_version", "learner_id")
@@ -145,20 +147,22 @@ class PullRequest(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., have_version: _Optional[int] = ..., learner_id: _Optional[str] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("fragment", "version", "snapshot", "num_params", "num_frames", "last_seq")
+    __slots__ = ("fragment", "version", "snapshot", "num_params", "num_frames", "last_seq", "next_due_seconds")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     snapshot: bool
     num_params: int
     num_frames: int
     last_seq: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., snapshot: _Optional[bool] = ..., num_params: _Optional[int] = ..., num_frames: _Optional[int] = ..., last_seq: _Optional[int] = ...) -> None: ...
+    next_due_seconds: float
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., snapshot: _Optional[bool] = ..., num_params: _Optional[int] = ..., num_frames: _Optional[int] = ..., last_seq: _Optional[int] = ..., next_due_seconds: _Optional[float] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("version", "codec", "data", "last")
