@@ -61,7 +61,7 @@ def test_offsets_spread_fragments_over_the_period():
 
 def test_two_learners_train_toward_a_target_and_hold_the_published_copy(shards):
     """Each inner step moves a learner's params 5 % of the way to zero; syncing must keep that.
-    Steps take (at least) the 5 ms they declare, so the shards' cadence is H x 5 ms."""
+    Steps take at least 5 ms and report what they took, so the shards' cadence is H steps."""
     cfg = SyncConfig(period=8, overlap=2)
     zeros = _zeros(START)
     results = {}
@@ -69,10 +69,13 @@ def test_two_learners_train_toward_a_target_and_hold_the_published_copy(shards):
     def learner(i):
         sync = Synchronizer(cfg, PLAN, _clients(shards, f"l{i}"))
         params = sync.join(_copy(START))
+        last = time.perf_counter()
         for step in range(1, 65):
             time.sleep(0.005)
             params = _toward(params, zeros, 0.05)
-            params = sync.apply(params, sync.after_step(step, params, 0.005, 128))
+            now = time.perf_counter()  # the step's real seconds, as the training loop reports them
+            params = sync.apply(params, sync.after_step(step, params, now - last, 128))
+            last = now
         results[i] = (dict(sync.stats), sync.versions(), [f.base.copy() for f in sync.frags], params)
         sync.close()
 
@@ -84,9 +87,9 @@ def test_two_learners_train_toward_a_target_and_hold_the_published_copy(shards):
     assert len(results) == 2
 
     for i, (stats, versions, bases, params) in results.items():
-        # 64 steps, H=8: a fragment pushes at most every H steps (once per cadence, a round
-        # trip later on a busy machine), and its rounds merge both learners
-        assert 4 * 3 <= stats["pushes"] <= 4 * 8 and stats["refused"] == 0
+        # 64 steps, H=8: a fragment pushes once per cadence (H steps, give or take the one
+        # nearest the due time: at most 1 + 64/7 per fragment), and its rounds merge both learners
+        assert 4 * 3 <= stats["pushes"] <= 4 * 10 and stats["refused"] == 0
         assert stats["adopted"] >= stats["pushes"] - 4
         assert all(adopted >= 3 for adopted, _ in versions.values())
         # 4-bit frames: a push is at most ~4.5 bits per parameter plus a 16-byte header
