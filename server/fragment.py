@@ -75,9 +75,13 @@ class Fragment:
     def contributors(self) -> frozenset[str]:
         return self.round_state.contributors
 
-    def contribute(self, learner: str, delta: np.ndarray, answer: Answer, now: float) -> None:
-        """Folds an accepted outer gradient into the open round."""
-        self.round.add(delta, answer.weight)
+    def contribute(self, learner: str, delta: codec.Codes | np.ndarray, answer: Answer, now: float) -> None:
+        """Folds an accepted outer gradient into the open round: a push's checked codes
+        (`codec.read_codes`, merged with no float32 copy) or a float32 vector, the same bits."""
+        if isinstance(delta, codec.Codes):
+            self.round.add_frame(delta, answer.weight)
+        else:
+            self.round.add(delta, answer.weight)
         self.full_weight += answer.weight / answer.discount
         self.round_state = rules.add_contributor(self.round_state, learner, now, self.quorum)
         self.answers[learner] = answer

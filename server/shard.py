@@ -73,18 +73,26 @@ class PeriodCount(NamedTuple):
         return (self.closes - 1) / self.periods if self.periods > 0 else None
 
 
-def _magnitude_problem(values: np.ndarray, segments: merge.Segments) -> str | None:
-    """Why a decoded outer gradient could overflow the merge, or None.
+def _magnitude_problem(codes: codec.Codes, segments: merge.Segments) -> str | None:
+    """Why an outer gradient (as its frame's checked codes) could overflow the merge, or None.
 
-    Per-tensor norms (float32 per chunk, float64 across: the merge's own) are finite
-    only if no square overflows; a norm under MAX_ABS_VALUE bounds every element, and
-    only a larger one needs the exact element check."""
-    norms = merge.segment_norms(values, segments)
+    Read from the codes, never a float32 copy: per-tensor norms in float64 (the merge's
+    own, `Codes.range_sq_norms`) bound every element, so only a tensor whose norm passes
+    MAX_ABS_VALUE needs the exact per-element check (`Codes.range_max_abs`). Live pushes
+    and replayed records run this same check on the same codes."""
+    try:
+        sq = codes.range_sq_norms(segments.offsets, segments.ends)
+    except codec.CodecError:  # float64 sums of finite codes are finite; refuse all the same
+        return "values whose squares overflow: a diverged learner's update is not merged"
+    norms = np.sqrt(sq)
     if not np.all(np.isfinite(norms)):
         bad = int(np.argmin(np.isfinite(norms)))
-        return f"tensor {bad} of the fragment has values whose squares overflow float32"
-    if norms.max(initial=0.0) > MAX_ABS_VALUE and float(np.max(np.abs(values))) > MAX_ABS_VALUE:
-        return f"values beyond ±{MAX_ABS_VALUE:g}: a diverged learner's update is not merged"
+        return f"tensor {bad} of the fragment has values whose squares overflow"
+    big = norms > MAX_ABS_VALUE
+    if np.any(big):
+        peaks = codes.range_max_abs(segments.offsets[big], segments.ends[big])
+        if float(peaks.max(initial=0.0)) > MAX_ABS_VALUE:
+            return f"values beyond ±{MAX_ABS_VALUE:g}: a diverged learner's update is not merged"
     return None
 
 
@@ -246,24 +254,27 @@ class Shard:
             self._adopt_plan(FragmentPlan.from_json(meta["plan"]))
         elif kind == INIT:
             frag = self.fragments[meta["fragment"]]
-            frag.initialize(self._checked(codec.decode(payload, num_values=frag.size), frag, live))
+            codes = self._checked(codec.read_codes(payload, num_values=frag.size), frag, live)
+            values = np.empty(frag.size, np.float32)
+            codes.decode_into(values, accumulate=False)
+            frag.initialize(values)
         elif kind == PUSH:
             frag = self.fragments[meta["fragment"]]
-            delta = self._checked(codec.decode(payload, num_values=frag.size), frag, live)
-            frag.contribute(meta["learner"], delta, Answer(**meta["answer"]), self.clock())
+            codes = self._checked(codec.read_codes(payload, num_values=frag.size), frag, live)
+            frag.contribute(meta["learner"], codes, Answer(**meta["answer"]), self.clock())
         elif kind == CLOSE:
             self.fragments[meta["fragment"]].close_round(meta.get("trigger"))
         else:
             raise RuntimeError(f"unknown log record kind {kind}")
 
     @staticmethod
-    def _checked(values: np.ndarray, frag: Fragment, live: bool) -> np.ndarray:
-        """Values a replayed record carries pass the checks a live call made before logging
+    def _checked(codes: codec.Codes, frag: Fragment, live: bool) -> codec.Codes:
+        """Codes a replayed record carries pass the checks a live call made before logging
         them: a record this build would have refused (from an older build, say) stops
         recovery instead of merging into the parameters."""
-        if not live and (problem := _magnitude_problem(values, frag.segments)):
+        if not live and (problem := _magnitude_problem(codes, frag.segments)):
             raise ValueError(problem)
-        return values
+        return codes
 
     def _log(self, kind: int, meta: dict, payload: bytes = b"") -> None:
         self._append([_record(kind, meta, payload)])
@@ -381,12 +392,14 @@ class Shard:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
                              f"fragment {p} holds {size} params, init says {num_params}")
         try:
-            values = codec.decode(frame, codec=codec.Codec(frame_codec), num_values=size)
+            codes = codec.read_codes(frame, codec=codec.Codec(frame_codec), num_values=size)
         except codec.CodecError as e:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"init frame: {e}") from None
-        too_big = _magnitude_problem(values, merge.Segments.from_plan(plan, p))
+        too_big = _magnitude_problem(codes, merge.Segments.from_plan(plan, p))
         if too_big is not None:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"init frame: {too_big}")
+        values = np.empty(size, np.float32)
+        codes.decode_into(values, accumulate=False)
         with self.lock:
             records = [_record(INIT, {"fragment": p}, frame)]
             if self.plan is None:  # the plan and its first fragment are durable together or not at all
@@ -416,14 +429,14 @@ class Shard:
             if h.num_params != frag.size:
                 raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"fragment {h.fragment} holds {frag.size} params, push says {h.num_params}")
-        delta = np.empty(frag.size, np.float32)
         try:
-            codec.decode_into(frame, delta, accumulate=False, codec=codec.Codec(h.codec))
+            # decompressed and checked, never decoded to float32: the merge reads the codes
+            codes = codec.read_codes(frame, codec=codec.Codec(h.codec), num_values=frag.size)
         except codec.CodecError as e:
-            # the codec refuses frames holding or decoding to NaN/Inf: delta is finite
+            # the codec refuses frames holding or decoding to NaN/Inf: the codes are finite
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"push frame: {e}") from None
         # Checked before logging: a logged record must be one the merge can apply.
-        too_big = _magnitude_problem(delta, frag.segments)
+        too_big = _magnitude_problem(codes, frag.segments)
         if too_big is not None:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"push frame: {too_big}")
         with self.lock:
@@ -451,7 +464,7 @@ class Shard:
                             verdict.weight * verdict.discount, verdict.discount)
             self._log(PUSH, {"fragment": h.fragment, "learner": h.learner_id,
                              "answer": dataclasses.asdict(answer)}, frame)
-            frag.contribute(h.learner_id, delta, answer, now)
+            frag.contribute(h.learner_id, codes, answer, now)
             frag.refusals.pop(h.learner_id, None)
             self.metrics.staleness.observe(verdict.staleness)
             self.metrics.compute_seconds.inc(h.inner_steps * h.step_seconds / self.plan.num_fragments)
