@@ -7,6 +7,10 @@ Write-ahead log (`WriteAheadLog`; one directory, one open log at a time):
 
 1. `append(r)` returns LSN n only after r, its frame and (for a new segment file)
    the segment's directory entry are on stable storage. The ack is a promise.
+   `write_many` assigns LSNs and writes without waiting; its records are durable
+   once `sync(n)` of the last returns. Group commit: concurrent `sync` calls share
+   one fdatasync (each waits for the first one that started after its write), and
+   no fsync runs under the log's lock, so writers go on while the disk works.
 2. LSNs run 1, 2, 3, ... without gaps, in the order appends took the log's lock;
    that order is the merge order, and `replay` yields exactly it. Reopening
    continues from the last durable LSN + 1.
@@ -220,6 +224,8 @@ class WriteAheadLog:
 
     def __init__(self, directory: str | os.PathLike, *, segment_bytes: int = 256 << 20):
         self._mutex = threading.Lock()  # appends are serialised: their order is the merge order
+        self._synced = threading.Condition(threading.Lock())  # durable LSN and the one fsync in flight
+        self._syncing = False
         self._fd: int | None = None
         self._lock_fd: int | None = None
         if segment_bytes <= _FRAME.size:
@@ -290,13 +296,24 @@ class WriteAheadLog:
 
     def append_many(self, records: Iterable[bytes | memoryview]) -> list[int]:
         """Writes records durably with one fsync, consecutive LSNs, and returns them."""
+        lsns = self.write_many(records)
+        if lsns:
+            self.sync(lsns[-1])
+        return lsns
+
+    def _check_open(self) -> None:
+        if self._failed is not None:
+            raise LogFailed(f"an earlier write to {self.directory} failed ({self._failed!r}); "
+                            "reopen the log to recover") from self._failed
+        if self._fd is None:
+            raise StorageError(f"the log in {self.directory} is closed")
+
+    def write_many(self, records: Iterable[bytes | memoryview]) -> list[int]:
+        """Writes records with consecutive LSNs and returns them, without waiting for the
+        disk: they are durable (guarantee 1) only once `sync` of the last one returns."""
         views = [memoryview(r).cast("B") for r in records]
         with self._mutex:
-            if self._failed is not None:
-                raise LogFailed(f"an earlier write to {self.directory} failed ({self._failed!r}); "
-                                "reopen the log to recover") from self._failed
-            if self._fd is None:
-                raise StorageError(f"the log in {self.directory} is closed")
+            self._check_open()
             try:
                 lsns = []
                 for view in views:
@@ -308,14 +325,56 @@ class WriteAheadLog:
                     self._size += frame_bytes
                     lsns.append(self._next_lsn)
                     self._next_lsn += 1
-                started = time.perf_counter()
-                _datasync(self._fd)  # fsync before ack: the ack is a promise
-                self.last_sync_seconds = time.perf_counter() - started
             except BaseException as exc:
                 self._failed = exc
                 raise
-            self._durable_lsn = self._next_lsn - 1
             return lsns
+
+    @property
+    def written_lsn(self) -> int:
+        """The newest LSN written, durable or not yet."""
+        with self._mutex:
+            return self._next_lsn - 1
+
+    def sync(self, lsn: int) -> float | None:
+        """Returns once every record through `lsn` is durable (group commit).
+
+        One caller at a time runs fdatasync, for everything written when it starts;
+        callers arriving meanwhile wait for it and, if their record came later, the
+        next one runs for all of them: concurrent appenders share fsyncs, and none
+        holds the log's lock while the disk works. Returns the seconds of the fsync
+        this call ran, or None if others' fsyncs covered `lsn`. Raises LogFailed if
+        the fsync failed (for this caller or the one it waited on)."""
+        if lsn > self.written_lsn:
+            raise ValueError(f"sync({lsn}): the log in {self.directory} has written only through "
+                             f"LSN {self.written_lsn}")
+        with self._synced:
+            while self._durable_lsn < lsn:
+                if self._syncing:
+                    self._synced.wait()
+                    continue
+                with self._mutex:  # what is written now; a dup so a rotation may close the original
+                    self._check_open()  # a failed fsync leaves these records unknown: no ack
+                    target, fd = self._next_lsn - 1, os.dup(self._fd)
+                self._syncing = True
+                self._synced.release()
+                started = time.perf_counter()
+                try:
+                    _datasync(fd)  # fsync before ack: the ack is a promise
+                except BaseException as exc:
+                    self._failed = exc
+                    raise
+                finally:
+                    os.close(fd)
+                    self._synced.acquire()
+                    self._syncing = False
+                    self._synced.notify_all()
+                # records in earlier segments were fsynced when their segment was sealed
+                self._durable_lsn = max(self._durable_lsn, target)
+                self.last_sync_seconds = seconds = time.perf_counter() - started
+                if self._durable_lsn >= lsn:
+                    return seconds
+            return None
 
     def _rotate(self) -> None:
         old, self._fd = self._fd, None

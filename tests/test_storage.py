@@ -11,6 +11,7 @@ import pathlib
 import struct
 import tempfile
 import threading
+import time
 
 import ml_dtypes
 import numpy as np
@@ -514,3 +515,59 @@ def test_an_abandoned_store_releases_its_directory(backend):
     del wal, store
     with backend.open_log() as wal, backend.open_snapshots():
         assert records_of(wal) == {1: b"kept"}
+
+
+def test_concurrent_syncs_share_fsyncs_and_return_only_once_durable(backend, monkeypatch):
+    """Group commit: 8 writers whose syncs overlap a slow fsync need far fewer than 8 fsyncs,
+    and no sync returns before an fsync that started after its record was written."""
+    calls, lock = [], threading.Lock()
+    real = storage._datasync
+
+    def slow_datasync(fd):
+        with lock:
+            calls.append(time.perf_counter())
+        time.sleep(0.05)
+        real(fd)
+
+    with backend.open_log() as wal:
+        monkeypatch.setattr(storage, "_datasync", slow_datasync)
+        barrier, done = threading.Barrier(8), {}
+
+        def writer(i: int) -> None:
+            barrier.wait()
+            lsn = wal.write_many([f"rec {i}".encode()])[0]
+            written = time.perf_counter()
+            wal.sync(lsn)
+            # an fsync covering this record started after it was written
+            done[i] = lsn if any(t >= written for t in calls) and wal.last_lsn >= lsn else None
+
+        threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        monkeypatch.undo()
+        assert sorted(done.values()) == list(range(1, 9))
+        assert 1 <= len(calls) <= 3, len(calls)  # one leader, then at most a second batch and a third
+        assert wal.sync(8) is None  # already durable: no fsync
+        with pytest.raises(ValueError):
+            wal.sync(9)  # never written
+    with backend.open_log() as wal:
+        assert [r for _, r in wal.replay()] == sorted((f"rec {i}".encode() for i in range(8)),
+                                                      key=lambda r: done[int(r.split()[1])])
+
+
+def test_failed_group_fsync_fails_every_waiter(backend, monkeypatch):
+    with backend.open_log() as wal:
+        lsn = wal.write_many([b"a", b"b"])[-1]
+
+        def broken(fd):
+            raise OSError(5, "EIO")
+
+        monkeypatch.setattr(storage, "_datasync", broken)
+        with pytest.raises(OSError):
+            wal.sync(lsn)
+        with pytest.raises(LogFailed):
+            wal.sync(lsn)  # the records are unknown: no caller is told they are durable
+        with pytest.raises(LogFailed):
+            wal.write_many([b"c"])
