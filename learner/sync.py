@@ -364,6 +364,17 @@ class Synchronizer:
                 return
             self._wait_for(frag.p, at_least)
 
+    def _learn_schedule(self, frag: _Fragment, have: int) -> None:
+        """Asks fragment p's shard when this learner's first push of it is due (a pull
+        from the version just announced: no frames unless another round closed since)."""
+        try:  # one try: on failure the first push goes on step counts (t_p) instead
+            pulled = self.client_of(frag.p).pull(frag.p, have)
+        except (grpc.RpcError, IncompletePull):
+            return
+        self._count("bytes_received", sum(len(f) for _, _, f in pulled.frames))
+        if pulled.next_due_seconds > 0 and frag.due_at is None:
+            frag.due_at = time.monotonic() + pulled.next_due_seconds
+
     def _pull(self, p: int, have: int | None) -> Pulled:
         pulled = self._retry(lambda: self.client_of(p).pull(p, have), f"pull fragment {p}")
         self._count("bytes_received", sum(len(f) for _, _, f in pulled.frames))
@@ -389,6 +400,14 @@ class Synchronizer:
                     with self.known:
                         self.latest[notice.fragment] = max(self.latest.get(notice.fragment, 0), notice.version)
                         self.known.notify_all()
+                    frag = self.frags[notice.fragment]
+                    if frag.due_at is None and frag.last_sync_step is None and not self.stopping.is_set():
+                        # joined before the fragment had a schedule: a round has closed since,
+                        # so the shard has one now; learn it rather than push on step counts
+                        try:
+                            self.pool.submit(self._learn_schedule, frag, notice.version)
+                        except RuntimeError:  # the pool shut down: this learner is stopping
+                            break
             except grpc.RpcError:
                 pass
             if self.stopping.is_set():
