@@ -4,7 +4,10 @@ published copy and delta ring.
 Every change goes through `initialize`, `contribute` or `close_round`, the same
 three calls that replaying the write-ahead log makes, in log order; that is what
 makes recovery bit-identical. Nothing here does I/O, reads a clock or locks: the
-shard does those around it.
+shard does those around it (one lock per fragment). Arrays a snapshot or pull may hold
+are never written in place: params and the optimiser state are fresh each outer step,
+the published copy is replaced by each close, ring frames are bytes; only the round
+accumulator changes in place, and `state()` copies it.
 """
 
 from __future__ import annotations
@@ -103,7 +106,10 @@ class Fragment:
         # The published copy follows params through quantised deltas; what a delta
         # fails to carry stays in params − published and goes out with the next one.
         frame = codec.encode(self.params - self.published, self.publish_codec)
-        codec.decode_into(frame, self.published, 1.0)
+        # a new array, not written in place: a snapshot or pull taken earlier may still read the old one
+        published = self.published.copy()
+        codec.decode_into(frame, published, 1.0)
+        self.published = published
         self.version += 1
         self.last_round_size = self.round.count
         self.ring.append((self.version, frame))

@@ -2,10 +2,15 @@
 
 Domain calls (`init`, `push`, `pull`, `describe`, `wait_for_versions`, `tick`) take
 plain values and raise `ShardError` with a gRPC status; the servicer only
-translates. Ordering: a push is checked and decoded outside the lock, then under
-the lock judged, appended to the write-ahead log (fsync before ack: the ack is a
-promise), and folded in. The log order is the merge order, so replaying it after a
-crash rebuilds bit-identical state.
+translates. Ordering: a push is decompressed and checked with no lock held; then,
+under its fragment's lock alone, judged, written to the write-ahead log and merged
+straight from its codes; the fsync comes after that lock is let go, shared by every
+push waiting for one (group commit), and the ack only after it (the ack is a
+promise). Fragments never wait on each other; each one's log order is its merge
+order, so replaying the log after a crash rebuilds bit-identical state. A round close
+is durable before its fragment's lock is let go, so no version a crash could take
+back is ever served. Snapshots are written by a thread of their own while pushes go
+on (`_snapshot`).
 """
 
 from __future__ import annotations
@@ -169,8 +174,13 @@ class Shard:
         data = pathlib.Path(cfg.data_dir)
         self.wal = storage.WriteAheadLog(data / "wal")
         self.snapshots = storage.SnapshotStore(data / "snapshots")
-        self.lock = threading.Lock()
+        # Locks, always taken in this order: init_lock, a fragment's lock, lock.
+        self.init_lock = threading.Lock()  # Init calls, one at a time (the first adopts the plan)
+        self.lock = threading.Lock()  # shard-wide state (leases, timings, cadence); never held over I/O or a merge
         self.changed = threading.Condition(self.lock)
+        self.snapshot_lock = threading.Lock()  # one snapshot written at a time
+        self._snapshotting = False  # a background snapshot is under way (under lock)
+        self._snapshot_thread: threading.Thread | None = None
         self.listeners: list[Callable[[], None]] = []  # called under the lock when a version changes; must not block
         self.ready = False
         self.recovery_error: str | None = None  # why recovery stopped; the shard then serves nothing
@@ -181,13 +191,19 @@ class Shard:
         """The state before recovery: no plan, no fragments, nothing replayed."""
         self.plan: FragmentPlan | None = None
         self.fragments: dict[int, Fragment] = {}
+        # One lock per fragment, held while a push to it is judged, logged (written, not
+        # yet fsynced) and merged, and over a round close: a fragment's log order is
+        # its merge order, and fragments never wait on each other.
+        self.frag_locks: dict[int, threading.Lock] = {}
         self.last_seen: dict[str, float] = {}
         self.timings: dict[str, Timing] = {}  # learner -> the timing its last push reported
+        self.known: set[str] = set()  # learners whose pushes some fragment holds
         self.cadence_seconds: float | None = None  # the sync period learners are asked to keep
         self.periods: dict[int, PeriodCount] = {}  # fragment -> outer steps against elapsed periods
         self.sync_time = rules.Ewma()
         self.rounds_since_snapshot = 0
         self.last_lsn = 0
+        self.snapshot_lsns: dict[int, int] = {}  # fragment -> newest LSN of it the loaded snapshot holds
 
     # --- recovery ---
 
@@ -228,7 +244,7 @@ class Shard:
                 self._quarantine(lsn, record)
             else:
                 try:
-                    self._apply(record, live=False)
+                    self._apply(record, live=False, lsn=lsn)
                 except Exception as e:  # noqa: BLE001 - any failure here must stop and say which record
                     raise RecoveryError(
                         f"log record {lsn} in {self.cfg.data_dir} cannot be applied ({type(e).__name__}: {e}); "
@@ -238,6 +254,8 @@ class Shard:
                         f"and replay the rest") from e
             self.last_lsn = lsn
             replayed += 1
+        for frag in self.fragments.values():
+            self.known.update(frag.answers)
         return replayed
 
     def _quarantine(self, lsn: int, record: bytes) -> None:
@@ -247,9 +265,13 @@ class Shard:
         log.warning("log record %d set aside in %s as --quarantine-record asked; replay goes on without it",
                     lsn, folder)
 
-    def _apply(self, record: bytes, live: bool) -> None:
-        """Applies one log record; the same code runs live and during replay."""
+    def _apply(self, record: bytes, live: bool, lsn: int = 0) -> None:
+        """Applies one log record; the same code runs live and during replay. A record of
+        a fragment that the snapshot already holds (its LSN at or before that fragment's
+        in the snapshot) is skipped."""
         kind, meta, payload = _parse(record)
+        if "fragment" in meta and lsn <= self.snapshot_lsns.get(meta["fragment"], 0):
+            return
         if kind == PLAN:
             self._adopt_plan(FragmentPlan.from_json(meta["plan"]))
         elif kind == INIT:
@@ -276,36 +298,83 @@ class Shard:
             raise ValueError(problem)
         return codes
 
-    def _log(self, kind: int, meta: dict, payload: bytes = b"") -> None:
-        self._append([_record(kind, meta, payload)])
+    def _write(self, records: list[bytes]) -> int:
+        """Writes records to the log (not yet durable); returns the last one's LSN."""
+        try:
+            return self.wal.write_many(records)[-1]
+        except storage.StorageError as e:
+            raise self._log_failed(e) from e
 
-    def _append(self, records: list[bytes]) -> None:
-        """Makes records durable with one fsync (before any ack that depends on them)."""
-        self.last_lsn = self.wal.append_many(records)[-1]
-        self.metrics.fsync_seconds.observe(self.wal.last_sync_seconds)
+    def _sync(self, lsn: int) -> None:
+        """Returns once the log is durable through `lsn` (before any ack that depends on it).
+
+        Group commit: concurrent callers share one fsync. Never called under `lock`."""
+        try:
+            seconds = self.wal.sync(lsn)
+        except (OSError, storage.StorageError) as e:
+            raise self._log_failed(e) from e
+        if seconds is not None:
+            self.metrics.fsync_seconds.observe(seconds)
+
+    def _log_failed(self, e: Exception) -> ShardError:
+        """After a failed write or fsync, what is on disk is unknown: the shard stops serving
+        (its memory may hold records that never reached the disk) until restarted from its log."""
+        self.recovery_error = f"the write-ahead log failed ({type(e).__name__}: {e}); restart the shard"
+        log.error("%s", self.recovery_error)
+        return ShardError(grpc.StatusCode.UNAVAILABLE, self.recovery_error)
+
+
 
     def _adopt_plan(self, plan: FragmentPlan) -> None:
-        self.plan = plan
+        fragments, locks = {}, {}
         for p in plan.fragments_of_shard(self.cfg.shard_index, self.cfg.num_shards):
-            self.fragments[p] = Fragment(p, plan, lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
-                                         rda=self.cfg.rda, delta_ring=self.cfg.delta_ring,
-                                         publish_codec=self.cfg.publish_codec, quorum=self.policy.quorum)
+            fragments[p] = Fragment(p, plan, lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
+                                    rda=self.cfg.rda, delta_ring=self.cfg.delta_ring,
+                                    publish_codec=self.cfg.publish_codec, quorum=self.policy.quorum)
+            locks[p] = threading.Lock()
             self.periods[p] = PeriodCount()
+        self.fragments, self.frag_locks = fragments, locks
+        self.plan = plan  # last: a call that sees the plan finds its fragments and locks
 
     # --- snapshots ---
 
     def _snapshot(self) -> None:
-        meta: dict = {"plan": self.plan.to_json() if self.plan else None,
-                      "shard_index": self.cfg.shard_index, "num_shards": self.cfg.num_shards,
-                      "fragments": {}}
-        arrays: dict[str, np.ndarray] = {}
-        for p, frag in self.fragments.items():
-            fmeta, farrays = frag.state()
-            meta["fragments"][str(p)] = fmeta
-            arrays.update({f"f{p}.{k}": v for k, v in farrays.items()})
-        with self.metrics.snapshot_seconds.time():
-            self.snapshots.save(self.last_lsn, meta, arrays)
-        self.rounds_since_snapshot = 0
+        """Writes a snapshot while pushes go on.
+
+        Each fragment is captured under its own lock alone, at the log's newest LSN at
+        that moment (its state then holds exactly its records up to that LSN); only the
+        round accumulator is copied, since params, opt state and ring frames are never
+        changed in place and the published copy is replaced, not written, by a close.
+        The records captured are made durable before the snapshot names them; the
+        snapshot's LSN is the oldest fragment LSN, and replay skips each fragment's
+        records up to its own."""
+        with self.snapshot_lock:
+            meta: dict = {"plan": self.plan.to_json() if self.plan else None,
+                          "shard_index": self.cfg.shard_index, "num_shards": self.cfg.num_shards,
+                          "fragments": {}, "fragment_lsns": {}}
+            arrays: dict[str, np.ndarray] = {}
+            for p in sorted(self.fragments):
+                with self.frag_locks[p]:
+                    fmeta, farrays = self.fragments[p].state()
+                    meta["fragment_lsns"][str(p)] = self.wal.written_lsn
+                meta["fragments"][str(p)] = fmeta
+                arrays.update({f"f{p}.{k}": v for k, v in farrays.items()})
+            lsns = list(meta["fragment_lsns"].values()) or [self.wal.written_lsn]
+            if max(lsns) > 0:
+                self._sync(max(lsns))
+            with self.metrics.snapshot_seconds.time():
+                self.snapshots.save(min(lsns), meta, arrays)
+            del arrays
+            self.wal.truncate_through(self.snapshots.truncatable_lsn())
+
+    def _snapshot_in_background(self) -> None:
+        try:
+            self._snapshot()
+        except Exception:  # noqa: BLE001 - the log still holds everything; the next one tries again
+            log.exception("background snapshot failed; the log keeps every record until one succeeds")
+        finally:
+            with self.lock:
+                self._snapshotting = False
 
     def _restore(self, snap) -> None:
         meta = snap.meta
@@ -320,6 +389,9 @@ class Shard:
             self.fragments[int(key)].restore(
                 fmeta, {k[len(prefix):]: v for k, v in snap.arrays.items() if k.startswith(prefix)},
                 self.clock())
+        # older snapshots were taken at one LSN for every fragment
+        lsns = meta.get("fragment_lsns") or {key: snap.lsn for key in meta["fragments"]}
+        self.snapshot_lsns = {int(key): int(lsn) for key, lsn in lsns.items()}
         self.last_lsn = snap.lsn
 
     # --- the calls ---
@@ -378,57 +450,58 @@ class Shard:
         """Seeds fragment p from frame unless it exists; returns (created, version).
 
         The first Init also brings the plan; it is logged only with a valid first
-        fragment, so a refused Init leaves the shard as it was."""
+        fragment, so a refused Init leaves the shard as it was. Inits run one at a time
+        (they are rare); the fragment is seeded once its record is durable."""
         self._require_ready()
         if frame_codec not in ACCEPTED_CODECS:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"codec {frame_codec} is not accepted")
-        with self.lock:
+        with self.init_lock:
             plan = self.plan or self._parse_plan(plan_json, fingerprint)
             self._check_fragment(plan, p, fingerprint)
             if self.plan is not None and self.fragments[p].initialized:
                 return False, self.fragments[p].version
-        size = plan.fragment_sizes[p]
-        if num_params != size:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"fragment {p} holds {size} params, init says {num_params}")
-        try:
-            codes = codec.read_codes(frame, codec=codec.Codec(frame_codec), num_values=size)
-        except codec.CodecError as e:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"init frame: {e}") from None
-        too_big = _magnitude_problem(codes, merge.Segments.from_plan(plan, p))
-        if too_big is not None:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"init frame: {too_big}")
-        values = np.empty(size, np.float32)
-        codes.decode_into(values, accumulate=False)
-        with self.lock:
-            records = [_record(INIT, {"fragment": p}, frame)]
+            size = plan.fragment_sizes[p]
+            if num_params != size:
+                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"fragment {p} holds {size} params, init says {num_params}")
+            try:
+                codes = codec.read_codes(frame, codec=codec.Codec(frame_codec), num_values=size)
+            except codec.CodecError as e:
+                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"init frame: {e}") from None
+            too_big = _magnitude_problem(codes, merge.Segments.from_plan(plan, p))
+            if too_big is not None:
+                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"init frame: {too_big}")
+            values = np.empty(size, np.float32)
+            codes.decode_into(values, accumulate=False)
             if self.plan is None:  # the plan and its first fragment are durable together or not at all
-                records.insert(0, _record(PLAN, {"plan": plan_json}))
-            else:
-                self._check_fragment(self.plan, p, fingerprint)  # another plan may have won meanwhile
-                if self.fragments[p].initialized:  # another learner won the race while we decoded
-                    return False, self.fragments[p].version
-            self._append(records)
-            if self.plan is None:
+                self._sync(self._write([_record(PLAN, {"plan": plan_json}), _record(INIT, {"fragment": p}, frame)]))
                 self._adopt_plan(plan)
-            frag = self.fragments[p]
-            frag.initialize(values)
-            self._version_changed()
-            return True, frag.version
+                self.fragments[p].initialize(values)
+            else:
+                with self.frag_locks[p]:  # a snapshot sees the fragment seeded with its record, or neither
+                    self._sync(self._write([_record(INIT, {"fragment": p}, frame)]))
+                    self.fragments[p].initialize(values)
+            with self.lock:
+                self._version_changed()
+            return True, self.fragments[p].version
 
     def push(self, h: PushHeader, frame: bytes) -> Answer:
-        """Judges, logs and merges one outer gradient; returns its acknowledgement."""
+        """Judges, logs and merges one outer gradient; returns its acknowledgement once
+        its record is durable.
+
+        The frame is decompressed and checked with no lock held; under the fragment's
+        lock the push is judged, its record written and its codes merged; the fsync comes
+        after the lock is let go, shared with whatever other pushes wait for one."""
         self._require_ready()
         problem = h.problem()
         if problem is not None:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if h.codec not in ACCEPTED_CODECS:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"codec {h.codec} is not accepted")
-        with self.lock:
-            frag = self._fragment(h.fragment, h.plan_fingerprint)
-            if h.num_params != frag.size:
-                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"fragment {h.fragment} holds {frag.size} params, push says {h.num_params}")
+        frag = self._fragment(h.fragment, h.plan_fingerprint)
+        if h.num_params != frag.size:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"fragment {h.fragment} holds {frag.size} params, push says {h.num_params}")
         try:
             # decompressed and checked, never decoded to float32: the merge reads the codes
             codes = codec.read_codes(frame, codec=codec.Codec(h.codec), num_values=frag.size)
@@ -439,37 +512,47 @@ class Shard:
         too_big = _magnitude_problem(codes, frag.segments)
         if too_big is not None:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"push frame: {too_big}")
-        with self.lock:
+        with self.frag_locks[h.fragment]:
+            self._require_ready()
             now = self.clock()
-            self._heard_from(h, now)
+            with self.lock:
+                self._heard_from(h, now)
             prior = frag.answers.get(h.learner_id)
             refused = frag.refusals.get(h.learner_id)
             if prior is not None and prior.seq == h.seq:
-                return self._count(dataclasses.replace(prior, reason=str(rules.Reason.DUPLICATE)))
-            if refused is not None and refused.seq == h.seq:
+                # the first push's record may still be on its way to disk: answer once it is there
+                answer, durable_at = dataclasses.replace(prior, reason=str(rules.Reason.DUPLICATE)), \
+                    self.wal.written_lsn
+            elif refused is not None and refused.seq == h.seq:
                 return self._count(refused)  # a retried refusal gets its first answer
-            newest = max((a.seq for a in (prior, refused) if a is not None), default=None)
-            verdict = rules.admit(seq=h.seq, newest_seq=newest, base_version=h.base_version,
-                                  current_version=frag.version, in_round=h.learner_id in frag.contributors,
-                                  tokens=h.tokens, inner_steps=h.inner_steps, policy=self.policy)
-            if verdict.reason in (rules.Reason.FUTURE_BASE, rules.Reason.SEQ_TOO_FAR):
-                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"fragment {h.fragment}: {verdict.detail}")
-            if not verdict.accept:
-                answer = Answer(h.seq, False, str(verdict.reason), verdict.detail, frag.version,
-                                verdict.staleness, 0.0)
-                if verdict.reason is not rules.Reason.DUPLICATE:
-                    frag.refusals[h.learner_id] = answer
-                return self._count(answer)
-            answer = Answer(h.seq, True, str(verdict.reason), "", frag.version, verdict.staleness,
-                            verdict.weight * verdict.discount, verdict.discount)
-            self._log(PUSH, {"fragment": h.fragment, "learner": h.learner_id,
-                             "answer": dataclasses.asdict(answer)}, frame)
-            frag.contribute(h.learner_id, codes, answer, now)
-            frag.refusals.pop(h.learner_id, None)
-            self.metrics.staleness.observe(verdict.staleness)
-            self.metrics.compute_seconds.inc(h.inner_steps * h.step_seconds / self.plan.num_fragments)
-            self._maybe_close(h.fragment, now, trigger=h.learner_id)
-            return self._count(frag.answers[h.learner_id])
+            else:
+                newest = max((a.seq for a in (prior, refused) if a is not None), default=None)
+                verdict = rules.admit(seq=h.seq, newest_seq=newest, base_version=h.base_version,
+                                      current_version=frag.version, in_round=h.learner_id in frag.contributors,
+                                      tokens=h.tokens, inner_steps=h.inner_steps, policy=self.policy)
+                if verdict.reason in (rules.Reason.FUTURE_BASE, rules.Reason.SEQ_TOO_FAR):
+                    raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"fragment {h.fragment}: {verdict.detail}")
+                if not verdict.accept:
+                    answer = Answer(h.seq, False, str(verdict.reason), verdict.detail, frag.version,
+                                    verdict.staleness, 0.0)
+                    if verdict.reason is not rules.Reason.DUPLICATE:
+                        frag.refusals[h.learner_id] = answer
+                    return self._count(answer)
+                answer = Answer(h.seq, True, str(verdict.reason), "", frag.version, verdict.staleness,
+                                verdict.weight * verdict.discount, verdict.discount)
+                durable_at = self._write([_record(PUSH, {"fragment": h.fragment, "learner": h.learner_id,
+                                                         "answer": dataclasses.asdict(answer)}, frame)])
+                frag.contribute(h.learner_id, codes, answer, now)
+                frag.refusals.pop(h.learner_id, None)
+                with self.lock:
+                    self.known.add(h.learner_id)
+                self.metrics.staleness.observe(verdict.staleness)
+                self.metrics.compute_seconds.inc(h.inner_steps * h.step_seconds / self.plan.num_fragments)
+                self._maybe_close(h.fragment, now, trigger=h.learner_id)
+                answer = frag.answers[h.learner_id]
+        del codes
+        self._sync(durable_at)  # fsync before ack: the ack is a promise
+        return self._count(answer)
 
     def _heard_from(self, h: PushHeader, now: float) -> None:
         """A push renews its learner's lease and brings its timing: step time, τ, H."""
@@ -500,48 +583,56 @@ class Shard:
         return rules.estimate_grace(self.policy, overlap, slowest, self.sync_time, cap)
 
     def due_in(self, p: int, learner: str) -> float:
-        """Seconds until `learner`'s next push of fragment p is due (0: no schedule yet)."""
-        with self.lock:
-            frag = self.fragments.get(p)
-            if frag is None:
-                return 0.0
-            return rules.due_in(frag.round_state, self.clock(), self.cadence_seconds,
-                                in_round=learner in frag.contributors)
+        """Seconds until `learner`'s next push of fragment p is due (0: no schedule yet).
+
+        Takes no lock (the event loop calls it): a round state is a value, replaced whole."""
+        frag = self.fragments.get(p)
+        if frag is None:
+            return 0.0
+        state = frag.round_state
+        return rules.due_in(state, self.clock(), self.cadence_seconds, in_round=learner in state.contributors)
 
     def _joined(self) -> int:
-        """Learners this shard knows: any with a lease, any whose push it holds."""
-        known = set(self.last_seen)
-        for frag in self.fragments.values():
-            known.update(frag.answers)
-        return len(known)
+        """Learners this shard knows: any with a lease, any whose push it holds (under lock)."""
+        return len(self.known.union(self.last_seen))
 
     def _maybe_close(self, p: int, now: float, trigger: str | None = None) -> float | None:
-        """Closes fragment p's round if the rules say so; returns when to look again."""
+        """Closes fragment p's round if the rules say so; returns when to look again.
+
+        Called under p's lock. A close is made durable before the lock is let go, so a
+        pull or watch never sees a version that a crash could take back."""
         frag = self.fragments[p]
         state = frag.round_state
-        live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
-        decision = rules.decide_close(state, live, now, self.policy.quorum, self._grace(live),
-                                      joined=self._joined())
+        with self.lock:
+            live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
+            grace, joined = self._grace(live), self._joined()
+        decision = rules.decide_close(state, live, now, self.policy.quorum, grace, joined=joined)
         if not decision.close:
             return decision.wake_at
         started = self.clock()  # the shard's clock: ξ_sync sizes the grace window on it
-        self._log(CLOSE, {"fragment": p, "trigger": trigger})
+        lsn = self._write([_record(CLOSE, {"fragment": p, "trigger": trigger})])
         frag.close_round(trigger)  # the same call replay makes
         # the fragment's schedule goes on a period after this round's due time, whenever
         # the round closed (round timing is not logged: after a restart, the first push
         # sets the phase again)
         frag.round_state = frag.round_state._replace(due_at=rules.next_due(state, now, self.cadence_seconds))
         merge_seconds = self.clock() - started
-        self.sync_time = self.sync_time.update(merge_seconds, self.policy.ewma_alpha)
-        self.periods[p] = self.periods[p].closed(now, self.cadence_seconds)
+        self._sync(lsn)  # under this fragment's lock only
         self.metrics.rounds.inc()
         self.metrics.round_size.observe(frag.last_round_size)
         self.metrics.merge_seconds.observe(merge_seconds)
-        self.rounds_since_snapshot += 1
-        if self.rounds_since_snapshot >= self.cfg.snapshot_every:
-            self._snapshot()
-            self.wal.truncate_through(self.snapshots.truncatable_lsn())
-        self._version_changed()
+        with self.lock:
+            self.sync_time = self.sync_time.update(merge_seconds, self.policy.ewma_alpha)
+            self.periods[p] = self.periods[p].closed(now, self.cadence_seconds)
+            self.rounds_since_snapshot += 1
+            snapshot = self.rounds_since_snapshot >= self.cfg.snapshot_every and not self._snapshotting
+            if snapshot:
+                self.rounds_since_snapshot, self._snapshotting = 0, True
+            self._version_changed()
+        if snapshot:  # written by a thread of its own while pushes go on
+            self._snapshot_thread = threading.Thread(target=self._snapshot_in_background,
+                                                     name=f"shard{self.cfg.shard_index}-snapshot", daemon=True)
+            self._snapshot_thread.start()
         return None
 
     def _version_changed(self) -> None:
@@ -553,51 +644,60 @@ class Shard:
         """Closes rounds whose grace ended or whose missing learners' leases lapsed;
         returns the next instant worth looking again (None: only a push can help)."""
         with self.lock:
-            if not self.ready:
+            if not self.ready or self.recovery_error is not None:
                 return None
             now = self.clock()
             horizon = now - PRUNE_AFTER_LEASES * self.policy.lease_seconds
             for learner in [m for m, seen in self.last_seen.items() if seen < horizon]:
                 del self.last_seen[learner]
                 self.timings.pop(learner, None)
-            wakes = [self._maybe_close(p, now) for p, f in self.fragments.items() if f.round.count]
+        wakes = []
+        for p in list(self.fragments):
+            with self.frag_locks[p]:
+                if self.fragments[p].round.count:
+                    wakes.append(self._maybe_close(p, now))
+        with self.lock:
             expiry = rules.next_lease_expiry(self.last_seen, now, self.policy.lease_seconds)
-            candidates = [w for w in wakes if w is not None] + ([expiry] if expiry is not None else [])
-            return min(candidates) if candidates else None
+        candidates = [w for w in wakes if w is not None] + ([expiry] if expiry is not None else [])
+        return min(candidates) if candidates else None
 
     def pull(self, p: int, have_version: int | None) -> tuple[int, bool, list[tuple[int, codec.Codec, bytes]]]:
         """(version, is_snapshot, [(version, codec, frame)]) taking the caller to the newest."""
         self._require_ready()
-        with self.lock:
-            frag = self._fragment(p)
-            if have_version is not None and have_version > frag.version:
+        frag = self._fragment(p)
+        with self.frag_locks[p]:
+            version = frag.version
+            if have_version is not None and have_version > version:
                 raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"have_version {have_version} is ahead of fragment {p}'s version {frag.version}")
+                                 f"have_version {have_version} is ahead of fragment {p}'s version {version}")
             deltas = None if have_version is None else frag.deltas_since(have_version)
-            if deltas is not None:
-                out = [(v, frag.publish_codec, f) for v, f in deltas]
-                snapshot = False
-            else:
-                out = [(frag.version, codec.Codec.FP32, frag.snapshot_frame())]
-                snapshot = True
-            self.metrics.bytes_out.inc(sum(len(f) for _, _, f in out))
-            return frag.version, snapshot, out
+            published = frag.published  # replaced, never written, by a close: encoded outside the lock
+        if deltas is not None:
+            out = [(v, frag.publish_codec, f) for v, f in deltas]
+        else:
+            out = [(version, codec.Codec.FP32, codec.encode(published, codec.Codec.FP32))]
+        self.metrics.bytes_out.inc(sum(len(f) for _, _, f in out))
+        return version, deltas is None, out
 
     def newest_seq(self, learner: str, p: int) -> int:
         """The newest seq answered for `learner` on fragment p (0: none)."""
-        with self.lock:
-            frag = self._fragment(p, need_init=False)
+        frag = self._fragment(p, need_init=False)
+        with self.frag_locks[p]:
             answers = (frag.answers.get(learner), frag.refusals.get(learner))
-            return max((a.seq for a in answers if a is not None), default=0)
+        return max((a.seq for a in answers if a is not None), default=0)
 
     def versions(self, fragments: list[int] | None = None) -> dict[int, tuple[int, int]]:
         """{fragment: (version, contributors of the last round)} for initialized fragments."""
-        with self.lock:
-            wanted = fragments if fragments else sorted(self.fragments)
-            for p in wanted:
-                self._fragment(p, need_init=False)
-            return {p: (self.fragments[p].version, self.fragments[p].last_round_size)
-                    for p in wanted if self.fragments[p].initialized}
+        wanted = fragments if fragments else sorted(self.fragments)
+        for p in wanted:
+            self._fragment(p, need_init=False)
+        out = {}
+        for p in wanted:
+            with self.frag_locks[p]:
+                f = self.fragments[p]
+                if f.initialized:
+                    out[p] = (f.version, f.last_round_size)
+        return out
 
     def wait_for_change(self, known: dict[int, int], fragments: list[int] | None, timeout: float) -> None:
         """Blocks until some watched fragment's version differs from `known`, or timeout."""
@@ -626,8 +726,10 @@ class Shard:
 
     def close(self) -> None:
         """Writes a final snapshot so the next start replays nothing."""
-        with self.lock:
-            if self.ready and self.plan is not None:
-                self._snapshot()
-            self.wal.close()
-            self.snapshots.close()
+        thread = self._snapshot_thread
+        if thread is not None:
+            thread.join()
+        if self.ready and self.plan is not None and self.recovery_error is None:
+            self._snapshot()
+        self.wal.close()
+        self.snapshots.close()

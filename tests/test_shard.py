@@ -1,0 +1,219 @@
+"""The shard's concurrency: group commit, per-fragment locks, snapshots while pushes flow,
+and recovery that lands on the live run's bytes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from server import storage
+from server.config import ShardConfig
+from server.shard import PushHeader, Shard, _parse
+from wire import codec
+from wire.plan import FragmentPlan, TensorSpec
+
+SPECS = [TensorSpec("embed", (64, 16)), TensorSpec("w1", (16, 48)), TensorSpec("w2", (48, 16)),
+         TensorSpec("w3", (32, 32)), TensorSpec("norm", (16,))]
+LEARNERS = 3
+
+
+@pytest.fixture
+def plan():
+    return FragmentPlan.build(SPECS, 3)
+
+
+def _shard(tmp_path, **kw) -> Shard:
+    shard = Shard(ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path, quorum=LEARNERS, grace_factor=0.0,
+                              **kw))
+    shard.recover()
+    return shard
+
+
+def _seed(shard: Shard, plan: FragmentPlan) -> None:
+    for p, size in enumerate(plan.fragment_sizes):
+        values = np.random.default_rng(p).standard_normal(size).astype(np.float32)
+        shard.init("seed", p, plan.fingerprint, plan.to_json(), codec.encode(values, codec.Codec.FP32),
+                   int(codec.Codec.FP32), size)
+
+
+def _push(shard: Shard, plan: FragmentPlan, p: int, learner: int, seq: int, base: int):
+    size = plan.fragment_sizes[p]
+    delta = np.random.default_rng([p, learner, seq]).standard_normal(size).astype(np.float32) * 0.01
+    h = PushHeader(learner_id=f"l{learner}", fragment=p, base_version=base, seq=seq, inner_steps=4,
+                   tokens=400 * (learner + 1), codec=int(codec.Codec.INT4), num_params=size,
+                   plan_fingerprint=plan.fingerprint)
+    return shard.push(h, codec.encode(delta, codec.Codec.INT4))
+
+
+def _run_rounds(shard: Shard, plan: FragmentPlan, rounds: int, first: int = 0) -> None:
+    """Every learner pushes every fragment once per round, all at once from threads."""
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for r in range(first, first + rounds):
+            jobs = [pool.submit(_push, shard, plan, p, m, r + 1, r) for p in range(plan.num_fragments)
+                    for m in range(LEARNERS)]
+            assert all(j.result().accepted for j in jobs)
+
+
+def _state(shard: Shard) -> dict:
+    out = {}
+    for p, f in shard.fragments.items():
+        meta, arrays = f.state()
+        out[p] = (meta["version"], meta["round"], meta["answers"],
+                  {k: np.asarray(v).tobytes() for k, v in arrays.items()})
+    return out
+
+
+def _crash(shard: Shard) -> None:
+    """Lets the files go as a killed process would: no final snapshot."""
+    if shard._snapshot_thread is not None:
+        shard._snapshot_thread.join()
+    shard.wal.close()
+    shard.snapshots.close()
+
+
+def test_snapshots_taken_while_pushes_flow_recover_bit_identically(tmp_path, plan):
+    shard = _shard(tmp_path, snapshot_every=2)
+    _seed(shard, plan)
+    _run_rounds(shard, plan, 4)
+    # and an open round left half full, so the snapshot's accumulator matters too
+    assert _push(shard, plan, 1, 0, 5, 4).accepted
+    live = _state(shard)
+    assert all(v[0] == 4 for v in live.values())
+    _crash(shard)
+    lsns = storage.SnapshotStore(tmp_path / "snapshots").lsns()
+    assert lsns, "a snapshot was written in the background"
+    again = _shard(tmp_path, snapshot_every=2)
+    assert _state(again) == live
+    again.close()
+
+
+def test_replay_skips_what_the_snapshot_holds_per_fragment(tmp_path, plan):
+    """Fragments are captured one at a time: records of a fragment captured after the
+    snapshot's (oldest) LSN are in the snapshot and must not be merged twice."""
+    shard = _shard(tmp_path, snapshot_every=1000)
+    _seed(shard, plan)
+    _run_rounds(shard, plan, 1)
+    captured = threading.Event()
+    real_state = shard.fragments[1].state
+
+    def slow_state():  # fragment 0 is captured; while fragment 1 is, fragment 2 takes a push
+        out = real_state()
+        captured.set()
+        time.sleep(0.3)
+        return out
+
+    shard.fragments[1].state = slow_state
+    snap = threading.Thread(target=shard._snapshot)
+    snap.start()
+    captured.wait(5)
+    assert _push(shard, plan, 2, 0, 2, 1).accepted  # logged after fragment 0's LSN
+    snap.join()
+    del shard.fragments[1].state
+    live = _state(shard)
+    _crash(shard)
+    with storage.SnapshotStore(tmp_path / "snapshots") as store:
+        saved = store.latest()
+    assert saved.meta["fragment_lsns"]["2"] > saved.lsn  # fragment 2 holds a record past the snapshot's LSN
+    again = _shard(tmp_path)
+    assert _state(again) == live
+    again.close()
+
+
+def test_concurrent_pushes_share_fsyncs_and_are_acked_only_once_durable(tmp_path, plan, monkeypatch):
+    shard = _shard(tmp_path, snapshot_every=1000)
+    _seed(shard, plan)
+    written: dict[tuple[str, int], int] = {}
+    real_write, real_sync = shard.wal.write_many, storage._datasync
+    fsyncs = []
+
+    def write_many(records):
+        records = list(records)
+        lsns = real_write(records)
+        for lsn, r in zip(lsns, records):
+            kind, meta, _ = _parse(bytes(r))
+            if "learner" in meta:
+                written[(meta["learner"], meta["fragment"])] = lsn
+        return lsns
+
+    def slow_datasync(fd):
+        fsyncs.append(1)
+        time.sleep(0.03)
+        real_sync(fd)
+
+    monkeypatch.setattr(shard.wal, "write_many", write_many)
+    monkeypatch.setattr(storage, "_datasync", slow_datasync)
+    late = []
+
+    def push(p, m):
+        answer = _push(shard, plan, p, m, 1, 0)
+        if shard.wal.last_lsn < written[(f"l{m}", p)]:
+            late.append((p, m))  # acknowledged before its record was durable
+        return answer
+
+    with concurrent.futures.ThreadPoolExecutor(9) as pool:
+        jobs = [pool.submit(push, p, m) for p in range(plan.num_fragments) for m in range(LEARNERS)]
+        assert all(j.result().accepted for j in jobs)
+    assert late == []
+    # 9 pushes and 3 closes, written by threads that overlap: fewer fsyncs than records
+    assert len(fsyncs) < 9, len(fsyncs)
+    shard.close()
+
+
+def test_a_fragment_busy_merging_does_not_hold_up_another(tmp_path, plan):
+    shard = _shard(tmp_path, snapshot_every=1000)
+    _seed(shard, plan)
+    with shard.frag_locks[0]:  # fragment 0 in the middle of a long merge or close
+        done = concurrent.futures.ThreadPoolExecutor(1).submit(_push, shard, plan, 1, 0, 1, 0)
+        assert done.result(timeout=10).accepted
+        assert shard.versions([1]) == {1: (0, 0)}
+    shard.close()
+
+
+def test_pushes_go_on_while_a_snapshot_is_written(tmp_path, plan, monkeypatch):
+    shard = _shard(tmp_path, snapshot_every=1)
+    _seed(shard, plan)
+    release, saving = threading.Event(), threading.Event()
+    real_save = shard.snapshots.save
+
+    def slow_save(*args):
+        saving.set()
+        release.wait(10)
+        return real_save(*args)
+
+    monkeypatch.setattr(shard.snapshots, "save", slow_save)
+    _run_rounds(shard, plan, 1)  # the closes start a snapshot, which then waits
+    assert saving.wait(5)
+    started = time.monotonic()
+    _run_rounds(shard, plan, 2, first=1)  # a whole two rounds while the snapshot is still being written
+    assert time.monotonic() - started < 8
+    assert all(f.version == 3 for f in shard.fragments.values())
+    release.set()
+    live = _state(shard)
+    _crash(shard)
+    again = _shard(tmp_path)
+    assert _state(again) == live
+    again.close()
+
+
+def test_a_failed_fsync_stops_the_shard_serving(tmp_path, plan, monkeypatch):
+    shard = _shard(tmp_path, snapshot_every=1000)
+    _seed(shard, plan)
+
+    def broken(fd):
+        raise OSError(5, "EIO")
+
+    monkeypatch.setattr(storage, "_datasync", broken)
+    from server.shard import ShardError
+    with pytest.raises(ShardError) as e:
+        _push(shard, plan, 0, 0, 1, 0)
+    assert e.value.code.name == "UNAVAILABLE"
+    with pytest.raises(ShardError):  # what the memory holds is no longer what the disk does
+        shard.pull(0, None)
+    monkeypatch.undo()
+    _crash(shard)
+    jax.clear_caches()
