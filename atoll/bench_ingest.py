@@ -2,8 +2,10 @@
 
 N simulated learners (spawned processes, so the shard rather than one client GIL is
 the bottleneck) push pre-encoded INT4 outer gradients of a transformer-shaped model
-to a real `atoll syncer` subprocess over loopback, each one push at a time, rounds
-closing at quorum N with no grace. The anchor is measured in the same run: the same
+to a real `atoll syncer` subprocess over loopback, over `--connections` connections
+spread evenly over them (one each by default), each connection one push at a time,
+rounds closing at quorum N with no grace. Every push is timed by its learner from its
+first message to its ack (p50/p90/p99). The anchor is measured in the same run: the same
 messages, in the same chunks and over as many concurrent streams, through a no-op
 gRPC server (another process) that only drains them; it runs before and after the
 ingest and the faster run is kept, so the ratio errs low. MB = 10^6 bytes.
@@ -35,11 +37,12 @@ import numpy as np
 from learner.client import CHUNK_BYTES, ShardClient
 from wire import codec
 from wire import syncer_pb2 as pb
+from wire import syncer_pb2_grpc as pb_grpc
 from wire.plan import FragmentPlan, TensorSpec
 
 DEFAULT_PARAMS = 100_000_000
 TARGET_RATIO = 0.5  # ingest wire rate / raw gRPC rate (DESIGN.md §6)
-TARGET_RSS_BYTES_PER_PARAM = 18.0  # DESIGN.md §3
+TARGET_RSS_BYTES_PER_PARAM = 16.0  # DESIGN.md §6, with the delta ring full
 DELTA_STD = 1e-3  # scale of the synthetic outer gradients
 INNER_STEPS, TOKENS = 100, 100 * 8192  # what each push claims; sets the merge weight only
 _RAW_METHOD = "/atoll.bench.Raw/Drain"
@@ -119,8 +122,18 @@ def _follow(watch, versions: _Versions) -> None:
         pass  # cancelled at the end, or the shard went away
 
 
-def _learner(conn, index: int, shard_address: str, raw_address: str, plan_json: str) -> None:
-    """One simulated learner: encodes its frames once, then runs the phases it is sent."""
+def _channel(address: str) -> grpc.Channel:
+    """A channel on a TCP connection of its own (gRPC otherwise shares one per process and address)."""
+    return grpc.insecure_channel(address, [("grpc.use_local_subchannel_pool", 1),
+                                           ("grpc.max_send_message_length", 8 << 20),
+                                           ("grpc.max_receive_message_length", 8 << 20)])
+
+
+def _learner(conn, index: int, shard_address: str, raw_address: str, plan_json: str, connections: int) -> None:
+    """One simulated learner: encodes its frames once, then runs the phases it is sent.
+
+    Its pushes go over `connections` connections of its own, one thread each, fragment p
+    on connection p mod `connections`; each push is timed from its first message to its ack."""
     plan = FragmentPlan.from_json(plan_json)
     P = plan.num_fragments
     frames = []
@@ -131,9 +144,10 @@ def _learner(conn, index: int, shard_address: str, raw_address: str, plan_json: 
     del delta
     conn.send([len(f) for f in frames])
     learner_id = f"bench-learner-{index}"
-    shard = ShardClient(shard_address, learner_id)
-    raw = ShardClient(raw_address, learner_id)
-    drain = raw.channel.stream_unary(_RAW_METHOD, request_serializer=pb.PushRequest.SerializeToString)
+    shard = ShardClient(shard_address, learner_id)  # its Watch stream
+    channels = [(_channel(shard_address), _channel(raw_address)) for _ in range(connections)]
+    pushes = [pb_grpc.SyncerStub(c).Push for c, _ in channels]
+    drains = [r.stream_unary(_RAW_METHOD, request_serializer=pb.PushRequest.SerializeToString) for _, r in channels]
     versions, watch = _Versions(), None
     joined = 0  # ingest rounds so far; also this learner's push sequence number
 
@@ -143,6 +157,29 @@ def _learner(conn, index: int, shard_address: str, raw_address: str, plan_json: 
                              num_params=plan.fragment_sizes[p], plan_fingerprint=plan.fingerprint,
                              frame_bytes=len(frames[p]))
 
+    def run(phase: str, c: int) -> dict:
+        out = {"bytes": 0, "accepted": 0, "accepted_params": 0, "refused": {}, "latency": []}
+        for p in range(c, P, connections):
+            if phase == "raw":
+                t0 = time.monotonic()
+                drains[c](_chunked(header(p, 0), frames[p], CHUNK_BYTES), timeout=120)
+            else:
+                # the round this learner joined last time must have closed: base = its version
+                base = versions.wait_for(p, joined - 1)
+                t0 = time.monotonic()
+                ack = pushes[c](_chunked(header(p, base), frames[p], CHUNK_BYTES), timeout=120)
+                versions.saw(p, ack.version)
+                if ack.accepted:
+                    out["accepted"] += 1
+                    out["accepted_params"] += plan.fragment_sizes[p]
+                else:
+                    name = pb.PushReason.Name(ack.reason)
+                    out["refused"][name] = out["refused"].get(name, 0) + 1
+            out["latency"].append(time.monotonic() - t0)
+            out["bytes"] += len(frames[p])
+        return out
+
+    pool = futures.ThreadPoolExecutor(connections)
     while (command := conn.recv()) is not None:
         phase, rounds = command
         if phase == "watch":  # after Init; every learner is live before anyone pushes
@@ -153,33 +190,25 @@ def _learner(conn, index: int, shard_address: str, raw_address: str, plan_json: 
             conn.send({})
             continue
         cpu0, started = time.process_time(), time.monotonic()
-        sent, accepted, accepted_params, refused = 0, 0, 0, {}
+        total = {"bytes": 0, "accepted": 0, "accepted_params": 0, "refused": {}, "latency": []}
         for _ in range(rounds):
-            if phase == "raw":
-                for p in range(P):
-                    drain(_chunked(header(p, 0), frames[p], raw.chunk_bytes), timeout=raw.deadline)
-                    sent += len(frames[p])
-                continue
-            joined += 1
-            for p in range(P):
-                # the round this learner joined last time must have closed: base = its version
-                base = versions.wait_for(p, joined - 1)
-                ack = shard.push(header(p, base), frames[p])
-                versions.saw(p, ack.version)
-                sent += len(frames[p])
-                if ack.accepted:
-                    accepted += 1
-                    accepted_params += plan.fragment_sizes[p]
-                else:
-                    name = pb.PushReason.Name(ack.reason)
-                    refused[name] = refused.get(name, 0) + 1
-        conn.send({"started": started, "ended": time.monotonic(), "bytes": sent,
-                   "accepted": accepted, "accepted_params": accepted_params, "refused": refused,
+            if phase != "raw":
+                joined += 1
+            for part in pool.map(lambda c: run(phase, c), range(connections)):
+                for key in ("bytes", "accepted", "accepted_params"):
+                    total[key] += part[key]
+                total["latency"] += part["latency"]
+                for k, v in part["refused"].items():
+                    total["refused"][k] = total["refused"].get(k, 0) + v
+        conn.send({"started": started, "ended": time.monotonic(), **total,
                    "cpu_seconds": time.process_time() - cpu0})
     if watch is not None:
         watch.cancel()
+    pool.shutdown()
     shard.close()
-    raw.close()
+    for c, r in channels:
+        c.close()
+        r.close()
 
 
 # --- reading the shard from outside -------------------------------------------------
@@ -293,6 +322,7 @@ def _run_phase(learners, phase: str, rounds: int) -> dict:
         for k, v in r["refused"].items():
             refused[k] = refused.get(k, 0) + v
     return {"seconds": max(r["ended"] for r in results) - min(r["started"] for r in results),
+            "latency": [t for r in results for t in r["latency"]],
             "bytes": sum(r["bytes"] for r in results), "accepted": sum(r["accepted"] for r in results),
             "accepted_params": sum(r["accepted_params"] for r in results),
             "refused": refused, "client_cpu_seconds": sum(r["cpu_seconds"] for r in results)}
@@ -301,14 +331,34 @@ def _run_phase(learners, phase: str, rounds: int) -> dict:
 # --- the bench ----------------------------------------------------------------------
 
 
+def _percentiles_ms(seconds: list[float]) -> dict[str, float | None]:
+    """p50, p90, p99 and max of latencies, in milliseconds."""
+    if not seconds:
+        return {"p50": None, "p90": None, "p99": None, "max": None}
+    p50, p90, p99 = np.percentile(np.asarray(seconds) * 1e3, [50, 90, 99])
+    return {"p50": round(float(p50), 2), "p90": round(float(p90), 2), "p99": round(float(p99), 2),
+            "max": round(max(seconds) * 1e3, 2)}
+
+
+
 def bench_ingest(num_params: int = DEFAULT_PARAMS, learners: int = 4, fragments: int = 8,
-                 rounds: int = 4, warmup_rounds: int = 1) -> dict:
-    """Ingest rate, fsync latency and memory of one shard process under N learners.
+                 rounds: int = 4, warmup_rounds: int = 1, connections: int | None = None) -> dict:
+    """Ingest rate, push latency, fsync latency and memory of one shard process under N learners.
 
     Every learner pushes each fragment once per round; `warmup_rounds` go first,
     unmeasured (the shard jit-compiles one outer step per fragment size there).
-    Raises ValueError for a layout with fewer tensors than fragments.
+    `connections` (default: one per learner, at least `learners`) are spread evenly
+    over the learner processes, each connection pushing its share of the fragments
+    one at a time. Raises ValueError for a layout with fewer tensors than fragments or
+    fewer connections than learners.
     """
+    connections = learners if connections is None else connections
+    if connections < learners:
+        raise ValueError(f"--connections {connections}: want at least one per learner ({learners})")
+    if connections > learners * fragments:
+        raise ValueError(f"--connections {connections}: at most {learners * fragments} (one per learner "
+                         "and fragment) can push at once")
+    per_learner = [connections // learners + (i < connections % learners) for i in range(learners)]
     specs = transformer_specs(num_params)
     if len(specs) < fragments:
         raise ValueError(f"--fragments {fragments}: the {num_params}-param model has only "
@@ -330,7 +380,7 @@ def bench_ingest(num_params: int = DEFAULT_PARAMS, learners: int = 4, fragments:
         for i in range(learners):
             conn, child = ctx.Pipe()
             procs.append(ctx.Process(target=_learner, name=f"learner-{i}", daemon=True, args=(
-                child, i, f"127.0.0.1:{port}", f"127.0.0.1:{raw_port}", plan.to_json())))
+                child, i, f"127.0.0.1:{port}", f"127.0.0.1:{raw_port}", plan.to_json(), per_learner[i])))
             procs[-1].start()
             learner_procs.append((conn, procs[-1]))
 
@@ -401,6 +451,8 @@ def bench_ingest(num_params: int = DEFAULT_PARAMS, learners: int = 4, fragments:
     return {
         "params": held,
         "learners": learners,
+        "connections": connections,
+        "client_processes": learners,
         "fragments": fragments,
         "rounds": rounds,
         "warmup_rounds": warmup_rounds,
@@ -411,6 +463,10 @@ def bench_ingest(num_params: int = DEFAULT_PARAMS, learners: int = 4, fragments:
         "pushes_expected": expected,
         "pushes_refused": ingest["refused"],
         "measured_seconds": round(ingest["seconds"], 3),
+        # each push from its first message to its ack, as a learner sees it (the raw runs:
+        # the same messages drained by a no-op server)
+        "push_latency_ms": _percentiles_ms(ingest["latency"]),
+        "raw_latency_ms": _percentiles_ms(raw_before["latency"] + raw_after["latency"]),
         "ingest_mparams_per_s": round(ingest_mparams, 1),
         "wire_mb_per_s": round(wire, 1),
         "raw_grpc_mb_per_s": round(raw, 1),

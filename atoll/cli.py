@@ -106,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="measured pushes per learner per fragment (default 4)")
     ingest.add_argument("--warmup-rounds", type=int, choices=range(0, 10), default=1, metavar="N",
                         help="unmeasured rounds first, 0-9 (default 1)")
+    ingest.add_argument("--connections", type=_positive_int, default=None,
+                        help="push connections, spread evenly over the learner processes; at least "
+                             "--learners (default: one per learner)")
     ingest.add_argument("--json", action="store_true",
                         help="print one JSON object (the only output format)")
     streams = benches.add_parser("streams", help="one shard process under a crowd of open Watch and stalled "
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             result = bench_ingest(args.params, args.learners, args.fragments, args.rounds,
-                                  args.warmup_rounds)
+                                  args.warmup_rounds, args.connections)
         except ValueError as e:
             parser.error(str(e))
         print(json.dumps(result, indent=2))

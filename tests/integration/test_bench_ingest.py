@@ -10,7 +10,8 @@ import pytest
 
 FIELDS = ("params", "learners", "fragments", "rounds", "codec", "bits_per_param", "pushes_accepted",
           "pushes_expected", "ingest_mparams_per_s", "wire_mb_per_s", "raw_grpc_mb_per_s", "ratio",
-          "fsync_ms_p50", "rss_bytes_per_param", "rss_peak_bytes_per_param", "rss_note", "targets")
+          "fsync_ms_p50", "rss_bytes_per_param", "rss_peak_bytes_per_param", "rss_note", "targets",
+          "connections", "client_processes", "push_latency_ms", "raw_latency_ms")
 
 
 def _bench(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -20,11 +21,15 @@ def _bench(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(90)
 def test_tiny_run_reports_every_figure():
-    run = _bench("--params", "2000000", "--learners", "2", "--rounds", "2")
+    run = _bench("--params", "2000000", "--learners", "2", "--rounds", "2", "--connections", "5")
     assert run.returncode == 0, run.stderr
     r = json.loads(run.stdout)
     assert all(f in r for f in FIELDS), sorted(set(FIELDS) - set(r))
     assert r["params"] >= 2_000_000 and (r["learners"], r["fragments"], r["rounds"]) == (2, 8, 2)
+    assert (r["connections"], r["client_processes"]) == (5, 2)
+    lat = r["push_latency_ms"]
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+    assert 0 < r["raw_latency_ms"]["p50"] <= r["raw_latency_ms"]["p99"]
     assert r["pushes_accepted"] == r["pushes_expected"] == 2 * 8 * 2
     assert r["pushes_refused"] == {}
     assert r["shard"]["rounds_closed"] == 8 * 2  # quorum 2, no grace: every round closes
@@ -41,5 +46,7 @@ def test_tiny_run_reports_every_figure():
 def test_bad_flags_get_readable_errors():
     run = _bench("--learners", "0", timeout=30)
     assert run.returncode == 2 and "--learners: must be at least 1" in run.stderr
+    run = _bench("--learners", "3", "--connections", "2", timeout=30)
+    assert run.returncode == 2 and "--connections 2: want at least one per learner" in run.stderr
     run = _bench("--params", "1000", "--fragments", "50", timeout=30)
     assert run.returncode == 2 and "use --fragments <=" in run.stderr
