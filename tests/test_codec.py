@@ -1134,3 +1134,15 @@ def test_range_max_abs_is_exact(codec):
     offsets, ends = ragged_ranges(N3, seed=9)
     want = [values[o:e].max(initial=0.0) for o, e in zip(offsets, ends)]
     assert read_codes(frame).range_max_abs(offsets, ends).tolist() == want
+
+
+def test_range_sq_norms_are_reused_for_the_same_ranges_and_never_shared():
+    values = np.arange(1, 1001, dtype=np.float32)
+    codes = read_codes(encode(values, Codec.INT4))
+    first = codes.range_sq_norms([0, 500], [500, 1000])
+    first[:] = -1  # the caller's copy: the next answer is untouched
+    again = codes.range_sq_norms([0, 500], [500, 1000])
+    fresh = read_codes(encode(values, Codec.INT4)).range_sq_norms([0, 500], [500, 1000])
+    assert again.tobytes() == fresh.tobytes() and np.all(again > 0)
+    other = codes.range_sq_norms([0], [1000])  # other ranges: computed, not the cached ones
+    assert other.tolist() == [pytest.approx(float(fresh.sum()))]
