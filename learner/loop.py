@@ -141,6 +141,7 @@ def run(cfg: LearnerConfig) -> int:
 
     state, last_print, local, m, eval_pending = "done", 0.0, 0, {}, False
     started = time.perf_counter()
+    boundary, excluded = started, 0.0  # the last step boundary; waits and evaluations since
     try:
         while trainer.steps_done < cfg.steps:
             if stop.is_set():
@@ -148,11 +149,18 @@ def run(cfg: LearnerConfig) -> int:
                 break
             m = trainer.step(evaluate=sync is None)
             local += 1
+            # What a step costs this learner, from boundary to boundary: the step, its sync
+            # work and bookkeeping, less the waits on rounds and the evaluations. The
+            # shards' cadence is H of these, so a period holds about H steps.
+            now = time.perf_counter()
+            iteration, boundary, excluded = max(now - boundary - excluded, 1e-6), now, 0.0
             eval_pending = eval_pending or (sync is not None and trainer.eval_due())
             if sync is not None:
                 try:
                     pushes = sync.pushes_started
-                    updates = sync.after_step(local, trainer.params, m["wall_time_s"], m["tokens"])
+                    blocked = sync.stats["blocked_seconds"]
+                    updates = sync.after_step(local, trainer.params, iteration, m["tokens"])
+                    excluded += sync.stats["blocked_seconds"] - blocked
                 except SyncError:
                     if not stop.is_set():
                         raise
@@ -164,7 +172,9 @@ def run(cfg: LearnerConfig) -> int:
                 # round in flight, where elsewhere it could make a push late for its round.
                 if eval_pending and (sync.pushes_started > pushes or trainer.steps_done >= cfg.steps):
                     eval_pending = False
+                    evaluating = time.perf_counter()
                     result = trainer.evaluate()
+                    excluded += time.perf_counter() - evaluating
                     m.update(eval_loss=result["loss"], eval_bits_per_byte=result["bits_per_byte"])
             _observe(metrics, m, sync)
             emit("training", m)

@@ -52,7 +52,8 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
              grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
-STEP_WINDOW = 16  # recent steps whose median is this learner's step time (what the cadence follows)
+STEP_WINDOW = 16  # recent steps whose trimmed mean is this learner's step time (what the cadence follows)
+STEP_TRIM = 2  # the longest steps of the window left out (a compile, a GC pause)
 
 
 class SyncError(RuntimeError):
@@ -176,7 +177,7 @@ class Synchronizer:
         self.known = threading.Condition(self.lock)
         self.latest: dict[int, int] = {}  # newest version each fragment is known to have
         self.stopping = threading.Event()
-        self.step_seconds = 0.0  # median of the recent steps' seconds (compiles and evals are outliers)
+        self.step_seconds = 0.0  # trimmed mean of the recent steps' seconds, boundary to boundary
         self._recent_steps: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
         self.cadence_seconds: float | None = None  # the sync period the shards ask for
         self.pushes_started = 0  # sync tasks started (the training loop times evaluations by it)
@@ -238,7 +239,10 @@ class Synchronizer:
         """Adopts finished syncs, starts due ones; `step` counts inner steps done since join.
         Returns {fragment: new vector} for the fragments whose tensors the caller must replace."""
         self._recent_steps.append(step_seconds)
-        self.step_seconds = float(np.median(self._recent_steps))
+        # a mean, not a median: on a busy host steps are skewed, and a period of H median
+        # steps holds fewer than H of them
+        recent = sorted(self._recent_steps)
+        self.step_seconds = float(np.mean(recent[:max(1, len(recent) - STEP_TRIM)]))
         updates: dict[int, np.ndarray] = {}
         flat_now: dict[int, np.ndarray] = {}
         now = time.monotonic()
@@ -254,6 +258,12 @@ class Synchronizer:
                         concurrent.futures.wait([frag.task])
                         self._count("blocked_seconds", time.perf_counter() - started)
                     self._adopt(frag, step, params, flat_now, updates)
+            if (frag.task is None and frag.due_at is not None and self.cadence_seconds
+                    and now + self.step_seconds / 2 >= frag.due_at
+                    and step - (frag.last_sync_step or 0) < max(1, per_period // 2)):
+                # due, with less than half a period done since the last push (just joined,
+                # or back late from a round): this learner takes the next round instead
+                frag.due_at += self.cadence_seconds
             if frag.task is None and sync_due(step=step, first_step=self.offsets[frag.p],
                                               last_sync_step=frag.last_sync_step, due_at=frag.due_at,
                                               now=now, period=self.cfg.period, step_seconds=self.step_seconds):

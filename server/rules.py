@@ -261,6 +261,9 @@ def grace_window(grace_factor: float, overlap_steps: float, step_seconds: float,
     return g * max(0.0, tau * step - quorum - sync)
 
 
+GRACE_PERIOD_SHARE = 1 / 16  # times γ: the shortest grace window, as a share of the period
+
+
 def estimate_grace(policy: RoundPolicy, overlap_steps: float, step_seconds: float | None,
                    sync: Ewma, cadence_seconds: float | None = None) -> float:
     """The grace window, counted from a round's first push: γ·max(ξ_step, τ·ξ_step − ξ_sync).
@@ -273,15 +276,20 @@ def estimate_grace(policy: RoundPolicy, overlap_steps: float, step_seconds: floa
     `step_seconds` is the slowest live learner's step time: the pushes of one period
     arrive spread by up to one of its steps, since a learner pushes between steps, so
     the window is never shorter than that step (with τ = 1 and a slow merge the formula
-    alone gives nothing, and each period's pushes split into two rounds). No step time
-    yet means no grace. Past one period (`cadence_seconds`) the next period's
-    pushes are due, so waiting longer would only merge two periods at once.
+    alone gives nothing, and each period's pushes split into two rounds). Nor is it
+    shorter than γ/16 of a period (`GRACE_PERIOD_SHARE`): pushes due at one instant also
+    arrive spread by their hosts' scheduling and the transfer, which with short steps on
+    a busy host is many steps. No step time yet means no grace. Past one period
+    (`cadence_seconds`) the next period's pushes are due, so waiting longer would only
+    merge two periods at once.
     """
     if step_seconds is None:
         return 0.0
     grace = max(policy.grace_factor * step_seconds,
                 grace_window(policy.grace_factor, overlap_steps, step_seconds, 0.0, max(0.0, sync.value_or(0.0))))
-    return grace if cadence_seconds is None else min(grace, cadence_seconds)
+    if cadence_seconds is None:
+        return grace
+    return min(max(grace, policy.grace_factor * GRACE_PERIOD_SHARE * cadence_seconds), cadence_seconds)
 
 
 def cadence(period_steps: int, step_seconds: Mapping[LearnerId, float],

@@ -118,6 +118,10 @@ def simulate(speeds: list[float], quorum: int, periods: int, tmp_path, seed: int
                 if ready:
                     f.version = shard.fragments[p].version
                     f.pushed_at_step = None
+            if (f.pushed_at_step is None and f.due_at is not None and cadence
+                    and clock.now + l.step_seconds / 2 >= f.due_at
+                    and l.step - (f.last_sync_step or 0) < max(1, per_period // 2)):
+                f.due_at += cadence  # too little done since the last push: the next round instead
             if f.pushed_at_step is None and sync_due(step=l.step, first_step=first_steps[p],
                                                      last_sync_step=f.last_sync_step, due_at=f.due_at,
                                                      now=clock.now, period=H, step_seconds=l.step_seconds):
