@@ -2,8 +2,9 @@
 
 Serving runs on grpc.aio, so an open stream (a Watch, or a Push that sends its header
 and stalls) costs a coroutine, never a thread: health and reflection are answered
-whatever crowd is connected. The Shard's domain calls block (its lock, fsync, merges),
-so they run on a small pool of worker threads and the event loop never waits on them.
+whatever crowd is connected. The Shard's domain calls block (fragment locks, fsync,
+merges), so they run on a small pool of worker threads and the event loop never waits
+on them; on the event loop itself only `Shard.due_in` (no lock) and plain attributes are read.
 Every SyncerServer in a process shares one event loop on a thread of its own (grpc.aio
 polls through the first loop it meets), so tests and `atoll syncer` start and stop
 servers from plain synchronous code.
@@ -50,7 +51,7 @@ _REASONS = {"fresh": pb.PUSH_REASON_FRESH, "stale_discounted": pb.PUSH_REASON_ST
             "already_in_round": pb.PUSH_REASON_ALREADY_IN_ROUND}
 CHUNK_BYTES = 1 << 20
 LEARNER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-WORKERS = 8  # threads running domain calls; the shard's lock serialises most of them anyway
+WORKERS = 8  # threads running domain calls; pushes to different fragments run side by side
 PENDING_CALLS = 10_000  # new calls queued before the event loop takes them up, then refused
 TICK_FAILURES_UNHEALTHY = 3  # round-timer failures in a row that make health NOT_SERVING
 TICK_RETRY_SECONDS = 0.5  # the round timer's pause after a failure
