@@ -106,9 +106,11 @@ class Fragment:
         # The published copy follows params through quantised deltas; what a delta
         # fails to carry stays in params − published and goes out with the next one.
         frame = codec.encode(self.params - self.published, self.publish_codec)
-        # a new array, not written in place: a snapshot or pull taken earlier may still read the old one
-        published = self.published.copy()
-        codec.decode_into(frame, published, 1.0)
+        # a new array, not written in place: a snapshot or pull taken earlier may still read the
+        # old one. delta + published in one add: the same bits as a learner's decode_into(frame,
+        # held, 1.0), which adds 1.0 × each value (exact) to what it holds
+        published = codec.decode(frame)
+        np.add(published, self.published, out=published)
         self.published = published
         self.version += 1
         self.last_round_size = self.round.count
