@@ -91,6 +91,8 @@ class LearnerConfig:
         need(self.slowdown >= 1, f"--slowdown must be >= 1 (1 = full speed), got {self.slowdown}")
         need(self.sync_patience > 0, f"--sync-patience must be > 0 seconds, got {self.sync_patience}")
         need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
+        need(self.metrics_port is None or 0 <= self.metrics_port <= 65535,
+             f"--metrics-port must be in 1-65535 (0 picks a free one), got {self.metrics_port}")
         need((self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key go together")
         need(self.tls_cert is None or self.tls_ca is not None, "--tls-cert needs --tls-ca as well")
         for flag, path in (("--token-file", self.token_file), ("--tls-ca", self.tls_ca),
@@ -103,12 +105,16 @@ def shard_addresses(spec: str, num_shards: int | None) -> tuple[str, ...]:
     if "{i}" in spec:
         if not num_shards:
             raise LearnerConfigError(f"--shards {spec!r} is a pattern: give --num-shards too")
-        return tuple(spec.replace("{i}", str(i)) for i in range(num_shards))
-    addresses = tuple(a.strip() for a in spec.split(",") if a.strip())
+        addresses = tuple(spec.replace("{i}", str(i)) for i in range(num_shards))
+    else:
+        addresses = tuple(a.strip() for a in spec.split(",") if a.strip())
     for a in addresses:
-        if ":" not in a:
+        host, _, port = a.rpartition(":")
+        if not host:
             raise LearnerConfigError(f"shard address {a!r} must be HOST:PORT")
-    if num_shards is not None and num_shards != len(addresses):
+        if not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise LearnerConfigError(f"shard address {a!r}: the port must be in 1-65535")
+    if "{i}" not in spec and num_shards is not None and num_shards != len(addresses):
         raise LearnerConfigError(f"--num-shards {num_shards} but {len(addresses)} addresses in --shards")
     return addresses
 

@@ -34,6 +34,12 @@ def run(capsys):
     (("--shards", "a:1,b:2", "--fragments", "1"), "--fragments (1) must be at least the number of shards (2)"),
     (("--baseline", "--learner-index", "4", "--num-learners", "4"), "--learner-index must be in [0, 4)"),
     (("--baseline", "--slowdown", "0.5"), "--slowdown must be >= 1"),
+    (("--baseline", "--metrics-port", "99999"), "--metrics-port must be in 1-65535"),
+    (("--baseline", "--metrics-port", "-1"), "--metrics-port must be in 1-65535"),
+    (("--shards", "127.0.0.1:99999"), "'127.0.0.1:99999': the port must be in 1-65535"),
+    (("--shards", "127.0.0.1:0"), "'127.0.0.1:0': the port must be in 1-65535"),
+    (("--shards", "127.0.0.1:7070,127.0.0.1:x"), "'127.0.0.1:x': the port must be in 1-65535"),
+    (("--shards", "atoll-{i}:70700", "--num-shards", "2"), "'atoll-0:70700': the port must be in 1-65535"),
 ])
 def test_bad_flags_are_refused_with_a_message(run, args, message):
     result = run(*args)
