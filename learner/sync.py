@@ -52,8 +52,8 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
              grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
-STEP_WINDOW = 16  # recent steps whose trimmed mean is this learner's step time (what the cadence follows)
-STEP_TRIM = 2  # the longest steps of the window left out (a compile, a GC pause)
+STEP_WINDOW = 64  # recent steps whose trimmed mean is this learner's step time (what the cadence follows)
+STEP_TRIM = 4  # the longest steps of the window left out (a compile, a GC pause)
 
 
 class SyncError(RuntimeError):

@@ -261,7 +261,7 @@ def grace_window(grace_factor: float, overlap_steps: float, step_seconds: float,
     return g * max(0.0, tau * step - quorum - sync)
 
 
-GRACE_PERIOD_SHARE = 1 / 16  # times γ: the shortest grace window, as a share of the period
+GRACE_PERIOD_SHARE = 1 / 8  # times γ: the shortest grace window, as a share of the period
 
 
 def estimate_grace(policy: RoundPolicy, overlap_steps: float, step_seconds: float | None,
@@ -277,7 +277,7 @@ def estimate_grace(policy: RoundPolicy, overlap_steps: float, step_seconds: floa
     arrive spread by up to one of its steps, since a learner pushes between steps, so
     the window is never shorter than that step (with τ = 1 and a slow merge the formula
     alone gives nothing, and each period's pushes split into two rounds). Nor is it
-    shorter than γ/16 of a period (`GRACE_PERIOD_SHARE`): pushes due at one instant also
+    shorter than γ/8 of a period (`GRACE_PERIOD_SHARE`): pushes due at one instant also
     arrive spread by their hosts' scheduling and the transfer, which with short steps on
     a busy host is many steps. No step time yet means no grace. Past one period
     (`cadence_seconds`) the next period's pushes are due, so waiting longer would only
