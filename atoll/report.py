@@ -34,7 +34,7 @@ DEFINITIONS = {
     "tokens": "tokens trained on (predicted targets), all learners together",
     "lag": "a learner's newest known global version minus the version it holds, worst fragment",
     "outer_steps_per_period": "outer steps a fragment took per sync period (the cadence the shards ask "
-                              "learners to keep: H steps of the fastest live learner), measured by each "
+                              "learners to keep: H steps of the fastest live learners), measured by each "
                               "shard between its first and last close; mean over fragments (1 = one merge "
                               "per fragment per period)",
     "shards": "each shard's last metrics sample; counters (rounds, pushes, bytes) count since its process "

@@ -4,8 +4,9 @@ what comes back (DESIGN.md §1).
 Fragment p first syncs at step t_p = round((p+1)·H/P), the offsets spread over the
 period so the link carries one fragment at a time. After that every learner keeps one
 wall-clock cadence (dynamic local updates, arXiv 2401.09135): the shard tells it the
-period T = H steps of the fastest live learner, and the learner pushes fragment p again
-at the first step boundary about T after the round holding its last push closed. A
+period T = H steps of the fastest live learners and, with each answer, when its next
+push of fragment p is due on the fragment's schedule (rounds a period apart); the
+learner pushes at the step boundary nearest that instant. A
 fast island takes about H steps per sync, a 2× slower one about H/2, and all of them
 push within a step of each other, so a round gathers one push per learner per period
 (see `sync_due`). At a sync point the training thread only copies θ_p; a background task forms

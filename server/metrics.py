@@ -125,4 +125,4 @@ class _ScrapeTime:
         if g.cadence is not None:
             yield prom.metrics_core.GaugeMetricFamily(
                 "atoll_cadence_seconds", "The sync period learners are asked to keep: H steps of the "
-                "fastest live learner", value=g.cadence)
+                "fastest live learners", value=g.cadence)

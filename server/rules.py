@@ -292,14 +292,20 @@ def estimate_grace(policy: RoundPolicy, overlap_steps: float, step_seconds: floa
     return min(max(grace, policy.grace_factor * GRACE_PERIOD_SHARE * cadence_seconds), cadence_seconds)
 
 
+FAST_CLASS = 1.5  # learners within this factor of the fastest step time pace the cadence together
+
+
 def cadence(period_steps: int, step_seconds: Mapping[LearnerId, float],
             live: frozenset[LearnerId] | set[LearnerId]) -> float | None:
-    """The sync period in seconds every learner keeps: H steps of the fastest live learner.
+    """The sync period in seconds every learner keeps: H steps of the fastest live islands.
 
     Dynamic local updates (arXiv 2401.09135): the fastest island takes H inner steps per
     sync, a slower one as many as fit in the same wall-clock time, so every learner
     pushes a fragment once per period whatever its speed (its token weight says how
-    much it did).
+    much it did). The fastest islands are the live learners within FAST_CLASS of the
+    fastest step time, and the pace is their median: learners of one hardware kind
+    measure slightly different times, and the smallest of several noisy figures is the
+    luckiest one, which would give every learner fewer than H steps per period.
 
     Args:
       period_steps: H >= 1.
@@ -307,12 +313,16 @@ def cadence(period_steps: int, step_seconds: Mapping[LearnerId, float],
       live: the learners with a live lease; only they set the pace.
 
     Returns:
-      H × the smallest live step time, or None before any live learner reported one;
-      e.g. cadence(32, {"a": 0.125, "b": 0.25}, {"a", "b"}) == 4.0.
+      H × the median step time of the fastest live learners, or None before any live
+      learner reported one; e.g. cadence(32, {"a": 0.125, "b": 0.25}, {"a", "b"}) == 4.0.
     """
     h = _int("period_steps", period_steps, low=1)
-    times = [t for m, t in step_seconds.items() if m in live and t > 0]
-    return h * min(times) if times else None
+    times = sorted(t for m, t in step_seconds.items() if m in live and t > 0)
+    if not times:
+        return None
+    fast = [t for t in times if t <= FAST_CLASS * times[0]]
+    mid = len(fast) // 2
+    return h * (fast[mid] if len(fast) % 2 else (fast[mid - 1] + fast[mid]) / 2)
 
 
 # ---------------------------------------------------------------- leases

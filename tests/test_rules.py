@@ -181,6 +181,9 @@ def test_cadence_is_h_steps_of_the_fastest_live_learner():
     steps = {"fast": 0.125, "slow": 0.25, "gone": 0.0625}
     assert cadence(32, steps, {"fast", "slow"}) == 4.0  # "gone" has no lease: not the pace
     assert cadence(32, steps, {"slow"}) == 8.0
+    # islands of one kind pace together (their median), a 2x slower one does not
+    assert cadence(100, {"a": 0.10, "b": 0.11, "c": 0.12, "d": 0.25}, {"a", "b", "c", "d"}) == pytest.approx(11.0)
+    assert cadence(100, {"a": 0.10, "b": 0.12}, {"a", "b"}) == pytest.approx(11.0)
     assert cadence(32, steps, set()) is None
     assert cadence(32, {"a": 0.0}, {"a"}) is None  # no measured step yet
     with pytest.raises(ValueError):
