@@ -15,9 +15,11 @@ import sys
 import threading
 import time
 
+import numpy as np
 import prometheus_client as prom
 
 from learner.client import ShardClient, TlsFiles
+from learner import distributed
 from learner.data import Batches, load_corpus
 from learner.main import LearnerConfig
 from learner.model import preset
@@ -97,12 +99,16 @@ def run(cfg: LearnerConfig) -> int:
     batches = Batches(corpus.train, context=model_cfg.context, batch_size=batch,
                       learner=0 if cfg.baseline else cfg.learner_index, num_learners=members, seed=cfg.seed)
     trainer = Trainer(model_cfg, train_cfg, batches, heldout=corpus.heldout, slowdown=cfg.slowdown)
-    trainer.steps_done, trainer.tokens_total = _resume_point(cfg.status_file, cfg.learner_id)
+    # A multi-host learner: process 0 alone talks to the syncer and writes status; the
+    # others take its decisions and fragments after every step (learner/distributed.py).
+    multi, leader = distributed.process_count() > 1, distributed.is_leader()
+    resume = _resume_point(cfg.status_file, cfg.learner_id) if leader else (0, 0)
+    trainer.steps_done, trainer.tokens_total = (int(x) for x in distributed.broadcast(np.asarray(resume, np.int64)))
     log.info("learner %s: %s model (%d params), batch %d, %s, data %s, from step %d", cfg.learner_id,
              cfg.preset, model_cfg.num_params, batch, "baseline" if cfg.baseline else f"{len(cfg.shards)} shards",
              corpus.source, trainer.steps_done)
     metrics = _Metrics(cfg.learner_id)
-    if cfg.metrics_port is not None:
+    if cfg.metrics_port is not None and leader:
         prom.start_http_server(cfg.metrics_port, registry=metrics.registry)
 
     sync = None
@@ -121,7 +127,7 @@ def run(cfg: LearnerConfig) -> int:
         if sync is not None:
             record.update(sync.stats)
             record["version"], record["lag"] = sync.standing()
-        if cfg.status_file is not None:
+        if cfg.status_file is not None and leader:
             with open(cfg.status_file, "a") as f:
                 f.write(json.dumps(record, separators=(",", ":")) + "\n")
 
@@ -129,7 +135,9 @@ def run(cfg: LearnerConfig) -> int:
     stop = _stop_on_signals(stopping)  # only now: a refused start leaves the caller's handlers alone
     emit("joining")
     trainer.compile()
-    if plan is not None:
+    if multi and plan is not None:
+        trainer.params = distributed.broadcast(trainer.params)  # one start, whatever each seeded
+    if plan is not None and leader:
         tls = TlsFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None
         token = cfg.token_file.read_text().strip() if cfg.token_file else None
         clients = [ShardClient(a, cfg.learner_id, token=token, tls=tls, deadline=cfg.deadline) for a in cfg.shards]
@@ -144,10 +152,10 @@ def run(cfg: LearnerConfig) -> int:
     boundary, excluded = started, 0.0  # the last step boundary; waits and evaluations since
     try:
         while trainer.steps_done < cfg.steps:
-            if stop.is_set():
+            if stop.is_set() and not multi:
                 state = "stopped"
                 break
-            m = trainer.step(evaluate=sync is None)
+            m = trainer.step(evaluate=sync is None and not multi)
             local += 1
             # What a step costs this learner, from boundary to boundary: the step, its sync
             # work and bookkeeping, less the waits on rounds and the evaluations. The
@@ -155,7 +163,39 @@ def run(cfg: LearnerConfig) -> int:
             now = time.perf_counter()
             iteration, boundary, excluded = max(now - boundary - excluded, 1e-6), now, 0.0
             eval_pending = eval_pending or (sync is not None and trainer.eval_due())
-            if sync is not None:
+            if multi:
+                # Process 0 syncs, then every process adopts what it adopted and follows its
+                # decisions (stop; evaluate, a collective every process must join).
+                updates, stopping_now, due = {}, stop.is_set(), False
+                if sync is not None and not stopping_now:
+                    try:
+                        blocked = sync.stats["blocked_seconds"]
+                        pushes = sync.pushes_started
+                        updates = sync.after_step(local, trainer.params, iteration, m["tokens"])
+                        excluded += sync.stats["blocked_seconds"] - blocked
+                        due = eval_pending and (sync.pushes_started > pushes or trainer.steps_done >= cfg.steps)
+                    except SyncError:
+                        if not stop.is_set():
+                            raise
+                        stopping_now = True
+                elif plan is None:
+                    due = trainer.eval_due()
+                updates, (stopping_now, due) = distributed.broadcast_step(
+                    updates, (stopping_now, due), plan.fragment_sizes if plan is not None else ())
+                for p, vector in updates.items():
+                    trainer.set_tensors(plan.unflatten_fragment(p, vector))
+                if due:
+                    eval_pending = False
+                    evaluating = time.perf_counter()
+                    result = trainer.evaluate()
+                    excluded += time.perf_counter() - evaluating
+                    m.update(eval_loss=result["loss"], eval_bits_per_byte=result["bits_per_byte"])
+                if stopping_now:
+                    state = "stopped"
+                    _observe(metrics, m, sync)
+                    emit("training", m)
+                    break
+            elif sync is not None:
                 try:
                     pushes = sync.pushes_started
                     blocked = sync.stats["blocked_seconds"]
@@ -178,17 +218,21 @@ def run(cfg: LearnerConfig) -> int:
                     m.update(eval_loss=result["loss"], eval_bits_per_byte=result["bits_per_byte"])
             _observe(metrics, m, sync)
             emit("training", m)
-            if cfg.progress and (time.perf_counter() - last_print > PROGRESS_SECONDS or trainer.steps_done == cfg.steps):
+            if leader and cfg.progress and (time.perf_counter() - last_print > PROGRESS_SECONDS or trainer.steps_done == cfg.steps):
                 last_print = time.perf_counter()
                 print(_progress_line(cfg, m, sync, time.perf_counter() - started), file=sys.stderr, flush=True)
-        if sync is not None and state == "done":
-            for p, vector in sync.finish(local, trainer.params, cfg.lease_exit_wait).items():
+        if plan is not None and state == "done":
+            final_updates = sync.finish(local, trainer.params, cfg.lease_exit_wait) if sync is not None else {}
+            if multi:
+                final_updates, _ = distributed.broadcast_step(final_updates, (), plan.fragment_sizes)
+            for p, vector in final_updates.items():
                 trainer.set_tensors(plan.unflatten_fragment(p, vector))
         final = trainer.evaluate()
         emit(state, m, eval_loss=final["loss"], eval_bits_per_byte=final["bits_per_byte"],
              wall_seconds=time.perf_counter() - started)
-        log.info("learner %s %s at step %d: eval loss %.6f (%.4f bits/byte)", cfg.learner_id, state,
-                 trainer.steps_done, final["loss"], final["bits_per_byte"])
+        log.info("learner %s %s at step %d: eval loss %.6f (%.4f bits/byte)%s", cfg.learner_id, state,
+                 trainer.steps_done, final["loss"], final["bits_per_byte"],
+                 f", process {distributed.process_index()} of {distributed.process_count()}" if multi else "")
     finally:
         if sync is not None:
             sync.close()

@@ -15,8 +15,8 @@ import os
 import pathlib
 import socket
 import sys
-from collections.abc import Mapping
 
+from learner.distributed import DistributedConfig, DistributedConfigError, config_from, initialize
 from wire.codec import Codec
 
 log = logging.getLogger("atoll.learner")
@@ -66,6 +66,7 @@ class LearnerConfig:
     deadline: float = 60.0  # seconds per RPC
     lease_exit_wait: float = 10.0  # seconds to wait at the end for syncs in flight
     progress: bool = True  # print the live progress line
+    distributed: DistributedConfig | None = None  # the slice's processes (learner/distributed.py); None: one
 
     def __post_init__(self):
         def need(ok: bool, message: str) -> None:
@@ -166,6 +167,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="directory for compiled programs, so a restarted learner skips compiling "
                         "(env ATOLL_COMPILE_CACHE; off by default)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--coordinator", default=None,
+                   help="HOST:PORT of process 0 of a multi-host learner (env ATOLL_COORDINATOR; "
+                        "a multi-host TPU slice needs none)")
+    p.add_argument("--num-processes", type=int, default=None,
+                   help="processes (hosts) of a multi-host learner (env ATOLL_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None,
+                   help="this process of a multi-host learner, 0 talks to the syncer (env ATOLL_PROCESS_ID)")
 
 
 def config_from_args(a: argparse.Namespace) -> LearnerConfig:
@@ -178,21 +186,8 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
         data=a.data, cache_dir=a.cache_dir, eval_every=a.eval_every, eval_batches=a.eval_batches,
         slowdown=a.slowdown, baseline=a.baseline, token_file=token, tls_ca=a.tls_ca, tls_cert=a.tls_cert,
         tls_key=a.tls_key, status_file=a.status_file, push_log=a.push_log,
-        sync_patience=a.sync_patience, compile_cache=a.compile_cache, metrics_port=a.metrics_port, progress=not a.quiet)
-
-
-def multi_host_refusal(env: Mapping[str, str]) -> str | None:
-    """Why this process must not run as a learner, if it is one host of a multi-host TPU slice.
-
-    A learner is one process and its local devices are the island (learner/train.py); the
-    hosts of one slice would each train alone under the slice's one learner id. GKE tells a
-    TPU pod its slice's hosts in TPU_WORKER_HOSTNAMES."""
-    hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
-    if len(hosts) <= 1:
-        return None
-    return (f"this pod is one of {len(hosts)} hosts of a TPU slice (TPU_WORKER_HOSTNAMES), and a learner "
-            "runs on a single host: give each learner a single-host slice (e.g. TPU v5p 2x2x1, v6e 2x4) "
-            "with one pod per JobSet slice")
+        sync_patience=a.sync_patience, compile_cache=a.compile_cache, metrics_port=a.metrics_port, progress=not a.quiet,
+        distributed=config_from(a.coordinator, a.num_processes, a.process_id, os.environ))
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -205,12 +200,9 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = config_from_args(args)
-    except (LearnerConfigError, ValueError) as e:
+    except (LearnerConfigError, DistributedConfigError, ValueError) as e:
         parser.error(str(e))
-    refusal = multi_host_refusal(os.environ)
-    if refusal is not None:
-        print(f"atoll learner: error: {refusal}", file=sys.stderr)
-        return 2
+    initialize(cfg.distributed)  # before anything touches a JAX backend
     try:
         from learner.loop import run
 

@@ -9,9 +9,10 @@ The sync client drives a `Trainer` one step at a time and swaps parameters betwe
 steps (adopting new global fragments); the inner optimiser state carries on across
 those swaps, as in DiLoCo.
 
-One process per island for now: on a multi-host slice (`jax.distributed`) the batch
-would have to be assembled with `jax.make_array_from_process_local_data`, which
-`Trainer.step` does not do yet.
+On a multi-host slice (learner/distributed.py) the mesh spans every process's
+devices; each process hands in only the rows of the global batch that its own devices
+hold (`jax.make_array_from_process_local_data`), and replicated parameters are placed
+from the same host values on every process.
 """
 
 from __future__ import annotations
@@ -168,7 +169,8 @@ def evaluate(params: Params, batches: Sequence[np.ndarray], model_cfg: ModelConf
     mesh = mesh if mesh is not None else data_mesh()
     eval_step = _eval_step or _cached_eval_step(model_cfg, mesh)
     _check_rows(len(batches[0]), mesh)
-    losses = [eval_step(params, jnp.asarray(b, jnp.int32)) for b in batches]
+    batch_sharding = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+    losses = [eval_step(params, global_batch(b, batch_sharding)) for b in batches]
     loss = float(np.mean([float(x) for x in losses]))
     return {"loss": loss, "bits_per_byte": loss / math.log(2)}
 
@@ -178,6 +180,39 @@ def _check_rows(rows: int, mesh: Mesh) -> None:
         raise TrainConfigError(
             f"batch_size {rows} is not divisible by the {mesh.size} local devices; use a "
             f"multiple of {mesh.size} (e.g. {mesh.size * max(1, round(rows / mesh.size))})")
+
+
+def _replicate(x: Any, sharding: NamedSharding) -> jax.Array:
+    """x placed whole on every device of `sharding` (a replicated one).
+
+    On several processes each passes the same host value and places only its own
+    devices' copies (device_put cannot reach another process's devices).
+    """
+    if isinstance(x, jax.Array) or sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(np.shape(x), sharding, lambda index: x[index])
+
+
+def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
+    """The rows of a batch of `shape`, split by `sharding`, that this process's devices hold."""
+    starts, stops = [], []
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows = index[0]
+        starts.append(rows.start or 0)
+        stops.append(shape[0] if rows.stop is None else rows.stop)
+    start, stop = min(starts), max(stops)
+    # A 1-D mesh in device order gives each process one contiguous block of rows.
+    assert sum(b - a for a, b in zip(starts, stops)) == stop - start, "non-contiguous local rows"
+    return slice(start, stop)
+
+
+def global_batch(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """The whole batch as one array over the mesh; each process contributes its own rows."""
+    batch = np.asarray(batch).astype(np.int32, copy=False)
+    if sharding.is_fully_addressable:
+        return jax.device_put(batch, sharding)
+    rows = local_rows(sharding, batch.shape)
+    return jax.make_array_from_process_local_data(sharding, batch[rows], batch.shape)
 
 
 def _f32(x: Any) -> Any:
@@ -278,8 +313,8 @@ class Trainer:
         for leaf, shape in zip(leaves, self._shapes):
             if tuple(np.shape(leaf)) != shape:
                 raise ValueError(f"new params: a leaf has shape {np.shape(leaf)}, want {shape}")
-        self._params = jax.device_put(
-            jax.tree.unflatten(self._treedef, [_f32(x) for x in leaves]), self._replicated)
+        self._params = jax.tree.unflatten(
+            self._treedef, [_replicate(_f32(x), self._replicated) for x in leaves])
 
     def set_tensors(self, tensors: Mapping[str, Any]) -> None:
         """Replaces the named tensors ("/"-joined, e.g. "blocks/0/attn/wq"), keeps the rest.
@@ -299,7 +334,7 @@ class Trainer:
             if tuple(np.shape(value)) != tuple(node[leaf].shape):
                 raise ValueError(f"tensor {name!r}: shape {np.shape(value)}, want "
                                  f"{tuple(node[leaf].shape)}")
-            node[leaf] = jax.device_put(_f32(value), self._replicated)
+            node[leaf] = _replicate(_f32(value), self._replicated)
         self._params = tree
 
     # -- stepping ------------------------------------------------------------------
@@ -336,7 +371,7 @@ class Trainer:
             raise ValueError(f"batch {self.steps_done} has shape {batch.shape}, want {want} "
                              f"(batch_size, context + 1)")
         lr = lr_at(self.train_cfg, self.steps_done)
-        batch = jax.device_put(batch.astype(np.int32, copy=False), self._batch_sharding)
+        batch = global_batch(batch, self._batch_sharding)
         params, opt_state, out = self._compiled(self._params, self.opt_state, batch)
         loss, grad_norm = float(out["loss"]), float(out["grad_norm"])  # waits for the step
         elapsed = time.perf_counter() - start
@@ -385,6 +420,6 @@ class Trainer:
         if jax.tree.structure(state) != jax.tree.structure(self.opt_state):
             raise ValueError("snapshot's optimiser state does not match this trainer's "
                              "optimiser (different TrainConfig, e.g. grad_clip on/off?)")
-        self.opt_state = jax.device_put(state, self._replicated)
+        self.opt_state = jax.tree.map(lambda x: _replicate(x, self._replicated), state)
         self.steps_done = int(snapshot["steps_done"])
         self.tokens_total = int(snapshot["tokens_total"])

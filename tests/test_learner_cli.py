@@ -55,17 +55,29 @@ def test_missing_data_and_unknown_preset_are_readable_errors(run, tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr and "huge" in result.stderr
 
 
-def test_one_host_of_a_multi_host_slice_refuses_to_train(run, monkeypatch, tmp_path):
-    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "slice-0-0.atoll,slice-0-1.atoll")
-    result = run("--shards", "127.0.0.1:1", "--steps", "1", "--status-file", str(tmp_path / "s.jsonl"))
+@pytest.mark.parametrize("flags, wanted", [
+    (["--coordinator", "127.0.0.1:1234"], "go together"),
+    (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"], "--process-id must be in [0, 2)"),
+    (["--coordinator", "127.0.0.1:0", "--num-processes", "2", "--process-id", "0"], "1-65535"),
+])
+def test_bad_multi_process_flags_are_readable_errors(run, tmp_path, flags, wanted):
+    result = run("--shards", "127.0.0.1:1", "--steps", "1", "--status-file", str(tmp_path / "s.jsonl"), *flags)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "one of 2 hosts of a TPU slice" in result.stderr
-    assert not (tmp_path / "s.jsonl").exists(), "it refused before doing anything"
+    assert wanted in result.stderr
+    assert not (tmp_path / "s.jsonl").exists(), "it stopped before doing anything"
 
 
-@pytest.mark.parametrize("hosts", ["", "slice-0-0.atoll"])
-def test_a_single_host_slice_is_not_refused(hosts):
-    from learner.main import multi_host_refusal
+def test_multi_process_setting_from_flags_then_environment_then_tpu_slice():
+    from learner.distributed import DistributedConfig, DistributedConfigError, config_from
 
-    assert multi_host_refusal({"TPU_WORKER_HOSTNAMES": hosts}) is None
-    assert multi_host_refusal({}) is None
+    env = {"ATOLL_COORDINATOR": "learner-0.atoll:8476", "ATOLL_NUM_PROCESSES": "4", "ATOLL_PROCESS_ID": "3"}
+    assert config_from(None, None, None, env) == DistributedConfig("learner-0.atoll:8476", 4, 3)
+    assert config_from("10.0.0.1:9", 2, 1, env) == DistributedConfig("10.0.0.1:9", 2, 1), "flags win"
+    assert config_from("10.0.0.1:9", 1, 0, {}) is None, "one process: nothing to join"
+    assert config_from(None, None, None, {}) is None
+    assert config_from(None, None, None, {"TPU_WORKER_HOSTNAMES": "slice-0-0.atoll"}) is None
+    # A multi-host TPU slice: jax.distributed reads the TPU metadata (no flags needed).
+    assert config_from(None, None, None, {"TPU_WORKER_HOSTNAMES": "h0,h1"}) == DistributedConfig()
+    with pytest.raises(DistributedConfigError, match="ATOLL_NUM_PROCESSES"):
+        config_from(None, None, None, {**env, "ATOLL_NUM_PROCESSES": "four"})

@@ -1,0 +1,156 @@
+"""A learner that spans every host of its slice: one JAX process per host, one island.
+
+Every process runs the same training loop on its part of the global batch (XLA
+all-reduces the gradients over the slice, learner/train.py); exactly one process,
+process 0, talks to the syncer. After each step process 0 broadcasts what it decided
+(stop or go on, which fragments it adopted, and their values) over JAX collectives,
+so every process holds the same parameters and the outer gradient is computed once,
+on process 0, from the replicated parameters.
+
+How a process learns its place, first that applies:
+  * flags --coordinator HOST:PORT --num-processes N --process-id I;
+  * the JobSet's environment: ATOLL_COORDINATOR (e.g. the pod of job index 0 and a
+    port), ATOLL_NUM_PROCESSES, ATOLL_PROCESS_ID;
+  * a multi-host TPU slice (TPU_WORKER_HOSTNAMES lists more than one host):
+    `jax.distributed.initialize()` with no arguments, which reads the TPU metadata.
+Otherwise the learner is one process and nothing here runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+ENV_COORDINATOR = "ATOLL_COORDINATOR"  # HOST:PORT of process 0's coordination service
+ENV_NUM_PROCESSES = "ATOLL_NUM_PROCESSES"  # processes (hosts) in this learner, >= 1
+ENV_PROCESS_ID = "ATOLL_PROCESS_ID"  # this process, in [0, num_processes)
+ENV_TPU_HOSTS = "TPU_WORKER_HOSTNAMES"  # set by GKE on every host of a TPU slice
+
+
+class DistributedConfigError(ValueError):
+    """A multi-process setting that cannot work; the message says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    coordinator: str | None = None  # HOST:PORT of process 0; None: from the TPU metadata
+    num_processes: int | None = None  # processes in the learner, >= 2; None: from the TPU metadata
+    process_id: int | None = None  # this process, in [0, num_processes); None: from the TPU metadata
+
+    def __post_init__(self):
+        given = [x is not None for x in (self.coordinator, self.num_processes, self.process_id)]
+        if any(given) and not all(given):
+            raise DistributedConfigError(
+                "--coordinator, --num-processes and --process-id go together (or set "
+                f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID})")
+        if self.coordinator is not None:
+            host, _, port = self.coordinator.rpartition(":")
+            if not host or not (port.isdigit() and 1 <= int(port) <= 65535):
+                raise DistributedConfigError(
+                    f"--coordinator {self.coordinator!r} must be HOST:PORT with a port in 1-65535")
+            if self.num_processes < 1:
+                raise DistributedConfigError(f"--num-processes must be >= 1, got {self.num_processes}")
+            if not 0 <= self.process_id < self.num_processes:
+                raise DistributedConfigError(
+                    f"--process-id must be in [0, {self.num_processes}), got {self.process_id}")
+
+
+def config_from(coordinator: str | None, num_processes: int | None, process_id: int | None,
+                env: Mapping[str, str]) -> DistributedConfig | None:
+    """The learner's multi-process setting from flags, else the environment; None: one process."""
+    def env_int(name: str) -> int | None:
+        value = env.get(name, "").strip()
+        if not value:
+            return None
+        if not value.lstrip("-").isdigit():
+            raise DistributedConfigError(f"{name}={value!r} must be an integer")
+        return int(value)
+
+    if coordinator is None and num_processes is None and process_id is None:
+        coordinator = env.get(ENV_COORDINATOR) or None
+        num_processes, process_id = env_int(ENV_NUM_PROCESSES), env_int(ENV_PROCESS_ID)
+    if coordinator is not None or num_processes is not None or process_id is not None:
+        cfg = DistributedConfig(coordinator, num_processes, process_id)
+        return cfg if cfg.num_processes > 1 else None
+    hosts = [h for h in env.get(ENV_TPU_HOSTS, "").split(",") if h.strip()]
+    return DistributedConfig() if len(hosts) > 1 else None
+
+
+def initialize(cfg: DistributedConfig | None) -> None:
+    """Joins this process to its learner's other processes (a no-op for one process).
+
+    Call before anything touches a JAX backend.
+    """
+    if cfg is None:
+        return
+    import jax
+
+    # CPU processes reduce over gloo; accelerators use their own interconnect.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if cfg.coordinator is None:
+        jax.distributed.initialize()  # a TPU slice: the metadata says who is who
+    else:
+        jax.distributed.initialize(coordinator_address=cfg.coordinator,
+                                   num_processes=cfg.num_processes, process_id=cfg.process_id)
+
+
+def process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
+def is_leader() -> bool:
+    """Whether this process is the one that talks to the syncer (process 0)."""
+    return process_index() == 0
+
+
+def broadcast(tree: Any) -> Any:
+    """Process 0's `tree` (numpy or jax leaves) on every process, as numpy arrays.
+
+    Every process passes a tree of the same structure, shapes and dtypes; only process
+    0's values count. With one process it is returned as numpy, unchanged.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return jax.tree.map(np.asarray, tree)
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
+
+
+def broadcast_step(updates: dict[int, np.ndarray] | None, flags: Sequence[bool],
+                   fragment_sizes: Sequence[int]) -> tuple[dict[int, np.ndarray], list[bool]]:
+    """Process 0's adopted fragments and decisions after a step, on every process.
+
+    Args:
+      updates: {fragment: float32 vector} process 0 adopted (ignored elsewhere).
+      flags: process 0's decisions, e.g. (stop, evaluate); every process passes as many.
+      fragment_sizes: every fragment's length (the plan's), the same on every process.
+    Returns:
+      (updates, flags) as process 0 had them.
+    """
+    head = np.zeros(len(flags) + len(fragment_sizes), np.int32)
+    if is_leader():
+        head[:len(flags)] = [int(bool(f)) for f in flags]
+        for p in (updates or {}):
+            head[len(flags) + p] = 1
+    head = broadcast(head)
+    decided = [bool(f) for f in head[:len(flags)]]
+    adopted = [p for p in range(len(fragment_sizes)) if head[len(flags) + p]]
+    if not adopted:
+        return {}, decided
+    mine = updates or {}
+    vectors = [np.asarray(mine[p], np.float32) if is_leader() else np.zeros(fragment_sizes[p], np.float32)
+               for p in adopted]
+    return dict(zip(adopted, broadcast(vectors))), decided
