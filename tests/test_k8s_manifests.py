@@ -40,9 +40,13 @@ DATA = pathlib.Path(__file__).resolve().parent / "data"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
 COMPONENTS = sorted(p.name for p in (K8S / "components").iterdir() if (p / "kustomization.yaml").is_file())
 SYNCER_OVERLAYS = ["syncer", "all-in-one"]
-LEARNER_OVERLAYS = ["learners-tpu-v5p", "learners-tpu-v6e", "learners-cpu", "all-in-one"]
+LEARNER_OVERLAYS = ["learners-tpu-v5p", "learners-tpu-v6e", "learners-tpu-v5p-2x2x2", "learners-tpu-v6e-4x4",
+                    "learners-cpu", "all-in-one"]
 # overlay -> (accelerator node label, chips per host)
 TPU_OVERLAYS = {"learners-tpu-v5p": ("tpu-v5p-slice", 4), "learners-tpu-v6e": ("tpu-v6e-slice", 8)}
+# multi-host overlay -> (accelerator, chips per host, hosts per slice, the single-host one it replaces)
+MULTI_HOST_OVERLAYS = {"learners-tpu-v5p-2x2x2": ("tpu-v5p-slice", 4, 2, "learners-tpu-v5p"),
+                       "learners-tpu-v6e-4x4": ("tpu-v6e-slice", 4, 4, "learners-tpu-v6e")}
 # Each component added to overlays the way an operator would add it (every component is used).
 COMBINATIONS = [("syncer", ("tls", "operator", "monitoring-gmp")),
                 ("syncer", ("monitoring-prometheus-operator",)),
@@ -261,7 +265,8 @@ def atoll_parser():
 
 
 def test_every_overlay_and_component_is_tested():
-    assert set(OVERLAYS) == {"syncer", "learners-tpu-v5p", "learners-tpu-v6e", "learners-cpu", "all-in-one"}
+    assert set(OVERLAYS) == {"syncer", "learners-tpu-v5p", "learners-tpu-v6e", "learners-tpu-v5p-2x2x2",
+                             "learners-tpu-v6e-4x4", "learners-cpu", "all-in-one"}
     assert set(COMPONENTS) == {c for _, cs in COMBINATIONS for c in cs}
 
 
@@ -651,6 +656,49 @@ def test_tpu_jobset(overlay):
     assert res["requests"]["google.com/tpu"] == res["limits"]["google.com/tpu"] == str(chips_per_host)
     assert env_of(c)["JAX_PLATFORMS"]["value"] == "tpu", "the CPU image must fail fast, not train on CPU"
     assert job["template"]["metadata"]["labels"]["atoll.dev/region"] == jobset["metadata"]["labels"]["atoll.dev/region"]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", sorted(MULTI_HOST_OVERLAYS))
+def test_multi_host_tpu_jobset(overlay, tmp_path, monkeypatch):
+    """One Job per slice, one pod per host, all under one learner id; each pod's command
+    line, given what GKE sets on a multi-host slice, is a learner joining its slice."""
+    from learner.distributed import DistributedConfig
+    from learner.main import config_from_args
+
+    accelerator, chips_per_host, hosts, single = MULTI_HOST_OVERLAYS[overlay]
+    objs = render(overlay)
+    (jobset,) = find(objs, "JobSet")
+    (single_jobset,) = find(render(single), "JobSet")
+    assert jobset["metadata"]["name"] != single_jobset["metadata"]["name"]
+    assert jobset["spec"]["network"]["enableDNSHostnames"] is True, "pods of a slice find each other by name"
+    (rj,) = jobset["spec"]["replicatedJobs"]
+    job = rj["template"]["spec"]
+    pod = job["template"]["spec"]
+    selector = pod["nodeSelector"]
+    assert selector["cloud.google.com/gke-tpu-accelerator"] == accelerator
+    assert _chips(selector["cloud.google.com/gke-tpu-topology"]) == hosts * chips_per_host
+    assert job["parallelism"] == job["completions"] == hosts > 1
+    assert job["completionMode"] == "Indexed"
+    (c,) = pod["containers"]
+    res = c["resources"]
+    assert res["requests"]["google.com/tpu"] == res["limits"]["google.com/tpu"] == str(chips_per_host)
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef" * 4 + "\n")
+    env = container_env(c, objs, pod_fields(jobset, job["template"], 1))
+    args, seen = run_container(c, env, tmp_path)
+    with monkeypatch.context() as m:
+        for name in [n for n in os.environ if n.startswith(("ATOLL_", "TPU_"))]:
+            m.delenv(name)
+        for name, value in seen.items():
+            if name.startswith("ATOLL_"):
+                m.setenv(name, value)
+        m.setenv("ATOLL_TOKEN_FILE", str(token))
+        # What GKE's TPU webhook adds to each pod of a multi-host slice.
+        m.setenv("TPU_WORKER_HOSTNAMES", ",".join(f"h{i}" for i in range(hosts)))
+        m.setenv("TPU_WORKER_ID", "1")
+        cfg = config_from_args(atoll_parser().parse_args(args))
+    assert cfg.distributed == DistributedConfig(), "jax.distributed reads the slice from the TPU metadata"
 
 
 def _pod_failure_rules(job_spec: dict) -> dict[str, dict]:
