@@ -122,8 +122,9 @@ def broadcast(tree: Any) -> Any:
     """
     import jax
 
+    tree = jax.tree.map(np.asarray, tree)  # host values: broadcast_one_to_all wants process-local data
     if jax.process_count() == 1:
-        return jax.tree.map(np.asarray, tree)
+        return tree
     from jax.experimental import multihost_utils
 
     return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
