@@ -311,9 +311,14 @@ class Batches:
         return out
 
     def __getitem__(self, step: int) -> np.ndarray:
-        starts = self.window_ids(step) * self.context
-        rows = starts[:, None] + np.arange(self.context + 1)[None, :]
-        return np.asarray(self.tokens[rows], np.int32)
+        return self.rows(step, slice(None))
+
+    def rows(self, step: int, rows: slice) -> np.ndarray:
+        """Rows `rows` of batch `step` alone: a process of a multi-host learner reads only
+        the part of the global batch its own devices hold."""
+        starts = self.window_ids(step)[rows] * self.context
+        index = starts[:, None] + np.arange(self.context + 1)[None, :]
+        return np.asarray(self.tokens[index], np.int32)
 
     def iterate(self, start_step: int = 0) -> Iterator[np.ndarray]:
         step = start_step

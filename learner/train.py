@@ -223,7 +223,11 @@ def _f32(x: Any) -> Any:
 
 
 class BatchSource(Protocol):
-    """`source[step]` -> int (batch_size, context + 1) array; `data.Batches` is one."""
+    """`source[step]` -> int (batch_size, context + 1) array; `data.Batches` is one.
+
+    A source with `rows(step, slice)` (Batches) lets each process of a multi-host
+    learner read only its own rows.
+    """
 
     def __getitem__(self, step: int) -> np.ndarray: ...
 
@@ -365,13 +369,22 @@ class Trainer:
         """
         self.compile()
         start = time.perf_counter()
-        batch = np.asarray(self.batches[self.steps_done])
         want = (self.train_cfg.batch_size, self.model_cfg.context + 1)
-        if batch.shape != want:
-            raise ValueError(f"batch {self.steps_done} has shape {batch.shape}, want {want} "
-                             f"(batch_size, context + 1)")
+        if not self._batch_sharding.is_fully_addressable and hasattr(self.batches, "rows"):
+            # Several processes: each reads and places only its own rows of the batch.
+            mine = local_rows(self._batch_sharding, want)
+            part = np.asarray(self.batches.rows(self.steps_done, mine))
+            if part.shape != (mine.stop - mine.start, want[1]):
+                raise ValueError(f"batch {self.steps_done} rows {mine.start}:{mine.stop} have shape "
+                                 f"{part.shape}, want {(mine.stop - mine.start, want[1])}")
+            batch = jax.make_array_from_process_local_data(self._batch_sharding, part, want)
+        else:
+            batch = np.asarray(self.batches[self.steps_done])
+            if batch.shape != want:
+                raise ValueError(f"batch {self.steps_done} has shape {batch.shape}, want {want} "
+                                 f"(batch_size, context + 1)")
+            batch = global_batch(batch, self._batch_sharding)
         lr = lr_at(self.train_cfg, self.steps_done)
-        batch = global_batch(batch, self._batch_sharding)
         params, opt_state, out = self._compiled(self._params, self.opt_state, batch)
         loss, grad_norm = float(out["loss"]), float(out["grad_norm"])  # waits for the step
         elapsed = time.perf_counter() - start

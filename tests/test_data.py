@@ -55,6 +55,16 @@ def test_batches_are_windows_of_the_stream():
         np.testing.assert_array_equal(row, tokens[w * L:w * L + L + 1])
 
 
+def test_a_process_reads_its_own_rows_of_a_batch():
+    """A process of a multi-host learner reads rows a:b alone; together they make the batch."""
+    b = Batches(stream(5_000), context=8, batch_size=8, learner=1, num_learners=2, seed=3)
+    for step in (0, 7, 300):
+        parts = [b.rows(step, slice(i, i + 2)) for i in range(0, 8, 2)]
+        assert all(p.shape == (2, 9) and p.dtype == np.int32 for p in parts)
+        np.testing.assert_array_equal(np.concatenate(parts), b[step])
+    assert not np.array_equal(b.rows(7, slice(0, 2)), b.rows(7, slice(2, 4)))
+
+
 def test_batches_are_deterministic_and_seeded():
     tokens = stream()
     a = Batches(tokens, context=8, batch_size=4, learner=0, num_learners=2, seed=1)
