@@ -7,6 +7,7 @@ learner resumes its data position and schedule from the last one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -19,7 +20,7 @@ import numpy as np
 import prometheus_client as prom
 
 from learner.client import ShardClient, TlsFiles
-from learner import distributed
+from learner import checkpoint, distributed, standby
 from learner.data import Batches, load_corpus
 from learner.main import LearnerConfig
 from learner.model import preset
@@ -89,6 +90,16 @@ def run(cfg: LearnerConfig) -> int:
     """Trains until cfg.steps (or a signal); returns the process exit code."""
     if cfg.compile_cache is not None:
         _use_compile_cache(cfg.compile_cache)
+    claim = None
+    if cfg.checkpoint_dir is not None and not cfg.standby:
+        # one live process per id: a restarted learner whose id a standby took waits as a standby
+        claim = standby.acquire(cfg.checkpoint_dir, cfg.learner_id, cfg.learner_index, cfg.num_learners)
+        if claim is None:
+            log.warning("learner id %s is held by a live process (%s); waiting as a standby", cfg.learner_id,
+                        standby.holder(cfg.checkpoint_dir, cfg.learner_id))
+            cfg = dataclasses.replace(cfg, standby=True)
+    if not cfg.standby:
+        cfg = cfg.as_learner(cfg.learner_id, cfg.learner_index)
     model_cfg = preset(cfg.preset)
     members = 1 if cfg.baseline else cfg.num_learners
     batch = cfg.batch_size * (cfg.num_learners if cfg.baseline else 1)
@@ -102,17 +113,48 @@ def run(cfg: LearnerConfig) -> int:
     # A multi-host learner: process 0 alone talks to the syncer and writes status; the
     # others take its decisions and fragments after every step (learner/distributed.py).
     multi, leader = distributed.process_count() > 1, distributed.is_leader()
-    resume = _resume_point(cfg.status_file, cfg.learner_id) if leader else (0, 0)
-    trainer.steps_done, trainer.tokens_total = (int(x) for x in distributed.broadcast(np.asarray(resume, np.int64)))
-    log.info("learner %s: %s model (%d params), batch %d, %s, data %s, from step %d", cfg.learner_id,
+    stopping: list[threading.Event] = []
+    stop = None
+    if cfg.standby:
+        # ready to train at once: data loaded, step compiled; then wait for a vacancy
+        trainer.compile()
+        stop = _stop_on_signals(stopping)
+        log.info("standby %s ready (compiled in %.1f s); waiting for a failed learner in %s", cfg.learner_id,
+                 trainer.compile_time_s, cfg.checkpoint_dir)
+        claim = standby.wait_for_vacancy(cfg.checkpoint_dir, cfg.num_learners, stop)
+        if claim is None:
+            log.info("standby %s stopped before taking over a learner", cfg.learner_id)
+            return 0
+        log.info("standby %s takes over learner %s (data shard %d) from pid %s", cfg.learner_id,
+                 claim.learner_id, claim.info["learner_index"], claim.info.get("taken_from"))
+        cfg = cfg.as_learner(claim.learner_id, int(claim.info["learner_index"]))
+        trainer.batches = Batches(corpus.train, context=model_cfg.context, batch_size=batch,
+                                  learner=cfg.learner_index, num_learners=members, seed=cfg.seed)
+    plan = FragmentPlan.build(trainer.params, cfg.fragments) if not cfg.baseline else None
+    identity = {"learner_id": cfg.learner_id, "learner_index": cfg.learner_index, "num_learners": cfg.num_learners,
+                "model_config": dataclasses.asdict(model_cfg), "batch_size": batch, "seed": cfg.seed,
+                "plan_fingerprint": plan.fingerprint if plan is not None else None}
+    ckpt, checkpointer, theta_ckpt = None, None, None
+    trail = checkpoint.PushTrail(plan.num_fragments) if plan is not None else None
+    if cfg.checkpoint_dir is not None:
+        path = checkpoint.path_for(cfg.checkpoint_dir, cfg.learner_id)
+        ckpt = checkpoint.read(path)
+        if ckpt is not None:
+            checkpoint.check(ckpt, identity, path)
+            checkpoint.restore_trainer(ckpt, trainer)  # same step, data position and optimiser state
+            theta_ckpt = plan.flatten(trainer.params) if plan is not None else None
+        checkpointer = checkpoint.Checkpointer(cfg.checkpoint_dir, cfg.learner_id, cfg.checkpoint_every, identity)
+    if ckpt is None:
+        resume = _resume_point(cfg.status_file, cfg.learner_id) if leader else (0, 0)
+        trainer.steps_done, trainer.tokens_total = (int(x) for x in distributed.broadcast(np.asarray(resume, np.int64)))
+    log.info("learner %s: %s model (%d params), batch %d, %s, data %s, from step %d%s", cfg.learner_id,
              cfg.preset, model_cfg.num_params, batch, "baseline" if cfg.baseline else f"{len(cfg.shards)} shards",
-             corpus.source, trainer.steps_done)
+             corpus.source, trainer.steps_done, " (its checkpoint)" if ckpt is not None else "")
     metrics = _Metrics(cfg.learner_id)
     if cfg.metrics_port is not None and leader:
         prom.start_http_server(cfg.metrics_port, registry=metrics.registry)
 
     sync = None
-    plan = FragmentPlan.build(trainer.params, cfg.fragments) if not cfg.baseline else None
     status = {"learner": cfg.learner_id, "index": cfg.learner_index, "slowdown": cfg.slowdown,
               "params": model_cfg.num_params, "baseline": cfg.baseline}
 
@@ -131,8 +173,8 @@ def run(cfg: LearnerConfig) -> int:
             with open(cfg.status_file, "a") as f:
                 f.write(json.dumps(record, separators=(",", ":")) + "\n")
 
-    stopping: list[threading.Event] = []
-    stop = _stop_on_signals(stopping)  # only now: a refused start leaves the caller's handlers alone
+    if stop is None:
+        stop = _stop_on_signals(stopping)  # only now: a refused start leaves the caller's handlers alone
     emit("joining")
     trainer.compile()
     if multi and plan is not None:
@@ -146,6 +188,12 @@ def run(cfg: LearnerConfig) -> int:
                             plan, clients, on_push=_push_logger(cfg))
         stopping.append(sync.stopping)
         trainer.params = sync.join(trainer.params)
+        if ckpt is not None:
+            carried = checkpoint.resume_sync(ckpt, sync, theta_ckpt, trail, checkpoint.shard_last_seqs(sync))
+            for p, vector in carried.items():
+                trainer.set_tensors(plan.unflatten_fragment(p, vector))
+            log.info("learner %s resumed its checkpoint at step %d: local progress kept for fragments %s, "
+                     "the rest at the global versions; seq %d", cfg.learner_id, ckpt.step, sorted(carried), sync.seq)
 
     state, last_print, local, m, eval_pending = "done", 0.0, 0, {}, False
     started = time.perf_counter()
@@ -197,7 +245,7 @@ def run(cfg: LearnerConfig) -> int:
                     break
             elif sync is not None:
                 try:
-                    pushes = sync.pushes_started
+                    pushes, seq_before = sync.pushes_started, sync.seq
                     blocked = sync.stats["blocked_seconds"]
                     updates = sync.after_step(local, trainer.params, iteration, m["tokens"])
                     excluded += sync.stats["blocked_seconds"] - blocked
@@ -208,6 +256,8 @@ def run(cfg: LearnerConfig) -> int:
                     break
                 for p, vector in updates.items():
                     trainer.set_tensors(plan.unflatten_fragment(p, vector))
+                if checkpointer is not None:
+                    trail.after_step(sync, plan, seq_before, local, trainer.params)
                 # An evaluation waits for the step right after a push: there it overlaps the
                 # round in flight, where elsewhere it could make a push late for its round.
                 if eval_pending and (sync.pushes_started > pushes or trainer.steps_done >= cfg.steps):
@@ -216,11 +266,15 @@ def run(cfg: LearnerConfig) -> int:
                     result = trainer.evaluate()
                     excluded += time.perf_counter() - evaluating
                     m.update(eval_loss=result["loss"], eval_bits_per_byte=result["bits_per_byte"])
+            if checkpointer is not None and checkpointer.due(trainer.steps_done):
+                checkpointer.save(trainer, sync, trail)  # host copies and the write in the background
             _observe(metrics, m, sync)
             emit("training", m)
             if leader and cfg.progress and (time.perf_counter() - last_print > PROGRESS_SECONDS or trainer.steps_done == cfg.steps):
                 last_print = time.perf_counter()
                 print(_progress_line(cfg, m, sync, time.perf_counter() - started), file=sys.stderr, flush=True)
+        if checkpointer is not None and state == "stopped":
+            checkpointer.save(trainer, sync, trail, wait=True)  # stopped on purpose: keep every step
         if plan is not None and state == "done":
             final_updates = sync.finish(local, trainer.params, cfg.lease_exit_wait) if sync is not None else {}
             if multi:
@@ -236,6 +290,10 @@ def run(cfg: LearnerConfig) -> int:
     finally:
         if sync is not None:
             sync.close()
+        if checkpointer is not None:
+            checkpointer.close()
+        if claim is not None:
+            claim.release(done=trainer.steps_done >= cfg.steps)  # else a standby may take the id over
     return 0
 
 

@@ -67,6 +67,9 @@ class LearnerConfig:
     lease_exit_wait: float = 10.0  # seconds to wait at the end for syncs in flight
     progress: bool = True  # print the live progress line
     distributed: DistributedConfig | None = None  # the slice's processes (learner/distributed.py); None: one
+    checkpoint_dir: pathlib.Path | None = None  # durable learner state and id claims (learner/checkpoint.py)
+    checkpoint_every: int = 50  # steps between background checkpoints, >= 0 (0: only when stopped)
+    standby: bool = False  # wait, compiled, to take over a failed learner's id (learner/standby.py)
 
     def __post_init__(self):
         def need(ok: bool, message: str) -> None:
@@ -92,6 +95,12 @@ class LearnerConfig:
         need(self.slowdown >= 1, f"--slowdown must be >= 1 (1 = full speed), got {self.slowdown}")
         need(self.sync_patience > 0, f"--sync-patience must be > 0 seconds, got {self.sync_patience}")
         need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
+        need(self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 steps, got {self.checkpoint_every}")
+        need(not self.standby or self.checkpoint_dir is not None,
+             "--standby needs --checkpoint-dir: the directory where learners claim their ids")
+        need(not self.standby or not self.baseline, "--standby and --baseline do not go together")
+        need(self.distributed is None or (self.checkpoint_dir is None and not self.standby),
+             "--checkpoint-dir and --standby are for one-process learners (not yet multi-host)")
         need(self.metrics_port is None or 0 <= self.metrics_port <= 65535,
              f"--metrics-port must be in 1-65535 (0 picks a free one), got {self.metrics_port}")
         need((self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key go together")
@@ -99,6 +108,14 @@ class LearnerConfig:
         for flag, path in (("--token-file", self.token_file), ("--tls-ca", self.tls_ca),
                            ("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):
             need(path is None or pathlib.Path(path).is_file(), f"{flag} {path}: no such file")
+
+    def as_learner(self, learner_id: str, learner_index: int) -> LearnerConfig:
+        """This config for learner `learner_id` ({id} in the status and push-log paths filled in)."""
+        def fill(path):
+            return None if path is None else pathlib.Path(str(path).replace("{id}", learner_id))
+
+        return dataclasses.replace(self, learner_id=learner_id, learner_index=learner_index, standby=False,
+                                   status_file=fill(self.status_file), push_log=fill(self.push_log))
 
 
 def shard_addresses(spec: str, num_shards: int | None) -> tuple[str, ...]:
@@ -155,9 +172,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", type=pathlib.Path, help="PEM CA of the shards' certificates (enables TLS)")
     p.add_argument("--tls-cert", type=pathlib.Path, help="PEM client certificate (mutual TLS)")
     p.add_argument("--tls-key", type=pathlib.Path, help="PEM private key of --tls-cert")
-    p.add_argument("--status-file", type=pathlib.Path, help="append JSON progress records here")
+    p.add_argument("--status-file", type=pathlib.Path,
+                   help="append JSON progress records here ({id} stands for the learner id)")
     p.add_argument("--push-log", type=pathlib.Path,
-                   help="append one JSON line per answered push here (fragment, seq, accepted, versions)")
+                   help="append one JSON line per answered push here (fragment, seq, accepted, versions; "
+                        "{id} stands for the learner id)")
     p.add_argument("--sync-patience", type=float, default=d["sync_patience"],
                    help="seconds to wait on a round holding our push before training on without it "
                         "(at least 4 periods of steps; default %(default)s)")
@@ -166,6 +185,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=pathlib.Path(os.environ[ENV_COMPILE_CACHE]) if os.environ.get(ENV_COMPILE_CACHE) else None,
                    help="directory for compiled programs, so a restarted learner skips compiling "
                         "(env ATOLL_COMPILE_CACHE; off by default)")
+    p.add_argument("--checkpoint-dir", type=pathlib.Path, default=None,
+                   help="durable learner state: a checkpoint per learner id, written in the background, "
+                        "that a restart resumes from (same step, data position and optimiser state); "
+                        "also where learners claim their ids for standbys (off by default)")
+    p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"],
+                   help="steps between checkpoints; 0: only when stopped by a signal (default %(default)s)")
+    p.add_argument("--standby", action="store_true",
+                   help="load and compile, then wait to take over the id of a failed learner of "
+                        "--checkpoint-dir (its data shard, status file and checkpoint)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--coordinator", default=None,
                    help="HOST:PORT of process 0 of a multi-host learner (env ATOLL_COORDINATOR; "
@@ -187,11 +215,13 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
         slowdown=a.slowdown, baseline=a.baseline, token_file=token, tls_ca=a.tls_ca, tls_cert=a.tls_cert,
         tls_key=a.tls_key, status_file=a.status_file, push_log=a.push_log,
         sync_patience=a.sync_patience, compile_cache=a.compile_cache, metrics_port=a.metrics_port, progress=not a.quiet,
-        distributed=config_from(a.coordinator, a.num_processes, a.process_id, os.environ))
+        distributed=config_from(a.coordinator, a.num_processes, a.process_id, os.environ),
+        checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every, standby=a.standby)
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The CLI entry: readable errors for user mistakes, never a traceback."""
+    from learner.checkpoint import CheckpointError
     from learner.data import DataError
     from learner.model import ModelConfigError
     from learner.sync import SyncError
@@ -207,6 +237,6 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from learner.loop import run
 
         return run(cfg)
-    except (DataError, ModelConfigError, TrainConfigError, SyncError, LearnerConfigError) as e:
+    except (DataError, ModelConfigError, TrainConfigError, SyncError, LearnerConfigError, CheckpointError) as e:
         print(f"atoll learner: error: {e}", file=sys.stderr)
         return 2
