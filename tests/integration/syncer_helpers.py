@@ -129,22 +129,32 @@ def status_of(call: Callable[[], object]) -> grpc.StatusCode:
 # --- state, as a learner can see it ---
 
 
-def fragment_state(stub, info: pb.FragmentInfo) -> dict:
+def fragment_state(stub, info: pb.FragmentInfo) -> dict | None:
     """A fragment's visible state: version, open round, the published copy as a full
-    FP32 snapshot frame, and every delta frame still in the ring (all bytes)."""
+    FP32 snapshot frame, and every delta frame still in the ring (all bytes). None when a
+    round closed between the Describe that gave `info` and the Pull."""
     state = {"initialized": info.initialized, "version": info.version, "round_size": info.round_size,
              "oldest_delta_base": info.oldest_delta_base}
     if info.initialized:
         header, snap = pull(stub, info.fragment)
-        assert header.snapshot and header.version == info.version
+        assert header.snapshot
+        if header.version != info.version:
+            return None
         state["snapshot"] = snap[0][1]
         _, state["deltas"] = pull(stub, info.fragment, have=info.oldest_delta_base)
     return state
 
 
-def shard_state(stub, metadata: Metadata = None) -> dict[int, dict]:
-    """{fragment: fragment_state} for every fragment the shard owns."""
-    return {f.fragment: fragment_state(stub, f) for f in describe(stub, metadata).fragments}
+def shard_state(stub, metadata: Metadata = None, attempts: int = 20) -> dict[int, dict]:
+    """{fragment: fragment_state} for every fragment the shard owns, read again when a
+    round closed while it was read (a restarted shard's round timer may close a replayed
+    round at any moment)."""
+    for _ in range(attempts):
+        state = {f.fragment: fragment_state(stub, f) for f in describe(stub, metadata).fragments}
+        if all(s is not None for s in state.values()):
+            return state
+        time.sleep(0.1)
+    raise AssertionError(f"the shard's versions kept moving over {attempts} reads")
 
 
 # --- health ---
