@@ -39,6 +39,10 @@ K8S = REPO / "k8s"
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
 COMPONENTS = sorted(p.name for p in (K8S / "components").iterdir() if (p / "kustomization.yaml").is_file())
+# Components an overlay already lists in its kustomization.yaml.
+BUILT_IN = {o: tuple(pathlib.PurePath(c).name for c in
+                     (yaml.safe_load((K8S / "overlays" / o / "kustomization.yaml").read_text()).get("components") or []))
+            for o in OVERLAYS}
 SYNCER_OVERLAYS = ["syncer", "all-in-one"]
 LEARNER_OVERLAYS = ["learners-tpu-v5p", "learners-tpu-v6e", "learners-tpu-v5p-2x2x2", "learners-tpu-v6e-4x4",
                     "learners-cpu", "all-in-one"]
@@ -189,8 +193,13 @@ def env_of(container: dict) -> dict[str, dict]:
     return {e["name"]: e for e in container.get("env", [])}
 
 
+def is_standby(template: dict) -> bool:
+    return template["metadata"]["labels"].get("atoll.dev/standby") == "true"
+
+
 def learner_workloads(objs) -> list[tuple[dict, dict, int]]:
-    """(owner, pod template, learners it runs) of every learner JobSet or Job."""
+    """(owner, pod template, learners it runs) of every learner JobSet or Job (standbys run
+    none of their own)."""
     out = []
     for o in objs:
         if o["kind"] == "JobSet":
@@ -267,7 +276,8 @@ def atoll_parser():
 def test_every_overlay_and_component_is_tested():
     assert set(OVERLAYS) == {"syncer", "learners-tpu-v5p", "learners-tpu-v6e", "learners-tpu-v5p-2x2x2",
                              "learners-tpu-v6e-4x4", "learners-cpu", "all-in-one"}
-    assert set(COMPONENTS) == {c for _, cs in COMBINATIONS for c in cs}
+    assert set(COMPONENTS) == {c for _, cs in COMBINATIONS for c in cs} | {c for cs in BUILT_IN.values() for c in cs}
+    assert BUILT_IN["learners-cpu"] == ("standby-cpu",)
 
 
 @needs_kubectl
@@ -560,19 +570,122 @@ def test_learner_pods(overlay):
         labels = t["metadata"]["labels"]
         assert labels.get("atoll.dev/region"), "learner pods carry atoll.dev/region"
         assert t["metadata"]["annotations"]["prometheus.io/port"] == "9091"
-        assert t["spec"]["restartPolicy"] == "Never"  # a podFailurePolicy needs it
         (c,) = t["spec"]["containers"]
         assert c["args"][0] == "learner" and "--metrics-port=9091" in c["args"]
         assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("metrics", 9091)]
         env = env_of(c)
+        assert "ATOLL_LEARNER_INDEX" not in env and "ATOLL_LEARNER_INDEX" not in config  # computed (below)
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        if is_standby(t):  # test_standby_learners
+            assert t["spec"]["restartPolicy"] == "Always"
+            continue
+        assert t["spec"]["restartPolicy"] == "Never"  # a podFailurePolicy needs it
         assert env["ATOLL_REGION"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['atoll.dev/region']"
         assert env["ATOLL_LEARNER_ID"]["value"].startswith("$(ATOLL_REGION)-")
-        assert "ATOLL_LEARNER_INDEX" not in env and "ATOLL_LEARNER_INDEX" not in config  # computed (below)
         # Status records and compiled programs on the state volume, one name per learner id.
-        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
         for flag in ("--status-file", "--compile-cache"):
             (value,) = [a.split("=", 1)[1] for a in c["args"] if a.startswith(flag + "=")]
             assert "$(ATOLL_LEARNER_ID)" in value and mounts[str(pathlib.PurePath(value).parent)] == "state"
+
+
+def _flag(container: dict, flag: str) -> str:
+    (value,) = [a.split("=", 1)[1] for a in container["args"] if a.startswith(flag + "=")]
+    return value
+
+
+def _state_volume(template: dict) -> tuple[str, dict]:
+    """(where the learner container mounts the state volume, the volume)."""
+    (c,) = template["spec"]["containers"]
+    (path,) = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == "state"]
+    (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "state"]
+    return path, volume
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", LEARNER_OVERLAYS)
+def test_learners_checkpoint_on_the_state_volume(overlay):
+    """Every learner pod (Job, JobSet, standby Deployment) checkpoints under the state
+    volume, so a recreated pod or a standby on another node resumes where it stopped."""
+    objs = render(overlay)
+    templates = learner_templates(objs)
+    assert templates
+    for t in templates:
+        (c,) = t["spec"]["containers"]
+        env = container_env(c, objs, pod_fields({"metadata": {"name": "learner"}}, t, 0))
+        state, _ = _state_volume(t)
+        directory = pathlib.PurePath(env["ATOLL_CHECKPOINT_DIR"])
+        assert directory.is_absolute() and directory.is_relative_to(state) and directory != pathlib.PurePath(state)
+        assert int(env["ATOLL_CHECKPOINT_EVERY"]) > 0
+
+
+@needs_kubectl
+def test_standby_learners():
+    """The standby Deployment runs the Job's learner as `--standby`: the same image,
+    settings, volumes and limits, the taken id's status file, and the same claim, where
+    the learners' id locks and checkpoints are."""
+    objs = render("learners-cpu")
+    deployment = one(objs, "Deployment", "atoll-learner-standby")
+    (job,) = find(objs, "Job")
+    standby, learner = deployment["spec"]["template"], job["spec"]["template"]
+    assert is_standby(standby) and not is_standby(learner)
+    assert deployment["spec"]["replicas"] >= 1 and standby["spec"]["restartPolicy"] == "Always"
+    # The Deployment owns its standbys alone; the network policy and monitors see learners.
+    selector = deployment["spec"]["selector"]
+    assert _selects(selector, standby["metadata"]["labels"]) and not _selects(selector, learner["metadata"]["labels"])
+    assert component_of(standby) == "learner"
+    policy = one(render("syncer"), "NetworkPolicy", "atoll-syncer")
+    grpc = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "grpc")
+    assert any(_selects(f["podSelector"], standby["metadata"]["labels"]) for f in grpc["from"] if "podSelector" in f)
+    monitor = one(render("learners-cpu", ("monitoring-gmp",)), "PodMonitoring", "atoll-learner")
+    assert _selects(monitor["spec"]["selector"], standby["metadata"]["labels"])
+    assert standby["metadata"]["labels"]["atoll.dev/region"] == learner["metadata"]["labels"]["atoll.dev/region"]
+    assert standby["metadata"]["annotations"] == learner["metadata"]["annotations"]
+    (c,), (lc,) = standby["spec"]["containers"], learner["spec"]["containers"]
+    for key in ("image", "envFrom", "resources", "securityContext", "volumeMounts", "ports"):
+        assert c[key] == lc[key], key
+    for key in ("securityContext", "volumes", "initContainers"):
+        assert standby["spec"][key] == learner["spec"][key], key
+    assert _state_volume(standby)[1]["persistentVolumeClaim"]["claimName"] == \
+        _state_volume(learner)[1]["persistentVolumeClaim"]["claimName"] == "atoll-learner-state"
+    assert "--standby" in c["args"] and "--standby" not in lc["args"]
+    assert "{id}" in _flag(c, "--status-file")
+    assert env_of(c)["ATOLL_LEARNER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert "ATOLL_JOB_INDEX" not in env_of(c)
+    # Every other flag as the Job's learner has it.
+    differ = {"--standby", "--learner-index", "--status-file", "--compile-cache"}
+    assert ([a for a in c["args"] if a.split("=")[0] not in differ]
+            == [a for a in lc["args"] if a.split("=")[0] not in differ])
+
+
+@needs_kubectl
+def test_standby_command_line_is_a_valid_learner_config(tmp_path, monkeypatch):
+    """The standby's command line makes a standby config; the learner it becomes on taking
+    an id writes the status file that learner's own pod writes."""
+    from learner.main import config_from_args
+
+    objs = render("learners-cpu")
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef" * 4 + "\n")
+    deployment = one(objs, "Deployment", "atoll-learner-standby")
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = container_env(c, objs, pod_fields(deployment, deployment["spec"]["template"], 0))
+    args, seen = run_container(c, env, tmp_path)
+    with monkeypatch.context() as m:
+        for name in [n for n in os.environ if n.startswith("ATOLL_")]:
+            m.delenv(name)
+        for name, value in seen.items():
+            if name.startswith("ATOLL_"):
+                m.setenv(name, value)
+        m.setenv("ATOLL_TOKEN_FILE", str(token))
+        cfg = config_from_args(atoll_parser().parse_args(args))
+    assert cfg.standby and cfg.learner_id == "atoll-learner-standby-0"
+    assert cfg.checkpoint_dir == pathlib.Path(env["ATOLL_CHECKPOINT_DIR"])
+    assert cfg.num_learners == int(env["ATOLL_NUM_LEARNERS"]) and cfg.distributed is None
+    (job,) = find(objs, "Job")
+    learner_status = _flag(job["spec"]["template"]["spec"]["containers"][0], "--status-file")
+    taken = cfg.as_learner("us-west1-cpu-1", 1)
+    assert not taken.standby and taken.learner_index == 1
+    assert str(taken.status_file) == learner_status.replace("$(ATOLL_LEARNER_ID)", "us-west1-cpu-1")
 
 
 @needs_kubectl
@@ -607,6 +720,8 @@ def test_learner_command_line_is_a_valid_learner_config(overlay, tmp_path, monke
             assert cfg.learner_id == seen["ATOLL_LEARNER_ID"] and "$(" not in cfg.learner_id
             assert cfg.status_file.name == f"{cfg.learner_id}.status.jsonl"
             assert cfg.compile_cache is not None and cfg.token_file == token
+            assert cfg.checkpoint_dir == pathlib.Path(env["ATOLL_CHECKPOINT_DIR"]) and not cfg.standby
+            assert cfg.checkpoint_every == int(env["ATOLL_CHECKPOINT_EVERY"]) > 0
             ids.add(cfg.learner_id)
     assert len(ids) == sum(n for _, _, n in learner_workloads(objs)), "learner ids must be unique"
 
