@@ -90,14 +90,17 @@ def run(cfg: LearnerConfig) -> int:
     """Trains until cfg.steps (or a signal); returns the process exit code."""
     if cfg.compile_cache is not None:
         _use_compile_cache(cfg.compile_cache)
-    claim = None
-    if cfg.checkpoint_dir is not None and not cfg.standby:
+    claim, own_id = None, None
+    # Id claims are for one-process learners (standbys take them over); every process of a
+    # multi-host learner reads its checkpoint, process 0 alone writes it.
+    one_process = cfg.distributed is None
+    if cfg.checkpoint_dir is not None and not cfg.standby and one_process:
         # one live process per id: a restarted learner whose id a standby took waits as a standby
         claim = standby.acquire(cfg.checkpoint_dir, cfg.learner_id, cfg.learner_index, cfg.num_learners)
         if claim is None:
             log.warning("learner id %s is held by a live process (%s); waiting as a standby", cfg.learner_id,
                         standby.holder(cfg.checkpoint_dir, cfg.learner_id))
-            cfg = dataclasses.replace(cfg, standby=True)
+            cfg, own_id = dataclasses.replace(cfg, standby=True), cfg.learner_id
     if not cfg.standby:
         cfg = cfg.as_learner(cfg.learner_id, cfg.learner_index)
     model_cfg = preset(cfg.preset)
@@ -121,9 +124,10 @@ def run(cfg: LearnerConfig) -> int:
         stop = _stop_on_signals(stopping)
         log.info("standby %s ready (compiled in %.1f s); waiting for a failed learner in %s", cfg.learner_id,
                  trainer.compile_time_s, cfg.checkpoint_dir)
-        claim = standby.wait_for_vacancy(cfg.checkpoint_dir, cfg.num_learners, stop)
+        claim = standby.wait_for_vacancy(cfg.checkpoint_dir, cfg.num_learners, stop, until_done=own_id)
         if claim is None:
-            log.info("standby %s stopped before taking over a learner", cfg.learner_id)
+            log.info("standby %s stopped before taking over a learner%s", cfg.learner_id,
+                     " (its own id was trained to the end)" if own_id and not stop.is_set() else "")
             return 0
         log.info("standby %s takes over learner %s (data shard %d) from pid %s", cfg.learner_id,
                  claim.learner_id, claim.info["learner_index"], claim.info.get("taken_from"))
@@ -143,7 +147,15 @@ def run(cfg: LearnerConfig) -> int:
             checkpoint.check(ckpt, identity, path)
             checkpoint.restore_trainer(ckpt, trainer)  # same step, data position and optimiser state
             theta_ckpt = plan.flatten(trainer.params) if plan is not None else None
-        checkpointer = checkpoint.Checkpointer(cfg.checkpoint_dir, cfg.learner_id, cfg.checkpoint_every, identity)
+        if multi:  # every process must resume at the same step: they read the same file
+            steps = distributed.broadcast(np.asarray(trainer.steps_done, np.int64))
+            if int(steps) != trainer.steps_done:
+                raise checkpoint.CheckpointError(
+                    f"{path}: process 0 resumes at step {int(steps)}, process {distributed.process_index()} at "
+                    f"{trainer.steps_done}; every process of a learner must mount the same --checkpoint-dir")
+        if leader:
+            checkpointer = checkpoint.Checkpointer(cfg.checkpoint_dir, cfg.learner_id, cfg.checkpoint_every,
+                                                   identity)
     if ckpt is None:
         resume = _resume_point(cfg.status_file, cfg.learner_id) if leader else (0, 0)
         trainer.steps_done, trainer.tokens_total = (int(x) for x in distributed.broadcast(np.asarray(resume, np.int64)))
@@ -177,14 +189,12 @@ def run(cfg: LearnerConfig) -> int:
         stop = _stop_on_signals(stopping)  # only now: a refused start leaves the caller's handlers alone
     emit("joining")
     trainer.compile()
-    if multi and plan is not None:
-        trainer.params = distributed.broadcast(trainer.params)  # one start, whatever each seeded
     if plan is not None and leader:
         tls = TlsFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None
         token = cfg.token_file.read_text().strip() if cfg.token_file else None
         clients = [ShardClient(a, cfg.learner_id, token=token, tls=tls, deadline=cfg.deadline) for a in cfg.shards]
         sync = Synchronizer(SyncConfig(period=cfg.period, overlap=cfg.overlap, mix=cfg.mix, codec=cfg.codec,
-                                       patience=cfg.sync_patience),
+                                       patience=cfg.sync_patience, wait_for_rounds=cfg.wait_for_rounds),
                             plan, clients, on_push=_push_logger(cfg))
         stopping.append(sync.stopping)
         trainer.params = sync.join(trainer.params)
@@ -194,6 +204,9 @@ def run(cfg: LearnerConfig) -> int:
                 trainer.set_tensors(plan.unflatten_fragment(p, vector))
             log.info("learner %s resumed its checkpoint at step %d: local progress kept for fragments %s, "
                      "the rest at the global versions; seq %d", cfg.learner_id, ckpt.step, sorted(carried), sync.seq)
+    if multi and plan is not None:
+        # one start for every process: what process 0 joined at (and carried from its checkpoint)
+        trainer.params = distributed.broadcast(trainer.params)
 
     state, last_print, local, m, eval_pending = "done", 0.0, 0, {}, False
     started = time.perf_counter()
@@ -215,6 +228,7 @@ def run(cfg: LearnerConfig) -> int:
                 # Process 0 syncs, then every process adopts what it adopted and follows its
                 # decisions (stop; evaluate, a collective every process must join).
                 updates, stopping_now, due = {}, stop.is_set(), False
+                seq_before = sync.seq if sync is not None else 0
                 if sync is not None and not stopping_now:
                     try:
                         blocked = sync.stats["blocked_seconds"]
@@ -232,6 +246,8 @@ def run(cfg: LearnerConfig) -> int:
                     updates, (stopping_now, due), plan.fragment_sizes if plan is not None else ())
                 for p, vector in updates.items():
                     trainer.set_tensors(plan.unflatten_fragment(p, vector))
+                if checkpointer is not None and sync is not None:
+                    trail.after_step(sync, plan, seq_before, local, trainer.params)
                 if due:
                     eval_pending = False
                     evaluating = time.perf_counter()

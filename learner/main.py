@@ -25,6 +25,8 @@ ENV_LEARNER_INDEX = "ATOLL_LEARNER_INDEX"  # default data shard index (JobSet: t
 ENV_SHARDS = "ATOLL_SHARDS"  # default shard addresses
 ENV_TOKEN_FILE = "ATOLL_TOKEN_FILE"
 ENV_COMPILE_CACHE = "ATOLL_COMPILE_CACHE"  # default --compile-cache
+ENV_CHECKPOINT_DIR = "ATOLL_CHECKPOINT_DIR"  # default --checkpoint-dir (empty: none)
+ENV_CHECKPOINT_EVERY = "ATOLL_CHECKPOINT_EVERY"  # default --checkpoint-every
 
 
 class LearnerConfigError(ValueError):
@@ -61,6 +63,7 @@ class LearnerConfig:
     status_file: pathlib.Path | None = None  # JSON lines of progress, for `atoll up`
     push_log: pathlib.Path | None = None  # JSON lines, one per answered push (for `atoll chaos` audits)
     sync_patience: float = 30.0  # seconds (at least; 4 periods of steps if longer) to wait on a round
+    wait_for_rounds: bool = False  # block on a round a whole period late (synchronous semantics)
     compile_cache: pathlib.Path | None = None  # persistent XLA compilation cache: restarts skip compiling
     metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: any free port
     deadline: float = 60.0  # seconds per RPC
@@ -99,8 +102,9 @@ class LearnerConfig:
         need(not self.standby or self.checkpoint_dir is not None,
              "--standby needs --checkpoint-dir: the directory where learners claim their ids")
         need(not self.standby or not self.baseline, "--standby and --baseline do not go together")
-        need(self.distributed is None or (self.checkpoint_dir is None and not self.standby),
-             "--checkpoint-dir and --standby are for one-process learners (not yet multi-host)")
+        need(self.distributed is None or not self.standby,
+             "--standby is for one-process learners: a multi-host learner's spare is a whole slice, "
+             "which its controller (a JobSet) recreates")
         need(self.metrics_port is None or 0 <= self.metrics_port <= 65535,
              f"--metrics-port must be in 1-65535 (0 picks a free one), got {self.metrics_port}")
         need((self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key go together")
@@ -135,6 +139,18 @@ def shard_addresses(spec: str, num_shards: int | None) -> tuple[str, ...]:
     if "{i}" not in spec and num_shards is not None and num_shards != len(addresses):
         raise LearnerConfigError(f"--num-shards {num_shards} but {len(addresses)} addresses in --shards")
     return addresses
+
+
+def _env_int(name: str, default: int) -> int:
+    """The whole number in environment variable `name`, else `default`; exit status 2 if malformed."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        print(f"atoll learner: environment variable {name} must be a whole number, got {raw!r}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -177,6 +193,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--push-log", type=pathlib.Path,
                    help="append one JSON line per answered push here (fragment, seq, accepted, versions; "
                         "{id} stands for the learner id)")
+    p.add_argument("--wait-for-rounds", action="store_true",
+                   help="synchronous semantics, for baselines: when a fragment's round is still open a whole "
+                        "period after its push, stop training until it closes (by default a learner never waits)")
     p.add_argument("--sync-patience", type=float, default=d["sync_patience"],
                    help="seconds to wait on a round holding our push before training on without it "
                         "(at least 4 periods of steps; default %(default)s)")
@@ -185,12 +204,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=pathlib.Path(os.environ[ENV_COMPILE_CACHE]) if os.environ.get(ENV_COMPILE_CACHE) else None,
                    help="directory for compiled programs, so a restarted learner skips compiling "
                         "(env ATOLL_COMPILE_CACHE; off by default)")
-    p.add_argument("--checkpoint-dir", type=pathlib.Path, default=None,
+    p.add_argument("--checkpoint-dir", type=pathlib.Path,
+                   default=pathlib.Path(os.environ[ENV_CHECKPOINT_DIR]) if os.environ.get(ENV_CHECKPOINT_DIR) else None,
                    help="durable learner state: a checkpoint per learner id, written in the background, "
                         "that a restart resumes from (same step, data position and optimiser state); "
-                        "also where learners claim their ids for standbys (off by default)")
-    p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"],
-                   help="steps between checkpoints; 0: only when stopped by a signal (default %(default)s)")
+                        "also where learners claim their ids for standbys (env ATOLL_CHECKPOINT_DIR; off by default)")
+    p.add_argument("--checkpoint-every", type=int, default=_env_int(ENV_CHECKPOINT_EVERY, d["checkpoint_every"]),
+                   help="steps between checkpoints; 0: only when stopped by a signal "
+                        "(env ATOLL_CHECKPOINT_EVERY; default %(default)s)")
     p.add_argument("--standby", action="store_true",
                    help="load and compile, then wait to take over the id of a failed learner of "
                         "--checkpoint-dir (its data shard, status file and checkpoint)")
@@ -214,7 +235,7 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
         data=a.data, cache_dir=a.cache_dir, eval_every=a.eval_every, eval_batches=a.eval_batches,
         slowdown=a.slowdown, baseline=a.baseline, token_file=token, tls_ca=a.tls_ca, tls_cert=a.tls_cert,
         tls_key=a.tls_key, status_file=a.status_file, push_log=a.push_log,
-        sync_patience=a.sync_patience, compile_cache=a.compile_cache, metrics_port=a.metrics_port, progress=not a.quiet,
+        sync_patience=a.sync_patience, wait_for_rounds=a.wait_for_rounds, compile_cache=a.compile_cache, metrics_port=a.metrics_port, progress=not a.quiet,
         distributed=config_from(a.coordinator, a.num_processes, a.process_id, os.environ),
         checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every, standby=a.standby)
 

@@ -15,10 +15,11 @@ exclusive. A learner started under an id a live process holds (a restarted pod w
 id a standby took) waits as a standby itself instead.
 
 Locally the directory is any directory. In Kubernetes it is the learners' shared
-ReadWriteMany volume (Filestore, NFSv4): NFSv4 locks are leases held by the client
-host, released when the process exits or, if its node is lost, when the server's
-lease lapses (90 s by default). Bucket mounts (GCS FUSE) do not lock: with one, run
-no standbys there.
+ReadWriteMany volume. Over NFSv4.1 a lock is a lease held by the client host, released
+when the process exits or, if its node is lost, when the server's lease lapses (90 s by
+default); over NFSv3 (Filestore's basic tiers) a lost node's locks stay until the node
+returns, so its learner's id is not taken over meanwhile. Bucket mounts (GCS FUSE) do
+not lock: with one, run no standbys there.
 """
 
 from __future__ import annotations
@@ -140,11 +141,16 @@ def take_vacancy(directory: pathlib.Path, num_learners: int) -> Claim | None:
     return None
 
 
-def wait_for_vacancy(directory: pathlib.Path, num_learners: int, stop: threading.Event) -> Claim | None:
-    """Polls until a vacancy is taken (the claim) or `stop` is set (None)."""
+def wait_for_vacancy(directory: pathlib.Path, num_learners: int, stop: threading.Event,
+                     until_done: str | None = None) -> Claim | None:
+    """Polls until a vacancy is taken (the claim) or `stop` is set (None). `until_done`: a
+    learner id whose claim, once marked done, ends the wait too (None): a learner restarted
+    while a standby held its id waits only as long as its own id is being trained."""
     while not stop.is_set():
         claim = take_vacancy(directory, num_learners)
         if claim is not None:
             return claim
+        if until_done is not None and (holder(directory, until_done) or {}).get("done"):
+            return None
         stop.wait(POLL_SECONDS)
     return None

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from learner import checkpoint
 from syncer_helpers import REPO, syncer_processes
 
 # Measured here: 1, 2 and 4 processes agree to within 1e-6 (float32 reduction order).
@@ -98,4 +99,26 @@ def test_a_two_process_learner_syncs_with_a_real_shard(tmp_path):
     final = [r for r in _records(tmp_path / "mh.jsonl") if r["state"] == "done"]
     assert len(final) == 1 and final[0]["step"] == 24 and final[0]["version"] >= 1, final
     # Both processes adopted the same fragments: the same held-out loss to the last digit.
+    assert _final_eval(logs[0]) == _final_eval(logs[1]), logs
+
+
+def test_a_two_process_learner_resumes_its_checkpoint_and_joins_a_moved_on_shard(tmp_path):
+    with syncer_processes(tmp_path) as start:
+        shard = start(tmp_path / "s0", "--shard-index", "0", "--num-shards", "1", "--quorum", "1",
+                      "--grace-factor", "1", "--lease-seconds", "5")
+        flags = ["--shards", f"127.0.0.1:{shard.port}", "--period", "8", "--overlap", "1", "--fragments", "2",
+                 "--eval-every", "0", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "8"]
+        # a one-process learner moves the shard's versions on first
+        _run(tmp_path, "solo", 1, [*flags, "--steps", "24", "--learner-index", "0", "--num-learners", "2"])
+        mh = [*flags, "--learner-index", "1", "--num-learners", "2"]
+        _run(tmp_path, "mh", 2, [*mh, "--steps", "16"])
+        saved = checkpoint.read(checkpoint.path_for(tmp_path / "ck", "mh"))
+        assert saved is not None and saved.step == 16  # process 0 wrote it
+        logs = _run(tmp_path, "mh", 2, [*mh, "--steps", "32"])  # the same learner, given more steps
+    records = _records(tmp_path / "mh.jsonl")
+    second = records[next(i for i, r in enumerate(records) if r["state"] == "joining" and i > 0):]
+    training = [r for r in second if r["state"] == "training"]
+    assert training[0]["step"] == 17 and second[-1]["state"] == "done" and second[-1]["step"] == 32
+    assert "resumed its checkpoint at step 16" in logs[0]
+    # process 1 took process 0's start (the joined global weights), not its own
     assert _final_eval(logs[0]) == _final_eval(logs[1]), logs

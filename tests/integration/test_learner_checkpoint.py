@@ -1,0 +1,106 @@
+"""Durable learner state with real processes: `atoll learner --checkpoint-dir` killed with
+SIGKILL resumes at its checkpoint's step and data position, and a standby
+(`atoll learner --standby`), compiled in advance, takes a killed learner's id over and
+finishes its steps."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from learner import checkpoint, standby
+from syncer_helpers import REPO, syncer_processes
+from test_learner import LEARNER_FLAGS, SHARD_FLAGS, Learner, _records, learners  # noqa: F401 (a fixture)
+
+STEPS = 140
+# Kill -> the standby's first training step: it has imported, loaded data and compiled,
+# so what is left is noticing the free claim (every 0.1 s), reading the checkpoint and
+# joining the shards. About 1 s on this 2-core machine; the bound leaves room for CI load.
+TAKEOVER_SECONDS = 20.0
+
+
+def _shards(start, tmp_path):
+    shards = [start(tmp_path / f"s{i}", "--shard-index", str(i), *SHARD_FLAGS) for i in range(2)]
+    return [s.port for s in shards]
+
+
+def _ckpt_flags(tmp_path):
+    return ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "10", "--slowdown", "8"]
+
+
+def _first_training_after(records: list[dict], t: float) -> dict:
+    return next(r for r in records if r["state"] == "training" and r["time"] > t)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_learner_resumes_at_its_checkpoint(tmp_path, learners):
+    with syncer_processes(tmp_path) as start:
+        ports = _shards(start, tmp_path)
+        learners += [Learner(tmp_path, f"l{i}", i, ports, STEPS, *_ckpt_flags(tmp_path)).start() for i in range(2)]
+        learners[1].wait_for_step(45)
+        learners[1].kill()
+        killed_at = time.time()
+        reached = learners[1].records()[-1]["step"]
+        saved = checkpoint.read(checkpoint.path_for(tmp_path / "ck", "l1"))
+        assert saved is not None and saved.step % 10 == 0 and 30 <= saved.step <= reached
+        assert standby.holder(tmp_path / "ck", "l1")["done"] is False  # died holding its id
+        again = Learner(tmp_path, "l1", 1, ports, STEPS, *_ckpt_flags(tmp_path)).start()
+        learners.append(again)
+        assert learners[0].wait() == 0 and again.wait() == 0
+
+    records = again.records()
+    first = _first_training_after(records, killed_at)
+    # the checkpoint's step and data position (the batch of a step is fixed by the step)
+    assert first["step"] == saved.step + 1
+    a, b = [r for r in records if r["state"] == "training"][:2]
+    assert first["tokens"] == saved.meta["tokens"] + (b["tokens"] - a["tokens"])
+    assert f"resumed its checkpoint at step {saved.step}" in again.log.read_text()
+    assert records[-1]["state"] == "done" and records[-1]["step"] == STEPS
+    assert standby.holder(tmp_path / "ck", "l1")["done"] is True  # finished: nobody takes it over
+
+
+@pytest.mark.timeout(300)
+def test_a_standby_takes_over_a_killed_learner(tmp_path, learners):
+    with syncer_processes(tmp_path) as start:
+        ports = _shards(start, tmp_path)
+        learners += [Learner(tmp_path, f"l{i}", i, ports, STEPS, *_ckpt_flags(tmp_path)).start() for i in range(2)]
+        log = tmp_path / "spare.log"
+        args = [sys.executable, "-m", "atoll.cli", "learner", "--standby", "--learner-id", "spare",
+                "--num-learners", "2", "--steps", str(STEPS), "--shards", ",".join(f"127.0.0.1:{p}" for p in ports),
+                "--status-file", str(tmp_path / "{id}.jsonl"), "--cache-dir", str(tmp_path / "cache"),
+                *LEARNER_FLAGS, *_ckpt_flags(tmp_path)]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
+        with open(log, "a") as out:
+            spare = subprocess.Popen(args, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        try:
+            deadline = time.monotonic() + 120
+            while "ready (compiled" not in log.read_text():
+                assert spare.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            learners[1].wait_for_step(45)
+            assert spare.poll() is None  # both learners hold their ids: nothing to take
+            learners[1].kill()
+            killed_at = time.time()
+            saved = checkpoint.read(checkpoint.path_for(tmp_path / "ck", "l1"))
+            while not any(r["state"] == "training" and r["time"] > killed_at for r in learners[1].records()):
+                assert spare.poll() is None, log.read_text()
+                assert time.time() - killed_at < TAKEOVER_SECONDS, log.read_text()
+                time.sleep(0.05)
+            took = _first_training_after(learners[1].records(), killed_at)
+            assert standby.holder(tmp_path / "ck", "l1")["pid"] == spare.pid
+            assert learners[0].wait() == 0 and spare.wait(180) == 0
+        finally:
+            if spare.poll() is None:
+                spare.send_signal(signal.SIGKILL)
+                spare.wait()
+
+    assert took["step"] == saved.step + 1 and took["time"] - killed_at < TAKEOVER_SECONDS
+    assert "takes over learner l1 (data shard 1)" in log.read_text()
+    records = _records(tmp_path / "l1.jsonl")
+    assert records[-1]["state"] == "done" and records[-1]["step"] == STEPS
+    assert not (tmp_path / "spare.jsonl").exists()  # it wrote as l1, never as itself

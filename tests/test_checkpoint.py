@@ -1,0 +1,172 @@
+"""Tests for learner/checkpoint.py and learner/standby.py: a learner checkpoint is whole or
+absent, resuming it continues the same trajectory, local progress is carried onto new
+global weights only where no later push delivered it, and learner ids are exclusive
+claims that a standby takes over only when their holder died."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from learner import checkpoint, standby
+from learner.data import Batches, load_corpus, stdlib_dir
+from learner.model import PRESETS
+from learner.train import Trainer, TrainConfig
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = PRESETS["tiny"]
+TCFG = TrainConfig(batch_size=4, peak_lr=1e-2, warmup_steps=2, total_steps=40, eval_every=1000, eval_batches=1)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return load_corpus(stdlib_dir() / "json", cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+def trainer_of(corpus) -> Trainer:
+    batches = Batches(corpus.train, context=TINY.context, batch_size=TCFG.batch_size, learner=1, num_learners=2,
+                      seed=3)
+    return Trainer(TINY, TCFG, batches, heldout=corpus.heldout)
+
+
+IDENTITY = {"learner_id": "l1", "learner_index": 1, "num_learners": 2, "batch_size": 4, "seed": 3,
+            "model_config": dataclasses.asdict(TINY), "plan_fingerprint": "abc"}
+
+
+def leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_resuming_a_checkpoint_continues_the_same_trajectory(corpus, tmp_path):
+    straight = trainer_of(corpus)
+    for _ in range(12):
+        straight.step(evaluate=False)
+
+    first = trainer_of(corpus)
+    for _ in range(6):
+        first.step(evaluate=False)
+    ck = checkpoint.Checkpointer(tmp_path, "l1", every=3, identity=IDENTITY)
+    assert ck.due(6) and not ck.due(7)
+    assert ck.save(first, None, None, wait=True)
+    assert ck.written == 1 and ck.last_step == 6 and ck.error is None
+    for _ in range(3):  # steps after the checkpoint: lost with the process
+        first.step(evaluate=False)
+
+    got = checkpoint.read(checkpoint.path_for(tmp_path, "l1"))
+    checkpoint.check(got, IDENTITY, tmp_path)
+    assert got.step == 6 and got.meta["tokens"] == 6 * TCFG.batch_size * TINY.context
+    resumed = trainer_of(corpus)
+    checkpoint.restore_trainer(got, resumed)
+    assert resumed.steps_done == 6  # the data position: batches are a function of the step
+    for _ in range(6):
+        resumed.step(evaluate=False)
+    for a, b in zip(leaves(straight.params), leaves(resumed.params)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)  # same data, same optimiser state
+    for a, b in zip(leaves(straight.opt_state), leaves(resumed.opt_state)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_checkpoint_is_whole_or_absent(corpus, tmp_path):
+    t = trainer_of(corpus)
+    path = checkpoint.path_for(tmp_path, "l1")
+    assert checkpoint.read(path) is None  # none yet: start afresh
+    ck = checkpoint.Checkpointer(tmp_path, "l1", every=1, identity=IDENTITY)
+    ck.save(t, None, None, wait=True)
+    before = path.read_bytes()
+    # a writer killed mid-write leaves only its temporary file, which the next writer removes
+    torn = tmp_path / f".{path.name}.12345.tmp"
+    torn.write_bytes(before[: len(before) // 2])
+    assert checkpoint.read(path).step == 0
+    checkpoint.Checkpointer(tmp_path, "l1", every=1, identity=IDENTITY)
+    assert not torn.exists()
+    # a write that fails (here: the directory is gone) keeps training and reports it
+    t.step(evaluate=False)
+    ck.path = tmp_path / "missing" / path.name
+    ck.save(t, None, None, wait=True)
+    assert ck.error is not None and ck.written == 1 and path.read_bytes() == before
+
+
+def test_a_checkpoint_of_other_settings_is_refused_with_a_reason(corpus, tmp_path):
+    t = trainer_of(corpus)
+    checkpoint.Checkpointer(tmp_path, "l1", every=1, identity=IDENTITY).save(t, None, None, wait=True)
+    got = checkpoint.read(checkpoint.path_for(tmp_path, "l1"))
+    with pytest.raises(checkpoint.CheckpointError, match="learner_index=1.*learner_index=0"):
+        checkpoint.check(got, {**IDENTITY, "learner_index": 0}, tmp_path)
+    (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(checkpoint.CheckpointError, match="move it away"):
+        checkpoint.read(tmp_path / "junk.ckpt")
+
+
+def test_only_progress_no_later_push_delivered_is_carried():
+    size = 4
+    frags = [types.SimpleNamespace(p=p, base=np.full(size, 10.0 * (p + 1), np.float32), compute=0.0,
+                                   ef=types.SimpleNamespace(residual=np.zeros(size, np.float32)))
+             for p in range(3)]
+    sync = types.SimpleNamespace(frags=frags, seq=5)
+    meta = {"seq": 40, "fragments": [{"fragment": p, "seq": 30 + p, "compute_seconds": 1.5, "version": 2,
+                                      "in_flight": False} for p in range(3)]}
+    ckpt = checkpoint.Checkpoint(meta, [], [], origins={p: np.ones(size, np.float32) for p in range(3)},
+                                 residuals={p: np.full(size, 0.25, np.float32) for p in range(3)})
+    theta = [np.full(size, 3.0, np.float32) for _ in range(3)]  # 2 of local progress since each origin
+    trail = checkpoint.PushTrail(3)
+    # fragment 0: its shard saw the checkpoint's push at most; fragment 1: a newer push
+    # (made after the checkpoint, which already delivered the progress); fragment 2: unknown
+    updates = checkpoint.resume_sync(ckpt, sync, theta, trail, {0: 30, 1: 35})
+    assert sorted(updates) == [0]
+    np.testing.assert_array_equal(updates[0], np.full(size, 12.0))  # Θ_now + (θ_ckpt − origin)
+    assert frags[0].compute == 1.5 and np.all(frags[0].ef.residual == 0.25)
+    assert frags[1].compute == 0.0 and np.all(frags[1].ef.residual == 0)
+    assert sync.seq == 40  # seqs go on from the newest known: none is reused
+    assert trail.seq == [30, 35, 32]
+
+
+def test_a_claim_is_exclusive_while_its_holder_lives(tmp_path):
+    mine = standby.acquire(tmp_path, "l0", 0, 2, retry=0)
+    assert mine is not None and standby.holder(tmp_path, "l0")["pid"] == os.getpid()
+    assert standby.acquire(tmp_path, "l0", 0, 2, retry=0.2) is None  # taken (flock is per open file)
+    assert standby.take_vacancy(tmp_path, 2) is None  # a live holder is no vacancy
+    mine.release(done=True)
+    assert standby.holder(tmp_path, "l0")["done"] is True
+    assert standby.take_vacancy(tmp_path, 2) is None  # a finished learner's id is not taken over
+    # a learner restarted while a standby held its id waits only until that id is done
+    assert standby.wait_for_vacancy(tmp_path, 2, threading.Event(), until_done="l0") is None
+
+
+def test_a_standby_takes_over_the_id_of_a_killed_learner_and_only_once(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from learner import standby
+        claim = standby.acquire({str(tmp_path)!r}, "l1", 1, 2, retry=0)
+        print("held" if claim else "refused", flush=True)
+        time.sleep(600)
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert standby.take_vacancy(tmp_path, 2) is None
+        assert standby.take_vacancy(tmp_path, 3) is None
+        holder.send_signal(signal.SIGKILL)  # the kernel drops its lock
+        holder.wait(10)
+    finally:
+        holder.kill()
+    assert standby.take_vacancy(tmp_path, 3) is None  # another run's claim (M differs) is left alone
+    stop = threading.Event()
+    taken = standby.wait_for_vacancy(tmp_path, 2, stop)
+    assert taken.learner_id == "l1" and taken.info["learner_index"] == 1
+    assert taken.info["taken_from"] == holder.pid and taken.info["pid"] == os.getpid()
+    assert standby.take_vacancy(tmp_path, 2) is None  # the id has one holder again
+    stop.set()
+    assert standby.wait_for_vacancy(tmp_path, 2, stop) is None
+    taken.release()
