@@ -25,7 +25,7 @@ to the end of `duration` (or to the first learner that finished its steps, if so
   steps it summarises (per fragment, so each counts 1/P); it reached the global model
   if it was accepted and its fragment's final version is at least the version that
   merged it. Work lost to a kill (steps since the last sync), time down and restarting,
-  time blocked on rounds, and refused pushes are all what goodput does not count.
+  time blocked on rounds (lockstep), and refused pushes are all what goodput does not count.
 * uptime: the share of `uptime_window`-second windows in which some global version
   advanced (shards' /metrics, sampled every second).
 * acked_pushes_lost: accepted acknowledgements a learner logged that no shard holds
@@ -45,7 +45,7 @@ import time
 
 import numpy as np
 
-from atoll.processes import Learner, Shard
+from atoll.processes import Learner, Shard, Standby, checkpoint_dir, stop_children
 from atoll.session import Session
 from atoll.up import UpConfig, UpConfigError, learner_specs, prepare_run_dir
 
@@ -63,9 +63,11 @@ class ChaosConfig:
     shard_restart_delay: float = 2.0  # seconds a killed shard stays down, >= 0
     seed: int = 0  # the failure schedule (the same in every run of one `atoll chaos`)
     lockstep: bool = True  # also run the lockstep baseline under the same schedule
-    lockstep_restart: bool = False  # lockstep with checkpoint-restart: any failure restarts every learner
-    failure_free: bool = False  # also run without failures, for the eval-loss comparison
+    lockstep_restart: bool = True  # lockstep with checkpoint-restart: any failure restarts every learner
+    failure_free: bool = True  # also run without failures, for the eval-loss comparison
     uptime_window: float = 5.0  # seconds per uptime window, > 0
+    standbys: int = 2  # compiled spare learners that take over a killed one's id (atoll run only), >= 0
+    standby_ready_wait: float = 120.0  # seconds the failure clock waits for the standbys to be ready, >= 0
 
     def __post_init__(self):
         if not (math.isfinite(self.duration) and self.duration > 0):
@@ -78,6 +80,8 @@ class ChaosConfig:
             raise ChaosConfigError(f"--shard-kill-at takes seconds >= 0, got {list(self.shard_kill_at)}")
         if not self.uptime_window > 0:
             raise ChaosConfigError(f"--uptime-window must be > 0 seconds, got {self.uptime_window}")
+        if not (isinstance(self.standbys, int) and self.standbys >= 0):
+            raise ChaosConfigError(f"--standbys must be a whole number >= 0, got {self.standbys}")
 
 
 class FailureSchedule:
@@ -102,10 +106,18 @@ class ChaosSession(Session):
     """An `atoll up` session that kills and restarts its own children on a schedule."""
 
     def __init__(self, cfg: UpConfig, chaos: ChaosConfig, run_dir: pathlib.Path, out, inject: bool,
-                 wan=None, restart_all: bool = False):
+                 wan=None, restart_all: bool = False, standbys: int = 0):
         super().__init__(cfg, run_dir, out, live=False)
         self.chaos, self.inject, self.wan = chaos, inject, wan
         self.restart_all = restart_all  # checkpoint-restart: one learner's failure takes down every learner
+        if standbys and cfg.checkpoint_every <= 0:
+            raise ChaosConfigError("--standbys needs learner checkpoints (--checkpoint-every > 0): a standby "
+                                   "resumes the failed learner's checkpoint")
+        self.standbys = standbys  # spares kept: each killed learner's id goes to one, its machine returns as one
+        self.spares: list[Standby] = []  # standby processes holding no id yet
+        self.spares_started = 0
+        self.spare_at: list[float] = []  # when to start another spare (a killed learner's machine is back)
+        self.handover: dict[str, float] = {}  # learner name -> when it was killed, until a standby has its id
         self.schedule = FailureSchedule(chaos.seed, cfg.learners, chaos.mtbf)
         self.t0: float | None = None  # the failure clock's start: every learner training
         self.end: float | None = None  # when the duration was up
@@ -132,16 +144,40 @@ class ChaosSession(Session):
     def _prefix_for(self, spec) -> list[str]:
         return [] if self.wan is None else self.wan.command_prefix(spec.index % self.wan.regions)
 
+    def _start_learners(self) -> None:
+        super()._start_learners()
+        for _ in range(self.standbys):
+            self._start_spare()
+
+    def _start_spare(self) -> None:
+        name = f"standby-{self.spares_started}"
+        spec = learner_specs(self.cfg)[self.spares_started % self.cfg.learners]
+        spare = Standby(name, spec, self.cfg, self.run_dir, self._addresses_for(spec))
+        spare.prefix = self._prefix_for(spec=spec)
+        spare.start(self.pids)
+        self.spares.append(spare)
+        self.spares_started += 1
+
+    def _spares_ready(self) -> bool:
+        waited = time.time() - (self.learners_started or time.time())
+        return all(s.ready() or not s.alive() for s in self.spares) or waited > self.chaos.standby_ready_wait
+
+    def _stop(self, children, seconds: float) -> None:
+        if self.spares and any(isinstance(c, Learner) for c in children):
+            spares, self.spares = self.spares, []  # before the learners: a stopped learner's id is not taken
+            stop_children(spares, seconds, self.hurry)
+        super()._stop(children, seconds)
+
     def _learners_busy(self) -> bool:
         if self.t0 is not None and time.time() >= self.t0 + self.chaos.duration:
             if self.end is None:
                 self.end = time.time()
                 self.say(f"chaos: {self.chaos.duration:g} s on the failure clock are up; stopping the learners")
             return False
-        return bool(self.restart_at) or super()._learners_busy()
+        return bool(self.restart_at) or bool(self.handover) or super()._learners_busy()
 
     def _learner_exited(self, l: Learner) -> None:
-        if l.name not in self.restart_at:  # not one of ours
+        if l.name not in self.restart_at and l.name not in self.handover:  # not one of ours
             super()._learner_exited(l)
 
     def _shard_exited(self, s: Shard) -> None:
@@ -149,7 +185,8 @@ class ChaosSession(Session):
             super()._shard_exited(s)
 
     def _tick(self, draw: bool = True) -> None:
-        if self.t0 is None and self.learners and all(l.state == "training" for l in self.learners):
+        if (self.t0 is None and self.learners and all(l.state == "training" for l in self.learners)
+                and self._spares_ready()):
             self.t0 = time.time()
             self.say(f"chaos: every learner is training; the failure clock starts ({self.chaos.duration:g} s)")
         if self.inject and self.t0 is not None and self._running():
@@ -168,6 +205,11 @@ class ChaosSession(Session):
                 for v in victims:
                     if v.alive() and not v.finished:
                         self._kill_learner(v, now, cause=l.name)
+        self._hand_over(now)
+        while self.spare_at and now >= self.spare_at[0]:
+            self.spare_at.pop(0)
+            self._start_spare()
+            self.say(f"chaos: a killed learner's machine is back as {self.spares[-1].name}")
         for l in self.learners:
             if l.name in self.restart_at and now >= self.restart_at[l.name] and not l.alive():
                 del self.restart_at[l.name]
@@ -201,10 +243,35 @@ class ChaosSession(Session):
         l.proc.send_signal(signal.SIGKILL)
         l.proc.wait()
         l.state = "killed"
-        self.restart_at[l.name] = now + self.chaos.restart_delay
         self.kills.append({"time": now, "learner": l.name, "step": step, "cause": cause})
+        if self.standbys:
+            # a standby takes the id over; the killed learner's machine comes back as a spare
+            self.handover[l.name] = now
+            self.spare_at.append(now + self.chaos.restart_delay)
+            self.say(f"chaos: SIGKILL {l.name} at step {step}; a standby takes over")
+            return
+        self.restart_at[l.name] = now + self.chaos.restart_delay
         self.say(f"chaos: SIGKILL {l.name} at step {step}" + (f" (with {cause})" if cause != l.name else "")
                  + f"; back in {self.chaos.restart_delay:g} s")
+
+    def _hand_over(self, now: float) -> None:
+        """A killed learner whose id a standby has claimed is that standby's process from now on."""
+        from learner.standby import holder
+
+        for spare in [s for s in self.spares if not s.alive()]:
+            self.spares.remove(spare)
+            self.say(f"chaos: {spare.name} exited with status {spare.returncode}; its log ends:", spare.tail())
+        for name, killed in list(self.handover.items()):
+            pid = (holder(checkpoint_dir(self.run_dir), name) or {}).get("pid")
+            spare = next((s for s in self.spares if s.proc.pid == pid), None)
+            if spare is None:
+                continue
+            self.spares.remove(spare)
+            del self.handover[name]
+            learner = next(l for l in self.learners if l.name == name)
+            learner.take_over(spare)
+            self.restarts.append({"time": now, "learner": name, "standby": spare.name})
+            self.say(f"chaos: {spare.name} took over {name} {now - killed:.1f} s after its kill")
 
 
 # -- accounting ----------------------------------------------------------------------------
@@ -245,7 +312,8 @@ def account(run_dir: pathlib.Path, cfg: UpConfig, session: ChaosSession, report:
         if versions.get(a["fragment"], -1) >= a["merged_in"]:
             merged += 1
             if start is not None and start <= a["time"] <= end:
-                useful += a["compute_seconds"] / cfg.fragments
+                # the steps a push carries, less those made before the window (the first push)
+                useful += min(a["compute_seconds"], a["time"] - start) / cfg.fragments
     span = (end - start) if start is not None and end is not None else 0.0
     provisioned = cfg.learners * span
     compute = sum(min(r.get("step_seconds", 0.0), r["time"] - start)  # a step that began before the window
@@ -253,6 +321,12 @@ def account(run_dir: pathlib.Path, cfg: UpConfig, session: ChaosSession, report:
                   if r.get("state") == "training" and start is not None and start <= r["time"] <= end)
     rejoined = sum(1 for k in session.restarts
                    if any(r.get("state") == "training" and r["time"] > k["time"] for r in status[k["learner"]]))
+    # kill -> the killed learner id's next accepted push (by a standby or by its own restart)
+    rejoin = []
+    for k in session.kills:
+        if "learner" in k:
+            later = [a["time"] for a in pushes if a["learner"] == k["learner"] and a["accepted"] and a["time"] > k["time"]]
+            rejoin.append(round(min(later) - k["time"], 2) if later else None)
     return {
         "goodput": useful / provisioned if provisioned > 0 else 0.0,
         "uptime": _uptime(session.samples, start, end, window),
@@ -263,6 +337,8 @@ def account(run_dir: pathlib.Path, cfg: UpConfig, session: ChaosSession, report:
         "failures_injected": sum(1 for k in session.kills if "learner" in k),
         "learner_restarts": len(session.restarts),
         "learners_rejoined": rejoined,
+        "standby_takeovers": sum(1 for k in session.restarts if "standby" in k),
+        "kill_to_first_accepted_push_s": rejoin,
         "shard_restarts": sum(s.restarts for s in session.shards),
         "pushes_accepted": accepted,
         "pushes_merged": merged,
@@ -297,7 +373,7 @@ def _uptime(samples: list[tuple[float, int]], start: float | None, end: float | 
 def lockstep_config(cfg: UpConfig) -> UpConfig:
     """Synchronous semantics in the same harness: every learner in every round, nobody dropped."""
     return dataclasses.replace(cfg, quorum=cfg.learners, grace_factor=0.0, lease_seconds=1e9,
-                               sync_patience=1e9)
+                               sync_patience=1e9, wait_for_rounds=True)
 
 
 def run_chaos(cfg: UpConfig, chaos: ChaosConfig, work_dir: pathlib.Path, out=sys.stderr, wan=None) -> dict:
@@ -314,7 +390,7 @@ def run_chaos(cfg: UpConfig, chaos: ChaosConfig, work_dir: pathlib.Path, out=sys
         run_cfg, _ = prepare_run_dir(run_dir, dataclasses.asdict(run_cfg))
         print(f"atoll chaos: {name} run in {run_dir}", file=out, flush=True)
         session = ChaosSession(run_cfg, chaos, run_dir, out, inject, wan=wan if name != "failure_free" else None,
-                               restart_all=restart_all)
+                               restart_all=restart_all, standbys=chaos.standbys if name == "atoll" else 0)
         try:
             report = session.run()
         finally:
@@ -335,6 +411,9 @@ def run_chaos(cfg: UpConfig, chaos: ChaosConfig, work_dir: pathlib.Path, out=sys
         "acked_pushes_lost": sum(r["acked_pushes_lost"] for r in results.values()),
         "final_eval_loss": a["final_eval_loss"],
         "lockstep_final_eval_loss": results.get("lockstep", {}).get("final_eval_loss"),
+        "standbys": chaos.standbys,
+        "kill_to_first_accepted_push_s": _median(a["kill_to_first_accepted_push_s"]),
+        "lockstep_kill_to_first_accepted_push_s": _median(results.get("lockstep", {}).get("kill_to_first_accepted_push_s")),
     }
     if "failure_free" in results:
         ff = results["failure_free"]["final_eval_loss"]
@@ -349,12 +428,18 @@ def run_chaos(cfg: UpConfig, chaos: ChaosConfig, work_dir: pathlib.Path, out=sys
     return out_json
 
 
+def _median(values: list | None) -> float | None:
+    """The median of the figures that exist (a kill with no accepted push after it has none)."""
+    known = [v for v in values or [] if v is not None]
+    return round(float(np.median(known)), 2) if known else None
+
+
 def chaos_up_config(a) -> UpConfig:
     """The run under test, from `atoll chaos` flags: `atoll up`'s settings with chaos's defaults."""
     return UpConfig(shards=a.shards, learners=a.learners, preset=a.preset, steps=a.steps,
                     slowdown=(1.0,) * a.learners, batch_size=a.batch_size, period=a.period, overlap=a.overlap,
                     fragments=a.fragments, quorum=a.quorum, lease_seconds=a.lease_seconds,
-                    outer_lr=1.0, outer_momentum=0.0, evals=0, seed=0)
+                    outer_lr=1.0, outer_momentum=0.0, evals=0, seed=0, checkpoint_every=a.checkpoint_every)
 
 
 def _seconds_list(text: str) -> tuple[float, ...]:
@@ -401,11 +486,22 @@ def add_arguments(p) -> None:
                         "(default 40)")
     g.add_argument("--shard-restart-delay", type=float, default=d["shard_restart_delay"],
                    help="seconds a killed shard stays down (default %(default)s)")
+    g.add_argument("--standbys", type=int, default=d["standbys"],
+                   help="standby learners, compiled and waiting, that take over a killed learner's id in the "
+                        "atoll run (a killed learner's machine returns as one after --restart-delay); 0: "
+                        "killed learners are restarted instead (default %(default)s)")
+    g.add_argument("--checkpoint-every", type=int, default=UpConfig.checkpoint_every,
+                   help="steps between learner checkpoints, resumed by a restart or a standby; 0: none "
+                        "(default %(default)s)")
     g.add_argument("--no-lockstep", dest="lockstep", action="store_false", help="skip the lockstep baseline")
-    g.add_argument("--lockstep-restart", action="store_true",
-                   help="lockstep with checkpoint-restart semantics: any failure restarts every learner")
-    g.add_argument("--failure-free", action="store_true",
-                   help="also run without failures and compare final eval loss")
+    g.add_argument("--lockstep-restart", dest="lockstep_restart", action="store_true", default=d["lockstep_restart"],
+                   help="lockstep with checkpoint-restart semantics: any failure restarts every learner (the default)")
+    g.add_argument("--no-lockstep-restart", dest="lockstep_restart", action="store_false",
+                   help="lockstep restarts only the killed learner; the others wait for it in their rounds")
+    g.add_argument("--failure-free", dest="failure_free", action="store_true", default=d["failure_free"],
+                   help="also run without failures and compare final eval loss (the default)")
+    g.add_argument("--no-failure-free", dest="failure_free", action="store_false",
+                   help="skip the failure-free run")
     g.add_argument("--uptime-window", type=float, default=d["uptime_window"],
                    help="seconds per uptime window (default %(default)s)")
     g.add_argument("--work-dir", type=pathlib.Path, default=None,
@@ -428,8 +524,12 @@ def main(args, parser) -> int:
                             restart_delay=args.restart_delay, shard_kill_at=tuple(args.shard_kill_at),
                             shard_restart_delay=args.shard_restart_delay, seed=args.seed or 0,
                             lockstep=args.lockstep, lockstep_restart=args.lockstep_restart,
-                            failure_free=args.failure_free, uptime_window=args.uptime_window)
+                            failure_free=args.failure_free, uptime_window=args.uptime_window,
+                            standbys=args.standbys)
         cfg = chaos_up_config(args)
+        if chaos.standbys and cfg.checkpoint_every <= 0:
+            raise ChaosConfigError("--standbys needs --checkpoint-every > 0: a standby resumes the failed "
+                                   "learner's checkpoint (or give --standbys 0)")
     except (ChaosConfigError, UpConfigError) as e:
         parser.error(str(e))
     if any(t >= 0 for t in chaos.shard_kill_at) and cfg.shards < 1:

@@ -170,6 +170,33 @@ class Shard(Child):
         return self.state == "serving"
 
 
+def checkpoint_dir(run_dir: pathlib.Path) -> pathlib.Path:
+    """Where a run's learners keep their checkpoints and claim their ids."""
+    return run_dir / "checkpoints"
+
+
+def learner_args(spec: LearnerSpec, cfg: UpConfig, run_dir: pathlib.Path, addresses: list[str], learner_id: str,
+                 status: pathlib.Path, push_log: pathlib.Path) -> list[str]:
+    """The `atoll learner` command line of `spec` (a standby's: learner_id its own, {id} in the paths)."""
+    baseline = spec.index < 0
+    args = ["learner", "--learner-id", learner_id, "--num-learners", str(cfg.learners), "--preset", cfg.preset,
+            "--batch-size", str(spec.batch_size), "--steps", str(spec.steps), "--seed", str(cfg.seed),
+            "--eval-every", str(spec.eval_every), "--eval-batches", str(spec.eval_batches),
+            "--slowdown", str(spec.slowdown), "--status-file", str(status)]
+    if baseline:
+        args += ["--baseline"]
+    else:
+        args += ["--learner-index", str(spec.index), "--shards", ",".join(addresses), "--period", str(cfg.period),
+                 "--overlap", str(cfg.overlap), "--fragments", str(cfg.fragments), "--codec", cfg.codec,
+                 "--push-log", str(push_log), "--sync-patience", str(cfg.sync_patience)]
+        if cfg.wait_for_rounds:
+            args += ["--wait-for-rounds"]
+        if cfg.checkpoint_every > 0:
+            args += ["--checkpoint-dir", str(checkpoint_dir(run_dir)), "--checkpoint-every", str(cfg.checkpoint_every)]
+    args += ["--compile-cache", str(run_dir / "compile-cache")]  # restarts load, not compile
+    return args
+
+
 class Learner(Child):
     """`atoll learner` (or the data-parallel baseline) and its status file."""
 
@@ -182,20 +209,15 @@ class Learner(Child):
         self.eval_loss: float | None = None
         self.life_start: float | None = None
         baseline = spec.index < 0
-        args = ["learner", "--learner-id", spec.name, "--num-learners", str(cfg.learners), "--preset", cfg.preset,
-                "--batch-size", str(spec.batch_size), "--steps", str(spec.steps), "--seed", str(cfg.seed),
-                "--eval-every", str(spec.eval_every), "--eval-batches", str(spec.eval_batches),
-                "--slowdown", str(spec.slowdown), "--status-file", str(self.status.path)]
-        if baseline:
-            args += ["--baseline"]
-        else:
-            args += ["--learner-index", str(spec.index), "--shards", ",".join(addresses), "--period", str(cfg.period),
-                     "--overlap", str(cfg.overlap), "--fragments", str(cfg.fragments), "--codec", cfg.codec,
-                     "--push-log", str(self.push_log), "--sync-patience", str(cfg.sync_patience)]
-        args += ["--compile-cache", str(run_dir / "compile-cache")]  # restarts load, not compile
+        args = learner_args(spec, cfg, run_dir, addresses, spec.name, self.status.path, self.push_log)
         # the baseline runs alone, after the learners: let it use every core
         super().__init__(spec.name, "baseline" if baseline else "learner", args,
                          run_dir / "logs" / f"{spec.name}.log", single_thread=not baseline)
+
+    def take_over(self, standby: Standby) -> None:
+        """From now on this learner is the process of `standby`, which took over its id."""
+        self.proc, self.log_path, self.log_offset = standby.proc, standby.log_path, standby.log_offset
+        self.state = "starting"
 
     @property
     def finished(self) -> bool:
@@ -216,3 +238,18 @@ class Learner(Child):
         training = (r["time"] - self.life_start) if r and self.life_start else None
         return {"name": self.name, "state": self.state, "steps": self.spec.steps, "record": r,
                 "eval_loss": self.eval_loss, "training_seconds": training}
+
+
+class Standby(Child):
+    """`atoll learner --standby`: compiled and waiting to take over a failed learner's id."""
+
+    READY = "ready (compiled"  # the standby's log line once it waits
+
+    def __init__(self, name: str, spec: LearnerSpec, cfg: UpConfig, run_dir: pathlib.Path, addresses: list[str]):
+        status = run_dir / "learners" / "{id}.jsonl"
+        push_log = run_dir / "learners" / "{id}.pushes.jsonl"
+        args = learner_args(spec, cfg, run_dir, addresses, name, status, push_log) + ["--standby"]
+        super().__init__(name, "standby", args, run_dir / "logs" / f"{name}.log")
+
+    def ready(self) -> bool:
+        return self.READY in self.output()

@@ -16,7 +16,8 @@ The run directory holds everything, so a run can be resumed (`atoll up --run-dir
     sessions.jsonl       one line per `atoll up` session: start, end, outcome
     shards/<i>/          shard i's write-ahead log and snapshots
     shards.jsonl         shard metrics sampled over time (versions, rounds, bytes)
-    learners/<id>.jsonl  each learner's status records (a restart resumes from them)
+    learners/<id>.jsonl  each learner's status records
+    checkpoints/         each learner's checkpoint and id claim (a restart resumes from them)
     logs/<name>.log      each child's stdout and stderr
     report.json, loss.png, wire.png, lag.png
 """
@@ -61,6 +62,8 @@ class UpConfig:
     lease_seconds: float = 10.0  # a learner silent this long is not waited for
     max_staleness: int = 4  # versions a push's base may lag before it is refused
     sync_patience: float = 30.0  # seconds a learner waits on a round holding its push, then trains on
+    wait_for_rounds: bool = False  # learners block on a round a period late (the lockstep baseline)
+    checkpoint_every: int = 50  # steps between learner checkpoints (run_dir/checkpoints), >= 0; 0: none
     outer_lr: float = OUTER_LR  # shards' outer SGD learning rate, > 0
     outer_momentum: float = OUTER_MOMENTUM  # shards' outer Nesterov momentum, in [0, 1)
     evals: int = 6  # held-out evaluations per learner during the run (plus the final one)
@@ -91,6 +94,7 @@ class UpConfig:
         need(self.lease_seconds > 0, f"--lease-seconds must be > 0, got {self.lease_seconds}")
         need(self.grace_factor >= 0, f"--grace-factor must be >= 0, got {self.grace_factor}")
         need(self.sync_patience > 0, f"--sync-patience must be > 0, got {self.sync_patience}")
+        need(self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 (0: no checkpoints), got {self.checkpoint_every}")
         need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
         need(self.outer_lr > 0, f"--outer-lr must be > 0, got {self.outer_lr}")
         need(0 <= self.outer_momentum < 1, f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
@@ -236,6 +240,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-lr", type=float, help=f"shards' outer learning rate (default {d['outer_lr']:g})")
     p.add_argument("--outer-momentum", type=float,
                    help=f"shards' outer Nesterov momentum (default {d['outer_momentum']:g})")
+    p.add_argument("--checkpoint-every", type=int,
+                   help=f"steps between learner checkpoints, which a restarted learner resumes from; 0: none "
+                        f"(default {d['checkpoint_every']})")
     p.add_argument("--evals", type=int, help=f"held-out evaluations per learner during the run (default {d['evals']})")
     p.add_argument("--seed", type=int, help=f"init and data-order seed (default {d['seed']})")
     p.add_argument("--baseline", action="store_true", default=None,

@@ -55,6 +55,10 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 
 STEP_WINDOW = 64  # recent steps whose trimmed mean is this learner's step time (what the cadence follows)
 STEP_TRIM = 4  # the longest steps of the window left out (a compile, a GC pause)
+# Periods a fragment trains on while its push waits in an open round before the learner
+# waits for that round: 2 lets a push that just missed a close (back one period plus a
+# grace window later) go by without a stall.
+RUN_AHEAD_PERIODS = 2
 
 
 class SyncError(RuntimeError):
@@ -69,6 +73,7 @@ class SyncConfig:
     codec: codec.Codec = codec.Codec.INT4  # outer-gradient codec on the wire
     max_backoff: float = 5.0  # seconds, cap of the retry backoff (jittered), > 0
     patience: float = 30.0  # seconds (at least; 4 periods of steps if longer) to wait for a round
+    wait_for_rounds: bool = False  # synchronous semantics: block when a round is a period late
 
     def __post_init__(self):
         if self.period < 1:
@@ -251,10 +256,17 @@ class Synchronizer:
         for frag in self.frags:
             frag.compute += step_seconds
             if frag.task is not None:
+                # A round still open after τ steps (one that waits on slower learners, or a
+                # push that just missed a close and joined the next round, back about a
+                # period later) does not stop training: the fragment trains on and adopts
+                # when the round is back (with the steps made meanwhile). Only a round
+                # RUN_AHEAD_PERIODS late (one period with synchronous semantics) is waited
+                # for, so a fragment's local drift stays bounded (up to the patience).
                 ready = step >= frag.task_step + self.cfg.overlap and frag.task.done()
-                overdue = step - frag.task_step >= per_period  # a whole period and still not back
+                late = 1 if self.cfg.wait_for_rounds else RUN_AHEAD_PERIODS
+                overdue = step - frag.task_step >= late * per_period
                 if ready or overdue:
-                    if not frag.task.done():  # this is the only place we block
+                    if not frag.task.done():  # the only place a learner blocks
                         started = time.perf_counter()
                         concurrent.futures.wait([frag.task])
                         self._count("blocked_seconds", time.perf_counter() - started)

@@ -17,7 +17,7 @@ import random
 import numpy as np
 import pytest
 
-from learner.sync import offsets, steps_per_period, sync_due
+from learner.sync import RUN_AHEAD_PERIODS, offsets, steps_per_period, sync_due
 from server.config import ShardConfig
 from server.shard import PushHeader, Shard
 from wire import codec
@@ -109,7 +109,7 @@ def simulate(speeds: list[float], quorum: int, periods: int, tmp_path, seed: int
             if f.pushed_at_step is not None:
                 out = shard.fragments[p].version >= f.merged_in
                 ready = out and l.step >= f.pushed_at_step + TAU
-                if not ready and l.step - f.pushed_at_step >= per_period:
+                if not ready and l.step - f.pushed_at_step >= RUN_AHEAD_PERIODS * per_period:
                     return_at = close_time(closes[p], f.merged_in)
                     if return_at is None:
                         continue  # still not out: a real learner would block; try again next step
