@@ -49,6 +49,10 @@ def test_chaos_run_survives_learner_and_shard_kills(tmp_path):
             later = [r for r in status[k["learner"]] if r.get("state") == "training" and r["step"] > k["step"]]
             assert later, f"{k['learner']} killed at step {k['step']} never trained again"
     assert run["learners_rejoined"] >= 1
+    # by default compiled standbys take the killed learners' ids over (from their checkpoints)
+    assert run["standby_takeovers"] >= 1 and result["standbys"] == 2
+    assert result["kill_to_first_accepted_push_s"] is not None
+    assert result["eval_loss_gap_pct"] is not None  # the failure-free run ran too
 
     # training continued: versions advanced through the failures, loss went down
     assert run["uptime"] > 0.5
