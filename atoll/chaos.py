@@ -8,14 +8,17 @@ per learner, drawn from `seed`, in seconds on the failure clock),
 and restarted `restart_delay` seconds later (it resumes its data position and rejoins
 at the current global versions by itself); shards are SIGKILLed at the given times and
 restarted on their port `shard_restart_delay` seconds later (they recover from disk).
-A kill that falls while its learner is already down does nothing.
+A kill that falls while its learner is already down does nothing. With `standbys`,
+a killed learner's id is taken over by a compiled standby learner (from its
+checkpoint) instead, and its machine returns as a standby `restart_delay` seconds later.
 
 The lockstep baseline is the same harness with synchronous semantics: quorum = every
 learner, no grace window, leases that never lapse (a dead learner holds every round it
 is part of until it returns) and learners that wait on a round for as long as it takes:
 synchronous DiLoCo, which behaves as data-parallel training does under failures. With
 `lockstep_restart`, any failure also restarts every learner (checkpoint-restart: the job
-goes down as one).
+goes down as one). The failure-free run stops when its learners have trained as many
+tokens as the atoll run's, so the two final eval losses compare at equal tokens.
 
 Accounting (the same for every run) is over the failure clock's window, from its start
 to the end of `duration` (or to the first learner that finished its steps, if sooner).
@@ -64,7 +67,7 @@ class ChaosConfig:
     seed: int = 0  # the failure schedule (the same in every run of one `atoll chaos`)
     lockstep: bool = True  # also run the lockstep baseline under the same schedule
     lockstep_restart: bool = True  # lockstep with checkpoint-restart: any failure restarts every learner
-    failure_free: bool = True  # also run without failures, for the eval-loss comparison
+    failure_free: bool = True  # also run without failures to the atoll run's tokens, for the eval-loss comparison
     uptime_window: float = 5.0  # seconds per uptime window, > 0
     standbys: int = 2  # compiled spare learners that take over a killed one's id (atoll run only), >= 0
     standby_ready_wait: float = 120.0  # seconds the failure clock waits for the standbys to be ready, >= 0
@@ -106,10 +109,11 @@ class ChaosSession(Session):
     """An `atoll up` session that kills and restarts its own children on a schedule."""
 
     def __init__(self, cfg: UpConfig, chaos: ChaosConfig, run_dir: pathlib.Path, out, inject: bool,
-                 wan=None, restart_all: bool = False, standbys: int = 0):
+                 wan=None, restart_all: bool = False, standbys: int = 0, token_budget: int | None = None):
         super().__init__(cfg, run_dir, out, live=False)
         self.chaos, self.inject, self.wan = chaos, inject, wan
         self.restart_all = restart_all  # checkpoint-restart: one learner's failure takes down every learner
+        self.token_budget = token_budget  # stop once the learners trained this many tokens (equal-token runs)
         if standbys and cfg.checkpoint_every <= 0:
             raise ChaosConfigError("--standbys needs learner checkpoints (--checkpoint-every > 0): a standby "
                                    "resumes the failed learner's checkpoint")
@@ -158,6 +162,10 @@ class ChaosSession(Session):
         self.spares.append(spare)
         self.spares_started += 1
 
+    def _tokens(self) -> int:
+        """Tokens the learners trained so far (each at its newest status record)."""
+        return sum(int((l.status.last or {}).get("tokens", 0)) for l in self.learners)
+
     def _spares_ready(self) -> bool:
         waited = time.time() - (self.learners_started or time.time())
         return all(s.ready() or not s.alive() for s in self.spares) or waited > self.chaos.standby_ready_wait
@@ -169,10 +177,18 @@ class ChaosSession(Session):
         super()._stop(children, seconds)
 
     def _learners_busy(self) -> bool:
-        if self.t0 is not None and time.time() >= self.t0 + self.chaos.duration:
+        # a run stopped by tokens goes past the duration (up to 3x) to reach them
+        limit = self.chaos.duration * (3 if self.token_budget is not None else 1)
+        if self.t0 is not None and time.time() >= self.t0 + limit:
             if self.end is None:
                 self.end = time.time()
-                self.say(f"chaos: {self.chaos.duration:g} s on the failure clock are up; stopping the learners")
+                self.say(f"chaos: {limit:g} s on the failure clock are up; stopping the learners")
+            return False
+        if self.t0 is not None and self.token_budget is not None and self._tokens() >= self.token_budget:
+            if self.end is None:
+                self.end = time.time()
+                self.say(f"chaos: the learners trained {self.token_budget:,} tokens, as many as the run compared "
+                         "with; stopping them")
             return False
         return bool(self.restart_at) or bool(self.handover) or super()._learners_busy()
 
@@ -327,7 +343,11 @@ def account(run_dir: pathlib.Path, cfg: UpConfig, session: ChaosSession, report:
         if "learner" in k:
             later = [a["time"] for a in pushes if a["learner"] == k["learner"] and a["accepted"] and a["time"] > k["time"]]
             rejoin.append(round(min(later) - k["time"], 2) if later else None)
+    # tokens trained, each learner id at its newest record (a resumed learner's count goes
+    # on from its checkpoint, so steps redone after a kill count once)
+    tokens = sum(next((int(r["tokens"]) for r in reversed(rs) if "tokens" in r), 0) for rs in status.values())
     return {
+        "tokens": tokens,
         "goodput": useful / provisioned if provisioned > 0 else 0.0,
         "uptime": _uptime(session.samples, start, end, window),
         "utilisation": compute / provisioned if provisioned > 0 else 0.0,
@@ -389,8 +409,11 @@ def run_chaos(cfg: UpConfig, chaos: ChaosConfig, work_dir: pathlib.Path, out=sys
         run_dir = work_dir / name
         run_cfg, _ = prepare_run_dir(run_dir, dataclasses.asdict(run_cfg))
         print(f"atoll chaos: {name} run in {run_dir}", file=out, flush=True)
+        # the failure-free run stops at the atoll run's tokens: eval losses compared at equal tokens
+        budget = results["atoll"]["tokens"] if name == "failure_free" and results["atoll"]["tokens"] else None
         session = ChaosSession(run_cfg, chaos, run_dir, out, inject, wan=wan if name != "failure_free" else None,
-                               restart_all=restart_all, standbys=chaos.standbys if name == "atoll" else 0)
+                               restart_all=restart_all, standbys=chaos.standbys if name == "atoll" else 0,
+                               token_budget=budget)
         try:
             report = session.run()
         finally:
@@ -418,6 +441,8 @@ def run_chaos(cfg: UpConfig, chaos: ChaosConfig, work_dir: pathlib.Path, out=sys
     if "failure_free" in results:
         ff = results["failure_free"]["final_eval_loss"]
         out_json["failure_free_eval_loss"] = ff
+        out_json["tokens"] = a["tokens"]
+        out_json["failure_free_tokens"] = results["failure_free"]["tokens"]
         if ff and a["final_eval_loss"]:
             out_json["eval_loss_gap_pct"] = 100.0 * (a["final_eval_loss"] - ff) / ff
     out_json["config"] = {**{k: v for k, v in dataclasses.asdict(cfg).items()},
