@@ -215,8 +215,9 @@ class ChaosSession(Session):
 
     def _inject(self, now: float) -> None:
         elapsed = now - self.t0
+        kills = self.end is None  # once the duration is up, only restarts of what was killed
         for i, l in enumerate(self.learners):
-            if self.schedule.due(i, elapsed) and l.alive() and not l.finished and l.state != "done":
+            if kills and self.schedule.due(i, elapsed) and l.alive() and not l.finished and l.state != "done":
                 victims = self.learners if self.restart_all else [l]
                 for v in victims:
                     if v.alive() and not v.finished:
@@ -236,7 +237,7 @@ class ChaosSession(Session):
                 l.state = "starting"
                 self.restarts.append({"time": now, "learner": l.name})
                 self.say(f"chaos: restarted {l.name}")
-        while self.shard_kills_left and elapsed >= self.shard_kills_left[0]:
+        while kills and self.shard_kills_left and elapsed >= self.shard_kills_left[0]:
             self.shard_kills_left.pop(0)
             s = self.shards[len(self.shard_back_at) % len(self.shards)] if self.shards else None
             if s is not None and s.alive() and s.index not in self.shard_back_at:
@@ -256,8 +257,12 @@ class ChaosSession(Session):
     def _kill_learner(self, l: Learner, now: float, cause: str) -> None:
         l.update()
         step = (l.status.last or {}).get("step", 0)
+        started = time.time()
         l.proc.send_signal(signal.SIGKILL)
         l.proc.wait()
+        # the kill's time is when the process is gone: `now` came earlier in the tick, and
+        # a push the learner logged in between would look like one made after the kill
+        now += time.time() - started
         l.state = "killed"
         self.kills.append({"time": now, "learner": l.name, "step": step, "cause": cause})
         if self.standbys:
