@@ -661,8 +661,6 @@ def test_standby_learners():
 def test_standby_command_line_is_a_valid_learner_config(tmp_path, monkeypatch):
     """The standby's command line makes a standby config; the learner it becomes on taking
     an id writes the status file that learner's own pod writes."""
-    from learner.main import config_from_args
-
     objs = render("learners-cpu")
     token = tmp_path / "token"
     token.write_text("0123456789abcdef" * 4 + "\n")
@@ -670,14 +668,7 @@ def test_standby_command_line_is_a_valid_learner_config(tmp_path, monkeypatch):
     (c,) = deployment["spec"]["template"]["spec"]["containers"]
     env = container_env(c, objs, pod_fields(deployment, deployment["spec"]["template"], 0))
     args, seen = run_container(c, env, tmp_path)
-    with monkeypatch.context() as m:
-        for name in [n for n in os.environ if n.startswith("ATOLL_")]:
-            m.delenv(name)
-        for name, value in seen.items():
-            if name.startswith("ATOLL_"):
-                m.setenv(name, value)
-        m.setenv("ATOLL_TOKEN_FILE", str(token))
-        cfg = config_from_args(atoll_parser().parse_args(args))
+    cfg = _learner_config(args, seen, token, monkeypatch)
     assert cfg.standby and cfg.learner_id == "atoll-learner-standby-0"
     assert cfg.checkpoint_dir == pathlib.Path(env["ATOLL_CHECKPOINT_DIR"])
     assert cfg.num_learners == int(env["ATOLL_NUM_LEARNERS"]) and cfg.distributed is None
@@ -688,14 +679,26 @@ def test_standby_command_line_is_a_valid_learner_config(tmp_path, monkeypatch):
     assert str(taken.status_file) == learner_status.replace("$(ATOLL_LEARNER_ID)", "us-west1-cpu-1")
 
 
+def _learner_config(args: list[str], seen: dict, token: pathlib.Path, monkeypatch):
+    """The LearnerConfig `atoll learner args` builds in a container whose environment is `seen`."""
+    from learner.main import config_from_args
+
+    with monkeypatch.context() as m:
+        for name in [n for n in os.environ if n.startswith("ATOLL_")]:
+            m.delenv(name)
+        for name, value in seen.items():
+            if name.startswith("ATOLL_"):
+                m.setenv(name, value)
+        m.setenv("ATOLL_TOKEN_FILE", str(token))
+        return config_from_args(atoll_parser().parse_args(args))
+
+
 @needs_kubectl
 @pytest.mark.parametrize("overlay", LEARNER_OVERLAYS)
 def test_learner_command_line_is_a_valid_learner_config(overlay, tmp_path, monkeypatch):
     """For every learner the overlay runs: the kubelet's expansion, then the shell wrapper,
     then the real parser and LearnerConfig. The learner index is the cluster's base plus
     the job index, and the id is stable and unique."""
-    from learner.main import config_from_args
-
     objs = render(overlay)
     token = tmp_path / "token"
     token.write_text("0123456789abcdef" * 4 + "\n")
@@ -707,14 +710,7 @@ def test_learner_command_line_is_a_valid_learner_config(overlay, tmp_path, monke
             args, seen = run_container(c, env, tmp_path)
             base = int(env["ATOLL_LEARNER_INDEX_BASE"])
             assert seen["ATOLL_LEARNER_INDEX"] == str(base + index)
-            with monkeypatch.context() as m:
-                for name in [n for n in os.environ if n.startswith("ATOLL_")]:
-                    m.delenv(name)
-                for name, value in seen.items():
-                    if name.startswith("ATOLL_"):
-                        m.setenv(name, value)
-                m.setenv("ATOLL_TOKEN_FILE", str(token))
-                cfg = config_from_args(atoll_parser().parse_args(args))
+            cfg = _learner_config(args, seen, token, monkeypatch)
             assert cfg.learner_index == base + index and cfg.num_learners == int(env["ATOLL_NUM_LEARNERS"])
             assert len(cfg.shards) == int(env["ATOLL_NUM_SHARDS"]) and "{i}" not in cfg.shards[0]
             assert cfg.learner_id == seen["ATOLL_LEARNER_ID"] and "$(" not in cfg.learner_id
