@@ -114,9 +114,6 @@ class ChaosSession(Session):
         self.chaos, self.inject, self.wan = chaos, inject, wan
         self.restart_all = restart_all  # checkpoint-restart: one learner's failure takes down every learner
         self.token_budget = token_budget  # stop once the learners trained this many tokens (equal-token runs)
-        if standbys and cfg.checkpoint_every <= 0:
-            raise ChaosConfigError("--standbys needs learner checkpoints (--checkpoint-every > 0): a standby "
-                                   "resumes the failed learner's checkpoint")
         self.standbys = standbys  # spares kept: each killed learner's id goes to one, its machine returns as one
         self.spares: list[Standby] = []  # standby processes holding no id yet
         self.spares_started = 0
