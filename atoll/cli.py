@@ -19,7 +19,7 @@ def _positive_int(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from server.config import OUTER_LR, OUTER_MOMENTUM
+    from server.config import OUTER_LR, OUTER_MOMENTUM, OUTER_MOMENTUM_DELAY
 
     parser = argparse.ArgumentParser(
         prog="atoll",
@@ -91,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     quality.add_argument("--outer-lr", type=float, default=OUTER_LR, help="shards' outer lr (default %(default)s)")
     quality.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM,
                          help="shards' outer Nesterov momentum (default %(default)s)")
+    quality.add_argument("--momentum-delay", type=_positive_int, default=OUTER_MOMENTUM_DELAY,
+                         help="rounds per outer momentum update (delayed Nesterov) (default %(default)s)")
     quality.add_argument("--seed", type=int, default=0, help="init and data-order seed (default %(default)s)")
     quality.add_argument("--work-dir", type=pathlib.Path, default=None, help="where the runs go (default: a temp dir)")
     quality.add_argument("--json", action="store_true", help="print one JSON object (the only output format)")
@@ -182,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = UpConfig(learners=args.learners, preset=args.preset, steps=args.steps,
                            slowdown=(1.0,) * args.learners, batch_size=args.batch_size, period=args.period,
                            overlap=args.overlap, fragments=args.fragments, quorum=args.quorum,
-                           outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, evals=4, seed=args.seed)
+                           outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                           momentum_delay=args.momentum_delay, evals=4, seed=args.seed)
         except UpConfigError as e:
             parser.error(str(e))
         print(json.dumps(bench_quality(cfg, args.work_dir), indent=2))

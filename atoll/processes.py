@@ -150,6 +150,7 @@ class Shard(Child):
                 "--metrics-port", "0", "--quorum", str(c.quorum), "--grace-factor", str(c.grace_factor),
                 "--lease-seconds", str(c.lease_seconds), "--max-staleness", str(c.max_staleness),
                 "--outer-lr", str(c.outer_lr), "--outer-momentum", str(c.outer_momentum),
+                "--momentum-delay", str(c.momentum_delay),
                 "--publish-codec", c.codec]
 
     def restart(self, pids: PidFile) -> None:

@@ -279,6 +279,9 @@ class Session:
         return report
 
 
+OPEN_ROUND_MARGIN_SECONDS = 5.0  # past a lease, what a shard's round timer may take to close a round
+
+
 def evaluate_global(cfg: UpConfig, addresses: list[str]) -> dict:
     """The global model, pulled fragment by fragment (FP32 snapshots), on the learners' held-out batches."""
     from learner.client import ShardClient
@@ -292,6 +295,11 @@ def evaluate_global(cfg: UpConfig, addresses: list[str]) -> dict:
     plan = FragmentPlan.build(init_params(model_cfg, cfg.seed), cfg.fragments)
     clients = [ShardClient(a, "", deadline=60.0) for a in addresses]  # anonymous: no lease, no round waits
     try:
+        # The learners' last pushes may sit in rounds that close once the leases of the
+        # learners that left before them lapse: the global model is read after those close.
+        deadline = time.monotonic() + cfg.lease_seconds + OPEN_ROUND_MARGIN_SECONDS
+        while time.monotonic() < deadline and any(f.round_size for c in clients for f in c.describe().fragments):
+            time.sleep(0.2)
         vectors, versions = [], {}
         for p in range(cfg.fragments):
             pulled = clients[p % len(clients)].pull(p)

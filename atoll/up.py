@@ -35,7 +35,7 @@ import pathlib
 import sys
 
 from atoll import progress
-from server.config import GRACE_FACTOR, OUTER_LR, OUTER_MOMENTUM
+from server.config import GRACE_FACTOR, OUTER_LR, OUTER_MOMENTUM, OUTER_MOMENTUM_DELAY
 
 FORMAT = "atoll.up.v1"  # config.json format; bump when UpConfig changes meaning
 
@@ -66,6 +66,7 @@ class UpConfig:
     checkpoint_every: int = 50  # steps between learner checkpoints (run_dir/checkpoints), >= 0; 0: none
     outer_lr: float = OUTER_LR  # shards' outer SGD learning rate, > 0
     outer_momentum: float = OUTER_MOMENTUM  # shards' outer Nesterov momentum, in [0, 1)
+    momentum_delay: int = OUTER_MOMENTUM_DELAY  # rounds per outer momentum update (delayed Nesterov), >= 1
     evals: int = 6  # held-out evaluations per learner during the run (plus the final one)
     eval_batches: int = 8  # held-out batches per evaluation (rounded up to a multiple of M)
     seed: int = 0  # model init and data order
@@ -98,6 +99,8 @@ class UpConfig:
         need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
         need(self.outer_lr > 0, f"--outer-lr must be > 0, got {self.outer_lr}")
         need(0 <= self.outer_momentum < 1, f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        need(self.momentum_delay >= 1,
+             f"--momentum-delay must be at least 1 (1: Nesterov every round), got {self.momentum_delay}")
         need(self.evals >= 0, f"--evals must be >= 0, got {self.evals}")
         need(self.eval_batches >= 1, f"--eval-batches must be at least 1, got {self.eval_batches}")
         from learner.model import PRESETS
@@ -240,6 +243,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-lr", type=float, help=f"shards' outer learning rate (default {d['outer_lr']:g})")
     p.add_argument("--outer-momentum", type=float,
                    help=f"shards' outer Nesterov momentum (default {d['outer_momentum']:g})")
+    p.add_argument("--momentum-delay", type=int,
+                   help=f"rounds per outer momentum update (delayed Nesterov); 1: every round "
+                        f"(default {d['momentum_delay']})")
     p.add_argument("--checkpoint-every", type=int,
                    help=f"steps between learner checkpoints, which a restarted learner resumes from; 0: none "
                         f"(default {d['checkpoint_every']})")

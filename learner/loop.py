@@ -292,7 +292,9 @@ def run(cfg: LearnerConfig) -> int:
         if checkpointer is not None and state == "stopped":
             checkpointer.save(trainer, sync, trail, wait=True)  # stopped on purpose: keep every step
         if plan is not None and state == "done":
-            final_updates = sync.finish(local, trainer.params, cfg.lease_exit_wait) if sync is not None else {}
+            # the tail: each fragment's steps since its last push go to the shards too
+            final_updates = (sync.finish(local, trainer.params, cfg.lease_exit_wait, m["tokens"] if local else None)
+                             if sync is not None else {})
             if multi:
                 final_updates, _ = distributed.broadcast_step(final_updates, (), plan.fragment_sizes)
             for p, vector in final_updates.items():

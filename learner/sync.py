@@ -53,8 +53,8 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
              grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
-STEP_WINDOW = 64  # recent steps whose trimmed mean is this learner's step time (what the cadence follows)
-STEP_TRIM = 4  # the longest steps of the window left out (a compile, a GC pause)
+STEP_WINDOW = 128  # recent steps whose mean is this learner's step time (what the cadence follows)
+STEP_WARMUP = 2  # the first steps after joining are not counted (they compile)
 # Periods a fragment trains on while its push waits in an open round before the learner
 # waits for that round: 2 lets a push that just missed a close (back one period plus a
 # grace window later) go by without a stall.
@@ -132,6 +132,28 @@ def sync_due(*, step: int, first_step: int, last_sync_step: int | None, due_at: 
     return now + step_seconds / 2 >= due_at
 
 
+class StepTimer:
+    """A learner's seconds per inner step, the figure the shards' cadence is built from:
+    the plain mean of the last STEP_WINDOW steps, the first STEP_WARMUP after joining left
+    out (they compile).
+
+    Long steps count: on a busy host most steps are quick and a few wait for a core
+    (measured with 4 learners on 2 cores: 3 ms typical, one in ~20 at 20-150 ms, 7 ms
+    mean). A period must hold H steps of wall time; a median or a trimmed mean gave a
+    cadence half that long, so rounds came due twice as often as learners pushed and
+    half the pushes arrived a version stale."""
+
+    def __init__(self, window: int = STEP_WINDOW, warmup: int = STEP_WARMUP):
+        self.warmup = warmup
+        self.recent: collections.deque[float] = collections.deque(maxlen=window)
+
+    def add(self, step: int, seconds: float) -> float:
+        """Records step `step` (counted from 1 since joining); returns the estimate."""
+        if step > self.warmup or not self.recent:
+            self.recent.append(seconds)
+        return float(np.mean(self.recent))
+
+
 @dataclasses.dataclass
 class _Outcome:
     """What a finished sync task hands the training thread."""
@@ -183,8 +205,8 @@ class Synchronizer:
         self.known = threading.Condition(self.lock)
         self.latest: dict[int, int] = {}  # newest version each fragment is known to have
         self.stopping = threading.Event()
-        self.step_seconds = 0.0  # trimmed mean of the recent steps' seconds, boundary to boundary
-        self._recent_steps: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
+        self.step_seconds = 0.0  # this learner's seconds per inner step (StepTimer), boundary to boundary
+        self._step_timer = StepTimer()
         self.cadence_seconds: float | None = None  # the sync period the shards ask for
         self.pushes_started = 0  # sync tasks started (the training loop times evaluations by it)
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "pushes": 0, "refused": 0, "resyncs": 0,
@@ -244,11 +266,7 @@ class Synchronizer:
                    tokens_per_step: int) -> dict[int, np.ndarray]:
         """Adopts finished syncs, starts due ones; `step` counts inner steps done since join.
         Returns {fragment: new vector} for the fragments whose tensors the caller must replace."""
-        self._recent_steps.append(step_seconds)
-        # a mean, not a median: on a busy host steps are skewed, and a period of H median
-        # steps holds fewer than H of them
-        recent = sorted(self._recent_steps)
-        self.step_seconds = float(np.mean(recent[:max(1, len(recent) - STEP_TRIM)]))
+        self.step_seconds = self._step_timer.add(step, step_seconds)
         updates: dict[int, np.ndarray] = {}
         flat_now: dict[int, np.ndarray] = {}
         now = time.monotonic()
@@ -283,15 +301,18 @@ class Synchronizer:
                 theta = updates.get(frag.p)
                 if theta is None:
                     theta = flat_now.setdefault(frag.p, self.plan.flatten_fragment(params, frag.p))
-                steps = step - (frag.last_sync_step or 0)
-                frag.last_sync_step = step
-                frag.task_step = step
-                self.seq += 1
-                compute, frag.compute = frag.compute, 0.0
-                self.pushes_started += 1
-                frag.task = self.pool.submit(self._sync, frag, theta.copy(), self.seq, steps,
-                                             steps * tokens_per_step, compute)
+                self._start_push(frag, step, theta, (step - (frag.last_sync_step or 0)) * tokens_per_step)
         return updates
+
+    def _start_push(self, frag: _Fragment, step: int, theta: np.ndarray, tokens: int, last: bool = False) -> None:
+        """Starts fragment p's sync task: push θ_p's progress, wait for its round, pull."""
+        steps = step - (frag.last_sync_step or 0)
+        frag.last_sync_step = step
+        frag.task_step = step
+        self.seq += 1
+        compute, frag.compute = frag.compute, 0.0
+        self.pushes_started += 1
+        frag.task = self.pool.submit(self._sync, frag, theta.copy(), self.seq, steps, tokens, compute, last)
 
     def _adopt(self, frag: _Fragment, step: int, params: Params, flat_now: dict, updates: dict) -> None:
         outcome: _Outcome = frag.task.result()
@@ -306,20 +327,42 @@ class Synchronizer:
         frag.due_at = outcome.due_at
         self._count("adopted", 1)
 
-    def finish(self, step: int, params: Params, timeout: float) -> dict[int, np.ndarray]:
-        """At the end of a run: waits up to `timeout` s for syncs in flight and adopts those
-        that finish (a round may wait on learners that have already left)."""
-        tasks = [f.task for f in self.frags if f.task is not None]
-        concurrent.futures.wait(tasks, timeout=timeout)
+    def finish(self, step: int, params: Params, timeout: float,
+               tokens_per_step: int | None = None) -> dict[int, np.ndarray]:
+        """At the end of a run: adopts the syncs in flight, then pushes each fragment's
+        steps since its last push and adopts those rounds, all within `timeout` s.
+
+        Without the last pushes the global model would never hold the run's tail: up to
+        a period of each learner's last steps per fragment, the lowest-lr ones of its
+        schedule. A round that has not closed by the deadline still holds the push (it
+        is durable). These pushes are marked `last`: the shards stop waiting for this
+        learner in those fragments' rounds, so the last learner to finish closes its round
+        alone rather than waiting for the leases of those that left.
+        `tokens_per_step` None: no tail pushes (the old end of run)."""
+        deadline = time.monotonic() + timeout
         updates: dict[int, np.ndarray] = {}
         flat_now: dict[int, np.ndarray] = {}
+        self._adopt_done(step, params, flat_now, updates, deadline)
+        if tokens_per_step is not None:
+            for frag in self.frags:
+                since = step - (frag.last_sync_step or 0)
+                if frag.task is None and since > 0:
+                    theta = updates.get(frag.p)
+                    if theta is None:
+                        theta = flat_now.setdefault(frag.p, self.plan.flatten_fragment(params, frag.p))
+                    self._start_push(frag, step, theta, since * tokens_per_step, last=True)
+            self._adopt_done(step, params, flat_now, updates, deadline)
+        return updates
+
+    def _adopt_done(self, step: int, params: Params, flat_now: dict, updates: dict, deadline: float) -> None:
+        tasks = [f.task for f in self.frags if f.task is not None]
+        concurrent.futures.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
         for frag in self.frags:
             if frag.task is not None and frag.task.done():
                 self._adopt(frag, step, params, flat_now, updates)
-        return updates
 
     def _sync(self, frag: _Fragment, theta: np.ndarray, seq: int, steps: int, tokens: int,
-              compute: float = 0.0) -> _Outcome:
+              compute: float = 0.0, last: bool = False) -> _Outcome:
         """Push, wait for the round holding it, pull: the background half of one sync."""
         p, client = frag.p, self.client_of(frag.p)
         # after giving up on a round that holds our last push, only what came since counts
@@ -328,7 +371,7 @@ class Synchronizer:
         header = pb.PushHeader(fragment=p, base_version=frag.version, seq=seq, inner_steps=max(1, steps),
                                tokens=max(1, tokens), codec=int(self.cfg.codec), num_params=theta.size,
                                plan_fingerprint=self.plan.fingerprint, step_seconds=self.step_seconds,
-                               overlap_steps=self.cfg.overlap, period_steps=self.cfg.period)
+                               overlap_steps=self.cfg.overlap, period_steps=self.cfg.period, last=last)
         ack = self._retry(lambda: client.push(header, frame), f"push fragment {p}")
         if ack.cadence_seconds > 0:
             self.cadence_seconds = ack.cadence_seconds

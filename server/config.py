@@ -23,6 +23,13 @@ ENV_TOKEN_FILE = "ATOLL_TOKEN_FILE"
 # `atoll up`, `atoll bench quality` and the Kubernetes ConfigMap (a test keeps them equal).
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
+# Delayed Nesterov (arXiv 2401.09135): the momentum moves once per 2 rounds. Measured with
+# `atoll bench quality`'s runs (4 learners, K = 2, H = 64, 4,000 steps) on 2 shared cores,
+# where host jitter makes half the pushes a version stale: eval loss 1.86-2.00 with the
+# momentum moved every round against 1.64-1.67 every second round over seeds 0-2 (data-
+# parallel 1.59); with the learners' steps padded 3x (pushes fresh, lag 0.03), 1.62-1.64
+# against 1.65. docs/rounds.md has the table.
+OUTER_MOMENTUM_DELAY = 2
 # γ: 2, because a period's pushes arrive spread by a step of the slowest island plus the
 # jitter of real step times (±50 % measured on a busy 2-core machine), and a round that
 # closes before the last of them splits the period in two.
@@ -46,6 +53,7 @@ class ShardConfig:
     lease_seconds: float = 30.0  # a learner is live this long after its last call, > 0
     outer_lr: float = OUTER_LR  # outer SGD learning rate, > 0
     outer_momentum: float = OUTER_MOMENTUM  # Nesterov momentum, in [0, 1)
+    momentum_delay: int = OUTER_MOMENTUM_DELAY  # rounds per momentum update (delayed Nesterov), >= 1
     rda: bool = True  # radial-directional averaging for non-embedding tensors
     delta_ring: int = 4  # published deltas kept for cheap pulls, >= 1; past max_staleness a push is refused anyway
     snapshot_every: int = 50  # rounds between snapshots, >= 1
@@ -83,6 +91,8 @@ class ShardConfig:
         need(self.lease_seconds > 0, f"--lease-seconds must be > 0, got {self.lease_seconds}")
         need(self.outer_lr > 0, f"--outer-lr must be > 0, got {self.outer_lr}")
         need(0 <= self.outer_momentum < 1, f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        need(self.momentum_delay >= 1,
+             f"--momentum-delay must be at least 1 (1: Nesterov every round), got {self.momentum_delay}")
         need(self.delta_ring >= 1, f"--delta-ring must be at least 1, got {self.delta_ring}")
         need(self.snapshot_every >= 1, f"--snapshot-every must be at least 1, got {self.snapshot_every}")
         need(self.publish_codec in (Codec.INT4, Codec.MXFP4, Codec.FP32),

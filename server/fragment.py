@@ -41,11 +41,11 @@ class Fragment:
     """Fragment p of a shard. `params is None` until initialized."""
 
     def __init__(self, index: int, plan: FragmentPlan, *, lr: float, momentum: float, rda: bool,
-                 delta_ring: int, publish_codec: codec.Codec, quorum: int = 1):
+                 delta_ring: int, publish_codec: codec.Codec, quorum: int = 1, momentum_delay: int = 1):
         self.index = index
         self.size = plan.fragment_sizes[index]
         self.segments = merge.Segments.from_plan(plan, index)
-        self.opt = merge.outer_optimizer(lr, momentum)
+        self.opt = merge.outer_optimizer(lr, momentum, momentum_delay)
         self.publish_codec = publish_codec
         self.params: np.ndarray | None = None  # Θ, the global params (fp32)
         self.published: np.ndarray | None = None  # what learners hold at `version`
@@ -173,6 +173,12 @@ class Fragment:
             self.published = np.array(arrays["published"], np.float32)
             template = self.opt.init(self.params)
             leaves, treedef = jax.tree_util.tree_flatten(template)
+            saved = sum(1 for k in arrays if k.startswith("opt."))
+            if saved != len(leaves) or any(np.shape(arrays[f"opt.{i}"]) != np.shape(leaf)
+                                           for i, leaf in enumerate(leaves)):
+                raise ValueError(f"fragment {self.index}: the snapshot's outer optimiser state ({saved} arrays) "
+                                 f"does not fit this shard's optimiser ({len(leaves)}): it was written with "
+                                 "another --momentum-delay; restart with the setting it was written with")
             self.opt_state = jax.tree_util.tree_unflatten(
                 treedef, [jax.numpy.asarray(arrays[f"opt.{i}"]) for i in range(len(leaves))])
         self.ring.clear()

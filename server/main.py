@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-lr", type=float, default=d["outer_lr"].default, help="outer SGD learning rate (default %(default)s)")
     p.add_argument("--outer-momentum", type=float, default=d["outer_momentum"].default,
                    help="outer Nesterov momentum (default %(default)s)")
+    p.add_argument("--momentum-delay", type=int, default=d["momentum_delay"].default,
+                   help="rounds per outer momentum update (delayed Nesterov); 1: every round (default %(default)s)")
     p.add_argument("--no-rda", action="store_true", help="plain weighted average instead of radial-directional averaging")
     p.add_argument("--delta-ring", type=int, default=d["delta_ring"].default,
                    help="published deltas kept for delta pulls (default %(default)s)")
@@ -84,7 +86,8 @@ def config_from_args(a: argparse.Namespace) -> ShardConfig:
     return ShardConfig(
         shard_index=index, num_shards=num, data_dir=data, listen=a.listen, quorum=a.quorum,
         grace_factor=a.grace_factor, max_staleness=a.max_staleness, staleness_discount=a.staleness_discount,
-        lease_seconds=a.lease_seconds, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, rda=not a.no_rda,
+        lease_seconds=a.lease_seconds, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
+        momentum_delay=a.momentum_delay, rda=not a.no_rda,
         delta_ring=a.delta_ring, snapshot_every=a.snapshot_every, publish_codec=Codec[a.publish_codec.upper()],
         max_message_bytes=a.max_message_bytes, max_concurrent_streams=a.max_concurrent_streams,
         token_file=token, tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,

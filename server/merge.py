@@ -27,10 +27,11 @@ import functools
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
-from server.config import OUTER_LR, OUTER_MOMENTUM
+from server.config import OUTER_LR, OUTER_MOMENTUM, OUTER_MOMENTUM_DELAY
 from wire.codec import Codec, Codes, read_codes
 from wire.plan import FragmentPlan, FragmentVector
 
@@ -272,11 +273,56 @@ class RoundAccumulator:
         return out
 
 
-def outer_optimizer(lr: float = OUTER_LR, momentum: float = OUTER_MOMENTUM) -> optax.GradientTransformation:
-    """SGD with Nesterov momentum, the outer optimiser (DESIGN.md §1 defaults)."""
-    if not lr > 0 or not 0 <= momentum < 1:
-        raise ValueError(f"lr={lr}, momentum={momentum}: want lr > 0 and 0 <= momentum < 1")
-    return optax.sgd(learning_rate=lr, momentum=momentum, nesterov=True)
+def outer_optimizer(lr: float = OUTER_LR, momentum: float = OUTER_MOMENTUM,
+                    delay: int = OUTER_MOMENTUM_DELAY) -> optax.GradientTransformation:
+    """SGD with Nesterov momentum, the outer optimiser (DESIGN.md §1 defaults); with
+    `delay` N > 1, delayed Nesterov (see `delayed_nesterov`). N = 1 is optax's Nesterov."""
+    if not lr > 0 or not 0 <= momentum < 1 or not (isinstance(delay, int) and delay >= 1):
+        raise ValueError(f"lr={lr}, momentum={momentum}, delay={delay}: want lr > 0, 0 <= momentum < 1 "
+                         "and an integer delay >= 1")
+    if delay == 1:
+        return optax.sgd(learning_rate=lr, momentum=momentum, nesterov=True)
+    return delayed_nesterov(lr, momentum, delay)
+
+
+class DelayedNesterovState(NamedTuple):
+    """The outer optimiser's state under delayed Nesterov."""
+
+    count: jax.Array  # rounds since the momentum's last full update (int32 scalar)
+    momentum: jax.Array  # m, with those rounds' gradients already folded in (÷ delay)
+
+
+def delayed_nesterov(lr: float, momentum: float, delay: int) -> optax.GradientTransformation:
+    """Delayed Nesterov momentum (Asynchronous Local-SGD, arXiv 2401.09135, §4.1).
+
+    Every round takes a plain step, θ ← θ − η·g; every `delay`-th round the momentum
+    also moves, once, with the mean of the rounds it skipped: m ← β·m + ḡ, and the
+    step gains −η·β·m. With delay 1 that is Nesterov exactly (g + β·m with the new m,
+    optax's form, bit for bit). Momentum built from stale outer gradients is what makes
+    asynchronous rounds overshoot; updating it N times less often keeps its gain on a
+    stale round to 1/N while fresh rounds still move the model a full step each.
+
+    The plain steps never read m, so each round folds g/N into it at once (β·m + g/N on
+    the first round of a cycle, + g/N after): no buffer of skipped gradients, and the
+    state is as large as Nesterov's (one float32 per parameter, plus a counter).
+    """
+    if not (isinstance(delay, int) and delay >= 1):
+        raise ValueError(f"delay={delay}: want an integer >= 1")
+    beta = float(momentum)
+
+    def init(params):
+        return DelayedNesterovState(jnp.zeros([], jnp.int32), jnp.zeros_like(jnp.asarray(params)))
+
+    def update(grads, state, params=None):
+        del params
+        share = grads / delay
+        m = jnp.where(state.count == 0, beta * state.momentum + share, state.momentum + share)
+        count = state.count + 1
+        due = count >= delay
+        step = jnp.where(due, grads + beta * m, grads)
+        return -lr * step, DelayedNesterovState(jnp.where(due, 0, count).astype(jnp.int32), m)
+
+    return optax.GradientTransformation(init, update)
 
 
 @functools.partial(jax.jit, static_argnums=3)

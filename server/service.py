@@ -359,7 +359,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                     h = PushHeader(header.learner_id, header.fragment, header.base_version, header.seq,
                                    header.inner_steps, header.tokens, header.codec, header.num_params,
                                    header.plan_fingerprint, header.step_seconds, header.overlap_steps,
-                                   header.period_steps)
+                                   header.period_steps, header.last)
                     a = await self._call(self._push, h, frame)
             except ShardError as e:
                 await self._refuse(context, "Push", e)
@@ -459,6 +459,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             settings=pb.Settings(quorum=cfg.quorum, grace_factor=cfg.grace_factor,
                                  max_staleness=cfg.max_staleness, staleness_discount=cfg.staleness_discount,
                                  outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
+                                 momentum_delay=cfg.momentum_delay,
                                  delta_ring=cfg.delta_ring, snapshot_every=cfg.snapshot_every,
                                  publish_codec=int(cfg.publish_codec)))
         for p, frag in sorted(d["fragments"].items()):

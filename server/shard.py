@@ -15,6 +15,7 @@ on (`_snapshot`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -138,6 +139,7 @@ class PushHeader:
     step_seconds: float = 0.0
     overlap_steps: int = 0
     period_steps: int = 0  # H of the learner; 0: not given
+    last: bool = False  # the learner's last push of this fragment: its rounds stop waiting for it
 
     def problem(self) -> str | None:
         """What is out of range in this header, or None. Every field is checked here,
@@ -191,6 +193,9 @@ class Shard:
         """The state before recovery: no plan, no fragments, nothing replayed."""
         self.plan: FragmentPlan | None = None
         self.fragments: dict[int, Fragment] = {}
+        # fragment -> learners whose last push of it came in (PushHeader.last); not durable:
+        # after a restart they hold fresh leases like everyone else (under self.lock)
+        self.finished: collections.defaultdict[int, set[str]] = collections.defaultdict(set)
         # One lock per fragment, held while a push to it is judged, logged (written, not
         # yet fsynced) and merged, and over a round close: a fragment's log order is
         # its merge order, and fragments never wait on each other.
@@ -237,7 +242,10 @@ class Shard:
     def _replay(self, skip: set[int]) -> int:
         snap = self.snapshots.latest()
         if snap is not None:
-            self._restore(snap)
+            try:
+                self._restore(snap)
+            except ValueError as e:  # written under settings this shard does not have
+                raise RecoveryError(f"the snapshot in {self.cfg.data_dir} cannot be loaded: {e}") from e
         replayed = 0
         for lsn, record in self.wal.replay(self.last_lsn):
             if lsn in skip:
@@ -330,7 +338,8 @@ class Shard:
         for p in plan.fragments_of_shard(self.cfg.shard_index, self.cfg.num_shards):
             fragments[p] = Fragment(p, plan, lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
                                     rda=self.cfg.rda, delta_ring=self.cfg.delta_ring,
-                                    publish_codec=self.cfg.publish_codec, quorum=self.policy.quorum)
+                                    publish_codec=self.cfg.publish_codec, quorum=self.policy.quorum,
+                                    momentum_delay=self.cfg.momentum_delay)
             locks[p] = threading.Lock()
             self.periods[p] = PeriodCount()
         self.fragments, self.frag_locks = fragments, locks
@@ -517,6 +526,10 @@ class Shard:
             now = self.clock()
             with self.lock:
                 self._heard_from(h, now)
+                if h.last:
+                    self.finished[h.fragment].add(h.learner_id)
+                else:
+                    self.finished[h.fragment].discard(h.learner_id)
             prior = frag.answers.get(h.learner_id)
             refused = frag.refusals.get(h.learner_id)
             if prior is not None and prior.seq == h.seq:
@@ -606,7 +619,9 @@ class Shard:
         with self.lock:
             live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
             grace, joined = self._grace(live), self._joined()
-        decision = rules.decide_close(state, live, now, self.policy.quorum, grace, joined=joined)
+            # a learner whose last push of p came in is not waited for (its push still counts)
+            waited_for = live - self.finished[p]
+        decision = rules.decide_close(state, waited_for, now, self.policy.quorum, grace, joined=joined)
         if not decision.close:
             return decision.wake_at
         started = self.clock()  # the shard's clock: ξ_sync sizes the grace window on it

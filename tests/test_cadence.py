@@ -17,7 +17,7 @@ import random
 import numpy as np
 import pytest
 
-from learner.sync import RUN_AHEAD_PERIODS, offsets, steps_per_period, sync_due
+from learner.sync import RUN_AHEAD_PERIODS, STEP_WINDOW, StepTimer, offsets, steps_per_period, sync_due
 from server.config import ShardConfig
 from server.shard import PushHeader, Shard
 from wire import codec
@@ -210,3 +210,18 @@ def test_stalls_do_not_split_rounds(tmp_path, seed):
         # versions a learner has to pull per push it makes (what pull bandwidth pays for)
         pushes = sum(1 for _ in l.pushes) / PLAN.num_fragments
         assert sum(rates) / len(rates) * (end / period) / pushes <= 1.3, l.name
+
+
+def test_the_step_time_a_learner_reports_holds_its_wall_time_with_skewed_steps():
+    # 4 learners on 2 cores: most steps quick, one in 20 waits for a core; H steps of the
+    # estimate must be H steps of wall time, or rounds come due faster than pushes
+    timer = StepTimer()
+    timer.add(1, 30.0)  # the compile
+    timer.add(2, 30.0)
+    steps = [0.003] * 19 + [0.1]
+    for i in range(STEP_WINDOW * 3):
+        estimate = timer.add(3 + i, steps[i % len(steps)])
+    assert estimate == pytest.approx(np.mean(steps), rel=0.1)  # the window holds 6 or 7 long steps
+    assert estimate > 2 * np.median(steps)
+    fresh = StepTimer()
+    assert fresh.add(1, 2.0) == 2.0  # before any other step, the first one is all there is

@@ -1,9 +1,10 @@
 """Tests for server/merge.py: RDA vs plain averaging, weights, determinism, outer step."""
 
 import numpy as np
+import optax
 import pytest
 
-from server.merge import (RoundAccumulator, RoundState, Segments, add_scaled, outer_optimizer,
+from server.merge import (RoundAccumulator, RoundState, Segments, add_scaled, delayed_nesterov, outer_optimizer,
                           outer_step, segment_norms)
 from wire import codec
 from wire.plan import FragmentPlan, TensorSpec
@@ -328,7 +329,7 @@ def test_nesterov_matches_a_hand_written_reference():
     rng = np.random.default_rng(9)
     lr, mu, n = 0.7, 0.9, 257
     theta = rng.standard_normal(n).astype(np.float32)
-    opt = outer_optimizer(lr, mu)
+    opt = outer_optimizer(lr, mu, delay=1)
     state, ref, trace = opt.init(theta), theta.astype(np.float64), np.zeros(n)
     for _ in range(6):
         g = (0.1 * rng.standard_normal(n)).astype(np.float32)
@@ -336,6 +337,45 @@ def test_nesterov_matches_a_hand_written_reference():
         trace = g + mu * trace  # m ← Δ + μm;  Θ ← Θ − lr(Δ + μm)
         ref = ref - lr * (g + mu * trace)
         np.testing.assert_allclose(theta, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_delayed_nesterov_with_delay_one_is_optax_nesterov_bit_for_bit():
+    rng = np.random.default_rng(11)
+    theta = rng.standard_normal(513).astype(np.float32)
+    plain, delayed = optax.sgd(0.7, momentum=0.9, nesterov=True), delayed_nesterov(0.7, 0.9, 1)
+    a, sa, b, sb = theta, plain.init(theta), theta, delayed.init(theta)
+    for _ in range(5):
+        g = (0.1 * rng.standard_normal(theta.size)).astype(np.float32)
+        a, sa = outer_step(a, sa, g, plain)
+        b, sb = outer_step(b, sb, g, delayed)
+        assert np.array_equal(a, b)
+
+
+def test_delayed_nesterov_matches_a_hand_written_reference():
+    # plain steps every round; every N-th round m <- mu*m + mean of the N rounds' gradients,
+    # and that round's step gains mu*m
+    rng = np.random.default_rng(12)
+    lr, mu, n, delay = 0.7, 0.9, 257, 3
+    theta = rng.standard_normal(n).astype(np.float32)
+    opt = outer_optimizer(lr, mu, delay)
+    state, ref, m, buffered = opt.init(theta), theta.astype(np.float64), np.zeros(n), []
+    for r in range(1, 11):
+        g = (0.1 * rng.standard_normal(n)).astype(np.float32)
+        theta, state = outer_step(theta, state, g, opt)
+        buffered.append(g.astype(np.float64))
+        step = g.astype(np.float64)
+        if r % delay == 0:
+            m = mu * m + np.mean(buffered, axis=0)
+            buffered = []
+            step = step + mu * m
+        ref = ref - lr * step
+        np.testing.assert_allclose(theta, ref, rtol=1e-5, atol=1e-5)
+        assert int(state.count) == r % delay
+
+
+def test_outer_optimizer_refuses_a_delay_below_one():
+    with pytest.raises(ValueError, match="delay"):
+        outer_optimizer(0.7, 0.9, 0)
 
 
 def test_outer_step_is_pure_and_bit_deterministic():

@@ -217,3 +217,60 @@ def test_a_failed_fsync_stops_the_shard_serving(tmp_path, plan, monkeypatch):
     monkeypatch.undo()
     _crash(shard)
     jax.clear_caches()
+
+
+def test_a_snapshot_written_with_another_momentum_delay_is_refused_with_the_reason(tmp_path, plan):
+    from server.fragment import Fragment
+
+    shard = _shard(tmp_path)
+    _seed(shard, plan)
+    _run_rounds(shard, plan, 1)
+    meta, arrays = shard.fragments[0].state()
+    other = Fragment(0, plan, lr=0.7, momentum=0.9, rda=True, delta_ring=4, publish_codec=codec.Codec.INT4,
+                     momentum_delay=1)
+    with pytest.raises(ValueError, match="--momentum-delay"):
+        other.restore(meta, arrays, now=0.0)
+    same = Fragment(0, plan, lr=0.7, momentum=0.9, rda=True, delta_ring=4, publish_codec=codec.Codec.INT4,
+                    momentum_delay=shard.cfg.momentum_delay)
+    same.restore(meta, arrays, now=0.0)
+    assert np.array_equal(same.params, shard.fragments[0].params) and same.version == 1
+
+
+def test_a_shard_restarted_with_another_momentum_delay_stops_with_a_recovery_error(tmp_path, plan):
+    from server.shard import RecoveryError
+
+    shard = _shard(tmp_path, snapshot_every=1)
+    _seed(shard, plan)
+    _run_rounds(shard, plan, 2)
+    shard.close()
+    again = Shard(ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path, quorum=LEARNERS, grace_factor=0.0,
+                              momentum_delay=1))  # Nesterov every round: another state layout
+    with pytest.raises(RecoveryError, match="--momentum-delay"):
+        again.recover()
+
+
+def test_a_round_does_not_wait_for_a_learner_whose_last_push_came_in(tmp_path, plan):
+    shard = Shard(ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path, quorum=2, grace_factor=0.0,
+                              lease_seconds=60.0))
+    shard.recover()
+    _seed(shard, plan)
+    size = plan.fragment_sizes[0]
+    frame = codec.encode(np.full(size, 0.01, np.float32), codec.Codec.INT4)
+
+    def push(learner, seq, base, last):
+        h = PushHeader(learner_id=learner, fragment=0, base_version=base, seq=seq, inner_steps=4, tokens=400,
+                       codec=int(codec.Codec.INT4), num_params=size, plan_fingerprint=plan.fingerprint, last=last)
+        return shard.push(h, frame)
+
+    assert push("a", 1, 0, False).accepted and push("b", 1, 0, False).accepted
+    assert shard.fragments[0].version == 1
+    assert push("a", 2, 1, True).accepted  # a finishes; b is live and still training
+    assert shard.fragments[0].version == 1  # the round waits for b
+    assert push("b", 2, 1, False).accepted
+    assert shard.fragments[0].version == 2
+    assert push("b", 3, 2, True).accepted  # b's own last push: a, live but done, is not waited for
+    assert shard.fragments[0].version == 3
+    assert push("a", 3, 3, False).accepted  # a is back; b is done, so a's push closes alone
+    assert shard.fragments[0].version == 4
+    assert push("b", 4, 4, False).accepted  # b is back too, and now its round waits for a again
+    assert shard.fragments[0].version == 4 and shard.fragments[0].contributors == {"b"}

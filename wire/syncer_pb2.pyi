@@ -79,7 +79,7 @@ class InitResponse(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "fragment", "base_version", "seq", "inner_steps", "tokens", "codec", "num_params", "plan_fingerprint", "frame_bytes", "step_seconds", "overlap_steps", "period_steps")
+    __slots__ = ("learner_id", "fragment", "base_version", "seq", "inner_steps", "tokens", "codec", "num_params", "plan_fingerprint", "frame_bytes", "step_seconds", "overlap_steps", "period_steps", "last")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class PushHeader(_message.Message):
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_STEPS_FIELD_NUMBER: _ClassVar[int]
     PERIOD_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment: int
     base_version: int
@@ -106,7 +107,8 @@ class PushHeader(_message.Message):
     step_seconds: float
     overlap_steps: int
     period_steps: int
-    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., num_params: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., frame_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., overlap_steps: _Optional[int] = ..., period_steps: _Optional[int] = ...) -> None: ...
+    last: bool
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., num_params: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., frame_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., overlap_steps: _Optional[int] = ..., period_steps: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -225,7 +227,7 @@ class FragmentInfo(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., num_params: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., round_size: _Optional[int] = ..., oldest_delta_base: _Optional[int] = ...) -> None: ...
 
 class Settings(_message.Message):
-    __slots__ = ("quorum", "grace_factor", "max_staleness", "staleness_discount", "outer_lr", "outer_momentum", "delta_ring", "snapshot_every", "publish_codec")
+    __slots__ = ("quorum", "grace_factor", "max_staleness", "staleness_discount", "outer_lr", "outer_momentum", "delta_ring", "snapshot_every", "publish_codec", "momentum_delay")
     QUORUM_FIELD_NUMBER: _ClassVar[int]
     GRACE_FACTOR_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +237,7 @@ class Settings(_message.Message):
     DELTA_RING_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_EVERY_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_CODEC_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_DELAY_FIELD_NUMBER: _ClassVar[int]
     quorum: int
     grace_factor: float
     max_staleness: int
@@ -244,7 +247,8 @@ class Settings(_message.Message):
     delta_ring: int
     snapshot_every: int
     publish_codec: Codec
-    def __init__(self, quorum: _Optional[int] = ..., grace_factor: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_discount: _Optional[float] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., delta_ring: _Optional[int] = ..., snapshot_every: _Optional[int] = ..., publish_codec: _Optional[_Union[Codec, str]] = ...) -> None: ...
+    momentum_delay: int
+    def __init__(self, quorum: _Optional[int] = ..., grace_factor: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_discount: _Optional[float] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., delta_ring: _Optional[int] = ..., snapshot_every: _Optional[int] = ..., publish_codec: _Optional[_Union[Codec, str]] = ..., momentum_delay: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("shard_index", "num_shards", "plan_fingerprint", "num_fragments", "fragments", "settings", "live_learners")

@@ -142,3 +142,42 @@ def test_a_learner_does_not_wait_forever_on_a_round_that_cannot_close(shards):
     assert stats["stalled"] >= PLAN.num_fragments  # each fragment gave up on its first round
     assert stats["resyncs"] >= 1  # and the next push found a still in that round
     assert stats["pushes"] >= 2 * PLAN.num_fragments  # training went on past the stuck rounds
+
+
+def test_at_the_end_every_step_reaches_the_shards(shards):
+    """finish() pushes each fragment's steps since its last push: the global model holds the
+    run's tail, which the schedule alone would leave on the learners."""
+    cfg = SyncConfig(period=8, overlap=1)
+    zeros = _zeros(START)
+    pushes: dict[int, list[dict]] = {0: [], 1: []}
+    done = {}
+
+    def learner(i):
+        sync = Synchronizer(cfg, PLAN, _clients(shards, f"l{i}"), on_push=pushes[i].append)
+        params = sync.join(_copy(START))
+        last = time.perf_counter()
+        for step in range(1, 21):  # 20 steps, H = 8: a schedule alone leaves some of each fragment's steps
+            time.sleep(0.005)
+            params = _toward(params, zeros, 0.05)
+            now = time.perf_counter()
+            params = sync.apply(params, sync.after_step(step, params, now - last, 128))
+            last = now
+        params = sync.apply(params, sync.finish(20, params, 15.0, tokens_per_step=128))
+        done[i] = sync.versions()
+        sync.close()
+
+    threads = [threading.Thread(target=learner, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(done) == 2
+    for i, log in pushes.items():
+        for p in range(PLAN.num_fragments):
+            mine = [r for r in log if r["fragment"] == p]
+            assert all(r["accepted"] for r in mine), mine
+            assert sum(r["steps"] for r in mine) == 20, (i, p, mine)  # every step, once
+        # the round holding each last push closed (the other learner's last push is not
+        # waited for) and the learner adopted it before finish() returned
+        assert all(adopted >= max(r["merged_in"] for r in log if r["fragment"] == p)
+                   for p, (adopted, _) in done[i].items())
