@@ -5,7 +5,7 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "wire._kernels",
+            "atoll.wire._kernels",
             sources=["wire/_kernels.c"],
             # No fused multiply-add anywhere: decoded weights must be bit-identical on
             # every host that rebuilds them.

@@ -101,12 +101,24 @@ def capture(identity: dict, trainer, sync, trail: PushTrail | None) -> Capture:
                 origins[f.p] = origin
             if residual is not None:
                 residuals[f.p] = residual
-            frags.append({"fragment": f.p, "version": int(f.version), "in_flight": in_flight,
-                          "seq": int(trail.seq[f.p]) if trail is not None else int(sync.seq),
-                          "compute_seconds": float(f.compute)})
-    meta = {**identity, "format": FORMAT, "time": time.time(), "step": int(trainer.steps_done),
-            "tokens": int(trainer.tokens_total), "seq": int(sync.seq) if sync is not None else 0,
-            "fragments": frags}
+            frags.append(
+                {
+                    "fragment": f.p,
+                    "version": int(f.version),
+                    "in_flight": in_flight,
+                    "seq": int(trail.seq[f.p]) if trail is not None else int(sync.seq),
+                    "compute_seconds": float(f.compute),
+                }
+            )
+    meta = {
+        **identity,
+        "format": FORMAT,
+        "time": time.time(),
+        "step": int(trainer.steps_done),
+        "tokens": int(trainer.tokens_total),
+        "seq": int(sync.seq) if sync is not None else 0,
+        "fragments": frags,
+    }
     return Capture(meta, trainer.params, trainer.opt_state, origins, residuals)
 
 
@@ -162,26 +174,41 @@ def read(path: pathlib.Path) -> Checkpoint | None:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(bytes(z["meta"]).decode())
             if meta.get("format") != FORMAT:
-                raise CheckpointError(f"{path} is format {meta.get('format')!r}, this learner reads {FORMAT}")
+                raise CheckpointError(
+                    f"{path} is format {meta.get('format')!r}, this learner reads {FORMAT}"
+                )
             params = [z[f"param_{i}"] for i in range(meta["num_params_leaves"])]
             opt = [z[f"opt_{i}"] for i in range(meta["num_opt_leaves"])]
             origins = {int(k[7:]): z[k] for k in z.files if k.startswith("origin_")}
             residuals = {int(k[9:]): z[k] for k in z.files if k.startswith("residual_")}
     except CheckpointError:
         raise
-    except Exception as e:  # a file that is not a checkpoint at all (guarantee 1 rules out torn ones)
-        raise CheckpointError(f"{path} cannot be read as a learner checkpoint ({type(e).__name__}: {e}); "
-                              "move it away to start this learner afresh") from None
+    except (
+        Exception
+    ) as e:  # a file that is not a checkpoint at all (guarantee 1 rules out torn ones)
+        raise CheckpointError(
+            f"{path} cannot be read as a learner checkpoint ({type(e).__name__}: {e}); "
+            "move it away to start this learner afresh"
+        ) from None
     return Checkpoint(meta, params, opt, origins, residuals)
 
 
 def check(ckpt: Checkpoint, identity: dict, path: pathlib.Path) -> None:
     """CheckpointError unless `ckpt` is of the same model, plan and data shard as `identity`."""
-    for key in ("model_config", "plan_fingerprint", "learner_index", "num_learners", "batch_size", "seed"):
+    for key in (
+        "model_config",
+        "plan_fingerprint",
+        "learner_index",
+        "num_learners",
+        "batch_size",
+        "seed",
+    ):
         if ckpt.meta.get(key) != identity.get(key):
-            raise CheckpointError(f"{path} was written with {key}={ckpt.meta.get(key)!r}, this learner runs "
-                                  f"{key}={identity.get(key)!r}: resume with the same settings, or give "
-                                  "another --checkpoint-dir")
+            raise CheckpointError(
+                f"{path} was written with {key}={ckpt.meta.get(key)!r}, this learner runs "
+                f"{key}={identity.get(key)!r}: resume with the same settings, or give "
+                "another --checkpoint-dir"
+            )
 
 
 def restore_trainer(ckpt: Checkpoint, trainer) -> None:
@@ -189,14 +216,27 @@ def restore_trainer(ckpt: Checkpoint, trainer) -> None:
     params = jax.tree.unflatten(jax.tree.structure(trainer.params), ckpt.params_leaves)
     opt_treedef = jax.tree.structure(trainer.opt_state)
     if opt_treedef.num_leaves != len(ckpt.opt_leaves):
-        raise CheckpointError("the checkpoint's optimiser state does not match this learner's optimiser")
-    trainer.restore({"model_config": ckpt.meta["model_config"], "params": params,
-                     "opt_state": jax.tree.unflatten(opt_treedef, ckpt.opt_leaves),
-                     "steps_done": ckpt.meta["step"], "tokens_total": ckpt.meta["tokens"]})
+        raise CheckpointError(
+            "the checkpoint's optimiser state does not match this learner's optimiser"
+        )
+    trainer.restore(
+        {
+            "model_config": ckpt.meta["model_config"],
+            "params": params,
+            "opt_state": jax.tree.unflatten(opt_treedef, ckpt.opt_leaves),
+            "steps_done": ckpt.meta["step"],
+            "tokens_total": ckpt.meta["tokens"],
+        }
+    )
 
 
-def resume_sync(ckpt: Checkpoint, sync, theta_ckpt: list[np.ndarray], trail: PushTrail,
-                shard_last_seq: dict[int, int]) -> dict[int, np.ndarray]:
+def resume_sync(
+    ckpt: Checkpoint,
+    sync,
+    theta_ckpt: list[np.ndarray],
+    trail: PushTrail,
+    shard_last_seq: dict[int, int],
+) -> dict[int, np.ndarray]:
     """After `sync.join`: carries each fragment's local progress onto the global weights
     where that counts no step twice (guarantee 4).
 
@@ -234,7 +274,7 @@ def shard_last_seqs(sync) -> dict[int, int]:
     each, from the version just joined at); a fragment whose shard does not answer is left out."""
     import grpc
 
-    from learner.client import IncompletePull
+    from atoll.wire.client import IncompletePull
 
     out = {}
     for f in sync.frags:
@@ -270,7 +310,9 @@ class Checkpointer:
                 return False
             self._writer.join()
         cap = capture(self.identity, trainer, sync, trail)
-        self._writer = threading.Thread(target=self._write, args=(cap,), name="checkpoint", daemon=True)
+        self._writer = threading.Thread(
+            target=self._write, args=(cap,), name="checkpoint", daemon=True
+        )
         self._writer.start()
         if wait:
             self._writer.join()
@@ -283,7 +325,9 @@ class Checkpointer:
             self.last_step = cap.meta["step"]
         except Exception as e:  # keep training: the previous checkpoint stays usable
             self.error = e
-            log.warning("checkpoint at step %d not written: %s: %s", cap.meta["step"], type(e).__name__, e)
+            log.warning(
+                "checkpoint at step %d not written: %s: %s", cap.meta["step"], type(e).__name__, e
+            )
 
     def close(self) -> None:
         if self._writer is not None:

@@ -62,16 +62,18 @@ class Corpus:
 # -- the corpus ----------------------------------------------------------------------
 
 
-def split_files(relpaths: Sequence[str], heldout_fraction: float = HELDOUT_FRACTION
-                ) -> tuple[list[str], list[str]]:
+def split_files(
+    relpaths: Sequence[str], heldout_fraction: float = HELDOUT_FRACTION
+) -> tuple[list[str], list[str]]:
     """(train, held_out) relative paths: a file is held out when its path's hash says so.
 
     Depends only on each path, so adding or removing files never moves another file
     across the split.
     """
+
     def held(path: str) -> bool:
         h = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "big")
-        return h < heldout_fraction * 2.0 ** 64
+        return h < heldout_fraction * 2.0**64
 
     train = [p for p in relpaths if not held(p)]
     return train, [p for p in relpaths if held(p)]
@@ -85,8 +87,7 @@ def _walk(root: pathlib.Path, *, suffix: str | None, skip_dirs: Sequence[str]) -
     """Sorted "/"-joined relative paths of regular files under root (no hidden ones)."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames
-                             if not d.startswith(".") and d not in skip_dirs)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in skip_dirs)
         for name in sorted(filenames):
             if name.startswith(".") or (suffix and not name.endswith(suffix)):
                 continue
@@ -96,8 +97,9 @@ def _walk(root: pathlib.Path, *, suffix: str | None, skip_dirs: Sequence[str]) -
     return sorted(out)
 
 
-def _read_texts(root: pathlib.Path, relpaths: Sequence[str], skip_binary: bool
-                ) -> tuple[list[bytes], list[str]]:
+def _read_texts(
+    root: pathlib.Path, relpaths: Sequence[str], skip_binary: bool
+) -> tuple[list[bytes], list[str]]:
     """Contents and paths of the readable, non-empty (and non-binary) files."""
     texts, kept = [], []
     for rel in relpaths:
@@ -116,24 +118,32 @@ def _tail_split(tokens: Tokens, heldout_fraction: float) -> tuple[Tokens, Tokens
     """Holds out the last heldout_fraction of one stream (at least one token)."""
     n_held = max(1, int(round(len(tokens) * heldout_fraction)))
     if len(tokens) - n_held < 2:
-        raise DataError(f"only {len(tokens)} tokens: too few to split into train and "
-                        f"held-out parts; give more data")
+        raise DataError(
+            f"only {len(tokens)} tokens: too few to split into train and "
+            f"held-out parts; give more data"
+        )
     return tokens[:-n_held], tokens[-n_held:]
 
 
-def _build_text(root: pathlib.Path, relpaths: list[str], heldout_fraction: float,
-                what: str, skip_binary: bool) -> tuple[Tokens, Tokens, int]:
+def _build_text(
+    root: pathlib.Path, relpaths: list[str], heldout_fraction: float, what: str, skip_binary: bool
+) -> tuple[Tokens, Tokens, int]:
     """Reads files and splits them by file (by tail when one side would be empty)."""
     train_paths, held_paths = split_files(relpaths, heldout_fraction)
     train_texts, train_kept = _read_texts(root, train_paths, skip_binary)
     held_texts, held_kept = _read_texts(root, held_paths, skip_binary)
     if not train_kept and not held_kept:
-        raise DataError(f"{what}: no readable, non-empty text files; point --data at text "
-                        f"files, a directory of them, or a .npy token array")
+        raise DataError(
+            f"{what}: no readable, non-empty text files; point --data at text "
+            f"files, a directory of them, or a .npy token array"
+        )
     num_files = len(train_kept) + len(held_kept)
     if train_kept and held_kept:
-        return (np.frombuffer(b"".join(train_texts), np.uint8),
-                np.frombuffer(b"".join(held_texts), np.uint8), num_files)
+        return (
+            np.frombuffer(b"".join(train_texts), np.uint8),
+            np.frombuffer(b"".join(held_texts), np.uint8),
+            num_files,
+        )
     # Too few files for a split by file (a small directory): hold out the tail instead.
     everything = np.frombuffer(b"".join(train_texts + held_texts), np.uint8)
     return (*_tail_split(everything, heldout_fraction), num_files)
@@ -159,21 +169,28 @@ def _cache_key(root: pathlib.Path, relpaths: Sequence[str], *settings: object) -
     return h.hexdigest()[:20]
 
 
-def _cached(root: pathlib.Path, relpaths: list[str], heldout_fraction: float, what: str,
-            skip_binary: bool, cache_dir: str | os.PathLike | None
-            ) -> tuple[Tokens, Tokens, int]:
+def _cached(
+    root: pathlib.Path,
+    relpaths: list[str],
+    heldout_fraction: float,
+    what: str,
+    skip_binary: bool,
+    cache_dir: str | os.PathLike | None,
+) -> tuple[Tokens, Tokens, int]:
     """_build_text through the on-disk cache; builds in memory if the cache is unusable."""
     cache = _cache_root(cache_dir)
     final = cache / f"corpus-{_cache_key(root, relpaths, heldout_fraction, skip_binary)}"
     if (final / "meta.json").is_file():
         try:
             meta = json.loads((final / "meta.json").read_text())
-            return (np.load(final / "train.npy", mmap_mode="r"),
-                    np.load(final / "heldout.npy", mmap_mode="r"), int(meta["num_files"]))
+            return (
+                np.load(final / "train.npy", mmap_mode="r"),
+                np.load(final / "heldout.npy", mmap_mode="r"),
+                int(meta["num_files"]),
+            )
         except (OSError, ValueError, KeyError) as e:
             log.warning("corpus cache %s is unreadable (%s); rebuilding", final, e)
-    train, heldout, num_files = _build_text(root, relpaths, heldout_fraction, what,
-                                            skip_binary)
+    train, heldout, num_files = _build_text(root, relpaths, heldout_fraction, what, skip_binary)
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=".building-", dir=cache))
@@ -185,9 +202,17 @@ def _cached(root: pathlib.Path, relpaths: list[str], heldout_fraction: float, wh
         np.save(tmp / "train.npy", train)
         np.save(tmp / "heldout.npy", heldout)
         # meta.json last: its presence marks a complete directory.
-        (tmp / "meta.json").write_text(json.dumps(
-            {"format": CACHE_FORMAT, "source": what, "num_files": num_files,
-             "train_tokens": len(train), "heldout_tokens": len(heldout)}))
+        (tmp / "meta.json").write_text(
+            json.dumps(
+                {
+                    "format": CACHE_FORMAT,
+                    "source": what,
+                    "num_files": num_files,
+                    "train_tokens": len(train),
+                    "heldout_tokens": len(heldout),
+                }
+            )
+        )
         os.rename(tmp, final)  # atomic; fails if a concurrent learner got there first
     except OSError:
         pass  # another learner's identical copy is in place (or the disk is full)
@@ -202,21 +227,29 @@ def _load_npy(path: pathlib.Path, vocab: int, heldout_fraction: float) -> Corpus
     except (OSError, ValueError) as e:
         raise DataError(f"{path}: not a readable .npy array ({e})") from None
     if not np.issubdtype(arr.dtype, np.integer):
-        raise DataError(f"{path}: token array has dtype {arr.dtype}; want an integer dtype "
-                        f"(e.g. arr.astype(np.uint16))")
+        raise DataError(
+            f"{path}: token array has dtype {arr.dtype}; want an integer dtype "
+            f"(e.g. arr.astype(np.uint16))"
+        )
     arr = arr.reshape(-1)
     if arr.size == 0:
         raise DataError(f"{path}: the token array is empty")
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= vocab:
-        raise DataError(f"{path}: token ids span [{lo}, {hi}] but the model's vocabulary is "
-                        f"[0, {vocab}); re-tokenise or use a model with vocab > {hi}")
+        raise DataError(
+            f"{path}: token ids span [{lo}, {hi}] but the model's vocabulary is "
+            f"[0, {vocab}); re-tokenise or use a model with vocab > {hi}"
+        )
     return Corpus(*_tail_split(arr, heldout_fraction), source=str(path), num_files=0)
 
 
-def load_corpus(path: str | os.PathLike | None = None, *, vocab: int = 256,
-                cache_dir: str | os.PathLike | None = None,
-                heldout_fraction: float = HELDOUT_FRACTION) -> Corpus:
+def load_corpus(
+    path: str | os.PathLike | None = None,
+    *,
+    vocab: int = 256,
+    cache_dir: str | os.PathLike | None = None,
+    heldout_fraction: float = HELDOUT_FRACTION,
+) -> Corpus:
     """Loads (and caches) a corpus.
 
     Args:
@@ -255,11 +288,14 @@ def load_corpus(path: str | os.PathLike | None = None, *, vocab: int = 256,
     if vocab < 256:
         raise DataError(f"text is byte-level and needs vocab >= 256, got vocab={vocab}")
     if not relpaths:
-        raise DataError(f"{what}: no files found; point --data at text files, a "
-                        f"directory of them, or a .npy token array")
+        raise DataError(
+            f"{what}: no files found; point --data at text files, a "
+            f"directory of them, or a .npy token array"
+        )
     skip_binary = path is None or p.is_dir()
-    train, heldout, num_files = _cached(root, relpaths, heldout_fraction, what, skip_binary,
-                                        cache_dir)
+    train, heldout, num_files = _cached(
+        root, relpaths, heldout_fraction, what, skip_binary, cache_dir
+    )
     return Corpus(train, heldout, source=what, num_files=num_files)
 
 
@@ -273,21 +309,33 @@ class Batches:
     k, k+1, ….
     """
 
-    def __init__(self, tokens: Tokens, *, context: int, batch_size: int, learner: int = 0,
-                 num_learners: int = 1, seed: int = 0):
+    def __init__(
+        self,
+        tokens: Tokens,
+        *,
+        context: int,
+        batch_size: int,
+        learner: int = 0,
+        num_learners: int = 1,
+        seed: int = 0,
+    ):
         if context < 1 or batch_size < 1:
             raise DataError(f"context ({context}) and batch_size ({batch_size}) must be >= 1")
         if not 0 <= learner < num_learners:
-            raise DataError(f"learner index {learner} not in [0, {num_learners}); learner "
-                            f"indices run from 0 to num_learners - 1")
+            raise DataError(
+                f"learner index {learner} not in [0, {num_learners}); learner "
+                f"indices run from 0 to num_learners - 1"
+            )
         self.tokens, self.context, self.batch_size = tokens, context, batch_size
         self.learner, self.num_learners, self.seed = learner, num_learners, seed
         self.num_windows = max(0, (len(tokens) - 1) // context)
         self.windows_per_learner = self.num_windows // num_learners  # per epoch
         if self.windows_per_learner < 1:
-            raise DataError(f"{len(tokens)} training tokens make {self.num_windows} windows "
-                            f"of {context + 1} tokens: too few for {num_learners} learners; "
-                            f"give more data or a shorter context")
+            raise DataError(
+                f"{len(tokens)} training tokens make {self.num_windows} windows "
+                f"of {context + 1} tokens: too few for {num_learners} learners; "
+                f"give more data or a shorter context"
+            )
         self._perms: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -327,8 +375,9 @@ class Batches:
             step += 1
 
 
-def eval_batches(tokens: Tokens, *, context: int, batch_size: int,
-                 num_batches: int) -> list[np.ndarray]:
+def eval_batches(
+    tokens: Tokens, *, context: int, batch_size: int, num_batches: int
+) -> list[np.ndarray]:
     """Fixed held-out batches: windows spread evenly over the held-out stream.
 
     Gives fewer than `num_batches` batches (at least one) when the stream is short;
@@ -337,11 +386,13 @@ def eval_batches(tokens: Tokens, *, context: int, batch_size: int,
     """
     num_windows = (len(tokens) - 1) // context
     if num_windows < 1:
-        raise DataError(f"held-out part has {len(tokens)} tokens, fewer than context + 1 = "
-                        f"{context + 1}; give more data or a shorter context")
+        raise DataError(
+            f"held-out part has {len(tokens)} tokens, fewer than context + 1 = "
+            f"{context + 1}; give more data or a shorter context"
+        )
     n_rows = min(num_batches * batch_size, num_windows)
     n_rows = max(batch_size, n_rows - n_rows % batch_size)
     ids = (np.arange(n_rows) * num_windows) // n_rows
     rows = ids[:, None] * context + np.arange(context + 1)[None, :]
     arr = np.asarray(tokens[rows], np.int32)
-    return [arr[i:i + batch_size] for i in range(0, n_rows, batch_size)]
+    return [arr[i : i + batch_size] for i in range(0, n_rows, batch_size)]

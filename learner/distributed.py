@@ -38,29 +38,41 @@ class DistributedConfigError(ValueError):
 class DistributedConfig:
     coordinator: str | None = None  # HOST:PORT of process 0; None: from the TPU metadata
     num_processes: int | None = None  # processes in the learner, >= 2; None: from the TPU metadata
-    process_id: int | None = None  # this process, in [0, num_processes); None: from the TPU metadata
+    process_id: int | None = (
+        None  # this process, in [0, num_processes); None: from the TPU metadata
+    )
 
     def __post_init__(self):
         given = [x is not None for x in (self.coordinator, self.num_processes, self.process_id)]
         if any(given) and not all(given):
             raise DistributedConfigError(
                 "--coordinator, --num-processes and --process-id go together (or set "
-                f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID})")
+                f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID})"
+            )
         if self.coordinator is not None:
             host, _, port = self.coordinator.rpartition(":")
             if not host or not (port.isdigit() and 1 <= int(port) <= 65535):
                 raise DistributedConfigError(
-                    f"--coordinator {self.coordinator!r} must be HOST:PORT with a port in 1-65535")
+                    f"--coordinator {self.coordinator!r} must be HOST:PORT with a port in 1-65535"
+                )
             if self.num_processes < 1:
-                raise DistributedConfigError(f"--num-processes must be >= 1, got {self.num_processes}")
+                raise DistributedConfigError(
+                    f"--num-processes must be >= 1, got {self.num_processes}"
+                )
             if not 0 <= self.process_id < self.num_processes:
                 raise DistributedConfigError(
-                    f"--process-id must be in [0, {self.num_processes}), got {self.process_id}")
+                    f"--process-id must be in [0, {self.num_processes}), got {self.process_id}"
+                )
 
 
-def config_from(coordinator: str | None, num_processes: int | None, process_id: int | None,
-                env: Mapping[str, str]) -> DistributedConfig | None:
+def config_from(
+    coordinator: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    env: Mapping[str, str],
+) -> DistributedConfig | None:
     """The learner's multi-process setting from flags, else the environment; None: one process."""
+
     def env_int(name: str) -> int | None:
         value = env.get(name, "").strip()
         if not value:
@@ -93,8 +105,11 @@ def initialize(cfg: DistributedConfig | None) -> None:
     if cfg.coordinator is None:
         jax.distributed.initialize()  # a TPU slice: the metadata says who is who
     else:
-        jax.distributed.initialize(coordinator_address=cfg.coordinator,
-                                   num_processes=cfg.num_processes, process_id=cfg.process_id)
+        jax.distributed.initialize(
+            coordinator_address=cfg.coordinator,
+            num_processes=cfg.num_processes,
+            process_id=cfg.process_id,
+        )
 
 
 def process_index() -> int:
@@ -122,7 +137,9 @@ def broadcast(tree: Any) -> Any:
     """
     import jax
 
-    tree = jax.tree.map(np.asarray, tree)  # host values: broadcast_one_to_all wants process-local data
+    tree = jax.tree.map(
+        np.asarray, tree
+    )  # host values: broadcast_one_to_all wants process-local data
     if jax.process_count() == 1:
         return tree
     from jax.experimental import multihost_utils
@@ -130,8 +147,9 @@ def broadcast(tree: Any) -> Any:
     return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
 
 
-def broadcast_step(updates: dict[int, np.ndarray] | None, flags: Sequence[bool],
-                   fragment_sizes: Sequence[int]) -> tuple[dict[int, np.ndarray], list[bool]]:
+def broadcast_step(
+    updates: dict[int, np.ndarray] | None, flags: Sequence[bool], fragment_sizes: Sequence[int]
+) -> tuple[dict[int, np.ndarray], list[bool]]:
     """Process 0's adopted fragments and decisions after a step, on every process.
 
     Args:
@@ -143,15 +161,17 @@ def broadcast_step(updates: dict[int, np.ndarray] | None, flags: Sequence[bool],
     """
     head = np.zeros(len(flags) + len(fragment_sizes), np.int32)
     if is_leader():
-        head[:len(flags)] = [int(bool(f)) for f in flags]
-        for p in (updates or {}):
+        head[: len(flags)] = [int(bool(f)) for f in flags]
+        for p in updates or {}:
             head[len(flags) + p] = 1
     head = broadcast(head)
-    decided = [bool(f) for f in head[:len(flags)]]
+    decided = [bool(f) for f in head[: len(flags)]]
     adopted = [p for p in range(len(fragment_sizes)) if head[len(flags) + p]]
     if not adopted:
         return {}, decided
     mine = updates or {}
-    vectors = [np.asarray(mine[p], np.float32) if is_leader() else np.zeros(fragment_sizes[p], np.float32)
-               for p in adopted]
+    vectors = [
+        np.asarray(mine[p], np.float32) if is_leader() else np.zeros(fragment_sizes[p], np.float32)
+        for p in adopted
+    ]
     return dict(zip(adopted, broadcast(vectors))), decided

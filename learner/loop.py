@@ -8,7 +8,6 @@ learner resumes its data position and schedule from the last one.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import pathlib
 import signal
@@ -19,14 +18,15 @@ import time
 import numpy as np
 import prometheus_client as prom
 
-from learner.client import ShardClient, TlsFiles
-from learner import checkpoint, distributed, standby
-from learner.data import Batches, load_corpus
-from learner.main import LearnerConfig
-from learner.model import preset
-from learner.sync import SyncConfig, SyncError, Synchronizer
-from learner.train import TrainConfig, Trainer
-from wire.plan import FragmentPlan
+from atoll.learner import checkpoint, distributed, standby
+from atoll.learner.config import LearnerConfig
+from atoll.learner.data import Batches, load_corpus
+from atoll.learner.model import preset
+from atoll.learner.sync import SyncConfig, SyncError, Synchronizer
+from atoll.learner.train import TrainConfig, Trainer
+from atoll.wire.client import ShardClient, TlsFiles
+from atoll.wire.plan import FragmentPlan
+from atoll.wire.records import PushRecord, StatusRecord, append_jsonl, read_jsonl
 
 log = logging.getLogger("atoll.learner")
 PROGRESS_SECONDS = 2.0  # how often the live line is redrawn
@@ -52,11 +52,7 @@ def _resume_point(path: pathlib.Path | None, learner_id: str) -> tuple[int, int]
     if path is None or not path.exists():
         return 0, 0
     last = None
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill
+    for record in read_jsonl(path):  # a line a kill cut short is skipped
         if record.get("learner") == learner_id and "step" in record:
             last = record
     return (last["step"], last["tokens"]) if last else (0, 0)
@@ -67,11 +63,15 @@ class _Metrics:
         self.registry = prom.CollectorRegistry()
         g = lambda name, doc: prom.Gauge(name, doc, registry=self.registry)  # noqa: E731
         c = lambda name, doc: prom.Counter(name, doc, registry=self.registry)  # noqa: E731
-        self.step, self.loss, self.eval_loss = g("atoll_learner_step", "Inner steps done"), \
-            g("atoll_learner_loss", "Training loss of the last step"), \
-            g("atoll_learner_eval_loss", "Held-out loss of the last evaluation")
+        self.step, self.loss, self.eval_loss = (
+            g("atoll_learner_step", "Inner steps done"),
+            g("atoll_learner_loss", "Training loss of the last step"),
+            g("atoll_learner_eval_loss", "Held-out loss of the last evaluation"),
+        )
         self.tokens_per_s = g("atoll_learner_tokens_per_second", "Training throughput")
-        self.lag = g("atoll_learner_version_lag", "Newest known version minus adopted, worst fragment")
+        self.lag = g(
+            "atoll_learner_version_lag", "Newest known version minus adopted, worst fragment"
+        )
         # Totals are counters (exposed with _total; rate() them). The sync engine keeps running
         # totals, so _observe adds what grew since it last looked (`seen`).
         self.bytes_sent = c("atoll_learner_sent_bytes", "Bytes pushed and offered to shards")
@@ -81,9 +81,15 @@ class _Metrics:
         self.seen = {"bytes_sent": 0.0, "bytes_received": 0.0, "blocked_seconds": 0.0}
         # The goodput denominator: 1 from start-up on (loading, compiling, joining and training
         # are all provisioned time), labelled with the learner id, which outlives its pods.
-        prom.Gauge("atoll_learner_up", "1 while this learner process runs (provisioned)", ["learner"],
-                   registry=self.registry).labels(learner_id).set(1)
-        prom.Info("atoll_learner", "Which learner this is", registry=self.registry).info({"learner": learner_id})
+        prom.Gauge(
+            "atoll_learner_up",
+            "1 while this learner process runs (provisioned)",
+            ["learner"],
+            registry=self.registry,
+        ).labels(learner_id).set(1)
+        prom.Info("atoll_learner", "Which learner this is", registry=self.registry).info(
+            {"learner": learner_id}
+        )
 
 
 def run(cfg: LearnerConfig) -> int:
@@ -96,22 +102,39 @@ def run(cfg: LearnerConfig) -> int:
     one_process = cfg.distributed is None
     if cfg.checkpoint_dir is not None and not cfg.standby and one_process:
         # one live process per id: a restarted learner whose id a standby took waits as a standby
-        claim = standby.acquire(cfg.checkpoint_dir, cfg.learner_id, cfg.learner_index, cfg.num_learners)
+        claim = standby.acquire(
+            cfg.checkpoint_dir, cfg.learner_id, cfg.learner_index, cfg.num_learners
+        )
         if claim is None:
-            log.warning("learner id %s is held by a live process (%s); waiting as a standby", cfg.learner_id,
-                        standby.holder(cfg.checkpoint_dir, cfg.learner_id))
+            log.warning(
+                "learner id %s is held by a live process (%s); waiting as a standby",
+                cfg.learner_id,
+                standby.holder(cfg.checkpoint_dir, cfg.learner_id),
+            )
             cfg, own_id = dataclasses.replace(cfg, standby=True), cfg.learner_id
     if not cfg.standby:
         cfg = cfg.as_learner(cfg.learner_id, cfg.learner_index)
     model_cfg = preset(cfg.preset)
     members = 1 if cfg.baseline else cfg.num_learners
     batch = cfg.batch_size * (cfg.num_learners if cfg.baseline else 1)
-    train_cfg = TrainConfig(batch_size=batch, peak_lr=cfg.lr, warmup_steps=min(cfg.warmup, cfg.steps - 1),
-                            total_steps=cfg.steps, eval_every=cfg.eval_every or cfg.steps + 1,
-                            eval_batches=cfg.eval_batches, seed=cfg.seed)
+    train_cfg = TrainConfig(
+        batch_size=batch,
+        peak_lr=cfg.lr,
+        warmup_steps=min(cfg.warmup, cfg.steps - 1),
+        total_steps=cfg.steps,
+        eval_every=cfg.eval_every or cfg.steps + 1,
+        eval_batches=cfg.eval_batches,
+        seed=cfg.seed,
+    )
     corpus = load_corpus(cfg.data, vocab=model_cfg.vocab, cache_dir=cfg.cache_dir)
-    batches = Batches(corpus.train, context=model_cfg.context, batch_size=batch,
-                      learner=0 if cfg.baseline else cfg.learner_index, num_learners=members, seed=cfg.seed)
+    batches = Batches(
+        corpus.train,
+        context=model_cfg.context,
+        batch_size=batch,
+        learner=0 if cfg.baseline else cfg.learner_index,
+        num_learners=members,
+        seed=cfg.seed,
+    )
     trainer = Trainer(model_cfg, train_cfg, batches, heldout=corpus.heldout, slowdown=cfg.slowdown)
     # A multi-host learner: process 0 alone talks to the syncer and writes status; the
     # others take its decisions and fragments after every step (learner/distributed.py).
@@ -122,22 +145,48 @@ def run(cfg: LearnerConfig) -> int:
         # ready to train at once: data loaded, step compiled; then wait for a vacancy
         trainer.compile()
         stop = _stop_on_signals(stopping)
-        log.info("standby %s ready (compiled in %.1f s); waiting for a failed learner in %s", cfg.learner_id,
-                 trainer.compile_time_s, cfg.checkpoint_dir)
-        claim = standby.wait_for_vacancy(cfg.checkpoint_dir, cfg.num_learners, stop, until_done=own_id)
+        log.info(
+            "standby %s ready (compiled in %.1f s); waiting for a failed learner in %s",
+            cfg.learner_id,
+            trainer.compile_time_s,
+            cfg.checkpoint_dir,
+        )
+        claim = standby.wait_for_vacancy(
+            cfg.checkpoint_dir, cfg.num_learners, stop, until_done=own_id
+        )
         if claim is None:
-            log.info("standby %s stopped before taking over a learner%s", cfg.learner_id,
-                     " (its own id was trained to the end)" if own_id and not stop.is_set() else "")
+            log.info(
+                "standby %s stopped before taking over a learner%s",
+                cfg.learner_id,
+                " (its own id was trained to the end)" if own_id and not stop.is_set() else "",
+            )
             return 0
-        log.info("standby %s takes over learner %s (data shard %d) from pid %s", cfg.learner_id,
-                 claim.learner_id, claim.info["learner_index"], claim.info.get("taken_from"))
+        log.info(
+            "standby %s takes over learner %s (data shard %d) from pid %s",
+            cfg.learner_id,
+            claim.learner_id,
+            claim.info["learner_index"],
+            claim.info.get("taken_from"),
+        )
         cfg = cfg.as_learner(claim.learner_id, int(claim.info["learner_index"]))
-        trainer.batches = Batches(corpus.train, context=model_cfg.context, batch_size=batch,
-                                  learner=cfg.learner_index, num_learners=members, seed=cfg.seed)
+        trainer.batches = Batches(
+            corpus.train,
+            context=model_cfg.context,
+            batch_size=batch,
+            learner=cfg.learner_index,
+            num_learners=members,
+            seed=cfg.seed,
+        )
     plan = FragmentPlan.build(trainer.params, cfg.fragments) if not cfg.baseline else None
-    identity = {"learner_id": cfg.learner_id, "learner_index": cfg.learner_index, "num_learners": cfg.num_learners,
-                "model_config": dataclasses.asdict(model_cfg), "batch_size": batch, "seed": cfg.seed,
-                "plan_fingerprint": plan.fingerprint if plan is not None else None}
+    identity = {
+        "learner_id": cfg.learner_id,
+        "learner_index": cfg.learner_index,
+        "num_learners": cfg.num_learners,
+        "model_config": dataclasses.asdict(model_cfg),
+        "batch_size": batch,
+        "seed": cfg.seed,
+        "plan_fingerprint": plan.fingerprint if plan is not None else None,
+    }
     ckpt, checkpointer, theta_ckpt = None, None, None
     trail = checkpoint.PushTrail(plan.num_fragments) if plan is not None else None
     if cfg.checkpoint_dir is not None:
@@ -145,34 +194,58 @@ def run(cfg: LearnerConfig) -> int:
         ckpt = checkpoint.read(path)
         if ckpt is not None:
             checkpoint.check(ckpt, identity, path)
-            checkpoint.restore_trainer(ckpt, trainer)  # same step, data position and optimiser state
+            checkpoint.restore_trainer(
+                ckpt, trainer
+            )  # same step, data position and optimiser state
             theta_ckpt = plan.flatten(trainer.params) if plan is not None else None
         if multi:  # every process must resume at the same step: they read the same file
             steps = distributed.broadcast(np.asarray(trainer.steps_done, np.int64))
             if int(steps) != trainer.steps_done:
                 raise checkpoint.CheckpointError(
                     f"{path}: process 0 resumes at step {int(steps)}, process {distributed.process_index()} at "
-                    f"{trainer.steps_done}; every process of a learner must mount the same --checkpoint-dir")
+                    f"{trainer.steps_done}; every process of a learner must mount the same --checkpoint-dir"
+                )
         if leader:
-            checkpointer = checkpoint.Checkpointer(cfg.checkpoint_dir, cfg.learner_id, cfg.checkpoint_every,
-                                                   identity)
+            checkpointer = checkpoint.Checkpointer(
+                cfg.checkpoint_dir, cfg.learner_id, cfg.checkpoint_every, identity
+            )
     if ckpt is None:
         resume = _resume_point(cfg.status_file, cfg.learner_id) if leader else (0, 0)
-        trainer.steps_done, trainer.tokens_total = (int(x) for x in distributed.broadcast(np.asarray(resume, np.int64)))
-    log.info("learner %s: %s model (%d params), batch %d, %s, data %s, from step %d%s", cfg.learner_id,
-             cfg.preset, model_cfg.num_params, batch, "baseline" if cfg.baseline else f"{len(cfg.shards)} shards",
-             corpus.source, trainer.steps_done, " (its checkpoint)" if ckpt is not None else "")
+        trainer.steps_done, trainer.tokens_total = (
+            int(x) for x in distributed.broadcast(np.asarray(resume, np.int64))
+        )
+    log.info(
+        "learner %s: %s model (%d params), batch %d, %s, data %s, from step %d%s",
+        cfg.learner_id,
+        cfg.preset,
+        model_cfg.num_params,
+        batch,
+        "baseline" if cfg.baseline else f"{len(cfg.shards)} shards",
+        corpus.source,
+        trainer.steps_done,
+        " (its checkpoint)" if ckpt is not None else "",
+    )
     metrics = _Metrics(cfg.learner_id)
     if cfg.metrics_port is not None and leader:
         prom.start_http_server(cfg.metrics_port, registry=metrics.registry)
 
     sync = None
-    status = {"learner": cfg.learner_id, "index": cfg.learner_index, "slowdown": cfg.slowdown,
-              "params": model_cfg.num_params, "baseline": cfg.baseline}
+    status = {
+        "learner": cfg.learner_id,
+        "index": cfg.learner_index,
+        "slowdown": cfg.slowdown,
+        "params": model_cfg.num_params,
+        "baseline": cfg.baseline,
+    }
 
     def emit(state: str, m: dict | None = None, **extra) -> None:
-        record = dict(status, time=time.time(), state=state, step=trainer.steps_done,
-                      tokens=trainer.tokens_total)
+        record: StatusRecord = dict(
+            status,
+            time=time.time(),
+            state=state,
+            step=trainer.steps_done,
+            tokens=trainer.tokens_total,
+        )
         if m:
             record.update({k: m[k] for k in ("loss", "tokens_per_s", "eval_loss") if k in m})
             if state == "training":
@@ -182,28 +255,50 @@ def run(cfg: LearnerConfig) -> int:
             record.update(sync.stats)
             record["version"], record["lag"] = sync.standing()
         if cfg.status_file is not None and leader:
-            with open(cfg.status_file, "a") as f:
-                f.write(json.dumps(record, separators=(",", ":")) + "\n")
+            append_jsonl(cfg.status_file, record)
 
     if stop is None:
-        stop = _stop_on_signals(stopping)  # only now: a refused start leaves the caller's handlers alone
+        stop = _stop_on_signals(
+            stopping
+        )  # only now: a refused start leaves the caller's handlers alone
     emit("joining")
     trainer.compile()
     if plan is not None and leader:
         tls = TlsFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None
         token = cfg.token_file.read_text().strip() if cfg.token_file else None
-        clients = [ShardClient(a, cfg.learner_id, token=token, tls=tls, deadline=cfg.deadline) for a in cfg.shards]
-        sync = Synchronizer(SyncConfig(period=cfg.period, overlap=cfg.overlap, mix=cfg.mix, codec=cfg.codec,
-                                       patience=cfg.sync_patience, wait_for_rounds=cfg.wait_for_rounds),
-                            plan, clients, on_push=_push_logger(cfg))
+        clients = [
+            ShardClient(a, cfg.learner_id, token=token, tls=tls, deadline=cfg.deadline)
+            for a in cfg.shards
+        ]
+        sync = Synchronizer(
+            SyncConfig(
+                period=cfg.period,
+                overlap=cfg.overlap,
+                mix=cfg.mix,
+                codec=cfg.codec,
+                patience=cfg.sync_patience,
+                wait_for_rounds=cfg.wait_for_rounds,
+            ),
+            plan,
+            clients,
+            on_push=_push_logger(cfg),
+        )
         stopping.append(sync.stopping)
         trainer.params = sync.join(trainer.params)
         if ckpt is not None:
-            carried = checkpoint.resume_sync(ckpt, sync, theta_ckpt, trail, checkpoint.shard_last_seqs(sync))
+            carried = checkpoint.resume_sync(
+                ckpt, sync, theta_ckpt, trail, checkpoint.shard_last_seqs(sync)
+            )
             for p, vector in carried.items():
                 trainer.set_tensors(plan.unflatten_fragment(p, vector))
-            log.info("learner %s resumed its checkpoint at step %d: local progress kept for fragments %s, "
-                     "the rest at the global versions; seq %d", cfg.learner_id, ckpt.step, sorted(carried), sync.seq)
+            log.info(
+                "learner %s resumed its checkpoint at step %d: local progress kept for fragments %s, "
+                "the rest at the global versions; seq %d",
+                cfg.learner_id,
+                ckpt.step,
+                sorted(carried),
+                sync.seq,
+            )
     if multi and plan is not None:
         # one start for every process: what process 0 joined at (and carried from its checkpoint)
         trainer.params = distributed.broadcast(trainer.params)
@@ -235,7 +330,9 @@ def run(cfg: LearnerConfig) -> int:
                         pushes = sync.pushes_started
                         updates = sync.after_step(local, trainer.params, iteration, m["tokens"])
                         excluded += sync.stats["blocked_seconds"] - blocked
-                        due = eval_pending and (sync.pushes_started > pushes or trainer.steps_done >= cfg.steps)
+                        due = eval_pending and (
+                            sync.pushes_started > pushes or trainer.steps_done >= cfg.steps
+                        )
                     except SyncError:
                         if not stop.is_set():
                             raise
@@ -243,7 +340,8 @@ def run(cfg: LearnerConfig) -> int:
                 elif plan is None:
                     due = trainer.eval_due()
                 updates, (stopping_now, due) = distributed.broadcast_step(
-                    updates, (stopping_now, due), plan.fragment_sizes if plan is not None else ())
+                    updates, (stopping_now, due), plan.fragment_sizes if plan is not None else ()
+                )
                 for p, vector in updates.items():
                     trainer.set_tensors(plan.unflatten_fragment(p, vector))
                 if checkpointer is not None and sync is not None:
@@ -276,42 +374,81 @@ def run(cfg: LearnerConfig) -> int:
                     trail.after_step(sync, plan, seq_before, local, trainer.params)
                 # An evaluation waits for the step right after a push: there it overlaps the
                 # round in flight, where elsewhere it could make a push late for its round.
-                if eval_pending and (sync.pushes_started > pushes or trainer.steps_done >= cfg.steps):
+                if eval_pending and (
+                    sync.pushes_started > pushes or trainer.steps_done >= cfg.steps
+                ):
                     eval_pending = False
                     evaluating = time.perf_counter()
                     result = trainer.evaluate()
                     excluded += time.perf_counter() - evaluating
                     m.update(eval_loss=result["loss"], eval_bits_per_byte=result["bits_per_byte"])
             if checkpointer is not None and checkpointer.due(trainer.steps_done):
-                checkpointer.save(trainer, sync, trail)  # host copies and the write in the background
+                checkpointer.save(
+                    trainer, sync, trail
+                )  # host copies and the write in the background
             _observe(metrics, m, sync)
             emit("training", m)
-            if leader and cfg.progress and (time.perf_counter() - last_print > PROGRESS_SECONDS or trainer.steps_done == cfg.steps):
+            if (
+                leader
+                and cfg.progress
+                and (
+                    time.perf_counter() - last_print > PROGRESS_SECONDS
+                    or trainer.steps_done == cfg.steps
+                )
+            ):
                 last_print = time.perf_counter()
-                print(_progress_line(cfg, m, sync, time.perf_counter() - started), file=sys.stderr, flush=True)
+                print(
+                    _progress_line(cfg, m, sync, time.perf_counter() - started),
+                    file=sys.stderr,
+                    flush=True,
+                )
         if checkpointer is not None and state == "stopped":
-            checkpointer.save(trainer, sync, trail, wait=True)  # stopped on purpose: keep every step
+            checkpointer.save(
+                trainer, sync, trail, wait=True
+            )  # stopped on purpose: keep every step
         if plan is not None and state == "done":
             # the tail: each fragment's steps since its last push go to the shards too
-            final_updates = (sync.finish(local, trainer.params, cfg.lease_exit_wait, m["tokens"] if local else None)
-                             if sync is not None else {})
+            final_updates = (
+                sync.finish(
+                    local, trainer.params, cfg.lease_exit_wait, m["tokens"] if local else None
+                )
+                if sync is not None
+                else {}
+            )
             if multi:
-                final_updates, _ = distributed.broadcast_step(final_updates, (), plan.fragment_sizes)
+                final_updates, _ = distributed.broadcast_step(
+                    final_updates, (), plan.fragment_sizes
+                )
             for p, vector in final_updates.items():
                 trainer.set_tensors(plan.unflatten_fragment(p, vector))
         final = trainer.evaluate()
-        emit(state, m, eval_loss=final["loss"], eval_bits_per_byte=final["bits_per_byte"],
-             wall_seconds=time.perf_counter() - started)
-        log.info("learner %s %s at step %d: eval loss %.6f (%.4f bits/byte)%s", cfg.learner_id, state,
-                 trainer.steps_done, final["loss"], final["bits_per_byte"],
-                 f", process {distributed.process_index()} of {distributed.process_count()}" if multi else "")
+        emit(
+            state,
+            m,
+            eval_loss=final["loss"],
+            eval_bits_per_byte=final["bits_per_byte"],
+            wall_seconds=time.perf_counter() - started,
+        )
+        log.info(
+            "learner %s %s at step %d: eval loss %.6f (%.4f bits/byte)%s",
+            cfg.learner_id,
+            state,
+            trainer.steps_done,
+            final["loss"],
+            final["bits_per_byte"],
+            f", process {distributed.process_index()} of {distributed.process_count()}"
+            if multi
+            else "",
+        )
     finally:
         if sync is not None:
             sync.close()
         if checkpointer is not None:
             checkpointer.close()
         if claim is not None:
-            claim.release(done=trainer.steps_done >= cfg.steps)  # else a standby may take the id over
+            claim.release(
+                done=trainer.steps_done >= cfg.steps
+            )  # else a standby may take the id over
     return 0
 
 
@@ -332,9 +469,9 @@ def _push_logger(cfg: LearnerConfig):
     lock = threading.Lock()
 
     def log_push(answer: dict) -> None:
-        line = json.dumps({"learner": cfg.learner_id, "time": time.time(), **answer}, separators=(",", ":"))
-        with lock, open(cfg.push_log, "a") as f:
-            f.write(line + "\n")
+        record: PushRecord = {"learner": cfg.learner_id, "time": time.time(), **answer}
+        with lock:
+            append_jsonl(cfg.push_log, record)
 
     return log_push
 
@@ -347,8 +484,11 @@ def _observe(metrics: _Metrics, m: dict, sync: Synchronizer | None) -> None:
     if "eval_loss" in m:
         metrics.eval_loss.set(m["eval_loss"])
     if sync is not None:
-        for counter, key in ((metrics.bytes_sent, "bytes_sent"), (metrics.bytes_received, "bytes_received"),
-                             (metrics.blocked, "blocked_seconds")):
+        for counter, key in (
+            (metrics.bytes_sent, "bytes_sent"),
+            (metrics.bytes_received, "bytes_received"),
+            (metrics.blocked, "blocked_seconds"),
+        ):
             total = sync.stats[key]
             if total > metrics.seen[key]:
                 counter.inc(total - metrics.seen[key])
@@ -357,13 +497,17 @@ def _observe(metrics: _Metrics, m: dict, sync: Synchronizer | None) -> None:
 
 
 def _progress_line(cfg: LearnerConfig, m: dict, sync: Synchronizer | None, elapsed: float) -> str:
-    line = (f"[{cfg.learner_id}] step {m['step']}/{cfg.steps} | {m['tokens_per_s']:,.0f} tok/s | "
-            f"loss {m['loss']:.3f}")
+    line = (
+        f"[{cfg.learner_id}] step {m['step']}/{cfg.steps} | {m['tokens_per_s']:,.0f} tok/s | "
+        f"loss {m['loss']:.3f}"
+    )
     if "eval_loss" in m:
         line += f" | eval {m['eval_loss']:.3f}"
     if sync is not None:
         adopted, lag = sync.standing()
         s = sync.stats
-        line += (f" | v{adopted} lag {lag} | sent {s['bytes_sent'] / 1e6:.2f} MB recv "
-                 f"{s['bytes_received'] / 1e6:.2f} MB | blocked {100 * s['blocked_seconds'] / max(elapsed, 1e-9):.1f}%")
+        line += (
+            f" | v{adopted} lag {lag} | sent {s['bytes_sent'] / 1e6:.2f} MB recv "
+            f"{s['bytes_received'] / 1e6:.2f} MB | blocked {100 * s['blocked_seconds'] / max(elapsed, 1e-9):.1f}%"
+        )
     return line

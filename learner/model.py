@@ -63,19 +63,27 @@ class ModelConfig:
 
         for field in ("vocab", "d_model", "n_layers", "n_heads", "d_ff", "context"):
             value = getattr(self, field)
-            need(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                 f"model {field} must be an int >= 1, got {value!r}")
+            need(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"model {field} must be an int >= 1, got {value!r}",
+            )
         need(self.vocab >= 2, f"model vocab must be at least 2, got {self.vocab}")
-        need(self.d_model % self.n_heads == 0,
-             f"model d_model={self.d_model} is not a multiple of n_heads={self.n_heads}; "
-             f"pick n_heads dividing d_model (e.g. {_divisor_near(self.d_model, self.n_heads)})")
-        need((self.d_model // self.n_heads) % 2 == 0,
-             f"head dim d_model/n_heads = {self.d_model // self.n_heads} must be even for "
-             f"rotary embeddings; change d_model or n_heads")
+        need(
+            self.d_model % self.n_heads == 0,
+            f"model d_model={self.d_model} is not a multiple of n_heads={self.n_heads}; "
+            f"pick n_heads dividing d_model (e.g. {_divisor_near(self.d_model, self.n_heads)})",
+        )
+        need(
+            (self.d_model // self.n_heads) % 2 == 0,
+            f"head dim d_model/n_heads = {self.d_model // self.n_heads} must be even for "
+            f"rotary embeddings; change d_model or n_heads",
+        )
         need(self.rope_base > 1, f"model rope_base must be > 1, got {self.rope_base}")
         need(self.init_std > 0, f"model init_std must be > 0, got {self.init_std}")
-        need(self.compute_dtype in _DTYPES,
-             f"model compute_dtype must be one of {_DTYPES}, got {self.compute_dtype!r}")
+        need(
+            self.compute_dtype in _DTYPES,
+            f"model compute_dtype must be one of {_DTYPES}, got {self.compute_dtype!r}",
+        )
 
     @property
     def head_dim(self) -> int:
@@ -102,16 +110,16 @@ PRESETS: dict[str, ModelConfig] = {
     # ~25 M params: one accelerator, or patient CPUs
     "base": ModelConfig(d_model=512, n_layers=8, n_heads=8, d_ff=2048, context=512),
     # ~353 M params: accelerators (bfloat16 compute)
-    "large": ModelConfig(d_model=1024, n_layers=28, n_heads=16, d_ff=4096, context=1024,
-                         compute_dtype="bfloat16"),
+    "large": ModelConfig(
+        d_model=1024, n_layers=28, n_heads=16, d_ff=4096, context=1024, compute_dtype="bfloat16"
+    ),
 }
 
 
 def preset(name: str) -> ModelConfig:
     """The named preset; ModelConfigError listing the choices otherwise."""
     if name not in PRESETS:
-        raise ModelConfigError(f"unknown model preset {name!r}; choose one of "
-                               f"{', '.join(PRESETS)}")
+        raise ModelConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[name]
 
 
@@ -156,8 +164,12 @@ def init_params(cfg: ModelConfig, key: int | Array) -> Params:
     for i in range(cfg.n_layers):
         params["blocks"][str(i)] = {
             "attn_norm": {"scale": ones()},
-            "attn": {"wq": normal((D, D), std), "wk": normal((D, D), std),
-                     "wv": normal((D, D), std), "wo": normal((D, D), out_std)},
+            "attn": {
+                "wq": normal((D, D), std),
+                "wk": normal((D, D), std),
+                "wv": normal((D, D), std),
+                "wo": normal((D, D), out_std),
+            },
             "mlp_norm": {"scale": ones()},
             "mlp": {"w_in": normal((D, F), std), "w_out": normal((F, D), out_std)},
         }
@@ -180,7 +192,7 @@ def _rope(x_BxLxNxH: Array, base: float) -> Array:
     angle_LxK = jnp.arange(L, dtype=jnp.float32)[:, None] * inv_freq_K[None, :]
     cos, sin = jnp.cos(angle_LxK)[None, :, None, :], jnp.sin(angle_LxK)[None, :, None, :]
     x = x_BxLxNxH.astype(jnp.float32)
-    x1, x2 = x[..., :H // 2], x[..., H // 2:]
+    x1, x2 = x[..., : H // 2], x[..., H // 2 :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxNxH.dtype)
 
@@ -196,8 +208,7 @@ def _attention(p: Params, x_BxLxD: Array, cfg: ModelConfig) -> Array:
     q_BxLxNxH = _rope(heads(p["wq"]), cfg.rope_base)
     k_BxLxNxH = _rope(heads(p["wk"]), cfg.rope_base)
     v_BxLxNxH = heads(p["wv"])
-    out_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH,
-                                               is_causal=True)
+    out_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, is_causal=True)
     return out_BxLxNxH.reshape(B, L, cfg.d_model) @ p["wo"].astype(dt)
 
 
@@ -223,7 +234,8 @@ def forward(params: Params, tokens_BxL: Array, cfg: ModelConfig) -> Array:
     for i in range(cfg.n_layers):
         block = params["blocks"][str(i)]
         x_BxLxD = x_BxLxD + _attention(
-            block["attn"], _rms_norm(x_BxLxD, block["attn_norm"]["scale"]), cfg)
+            block["attn"], _rms_norm(x_BxLxD, block["attn_norm"]["scale"]), cfg
+        )
         x_BxLxD = x_BxLxD + _mlp(block["mlp"], _rms_norm(x_BxLxD, block["mlp_norm"]["scale"]))
     x_BxLxD = _rms_norm(x_BxLxD, params["final_norm"]["scale"])
     return (x_BxLxD @ params["head"]["w"].astype(dt)).astype(jnp.float32)

@@ -36,7 +36,9 @@ import time
 log = logging.getLogger("atoll.learner")
 SUFFIX = ".claim"
 POLL_SECONDS = 0.1  # how often a standby looks for a vacancy
-HOLD_RETRY_SECONDS = 2.0  # a starting learner retries its own claim this long (a standby may be peeking)
+HOLD_RETRY_SECONDS = (
+    2.0  # a starting learner retries its own claim this long (a standby may be peeking)
+)
 
 
 class Claim:
@@ -102,8 +104,13 @@ def holder(directory: pathlib.Path, learner_id: str) -> dict | None:
         return None
 
 
-def acquire(directory: pathlib.Path, learner_id: str, index: int, num_learners: int,
-            retry: float = HOLD_RETRY_SECONDS) -> Claim | None:
+def acquire(
+    directory: pathlib.Path,
+    learner_id: str,
+    index: int,
+    num_learners: int,
+    retry: float = HOLD_RETRY_SECONDS,
+) -> Claim | None:
     """This learner's claim on its id, or None if a live process holds it."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -113,8 +120,15 @@ def acquire(directory: pathlib.Path, learner_id: str, index: int, num_learners: 
         fd = _lock(path)
         if fd is not None:
             claim = Claim(path, fd, {})
-            claim.write(learner_id=learner_id, learner_index=index, num_learners=num_learners,
-                        pid=os.getpid(), host=socket.gethostname(), since=time.time(), done=False)
+            claim.write(
+                learner_id=learner_id,
+                learner_index=index,
+                num_learners=num_learners,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                since=time.time(),
+                done=False,
+            )
             return claim
         if time.monotonic() >= deadline:
             return None
@@ -129,20 +143,32 @@ def take_vacancy(directory: pathlib.Path, num_learners: int) -> Claim | None:
         if fd is None:
             continue
         info = _read(fd)
-        if (not info or info.get("done") or info.get("num_learners") != num_learners
-                or path.name != f"{info.get('learner_id')}{SUFFIX}"):
-            fcntl.flock(fd, fcntl.LOCK_UN)  # empty (its learner is just starting), finished, or another run's
+        if (
+            not info
+            or info.get("done")
+            or info.get("num_learners") != num_learners
+            or path.name != f"{info.get('learner_id')}{SUFFIX}"
+        ):
+            fcntl.flock(
+                fd, fcntl.LOCK_UN
+            )  # empty (its learner is just starting), finished, or another run's
             os.close(fd)
             continue
         claim = Claim(path, fd, info)
-        claim.write(pid=os.getpid(), host=socket.gethostname(), since=time.time(),
-                    taken_from=info.get("pid"), taken_at=time.time())
+        claim.write(
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            since=time.time(),
+            taken_from=info.get("pid"),
+            taken_at=time.time(),
+        )
         return claim
     return None
 
 
-def wait_for_vacancy(directory: pathlib.Path, num_learners: int, stop: threading.Event,
-                     until_done: str | None = None) -> Claim | None:
+def wait_for_vacancy(
+    directory: pathlib.Path, num_learners: int, stop: threading.Event, until_done: str | None = None
+) -> Claim | None:
     """Polls until a vacancy is taken (the claim) or `stop` is set (None). `until_done`: a
     learner id whose claim, once marked done, ends the wait too (None): a learner restarted
     while a standby held its id waits only as long as its own id is being trained."""

@@ -1,5 +1,5 @@
 """The learner's side of Decoupled DiLoCo: when to push which fragment, and adopting
-what comes back (DESIGN.md §1).
+what comes back (docs/design.md §1).
 
 Fragment p first syncs at step t_p = round((p+1)·H/P), the offsets spread over the
 period so the link carries one fragment at a time. After that every learner keeps one
@@ -42,15 +42,19 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
-from learner.client import IncompletePull, Pulled, ShardClient
-from wire import codec
-from wire import syncer_pb2 as pb
-from wire.plan import FragmentPlan
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
+from atoll.wire.client import IncompletePull, Pulled, ShardClient
+from atoll.wire.plan import FragmentPlan
 
 log = logging.getLogger("atoll.learner")
 Params = dict  # nested str-keyed dict of arrays, the model's parameter tree
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
-             grpc.StatusCode.RESOURCE_EXHAUSTED)
+RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
 
 
 STEP_WINDOW = 128  # recent steps whose mean is this learner's step time (what the cadence follows)
@@ -79,8 +83,10 @@ class SyncConfig:
         if self.period < 1:
             raise ValueError(f"--period (H) must be at least 1, got {self.period}")
         if not 0 <= self.overlap < self.period:
-            raise ValueError(f"--overlap (τ) must be in [0, H={self.period}), got {self.overlap}: "
-                             "a fragment must be adopted before its next sync")
+            raise ValueError(
+                f"--overlap (τ) must be in [0, H={self.period}), got {self.overlap}: "
+                "a fragment must be adopted before its next sync"
+            )
         if not 0 <= self.mix < 1:
             raise ValueError(f"--mix (α) must be in [0, 1), got {self.mix}")
         if self.max_backoff <= 0:
@@ -100,8 +106,16 @@ def steps_per_period(period: int, cadence_seconds: float | None, step_seconds: f
     return max(1, round(cadence_seconds / step_seconds))
 
 
-def sync_due(*, step: int, first_step: int, last_sync_step: int | None, due_at: float | None,
-             now: float, period: int, step_seconds: float) -> bool:
+def sync_due(
+    *,
+    step: int,
+    first_step: int,
+    last_sync_step: int | None,
+    due_at: float | None,
+    now: float,
+    period: int,
+    step_seconds: float,
+) -> bool:
     """Whether fragment p's next push starts at this step boundary (no push in flight).
 
     Args:
@@ -161,7 +175,9 @@ class _Outcome:
     version: int
     correction: np.ndarray | None  # add to θ_p (adopt), or None with `values` set (resync)
     values: np.ndarray | None = None
-    due_at: float | None = None  # when the next push of the fragment is due (monotonic), None: not known
+    due_at: float | None = (
+        None  # when the next push of the fragment is due (monotonic), None: not known
+    )
 
 
 class _Fragment:
@@ -175,7 +191,9 @@ class _Fragment:
         self.last_sync_step: int | None = None  # the step of the last push
         self.due_at: float | None = None  # when the next push is due (monotonic), from the shard
         self.origin: np.ndarray | None = None  # what the next Δ is measured from, if not `base`
-        self.compute = 0.0  # seconds of inner steps since the last sync (what the next push carries)
+        self.compute = (
+            0.0  # seconds of inner steps since the last sync (what the next push carries)
+        )
         self.task: concurrent.futures.Future | None = None
         self.task_step = 0  # the step the in-flight task was started at
 
@@ -193,24 +211,41 @@ class Synchronizer:
     compute seconds it carries): `atoll chaos` audits acknowledgements with it.
     """
 
-    def __init__(self, cfg: SyncConfig, plan: FragmentPlan, clients: list[ShardClient],
-                 on_push: Callable[[dict], None] | None = None):
+    def __init__(
+        self,
+        cfg: SyncConfig,
+        plan: FragmentPlan,
+        clients: list[ShardClient],
+        on_push: Callable[[dict], None] | None = None,
+    ):
         self.cfg, self.plan, self.clients, self.on_push = cfg, plan, clients, on_push
         self.num_shards = len(clients)
         self.offsets = offsets(plan.num_fragments, cfg.period)
-        self.frags = [_Fragment(p, plan.fragment_sizes[p], cfg.codec) for p in range(plan.num_fragments)]
+        self.frags = [
+            _Fragment(p, plan.fragment_sizes[p], cfg.codec) for p in range(plan.num_fragments)
+        ]
         self.pool = concurrent.futures.ThreadPoolExecutor(max(2, plan.num_fragments), "sync")
         self.seq = 0  # pushes so far; join() goes on from the newest seq the shards answered
         self.lock = threading.Lock()
         self.known = threading.Condition(self.lock)
         self.latest: dict[int, int] = {}  # newest version each fragment is known to have
         self.stopping = threading.Event()
-        self.step_seconds = 0.0  # this learner's seconds per inner step (StepTimer), boundary to boundary
+        self.step_seconds = (
+            0.0  # this learner's seconds per inner step (StepTimer), boundary to boundary
+        )
         self._step_timer = StepTimer()
         self.cadence_seconds: float | None = None  # the sync period the shards ask for
         self.pushes_started = 0  # sync tasks started (the training loop times evaluations by it)
-        self.stats = {"bytes_sent": 0, "bytes_received": 0, "pushes": 0, "refused": 0, "resyncs": 0,
-                      "adopted": 0, "stalled": 0, "blocked_seconds": 0.0}
+        self.stats = {
+            "bytes_sent": 0,
+            "bytes_received": 0,
+            "pushes": 0,
+            "refused": 0,
+            "resyncs": 0,
+            "adopted": 0,
+            "stalled": 0,
+            "blocked_seconds": 0.0,
+        }
         self._watches: list[grpc.Future] = []  # open Watch calls, cancelled by close()
 
     def client_of(self, p: int) -> ShardClient:
@@ -225,11 +260,15 @@ class Synchronizer:
         for i, client in enumerate(self.clients):
             d = self._retry(client.describe, f"describe shard {i}")
             if (d.shard_index, d.num_shards) != (i, self.num_shards):
-                raise SyncError(f"{client.address} is shard {d.shard_index} of {d.num_shards}, but was given "
-                                f"as shard {i} of {self.num_shards}: list the shards in index order")
+                raise SyncError(
+                    f"{client.address} is shard {d.shard_index} of {d.num_shards}, but was given "
+                    f"as shard {i} of {self.num_shards}: list the shards in index order"
+                )
             if d.plan_fingerprint and d.plan_fingerprint != self.plan.fingerprint:
-                raise SyncError(f"shard {i} at {client.address} serves plan {d.plan_fingerprint}, this learner "
-                                f"has {self.plan.fingerprint}: model preset or fragment count differ")
+                raise SyncError(
+                    f"shard {i} at {client.address} serves plan {d.plan_fingerprint}, this learner "
+                    f"has {self.plan.fingerprint}: model preset or fragment count differ"
+                )
             seeded.update(f.fragment for f in d.fragments if f.initialized)
         return seeded
 
@@ -242,7 +281,9 @@ class Synchronizer:
                 continue
             frame = codec.encode(vector, codec.Codec.FP32)
             client = self.client_of(p)
-            answer = self._retry(lambda: client.init(self.plan, p, frame, codec.Codec.FP32), f"init fragment {p}")
+            answer = self._retry(
+                lambda: client.init(self.plan, p, frame, codec.Codec.FP32), f"init fragment {p}"
+            )
             self._count("bytes_sent", len(frame))
             if answer.created:
                 log.info("seeded fragment %d on shard %d", p, p % self.num_shards)
@@ -262,8 +303,9 @@ class Synchronizer:
 
     # --- the step hook ---
 
-    def after_step(self, step: int, params: Params, step_seconds: float,
-                   tokens_per_step: int) -> dict[int, np.ndarray]:
+    def after_step(
+        self, step: int, params: Params, step_seconds: float, tokens_per_step: int
+    ) -> dict[int, np.ndarray]:
         """Adopts finished syncs, starts due ones; `step` counts inner steps done since join.
         Returns {fragment: new vector} for the fragments whose tensors the caller must replace."""
         self.step_seconds = self._step_timer.add(step, step_seconds)
@@ -289,22 +331,36 @@ class Synchronizer:
                         concurrent.futures.wait([frag.task])
                         self._count("blocked_seconds", time.perf_counter() - started)
                     self._adopt(frag, step, params, flat_now, updates)
-            if (frag.task is None and frag.due_at is not None and self.cadence_seconds
-                    and now + self.step_seconds / 2 >= frag.due_at
-                    and step - (frag.last_sync_step or 0) < max(1, per_period // 2)):
+            if (
+                frag.task is None
+                and frag.due_at is not None
+                and self.cadence_seconds
+                and now + self.step_seconds / 2 >= frag.due_at
+                and step - (frag.last_sync_step or 0) < max(1, per_period // 2)
+            ):
                 # due, with less than half a period done since the last push (just joined,
                 # or back late from a round): this learner takes the next round instead
                 frag.due_at += self.cadence_seconds
-            if frag.task is None and sync_due(step=step, first_step=self.offsets[frag.p],
-                                              last_sync_step=frag.last_sync_step, due_at=frag.due_at,
-                                              now=now, period=self.cfg.period, step_seconds=self.step_seconds):
+            if frag.task is None and sync_due(
+                step=step,
+                first_step=self.offsets[frag.p],
+                last_sync_step=frag.last_sync_step,
+                due_at=frag.due_at,
+                now=now,
+                period=self.cfg.period,
+                step_seconds=self.step_seconds,
+            ):
                 theta = updates.get(frag.p)
                 if theta is None:
                     theta = flat_now.setdefault(frag.p, self.plan.flatten_fragment(params, frag.p))
-                self._start_push(frag, step, theta, (step - (frag.last_sync_step or 0)) * tokens_per_step)
+                self._start_push(
+                    frag, step, theta, (step - (frag.last_sync_step or 0)) * tokens_per_step
+                )
         return updates
 
-    def _start_push(self, frag: _Fragment, step: int, theta: np.ndarray, tokens: int, last: bool = False) -> None:
+    def _start_push(
+        self, frag: _Fragment, step: int, theta: np.ndarray, tokens: int, last: bool = False
+    ) -> None:
         """Starts fragment p's sync task: push θ_p's progress, wait for its round, pull."""
         steps = step - (frag.last_sync_step or 0)
         frag.last_sync_step = step
@@ -312,9 +368,13 @@ class Synchronizer:
         self.seq += 1
         compute, frag.compute = frag.compute, 0.0
         self.pushes_started += 1
-        frag.task = self.pool.submit(self._sync, frag, theta.copy(), self.seq, steps, tokens, compute, last)
+        frag.task = self.pool.submit(
+            self._sync, frag, theta.copy(), self.seq, steps, tokens, compute, last
+        )
 
-    def _adopt(self, frag: _Fragment, step: int, params: Params, flat_now: dict, updates: dict) -> None:
+    def _adopt(
+        self, frag: _Fragment, step: int, params: Params, flat_now: dict, updates: dict
+    ) -> None:
         outcome: _Outcome = frag.task.result()
         frag.task = None
         if outcome.correction is not None:
@@ -327,8 +387,9 @@ class Synchronizer:
         frag.due_at = outcome.due_at
         self._count("adopted", 1)
 
-    def finish(self, step: int, params: Params, timeout: float,
-               tokens_per_step: int | None = None) -> dict[int, np.ndarray]:
+    def finish(
+        self, step: int, params: Params, timeout: float, tokens_per_step: int | None = None
+    ) -> dict[int, np.ndarray]:
         """At the end of a run: adopts the syncs in flight, then pushes each fragment's
         steps since its last push and adopts those rounds, all within `timeout` s.
 
@@ -349,29 +410,51 @@ class Synchronizer:
                 if frag.task is None and since > 0:
                     theta = updates.get(frag.p)
                     if theta is None:
-                        theta = flat_now.setdefault(frag.p, self.plan.flatten_fragment(params, frag.p))
+                        theta = flat_now.setdefault(
+                            frag.p, self.plan.flatten_fragment(params, frag.p)
+                        )
                     self._start_push(frag, step, theta, since * tokens_per_step, last=True)
             self._adopt_done(step, params, flat_now, updates, deadline)
         return updates
 
-    def _adopt_done(self, step: int, params: Params, flat_now: dict, updates: dict, deadline: float) -> None:
+    def _adopt_done(
+        self, step: int, params: Params, flat_now: dict, updates: dict, deadline: float
+    ) -> None:
         tasks = [f.task for f in self.frags if f.task is not None]
         concurrent.futures.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
         for frag in self.frags:
             if frag.task is not None and frag.task.done():
                 self._adopt(frag, step, params, flat_now, updates)
 
-    def _sync(self, frag: _Fragment, theta: np.ndarray, seq: int, steps: int, tokens: int,
-              compute: float = 0.0, last: bool = False) -> _Outcome:
+    def _sync(
+        self,
+        frag: _Fragment,
+        theta: np.ndarray,
+        seq: int,
+        steps: int,
+        tokens: int,
+        compute: float = 0.0,
+        last: bool = False,
+    ) -> _Outcome:
         """Push, wait for the round holding it, pull: the background half of one sync."""
         p, client = frag.p, self.client_of(frag.p)
         # after giving up on a round that holds our last push, only what came since counts
         origin = frag.base if frag.origin is None else frag.origin
         frame = frag.ef.encode(origin - theta)
-        header = pb.PushHeader(fragment=p, base_version=frag.version, seq=seq, inner_steps=max(1, steps),
-                               tokens=max(1, tokens), codec=int(self.cfg.codec), num_params=theta.size,
-                               plan_fingerprint=self.plan.fingerprint, step_seconds=self.step_seconds,
-                               overlap_steps=self.cfg.overlap, period_steps=self.cfg.period, last=last)
+        header = pb.PushHeader(
+            fragment=p,
+            base_version=frag.version,
+            seq=seq,
+            inner_steps=max(1, steps),
+            tokens=max(1, tokens),
+            codec=int(self.cfg.codec),
+            num_params=theta.size,
+            plan_fingerprint=self.plan.fingerprint,
+            step_seconds=self.step_seconds,
+            overlap_steps=self.cfg.overlap,
+            period_steps=self.cfg.period,
+            last=last,
+        )
         ack = self._retry(lambda: client.push(header, frame), f"push fragment {p}")
         if ack.cadence_seconds > 0:
             self.cadence_seconds = ack.cadence_seconds
@@ -380,16 +463,29 @@ class Synchronizer:
         self._count("bytes_sent", len(frame))
         self._count("pushes", 1)
         if self.on_push is not None:
-            self.on_push({"fragment": p, "seq": seq, "shard": p % self.num_shards, "accepted": ack.accepted,
-                          "reason": pb.PushReason.Name(ack.reason), "base_version": frag.version,
-                          "merged_in": frag.version + ack.staleness + 1 if ack.accepted else None,
-                          "steps": max(1, steps), "compute_seconds": compute})
+            self.on_push(
+                {
+                    "fragment": p,
+                    "seq": seq,
+                    "shard": p % self.num_shards,
+                    "accepted": ack.accepted,
+                    "reason": pb.PushReason.Name(ack.reason),
+                    "base_version": frag.version,
+                    "merged_in": frag.version + ack.staleness + 1 if ack.accepted else None,
+                    "steps": max(1, steps),
+                    "compute_seconds": compute,
+                }
+            )
         if not ack.accepted:
             # too stale, or a round already holding us: this contribution is lost; start over from Θ
             self._count("refused", 1)
             self._count("resyncs", 1)
-            log.info("fragment %d: push refused (%s: %s); resyncing", p, pb.PushReason.Name(ack.reason),
-                     ack.detail)
+            log.info(
+                "fragment %d: push refused (%s: %s); resyncing",
+                p,
+                pb.PushReason.Name(ack.reason),
+                ack.detail,
+            )
             frag.ef.reset()
             self._advance(frag, None)
             frag.origin = None
@@ -401,10 +497,17 @@ class Synchronizer:
             # gone but still holding leases): keep training on local weights rather than
             # wait on it; the next push finds us still in that round and resyncs
             self._count("stalled", 1)
-            log.warning("fragment %d: no version %d after %.0f s; going on without it", p, merged_in, patience)
+            log.warning(
+                "fragment %d: no version %d after %.0f s; going on without it",
+                p,
+                merged_in,
+                patience,
+            )
             frag.origin = theta  # the round still holds the steps up to here
             return _Outcome(frag.version, np.zeros_like(theta), due_at=self._due(due_at))
-        due_at = self._due(due_at)  # without a schedule: a period after the round holding our push closed
+        due_at = self._due(
+            due_at
+        )  # without a schedule: a period after the round holding our push closed
         self._advance(frag, merged_in)
         frag.origin = None
         keep = 1.0 - self.cfg.mix
@@ -451,7 +554,9 @@ class Synchronizer:
     def _start_watchers(self) -> None:
         for i, client in enumerate(self.clients):
             mine = [p for p in range(self.plan.num_fragments) if p % self.num_shards == i]
-            threading.Thread(target=self._watch, args=(client, mine), name=f"watch-{i}", daemon=True).start()
+            threading.Thread(
+                target=self._watch, args=(client, mine), name=f"watch-{i}", daemon=True
+            ).start()
 
     def _watch(self, client: ShardClient, fragments: list[int]) -> None:
         """Follows one shard's versions for as long as we run, reconnecting with backoff."""
@@ -464,10 +569,16 @@ class Synchronizer:
                 for notice in call:
                     failures = 0
                     with self.known:
-                        self.latest[notice.fragment] = max(self.latest.get(notice.fragment, 0), notice.version)
+                        self.latest[notice.fragment] = max(
+                            self.latest.get(notice.fragment, 0), notice.version
+                        )
                         self.known.notify_all()
                     frag = self.frags[notice.fragment]
-                    if frag.due_at is None and frag.last_sync_step is None and not self.stopping.is_set():
+                    if (
+                        frag.due_at is None
+                        and frag.last_sync_step is None
+                        and not self.stopping.is_set()
+                    ):
                         # joined before the fragment had a schedule: a round has closed since,
                         # so the shard has one now; learn it rather than push on step counts
                         try:
@@ -506,7 +617,7 @@ class Synchronizer:
     # --- plumbing ---
 
     def _backoff(self, attempt: int) -> float:
-        return random.uniform(0, min(self.cfg.max_backoff, 0.1 * 2 ** attempt))  # full jitter
+        return random.uniform(0, min(self.cfg.max_backoff, 0.1 * 2**attempt))  # full jitter
 
     def _retry(self, call, what: str):
         """Retries transient failures with jittered exponential backoff until stopped."""
@@ -552,5 +663,7 @@ def _replace(tree: Params, flat: dict[str, np.ndarray], prefix: str) -> Params:
     out = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
-        out[key] = _replace(value, flat, name + "/") if isinstance(value, dict) else flat.get(name, value)
+        out[key] = (
+            _replace(value, flat, name + "/") if isinstance(value, dict) else flat.get(name, value)
+        )
     return out

@@ -1,6 +1,6 @@
 """The inner loop: AdamW steps, data-parallel over every local device.
 
-A learner is a whole island (DESIGN.md §4): the batch is sharded over a 1-D mesh of
+A learner is a whole island (docs/design.md §4): the batch is sharded over a 1-D mesh of
 `jax.devices()` (axis "data") and parameters and optimiser state are replicated, so
 XLA all-reduces the gradients inside the island. The same code runs on one CPU, on
 `XLA_FLAGS=--xla_force_host_platform_device_count=4`, or on a TPU/GPU host.
@@ -30,8 +30,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from learner.data import eval_batches
-from learner.model import ModelConfig, Params, init_params, loss_fn
+from atoll.learner.data import eval_batches
+from atoll.learner.model import ModelConfig, Params, init_params, loss_fn
 
 OptState = Any  # optax state pytree
 Metrics = dict[str, float]
@@ -65,29 +65,44 @@ class TrainConfig:
 
         for field in ("batch_size", "total_steps", "eval_batches"):
             value = getattr(self, field)
-            need(isinstance(value, int) and value >= 1,
-                 f"{field} must be an int >= 1, got {value!r}")
-        need(isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps < self.total_steps,
-             f"warmup_steps must be in [0, total_steps={self.total_steps}), got "
-             f"{self.warmup_steps}; lower it or raise total_steps")
-        need(self.peak_lr > 0 and math.isfinite(self.peak_lr),
-             f"peak_lr must be a finite number > 0, got {self.peak_lr}")
-        need(0 <= self.end_lr_fraction <= 1,
-             f"end_lr_fraction must be in [0, 1], got {self.end_lr_fraction}")
+            need(
+                isinstance(value, int) and value >= 1, f"{field} must be an int >= 1, got {value!r}"
+            )
+        need(
+            isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps < self.total_steps,
+            f"warmup_steps must be in [0, total_steps={self.total_steps}), got "
+            f"{self.warmup_steps}; lower it or raise total_steps",
+        )
+        need(
+            self.peak_lr > 0 and math.isfinite(self.peak_lr),
+            f"peak_lr must be a finite number > 0, got {self.peak_lr}",
+        )
+        need(
+            0 <= self.end_lr_fraction <= 1,
+            f"end_lr_fraction must be in [0, 1], got {self.end_lr_fraction}",
+        )
         need(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
-        need(0 <= self.b1 < 1 and 0 <= self.b2 < 1,
-             f"b1 and b2 must be in [0, 1), got {self.b1}, {self.b2}")
+        need(
+            0 <= self.b1 < 1 and 0 <= self.b2 < 1,
+            f"b1 and b2 must be in [0, 1), got {self.b1}, {self.b2}",
+        )
         need(self.eps > 0, f"eps must be > 0, got {self.eps}")
         need(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 disables it), got {self.grad_clip}")
-        need(isinstance(self.eval_every, int) and self.eval_every >= 0,
-             f"eval_every must be an int >= 0 (0 disables evaluation), got {self.eval_every!r}")
+        need(
+            isinstance(self.eval_every, int) and self.eval_every >= 0,
+            f"eval_every must be an int >= 0 (0 disables evaluation), got {self.eval_every!r}",
+        )
 
 
 def make_schedule(cfg: TrainConfig) -> optax.Schedule:
     """Linear warm-up to peak_lr, then cosine decay to end_lr_fraction * peak_lr."""
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.peak_lr, warmup_steps=cfg.warmup_steps,
-        decay_steps=cfg.total_steps, end_value=cfg.peak_lr * cfg.end_lr_fraction)
+        init_value=0.0,
+        peak_value=cfg.peak_lr,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=cfg.total_steps,
+        end_value=cfg.peak_lr * cfg.end_lr_fraction,
+    )
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -102,9 +117,14 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW (no weight decay on 1-D norm scales)."""
-    adamw = optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay,
-                        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+    adamw = optax.adamw(
+        make_schedule(cfg),
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+    )
     if cfg.grad_clip == 0:
         return adamw
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
@@ -115,8 +135,7 @@ def data_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(np.asarray(devices if devices is not None else jax.devices()), (DATA_AXIS,))
 
 
-def make_train_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformation,
-                    mesh: Mesh):
+def make_train_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh):
     """The jitted `(params, opt_state, batch_BxL1) -> (params, opt_state, metrics)`.
 
     batch_BxL1 is sharded over the mesh's data axis; params, state and metrics are
@@ -131,15 +150,22 @@ def make_train_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformat
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
-    return jax.jit(step, in_shardings=(replicated, replicated, batch_sharding),
-                   out_shardings=(replicated, replicated, replicated))
+    return jax.jit(
+        step,
+        in_shardings=(replicated, replicated, batch_sharding),
+        out_shardings=(replicated, replicated, replicated),
+    )
 
 
 def make_eval_step(model_cfg: ModelConfig, mesh: Mesh):
     """The jitted `(params, batch_BxL1) -> mean loss`, batch sharded like training."""
-    return jax.jit(lambda params, batch: loss_fn(params, batch, model_cfg),
-                   in_shardings=(NamedSharding(mesh, PartitionSpec()),
-                                 NamedSharding(mesh, PartitionSpec(DATA_AXIS))))
+    return jax.jit(
+        lambda params, batch: loss_fn(params, batch, model_cfg),
+        in_shardings=(
+            NamedSharding(mesh, PartitionSpec()),
+            NamedSharding(mesh, PartitionSpec(DATA_AXIS)),
+        ),
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -153,8 +179,14 @@ def _cached_eval_step(model_cfg: ModelConfig, mesh: Mesh):
     return make_eval_step(model_cfg, mesh)
 
 
-def evaluate(params: Params, batches: Sequence[np.ndarray], model_cfg: ModelConfig,
-             mesh: Mesh | None = None, *, _eval_step=None) -> Metrics:
+def evaluate(
+    params: Params,
+    batches: Sequence[np.ndarray],
+    model_cfg: ModelConfig,
+    mesh: Mesh | None = None,
+    *,
+    _eval_step=None,
+) -> Metrics:
     """Mean held-out loss over `batches`, in nats and in bits per byte (loss / ln 2).
 
     Every batch must have the same number of rows, a multiple of the mesh's devices.
@@ -179,7 +211,8 @@ def _check_rows(rows: int, mesh: Mesh) -> None:
     if rows % mesh.size:
         raise TrainConfigError(
             f"batch_size {rows} is not divisible by the {mesh.size} local devices; use a "
-            f"multiple of {mesh.size} (e.g. {mesh.size * max(1, round(rows / mesh.size))})")
+            f"multiple of {mesh.size} (e.g. {mesh.size * max(1, round(rows / mesh.size))})"
+        )
 
 
 def _replicate(x: Any, sharding: NamedSharding) -> jax.Array:
@@ -253,9 +286,17 @@ class Trainer:
       5.61
     """
 
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, batches: BatchSource,
-                 *, params: Params | None = None, heldout: np.ndarray | None = None,
-                 slowdown: float = 1.0, devices: Sequence[jax.Device] | None = None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        train_cfg: TrainConfig,
+        batches: BatchSource,
+        *,
+        params: Params | None = None,
+        heldout: np.ndarray | None = None,
+        slowdown: float = 1.0,
+        devices: Sequence[jax.Device] | None = None,
+    ):
         """Places params and optimiser state on the mesh; compiles on the first step.
 
         Args:
@@ -269,8 +310,9 @@ class Trainer:
           devices: the island's devices (default all of `jax.devices()`).
         """
         if not (isinstance(slowdown, (int, float)) and slowdown >= 1 and math.isfinite(slowdown)):
-            raise TrainConfigError(f"slowdown must be a finite number >= 1 (1 = full speed), "
-                                   f"got {slowdown!r}")
+            raise TrainConfigError(
+                f"slowdown must be a finite number >= 1 (1 = full speed), got {slowdown!r}"
+            )
         self.model_cfg, self.train_cfg, self.slowdown = model_cfg, train_cfg, float(slowdown)
         self.mesh = data_mesh(devices)
         _check_rows(train_cfg.batch_size, self.mesh)
@@ -294,9 +336,12 @@ class Trainer:
         self.compile_time_s = 0.0
         self.eval_set: list[np.ndarray] = []
         if heldout is not None and train_cfg.eval_every:
-            self.eval_set = eval_batches(heldout, context=model_cfg.context,
-                                         batch_size=train_cfg.batch_size,
-                                         num_batches=train_cfg.eval_batches)
+            self.eval_set = eval_batches(
+                heldout,
+                context=model_cfg.context,
+                batch_size=train_cfg.batch_size,
+                num_batches=train_cfg.eval_batches,
+            )
 
     # -- parameters ----------------------------------------------------------------
 
@@ -318,7 +363,8 @@ class Trainer:
             if tuple(np.shape(leaf)) != shape:
                 raise ValueError(f"new params: a leaf has shape {np.shape(leaf)}, want {shape}")
         self._params = jax.tree.unflatten(
-            self._treedef, [_replicate(_f32(x), self._replicated) for x in leaves])
+            self._treedef, [_replicate(_f32(x), self._replicated) for x in leaves]
+        )
 
     def set_tensors(self, tensors: Mapping[str, Any]) -> None:
         """Replaces the named tensors ("/"-joined, e.g. "blocks/0/attn/wq"), keeps the rest.
@@ -336,8 +382,9 @@ class Trainer:
             if not isinstance(node, dict) or leaf not in node or isinstance(node[leaf], dict):
                 raise KeyError(f"no tensor {name!r} in the model")
             if tuple(np.shape(value)) != tuple(node[leaf].shape):
-                raise ValueError(f"tensor {name!r}: shape {np.shape(value)}, want "
-                                 f"{tuple(node[leaf].shape)}")
+                raise ValueError(
+                    f"tensor {name!r}: shape {np.shape(value)}, want {tuple(node[leaf].shape)}"
+                )
             node[leaf] = _replicate(_f32(value), self._replicated)
         self._params = tree
 
@@ -351,8 +398,11 @@ class Trainer:
         """
         if self._compiled is None:
             start = time.perf_counter()
-            batch = jax.ShapeDtypeStruct((self.train_cfg.batch_size, self.model_cfg.context + 1),
-                                         jnp.int32, sharding=self._batch_sharding)
+            batch = jax.ShapeDtypeStruct(
+                (self.train_cfg.batch_size, self.model_cfg.context + 1),
+                jnp.int32,
+                sharding=self._batch_sharding,
+            )
             self._compiled = self._train_step.lower(self._params, self.opt_state, batch).compile()
             self.compile_time_s = time.perf_counter() - start
         return self.compile_time_s
@@ -375,14 +425,18 @@ class Trainer:
             mine = local_rows(self._batch_sharding, want)
             part = np.asarray(self.batches.rows(self.steps_done, mine))
             if part.shape != (mine.stop - mine.start, want[1]):
-                raise ValueError(f"batch {self.steps_done} rows {mine.start}:{mine.stop} have shape "
-                                 f"{part.shape}, want {(mine.stop - mine.start, want[1])}")
+                raise ValueError(
+                    f"batch {self.steps_done} rows {mine.start}:{mine.stop} have shape "
+                    f"{part.shape}, want {(mine.stop - mine.start, want[1])}"
+                )
             batch = jax.make_array_from_process_local_data(self._batch_sharding, part, want)
         else:
             batch = np.asarray(self.batches[self.steps_done])
             if batch.shape != want:
-                raise ValueError(f"batch {self.steps_done} has shape {batch.shape}, want {want} "
-                                 f"(batch_size, context + 1)")
+                raise ValueError(
+                    f"batch {self.steps_done} has shape {batch.shape}, want {want} "
+                    f"(batch_size, context + 1)"
+                )
             batch = global_batch(batch, self._batch_sharding)
         lr = lr_at(self.train_cfg, self.steps_done)
         params, opt_state, out = self._compiled(self._params, self.opt_state, batch)
@@ -395,9 +449,17 @@ class Trainer:
         tokens = self.train_cfg.batch_size * self.model_cfg.context
         self.steps_done += 1
         self.tokens_total += tokens
-        metrics = {"step": self.steps_done, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                   "tokens": tokens, "tokens_total": self.tokens_total,
-                   "step_time_s": elapsed, "wall_time_s": wall, "tokens_per_s": tokens / wall}
+        metrics = {
+            "step": self.steps_done,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": tokens,
+            "tokens_total": self.tokens_total,
+            "step_time_s": elapsed,
+            "wall_time_s": wall,
+            "tokens_per_s": tokens / wall,
+        }
         if evaluate and self.eval_due():
             result = self.evaluate()
             metrics.update(eval_loss=result["loss"], eval_bits_per_byte=result["bits_per_byte"])
@@ -410,29 +472,37 @@ class Trainer:
     def evaluate(self, batches: Sequence[np.ndarray] | None = None) -> Metrics:
         """Held-out {"loss", "bits_per_byte"} of the current params (default: eval_set)."""
         batches = self.eval_set if batches is None else batches
-        return evaluate(self._params, batches, self.model_cfg, self.mesh,
-                        _eval_step=self._eval_step)
+        return evaluate(
+            self._params, batches, self.model_cfg, self.mesh, _eval_step=self._eval_step
+        )
 
     # -- save / resume ---------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
         """Host copies of everything a resume needs, with the configs they were made with."""
-        return {"model_config": dataclasses.asdict(self.model_cfg),
-                "train_config": dataclasses.asdict(self.train_cfg),
-                "params": jax.device_get(self._params),
-                "opt_state": jax.device_get(self.opt_state),
-                "steps_done": self.steps_done, "tokens_total": self.tokens_total}
+        return {
+            "model_config": dataclasses.asdict(self.model_cfg),
+            "train_config": dataclasses.asdict(self.train_cfg),
+            "params": jax.device_get(self._params),
+            "opt_state": jax.device_get(self.opt_state),
+            "steps_done": self.steps_done,
+            "tokens_total": self.tokens_total,
+        }
 
     def restore(self, snapshot: Mapping[str, Any]) -> None:
         """Resumes from `snapshot()`; ValueError if it is of a different model."""
         if snapshot["model_config"] != dataclasses.asdict(self.model_cfg):
-            raise ValueError(f"snapshot is of model {snapshot['model_config']}, this trainer "
-                             f"runs {dataclasses.asdict(self.model_cfg)}")
+            raise ValueError(
+                f"snapshot is of model {snapshot['model_config']}, this trainer "
+                f"runs {dataclasses.asdict(self.model_cfg)}"
+            )
         self.params = snapshot["params"]
         state = snapshot["opt_state"]
         if jax.tree.structure(state) != jax.tree.structure(self.opt_state):
-            raise ValueError("snapshot's optimiser state does not match this trainer's "
-                             "optimiser (different TrainConfig, e.g. grad_clip on/off?)")
+            raise ValueError(
+                "snapshot's optimiser state does not match this trainer's "
+                "optimiser (different TrainConfig, e.g. grad_clip on/off?)"
+            )
         self.opt_state = jax.tree.map(lambda x: _replicate(x, self._replicated), state)
         self.steps_done = int(snapshot["steps_done"])
         self.tokens_total = int(snapshot["tokens_total"])

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from typing import Any
 
-from server import storage
-from server.shard import PUSH, _parse
+from atoll.server import storage
+from atoll.wire.records import LOG_PUSH, parse_log_record
 
 
 @dataclasses.dataclass
 class Durable:
     """One learner's pushes to one fragment that a shard holds."""
 
-    logged: set[int] = dataclasses.field(default_factory=set)  # seqs with a PUSH record in the log
+    logged: set[int] = dataclasses.field(
+        default_factory=set
+    )  # seqs with a LOG_PUSH record in the log
     snapshot_seq: int = -1  # newest seq the newest snapshot remembers (-1: none)
 
     def holds(self, seq: int) -> bool:
@@ -38,13 +41,21 @@ def durable_pushes(data_dir: str | pathlib.Path) -> dict[tuple[str, int], Durabl
                 out.setdefault((learner, int(p)), Durable()).snapshot_seq = int(answer["seq"])
     with storage.WriteAheadLog(data / "wal") as wal:
         for _, record in wal.replay(wal.first_lsn - 1):  # every record it still holds
-            kind, meta, _ = _parse(record)
-            if kind == PUSH and meta["answer"]["accepted"]:
-                out.setdefault((meta["learner"], meta["fragment"]), Durable()).logged.add(int(meta["answer"]["seq"]))
+            kind, meta, _ = parse_log_record(record)
+            if kind == LOG_PUSH and meta["answer"]["accepted"]:
+                out.setdefault((meta["learner"], meta["fragment"]), Durable()).logged.add(
+                    int(meta["answer"]["seq"])
+                )
     return out
 
 
-def lost_acks(acks: list[dict], durable: dict[tuple[str, int], Durable]) -> list[dict]:
+def lost_acks(
+    acks: list[dict[str, Any]], durable: dict[tuple[str, int], Durable]
+) -> list[dict[str, Any]]:
     """The accepted acknowledgements (learner, fragment, seq) that no shard holds."""
-    return [a for a in acks if a["accepted"]
-            and not durable.get((a["learner"], a["fragment"]), Durable()).holds(a["seq"])]
+    return [
+        a
+        for a in acks
+        if a["accepted"]
+        and not durable.get((a["learner"], a["fragment"]), Durable()).holds(a["seq"])
+    ]

@@ -8,7 +8,7 @@ import os
 import pathlib
 import re
 
-from wire.codec import Codec
+from atoll.wire.codec import Codec
 
 # Environment overrides, for Kubernetes: the StatefulSet sets the shard index from
 # the pod ordinal (ATOLL_SHARD_INDEX, or a pod name ending in -N via ATOLL_POD_NAME).
@@ -47,78 +47,155 @@ class ShardConfig:
     data_dir: pathlib.Path  # write-ahead log and snapshots; must be writable
     listen: str = "127.0.0.1:7070"  # host:port for gRPC; port 0 picks a free port
     quorum: int = 1  # learners needed to close a round, >= 1
-    grace_factor: float = GRACE_FACTOR  # γ, >= 0: multiplies the grace window (see rules.estimate_grace)
+    grace_factor: float = (
+        GRACE_FACTOR  # γ, >= 0: multiplies the grace window (see rules.estimate_grace)
+    )
     max_staleness: int = 4  # versions a push's base may lag, >= 0
     staleness_discount: float = 0.0  # a in (1 + s)^-a, >= 0; 0 disables discounting
     lease_seconds: float = 30.0  # a learner is live this long after its last call, > 0
     outer_lr: float = OUTER_LR  # outer SGD learning rate, > 0
     outer_momentum: float = OUTER_MOMENTUM  # Nesterov momentum, in [0, 1)
-    momentum_delay: int = OUTER_MOMENTUM_DELAY  # rounds per momentum update (delayed Nesterov), >= 1
+    momentum_delay: int = (
+        OUTER_MOMENTUM_DELAY  # rounds per momentum update (delayed Nesterov), >= 1
+    )
     rda: bool = True  # radial-directional averaging for non-embedding tensors
     delta_ring: int = 4  # published deltas kept for cheap pulls, >= 1; past max_staleness a push is refused anyway
     snapshot_every: int = 50  # rounds between snapshots, >= 1
     publish_codec: Codec = Codec.INT4  # codec of published deltas
     max_message_bytes: int = 8 << 20  # gRPC message limit, >= 1 MiB
     max_concurrent_streams: int = 64  # concurrent RPCs per connection, >= 1
-    token_file: pathlib.Path | None = None  # bearer tokens, one per line ("learner-id token" or "token")
+    token_file: pathlib.Path | None = (
+        None  # bearer tokens, one per line ("learner-id token" or "token")
+    )
     tls_cert: pathlib.Path | None = None  # PEM server certificate (enables TLS)
     tls_key: pathlib.Path | None = None  # PEM private key for tls_cert
     tls_client_ca: pathlib.Path | None = None  # PEM CA bundle: require client certificates (mTLS)
     metrics_port: int | None = None  # Prometheus /metrics port; None disables, 0 picks one
-    quarantine_records: tuple[int, ...] = ()  # log LSNs to set aside at recovery (an operator's decision)
-    health_port: int | None = None  # plaintext grpc.health.v1 only, on the listen host; None disables, 0 picks one
-    max_inflight_bytes: int = 2 << 30  # frame bytes all open Push/Init streams may declare at once, >= 1 MiB
+    quarantine_records: tuple[
+        int, ...
+    ] = ()  # log LSNs to set aside at recovery (an operator's decision)
+    health_port: int | None = (
+        None  # plaintext grpc.health.v1 only, on the listen host; None disables, 0 picks one
+    )
+    max_inflight_bytes: int = (
+        2 << 30
+    )  # frame bytes all open Push/Init streams may declare at once, >= 1 MiB
     max_connection_inflight_bytes: int = 512 << 20  # the same for one client connection, >= 1 MiB
     stream_idle_seconds: float = 60.0  # a Push or Init stream silent this long is aborted, > 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
             if not ok:
                 raise ConfigError(message)
 
         need(self.num_shards >= 1, f"--num-shards must be at least 1, got {self.num_shards}")
-        need(0 <= self.shard_index < self.num_shards,
-             f"--shard-index must be in [0, {self.num_shards}), got {self.shard_index}")
-        need(re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[\w.-]+):\d{1,5}", self.listen) is not None,
-             f"--listen must be HOST:PORT (e.g. 0.0.0.0:7070), got {self.listen!r}")
-        need(_port_ok(self.port),
-             f"--listen port must be in 1-65535 (0 picks a free one), got {self.listen!r}")
+        need(
+            0 <= self.shard_index < self.num_shards,
+            f"--shard-index must be in [0, {self.num_shards}), got {self.shard_index}",
+        )
+        need(
+            re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[\w.-]+):\d{1,5}", self.listen) is not None,
+            f"--listen must be HOST:PORT (e.g. 0.0.0.0:7070), got {self.listen!r}",
+        )
+        need(
+            _port_ok(self.port),
+            f"--listen port must be in 1-65535 (0 picks a free one), got {self.listen!r}",
+        )
         need(self.quorum >= 1, f"--quorum must be at least 1, got {self.quorum}")
         need(self.grace_factor >= 0, f"--grace-factor must be >= 0, got {self.grace_factor}")
         need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
-        need(self.staleness_discount >= 0,
-             f"--staleness-discount must be >= 0 (0 disables it), got {self.staleness_discount}")
+        need(
+            self.staleness_discount >= 0,
+            f"--staleness-discount must be >= 0 (0 disables it), got {self.staleness_discount}",
+        )
         need(self.lease_seconds > 0, f"--lease-seconds must be > 0, got {self.lease_seconds}")
         need(self.outer_lr > 0, f"--outer-lr must be > 0, got {self.outer_lr}")
-        need(0 <= self.outer_momentum < 1, f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
-        need(self.momentum_delay >= 1,
-             f"--momentum-delay must be at least 1 (1: Nesterov every round), got {self.momentum_delay}")
+        need(
+            0 <= self.outer_momentum < 1,
+            f"--outer-momentum must be in [0, 1), got {self.outer_momentum}",
+        )
+        need(
+            self.momentum_delay >= 1,
+            f"--momentum-delay must be at least 1 (1: Nesterov every round), got {self.momentum_delay}",
+        )
         need(self.delta_ring >= 1, f"--delta-ring must be at least 1, got {self.delta_ring}")
-        need(self.snapshot_every >= 1, f"--snapshot-every must be at least 1, got {self.snapshot_every}")
-        need(self.publish_codec in (Codec.INT4, Codec.MXFP4, Codec.FP32),
-             f"--publish-codec must be int4, mxfp4 or fp32, got {self.publish_codec}")
-        need(self.max_message_bytes >= 1 << 20,
-             f"--max-message-bytes must be at least 1048576, got {self.max_message_bytes}")
-        need(self.max_concurrent_streams >= 1,
-             f"--max-concurrent-streams must be at least 1, got {self.max_concurrent_streams}")
-        need((self.tls_cert is None) == (self.tls_key is None),
-             "--tls-cert and --tls-key go together: give both or neither")
-        need(self.tls_client_ca is None or self.tls_cert is not None,
-             "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key as well")
-        for flag, path in (("--token-file", self.token_file), ("--tls-cert", self.tls_cert),
-                           ("--tls-key", self.tls_key), ("--tls-client-ca", self.tls_client_ca)):
+        need(
+            self.snapshot_every >= 1,
+            f"--snapshot-every must be at least 1, got {self.snapshot_every}",
+        )
+        need(
+            self.publish_codec in (Codec.INT4, Codec.MXFP4, Codec.FP32),
+            f"--publish-codec must be int4, mxfp4 or fp32, got {self.publish_codec}",
+        )
+        need(
+            self.max_message_bytes >= 1 << 20,
+            f"--max-message-bytes must be at least 1048576, got {self.max_message_bytes}",
+        )
+        need(
+            self.max_concurrent_streams >= 1,
+            f"--max-concurrent-streams must be at least 1, got {self.max_concurrent_streams}",
+        )
+        need(
+            (self.tls_cert is None) == (self.tls_key is None),
+            "--tls-cert and --tls-key go together: give both or neither",
+        )
+        need(
+            self.tls_client_ca is None or self.tls_cert is not None,
+            "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key as well",
+        )
+        for flag, path in (
+            ("--token-file", self.token_file),
+            ("--tls-cert", self.tls_cert),
+            ("--tls-key", self.tls_key),
+            ("--tls-client-ca", self.tls_client_ca),
+        ):
             need(path is None or pathlib.Path(path).is_file(), f"{flag}: no such file {path}")
-        for flag, port in (("--metrics-port", self.metrics_port), ("--health-port", self.health_port)):
-            need(port is None or _port_ok(port), f"{flag} must be in 1-65535 (0 picks a free one), got {port}")
-        need(self.health_port is None or self.health_port == 0 or self.health_port != self.port,
-             f"--health-port {self.health_port} is the --listen port; give it a port of its own")
-        need(self.max_connection_inflight_bytes >= 1 << 20,
-             f"--max-connection-inflight-bytes must be at least 1048576, got {self.max_connection_inflight_bytes}")
-        need(self.max_inflight_bytes >= self.max_connection_inflight_bytes,
-             f"--max-inflight-bytes ({self.max_inflight_bytes}) must be at least "
-             f"--max-connection-inflight-bytes ({self.max_connection_inflight_bytes})")
-        need(math.isfinite(self.stream_idle_seconds) and self.stream_idle_seconds > 0,
-             f"--stream-idle-seconds must be a number > 0, got {self.stream_idle_seconds}")
+        for flag, port in (
+            ("--metrics-port", self.metrics_port),
+            ("--health-port", self.health_port),
+        ):
+            need(
+                port is None or _port_ok(port),
+                f"{flag} must be in 1-65535 (0 picks a free one), got {port}",
+            )
+        need(
+            self.health_port is None or self.health_port == 0 or self.health_port != self.port,
+            f"--health-port {self.health_port} is the --listen port; give it a port of its own",
+        )
+        need(
+            self.max_connection_inflight_bytes >= 1 << 20,
+            f"--max-connection-inflight-bytes must be at least 1048576, got {self.max_connection_inflight_bytes}",
+        )
+        need(
+            self.max_inflight_bytes >= self.max_connection_inflight_bytes,
+            f"--max-inflight-bytes ({self.max_inflight_bytes}) must be at least "
+            f"--max-connection-inflight-bytes ({self.max_connection_inflight_bytes})",
+        )
+        need(
+            math.isfinite(self.stream_idle_seconds) and self.stream_idle_seconds > 0,
+            f"--stream-idle-seconds must be a number > 0, got {self.stream_idle_seconds}",
+        )
+
+    def to_args(self) -> list[str]:
+        """The `atoll syncer` flags that give this config: what a launcher (`atoll up`,
+        `atoll chaos`) runs, so each setting is declared and checked here once. Settings at
+        their defaults are left out; `--quarantine-record` repeats per LSN."""
+        args: list[str] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.name == "rda":
+                args.append("--no-rda")
+            elif f.name == "quarantine_records":
+                for lsn in value:
+                    args += ["--quarantine-record", str(lsn)]
+            elif isinstance(value, Codec):
+                args += [flag, value.name.lower()]
+            else:
+                args += [flag, str(value)]
+        return args
 
     @property
     def tls(self) -> bool:
@@ -186,8 +263,10 @@ def load_tokens(path: pathlib.Path) -> dict[str, str | None]:
         if placeholder.search(token):
             raise ConfigError(f"{path}:{number}: the token is a placeholder, not a secret; {how}")
         if len(token) < min_chars:
-            raise ConfigError(f"{path}:{number}: the token has {len(token)} characters, fewer than the "
-                              f"{min_chars} a bearer token needs; {how}")
+            raise ConfigError(
+                f"{path}:{number}: the token has {len(token)} characters, fewer than the "
+                f"{min_chars} a bearer token needs; {how}"
+            )
         tokens[token] = learner
     if not tokens:
         raise ConfigError(f"{path}: no tokens (one per line, '#' starts a comment)")

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Iterable
+from typing import Any
 
 import jax
 import numpy as np
 
-from server import merge, rules
-from wire import codec
-from wire.plan import FragmentPlan
+from atoll.server import merge, rules
+from atoll.wire import codec
+from atoll.wire.plan import FragmentPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +42,19 @@ class Answer:
 class Fragment:
     """Fragment p of a shard. `params is None` until initialized."""
 
-    def __init__(self, index: int, plan: FragmentPlan, *, lr: float, momentum: float, rda: bool,
-                 delta_ring: int, publish_codec: codec.Codec, quorum: int = 1, momentum_delay: int = 1):
+    def __init__(
+        self,
+        index: int,
+        plan: FragmentPlan,
+        *,
+        lr: float,
+        momentum: float,
+        rda: bool,
+        delta_ring: int,
+        publish_codec: codec.Codec,
+        quorum: int = 1,
+        momentum_delay: int = 1,
+    ):
         self.index = index
         self.size = plan.fragment_sizes[index]
         self.segments = merge.Segments.from_plan(plan, index)
@@ -49,7 +62,7 @@ class Fragment:
         self.publish_codec = publish_codec
         self.params: np.ndarray | None = None  # Θ, the global params (fp32)
         self.published: np.ndarray | None = None  # what learners hold at `version`
-        self.opt_state = None
+        self.opt_state: merge.OuterState | None = None
         self.version = 0
         self.ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=delta_ring)
         self.quorum = quorum  # K, for stamping when the open round reaches it
@@ -76,9 +89,12 @@ class Fragment:
 
     @property
     def contributors(self) -> frozenset[str]:
-        return self.round_state.contributors
+        contributors: frozenset[str] = self.round_state.contributors
+        return contributors
 
-    def contribute(self, learner: str, delta: codec.Codes | np.ndarray, answer: Answer, now: float) -> None:
+    def contribute(
+        self, learner: str, delta: codec.Codes | np.ndarray, answer: Answer, now: float
+    ) -> None:
         """Folds an accepted outer gradient into the open round: a push's checked codes
         (`codec.read_codes`, merged with no float32 copy) or a float32 vector, the same bits."""
         if isinstance(delta, codec.Codes):
@@ -95,6 +111,7 @@ class Fragment:
         `trigger`, the learner whose push closed the round, has its answer moved to the
         new version. Live closes and replayed ones both come here."""
         assert self.round.count > 0, "closing an empty round"
+        assert self.params is not None and self.published is not None, "fragment not seeded"
         merged = self.round.result()
         # The staleness discount shrinks stale work in absolute terms: the merge above
         # normalises by Σ w·d, so scale by Σ w·d / Σ w (a lone push with discount d
@@ -102,10 +119,12 @@ class Fragment:
         shrink = self.round.total_weight / self.full_weight
         if shrink != 1.0:
             np.multiply(merged, np.float32(shrink), out=merged)
-        self.params, self.opt_state = merge.outer_step(self.params, self.opt_state, merged, self.opt)
+        self.params, self.opt_state = merge.outer_step(
+            self.params, self.opt_state, merged, self.opt
+        )
         # The published copy follows params through quantised deltas; what a delta
         # fails to carry stays in params − published and goes out with the next one.
-        frame = codec.encode(self.params - self.published, self.publish_codec)
+        frame: bytes = codec.encode(self.params - self.published, self.publish_codec)
         # a new array, not written in place: a snapshot or pull taken earlier may still read the
         # old one. delta + published in one add: the same bits as a learner's decode_into(frame,
         # held, 1.0), which adds 1.0 × each value (exact) to what it holds
@@ -122,7 +141,7 @@ class Fragment:
             self.answers[trigger] = dataclasses.replace(self.answers[trigger], version=self.version)
         return frame
 
-    def restamp(self, contributors, now: float) -> rules.RoundState:
+    def restamp(self, contributors: Iterable[str], now: float) -> rules.RoundState:
         """The open round holding `contributors`, as if they had all pushed at `now`
         (after a restart: round timing is not durable, membership is)."""
         state = rules.open_round()
@@ -141,18 +160,24 @@ class Fragment:
 
     def snapshot_frame(self) -> bytes:
         """The published copy as one lossless frame."""
-        return codec.encode(self.published, codec.Codec.FP32)
+        assert self.published is not None, "fragment not seeded"
+        frame: bytes = codec.encode(self.published, codec.Codec.FP32)
+        return frame
 
     # --- snapshots of the whole state ---
 
-    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """(JSON-able meta, arrays) describing everything above."""
-        meta = {"version": self.version, "initialized": self.initialized,
-                "last_round_size": self.last_round_size,
-                "ring": [v for v, _ in self.ring], "contributors": sorted(self.contributors),
-                "answers": {k: dataclasses.asdict(a) for k, a in self.answers.items()}}
+        meta: dict[str, Any] = {
+            "version": self.version,
+            "initialized": self.initialized,
+            "last_round_size": self.last_round_size,
+            "ring": [v for v, _ in self.ring],
+            "contributors": sorted(self.contributors),
+            "answers": {k: dataclasses.asdict(a) for k, a in self.answers.items()},
+        }
         arrays: dict[str, np.ndarray] = {}
-        if self.initialized:
+        if self.params is not None and self.published is not None:  # initialized
             arrays["params"], arrays["published"] = self.params, self.published
             for i, leaf in enumerate(jax.tree_util.tree_leaves(self.opt_state)):
                 arrays[f"opt.{i}"] = np.asarray(leaf)
@@ -160,11 +185,14 @@ class Fragment:
             arrays[f"ring.{i}"] = np.frombuffer(frame, np.uint8)
         rs = self.round.state()
         arrays["round.acc"], arrays["round.norm_sum"] = rs.acc, rs.norm_sum
-        meta["round"] = {"total_weight": rs.total_weight, "count": rs.count,
-                         "full_weight": self.full_weight}
+        meta["round"] = {
+            "total_weight": rs.total_weight,
+            "count": rs.count,
+            "full_weight": self.full_weight,
+        }
         return meta, arrays
 
-    def restore(self, meta: dict, arrays: dict[str, np.ndarray], now: float) -> None:
+    def restore(self, meta: dict[str, Any], arrays: dict[str, np.ndarray], now: float) -> None:
         """Inverse of `state()`; the open round's clock restarts at `now`."""
         self.version = int(meta["version"])
         self.last_round_size = int(meta["last_round_size"])
@@ -174,21 +202,30 @@ class Fragment:
             template = self.opt.init(self.params)
             leaves, treedef = jax.tree_util.tree_flatten(template)
             saved = sum(1 for k in arrays if k.startswith("opt."))
-            if saved != len(leaves) or any(np.shape(arrays[f"opt.{i}"]) != np.shape(leaf)
-                                           for i, leaf in enumerate(leaves)):
-                raise ValueError(f"fragment {self.index}: the snapshot's outer optimiser state ({saved} arrays) "
-                                 f"does not fit this shard's optimiser ({len(leaves)}): it was written with "
-                                 "another --momentum-delay; restart with the setting it was written with")
+            if saved != len(leaves) or any(
+                np.shape(arrays[f"opt.{i}"]) != np.shape(leaf) for i, leaf in enumerate(leaves)
+            ):
+                raise ValueError(
+                    f"fragment {self.index}: the snapshot's outer optimiser state ({saved} arrays) "
+                    f"does not fit this shard's optimiser ({len(leaves)}): it was written with "
+                    "another --momentum-delay; restart with the setting it was written with"
+                )
             self.opt_state = jax.tree_util.tree_unflatten(
-                treedef, [jax.numpy.asarray(arrays[f"opt.{i}"]) for i in range(len(leaves))])
+                treedef, [jax.numpy.asarray(arrays[f"opt.{i}"]) for i in range(len(leaves))]
+            )
         self.ring.clear()
         for i, v in enumerate(meta["ring"]):
             self.ring.append((int(v), arrays[f"ring.{i}"].tobytes()))
         rs = self.round.state()
         self.round = merge.RoundAccumulator.from_state(
-            rs._replace(acc=arrays["round.acc"], norm_sum=arrays["round.norm_sum"],
-                        total_weight=meta["round"]["total_weight"], count=meta["round"]["count"]),
-            self.segments)
+            rs._replace(
+                acc=arrays["round.acc"],
+                norm_sum=arrays["round.norm_sum"],
+                total_weight=meta["round"]["total_weight"],
+                count=meta["round"]["count"],
+            ),
+            self.segments,
+        )
         self.full_weight = float(meta["round"].get("full_weight", meta["round"]["total_weight"]))
         self.round_state = self.restamp(meta["contributors"], now)
         self.answers = {k: Answer(**a) for k, a in meta["answers"].items()}

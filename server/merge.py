@@ -1,4 +1,4 @@
-"""How one fragment's round of outer gradients becomes one outer step (DESIGN.md §1).
+"""How one fragment's round of outer gradients becomes one outer step (docs/design.md §1).
 
 Pushes arrive one at a time and each is folded into a `RoundAccumulator` straight
 from its frame's codes (`add_frame`: no float32 copy of the push), then dropped. When the round closes, `result()` is the merged outer gradient:
@@ -24,19 +24,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 import optax
 
-from server.config import OUTER_LR, OUTER_MOMENTUM, OUTER_MOMENTUM_DELAY
-from wire.codec import Codec, Codes, read_codes
-from wire.plan import FragmentPlan, FragmentVector
+from atoll.server.config import OUTER_LR, OUTER_MOMENTUM, OUTER_MOMENTUM_DELAY
+from atoll.wire.codec import Codec, Codes, read_codes
+from atoll.wire.plan import FragmentPlan, FragmentVector
 
 OuterGrad = np.ndarray  # Θ_base − θ_learner over one fragment; points like a gradient
-OuterState = optax.OptState  # the outer optimiser's state for one fragment
+OuterState: TypeAlias = optax.OptState  # the outer optimiser's state for one fragment
 Weight = float  # a push's merge weight, > 0: rules.token_weight × staleness discount
 
 CHUNK = 1 << 16  # elements per pass of add_scaled: 256 KiB of float32 scratch stays in L2
@@ -50,7 +51,7 @@ def aligned_empty(size: int) -> np.ndarray:
     them (a fresh buffer, ~13k page faults per 50 MB); this one it takes as it is."""
     raw = np.empty(size * 4 + ALIGN, np.uint8)
     start = -raw.ctypes.data % ALIGN
-    return raw[start:start + size * 4].view(np.float32)
+    return raw[start : start + size * 4].view(np.float32)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -61,12 +62,17 @@ class Segments:
     ends: np.ndarray  # int64, one past each tensor's last element; ends[i] == offsets[i+1]
     embedding: np.ndarray  # bool, True: plain weighted average instead of RDA
 
-    def __post_init__(self):
-        o, e, emb = (np.asarray(self.offsets, np.int64), np.asarray(self.ends, np.int64),
-                     np.asarray(self.embedding, bool))
+    def __post_init__(self) -> None:
+        o, e, emb = (
+            np.asarray(self.offsets, np.int64),
+            np.asarray(self.ends, np.int64),
+            np.asarray(self.embedding, bool),
+        )
         if o.ndim != 1 or not o.size or o.shape != e.shape or o.shape != emb.shape:
-            raise ValueError(f"segments: offsets {o.shape}, ends {e.shape}, embedding "
-                             f"{emb.shape}: want three equal non-empty 1-D arrays")
+            raise ValueError(
+                f"segments: offsets {o.shape}, ends {e.shape}, embedding "
+                f"{emb.shape}: want three equal non-empty 1-D arrays"
+            )
         if o[0] != 0 or np.any(e <= o) or np.any(o[1:] != e[:-1]):
             raise ValueError("segments must tile [0, size) with non-empty tensors in order")
         for name, a in (("offsets", o), ("ends", e), ("embedding", emb)):
@@ -77,14 +83,17 @@ class Segments:
     def from_plan(cls, plan: FragmentPlan, fragment: int) -> Segments:
         """The tensors of one plan fragment, in layout order."""
         slots = plan.tensors_of(fragment)
-        return cls([s.offset for s in slots], [s.end for s in slots],
-                   [bool(s.spec.embedding) for s in slots])
+        return cls(
+            np.asarray([s.offset for s in slots], np.int64),
+            np.asarray([s.end for s in slots], np.int64),
+            np.asarray([bool(s.spec.embedding) for s in slots], bool),
+        )
 
     @classmethod
-    def from_sizes(cls, sizes, embedding=None) -> Segments:
+    def from_sizes(cls, sizes: npt.ArrayLike, embedding: npt.ArrayLike | None = None) -> Segments:
         """Contiguous tensors of the given sizes (embedding: per-tensor flags, default none)."""
         ends = np.cumsum(np.asarray(sizes, np.int64))
-        emb = np.zeros(len(ends), bool) if embedding is None else embedding
+        emb = np.zeros(len(ends), bool) if embedding is None else np.asarray(embedding, bool)
         return cls(np.concatenate([[0], ends[:-1]]), ends, emb)
 
     @property
@@ -95,19 +104,27 @@ class Segments:
         return len(self.offsets)
 
     def same_as(self, other: Segments) -> bool:
-        return all(np.array_equal(getattr(self, f), getattr(other, f))
-                   for f in ("offsets", "ends", "embedding"))
+        return all(
+            np.array_equal(getattr(self, f), getattr(other, f))
+            for f in ("offsets", "ends", "embedding")
+        )
 
 
 def segment_norms(vec: np.ndarray, seg: Segments) -> np.ndarray:
     """Per-tensor L2 norms (float64) of a finite float32 vector, in the codec's fixed order.
 
     Not BLAS or einsum: their summation order may change with threads or the CPU."""
-    return np.sqrt(Codes.of_values(vec).range_sq_norms(seg.offsets, seg.ends))
+    sq_norms: npt.NDArray[np.float64] = Codes.of_values(vec).range_sq_norms(seg.offsets, seg.ends)
+    return np.sqrt(sq_norms)
 
 
-def add_scaled(acc: np.ndarray, vec: np.ndarray, seg: Segments, scales: np.ndarray,
-               scratch: np.ndarray | None = None) -> None:
+def add_scaled(
+    acc: np.ndarray,
+    vec: np.ndarray,
+    seg: Segments,
+    scales: np.ndarray,
+    scratch: np.ndarray | None = None,
+) -> None:
     """acc[t] += float32(scales[t]) · vec[t] for every tensor t, in place; 0 scales skip.
 
     The plain numpy statement of what `RoundAccumulator` adds; its kernel
@@ -119,7 +136,7 @@ def add_scaled(acc: np.ndarray, vec: np.ndarray, seg: Segments, scales: np.ndarr
             continue
         for a in range(o, e, CHUNK):
             b = min(a + CHUNK, e)
-            t = scratch[:b - a]
+            t = scratch[: b - a]
             np.multiply(vec[a:b], s, out=t)  # multiply, then add: never fused
             np.add(acc[a:b], t, out=acc[a:b])
 
@@ -134,7 +151,7 @@ def _weight(weight: Weight) -> float:
     return w
 
 
-def _checked_codes(frame, codec: Codec | None, size: int) -> Codes:
+def _checked_codes(frame: bytes | Codes, codec: Codec | None, size: int) -> Codes:
     if isinstance(frame, Codes):
         if codec is not None and frame.info.codec != Codec(codec):
             raise ValueError(f"frame uses {frame.info.codec.name}; expected {Codec(codec).name}")
@@ -153,7 +170,7 @@ class RoundState(NamedTuple):
     acc: np.ndarray  # float32 [size]: Σ w·unit(Δ) (RDA tensors) or Σ w·Δ (the rest)
     norm_sum: np.ndarray  # float64 [T]: Σ w·‖Δ_t‖
     total_weight: float  # Σ w
-    count: int  # contributions so far
+    count: int  # type: ignore[assignment]  # shadows tuple.count; contributions so far
     rda: bool  # False: plain weighted average everywhere
 
 
@@ -196,8 +213,10 @@ class RoundAccumulator:
         The same as `add_frame` of a frame that decodes to delta, bit for bit."""
         delta = np.asarray(delta)
         if delta.dtype != np.float32 or delta.shape != (self.segments.size,):
-            raise ValueError(f"delta {delta.dtype}{delta.shape}: want float32 "
-                             f"({self.segments.size},), the fragment's flat vector")
+            raise ValueError(
+                f"delta {delta.dtype}{delta.shape}: want float32 "
+                f"({self.segments.size},), the fragment's flat vector"
+            )
         w = _weight(weight)
         self._add(Codes.of_values(delta), w)  # CodecError (a ValueError) on NaN/Inf
 
@@ -238,20 +257,29 @@ class RoundAccumulator:
         rda, W = self._rda_mask, self.total_weight
         dir_norms = segment_norms(self._acc, self.segments)
         with np.errstate(divide="ignore", invalid="ignore"):
-            scales = np.where(rda, np.where(dir_norms > 0, self._norm_sum / W / dir_norms, 0.0),
-                              1.0 / W)
+            scales = np.where(
+                rda, np.where(dir_norms > 0, self._norm_sum / W / dir_norms, 0.0), 1.0 / W
+            )
         out = aligned_empty(self._acc.size)  # outer_step hands it to XLA without a copy
-        for o, e, sc in zip(self.segments.offsets.tolist(), self.segments.ends.tolist(),
-                            scales.astype(np.float32)):
+        for o, e, sc in zip(
+            self.segments.offsets.tolist(), self.segments.ends.tolist(), scales.astype(np.float32)
+        ):
             np.multiply(self._acc[o:e], sc, out=out[o:e])
         return out
 
     def state(self) -> RoundState:
         """A copy of the open round, for a shard snapshot."""
         s = self.segments
-        return RoundState(s.offsets.copy(), s.ends.copy(), s.embedding.copy(),
-                          self._acc.copy(), self._norm_sum.copy(), float(self.total_weight),
-                          int(self.count), self.rda)
+        return RoundState(
+            s.offsets.copy(),
+            s.ends.copy(),
+            s.embedding.copy(),
+            self._acc.copy(),
+            self._norm_sum.copy(),
+            float(self.total_weight),
+            int(self.count),
+            self.rda,
+        )
 
     @classmethod
     def from_state(cls, state: RoundState, segments: Segments | None = None) -> RoundAccumulator:
@@ -259,13 +287,16 @@ class RoundAccumulator:
         st = RoundState(*state)
         saved = Segments(st.offsets, st.ends, st.embedding)
         if segments is not None and not segments.same_as(saved):
-            raise ValueError("round snapshot was taken with a different fragment layout; "
-                             "resume it with the plan it was made with")
+            raise ValueError(
+                "round snapshot was taken with a different fragment layout; "
+                "resume it with the plan it was made with"
+            )
         acc, norm_sum = np.asarray(st.acc), np.asarray(st.norm_sum)
-        if acc.dtype != np.float32 or acc.shape != (saved.size,) or \
-                norm_sum.shape != (len(saved),):
-            raise ValueError(f"round snapshot arrays acc {acc.dtype}{acc.shape}, norm_sum "
-                             f"{norm_sum.shape} do not fit {len(saved)} tensors / {saved.size}")
+        if acc.dtype != np.float32 or acc.shape != (saved.size,) or norm_sum.shape != (len(saved),):
+            raise ValueError(
+                f"round snapshot arrays acc {acc.dtype}{acc.shape}, norm_sum "
+                f"{norm_sum.shape} do not fit {len(saved)} tensors / {saved.size}"
+            )
         out = cls(segments if segments is not None else saved, rda=bool(st.rda))
         out._acc[:] = acc
         out._norm_sum[:] = norm_sum.astype(np.float64)
@@ -273,13 +304,16 @@ class RoundAccumulator:
         return out
 
 
-def outer_optimizer(lr: float = OUTER_LR, momentum: float = OUTER_MOMENTUM,
-                    delay: int = OUTER_MOMENTUM_DELAY) -> optax.GradientTransformation:
-    """SGD with Nesterov momentum, the outer optimiser (DESIGN.md §1 defaults); with
+def outer_optimizer(
+    lr: float = OUTER_LR, momentum: float = OUTER_MOMENTUM, delay: int = OUTER_MOMENTUM_DELAY
+) -> optax.GradientTransformation:
+    """SGD with Nesterov momentum, the outer optimiser (docs/design.md §1 defaults); with
     `delay` N > 1, delayed Nesterov (see `delayed_nesterov`). N = 1 is optax's Nesterov."""
     if not lr > 0 or not 0 <= momentum < 1 or not (isinstance(delay, int) and delay >= 1):
-        raise ValueError(f"lr={lr}, momentum={momentum}, delay={delay}: want lr > 0, 0 <= momentum < 1 "
-                         "and an integer delay >= 1")
+        raise ValueError(
+            f"lr={lr}, momentum={momentum}, delay={delay}: want lr > 0, 0 <= momentum < 1 "
+            "and an integer delay >= 1"
+        )
     if delay == 1:
         return optax.sgd(learning_rate=lr, momentum=momentum, nesterov=True)
     return delayed_nesterov(lr, momentum, delay)
@@ -288,7 +322,7 @@ def outer_optimizer(lr: float = OUTER_LR, momentum: float = OUTER_MOMENTUM,
 class DelayedNesterovState(NamedTuple):
     """The outer optimiser's state under delayed Nesterov."""
 
-    count: jax.Array  # rounds since the momentum's last full update (int32 scalar)
+    rounds: jax.Array  # rounds since the momentum's last full update (int32 scalar)
     momentum: jax.Array  # m, with those rounds' gradients already folded in (÷ delay)
 
 
@@ -310,29 +344,37 @@ def delayed_nesterov(lr: float, momentum: float, delay: int) -> optax.GradientTr
         raise ValueError(f"delay={delay}: want an integer >= 1")
     beta = float(momentum)
 
-    def init(params):
+    def init(params: jax.Array) -> DelayedNesterovState:
         return DelayedNesterovState(jnp.zeros([], jnp.int32), jnp.zeros_like(jnp.asarray(params)))
 
-    def update(grads, state, params=None):
+    def update(
+        grads: jax.Array, state: DelayedNesterovState, params: jax.Array | None = None
+    ) -> tuple[jax.Array, DelayedNesterovState]:
         del params
         share = grads / delay
-        m = jnp.where(state.count == 0, beta * state.momentum + share, state.momentum + share)
-        count = state.count + 1
-        due = count >= delay
+        m = jnp.where(state.rounds == 0, beta * state.momentum + share, state.momentum + share)
+        rounds = state.rounds + 1
+        due = rounds >= delay
         step = jnp.where(due, grads + beta * m, grads)
-        return -lr * step, DelayedNesterovState(jnp.where(due, 0, count).astype(jnp.int32), m)
+        return -lr * step, DelayedNesterovState(jnp.where(due, 0, rounds).astype(jnp.int32), m)
 
     return optax.GradientTransformation(init, update)
 
 
 @functools.partial(jax.jit, static_argnums=3)
-def _step(params, opt_state, grad, opt):
+def _step(
+    params: jax.Array, opt_state: OuterState, grad: jax.Array, opt: optax.GradientTransformation
+) -> tuple[jax.Array, OuterState]:
     updates, new_state = opt.update(grad, opt_state, params)
     return optax.apply_updates(params, updates), new_state
 
 
-def outer_step(params: FragmentVector, opt_state: OuterState, outer_grad: OuterGrad,
-               opt: optax.GradientTransformation) -> tuple[FragmentVector, OuterState]:
+def outer_step(
+    params: FragmentVector,
+    opt_state: OuterState,
+    outer_grad: OuterGrad,
+    opt: optax.GradientTransformation,
+) -> tuple[FragmentVector, OuterState]:
     """One outer step: params − lr·(Nesterov-momentum Δ); pure and bit-deterministic.
 
     Args:

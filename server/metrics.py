@@ -1,4 +1,4 @@
-"""A shard's Prometheus metrics (DESIGN.md §3: observability).
+"""A shard's Prometheus metrics (docs/design.md §3: observability).
 
 Each shard owns its own registry, so several shards in one process (tests, `atoll
 bench`) never share counters. The shard records events as they happen; versions,
@@ -8,16 +8,33 @@ are never stale.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import prometheus_client as prom
 
 # Latency buckets from 50 µs (page-cache fsync) to 10 s (a slow disk under load).
-_SECONDS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
-            2.5, 10.0)
+_SECONDS = (
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
+)
 _COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
 _STALENESS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+
 
 class FragmentGauges(NamedTuple):
     version: int
@@ -42,33 +59,64 @@ class ShardMetrics:
         self.registry = prom.CollectorRegistry()
         self._gauges = gauges
         r = self.registry
-        self.pushes = prom.Counter("atoll_pushes", "Pushes answered, by decision reason "
-                                   "(fresh, stale_discounted, duplicate, too_stale, already_in_round)",
-                                   ["reason"], registry=r)
-        self.refused = prom.Counter("atoll_refused_calls", "Calls refused with a gRPC status, by method "
-                                    "and status code", ["method", "code"], registry=r)
-        self.staleness = prom.Histogram("atoll_push_staleness", "Versions between a push's base and "
-                                        "the fragment's version when it arrived", buckets=_STALENESS,
-                                        registry=r)
-        self.round_size = prom.Histogram("atoll_round_size", "Learners merged into each closed round",
-                                         buckets=_COUNTS, registry=r)
+        self.pushes = prom.Counter(
+            "atoll_pushes",
+            "Pushes answered, by decision reason "
+            "(fresh, stale_discounted, duplicate, too_stale, already_in_round)",
+            ["reason"],
+            registry=r,
+        )
+        self.refused = prom.Counter(
+            "atoll_refused_calls",
+            "Calls refused with a gRPC status, by method and status code",
+            ["method", "code"],
+            registry=r,
+        )
+        self.staleness = prom.Histogram(
+            "atoll_push_staleness",
+            "Versions between a push's base and the fragment's version when it arrived",
+            buckets=_STALENESS,
+            registry=r,
+        )
+        self.round_size = prom.Histogram(
+            "atoll_round_size",
+            "Learners merged into each closed round",
+            buckets=_COUNTS,
+            registry=r,
+        )
         self.compute_seconds = prom.Counter(
-            "atoll_accepted_compute_seconds", "Learner compute carried by accepted pushes: inner steps x "
+            "atoll_accepted_compute_seconds",
+            "Learner compute carried by accepted pushes: inner steps x "
             "step seconds / fragments, so the sum over shards is learner-seconds of training that reach "
-            "the global model (divide its rate by provisioned learners for goodput)", registry=r)
+            "the global model (divide its rate by provisioned learners for goodput)",
+            registry=r,
+        )
         self.rounds = prom.Counter("atoll_rounds", "Rounds closed (outer steps taken)", registry=r)
-        self.bytes_in = prom.Counter("atoll_received_bytes", "Payload bytes received in pushes and inits",
-                                     registry=r)
+        self.bytes_in = prom.Counter(
+            "atoll_received_bytes", "Payload bytes received in pushes and inits", registry=r
+        )
         self.bytes_out = prom.Counter("atoll_sent_bytes", "Payload bytes sent in pulls", registry=r)
-        self.merge_seconds = prom.Histogram("atoll_merge_seconds", "Closing a round: merge, outer step "
-                                            "and publishing the delta", buckets=_SECONDS, registry=r)
-        self.fsync_seconds = prom.Histogram("atoll_wal_fsync_seconds", "fsync of the write-ahead log "
-                                            "before an acknowledgement", buckets=_SECONDS, registry=r)
-        self.push_seconds = prom.Histogram("atoll_push_seconds", "Handling one push after its bytes "
-                                           "arrived: decode, judge, log, merge", buckets=_SECONDS,
-                                           registry=r)
-        self.snapshot_seconds = prom.Histogram("atoll_snapshot_seconds", "Writing one snapshot",
-                                               buckets=_SECONDS, registry=r)
+        self.merge_seconds = prom.Histogram(
+            "atoll_merge_seconds",
+            "Closing a round: merge, outer step and publishing the delta",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.fsync_seconds = prom.Histogram(
+            "atoll_wal_fsync_seconds",
+            "fsync of the write-ahead log before an acknowledgement",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.push_seconds = prom.Histogram(
+            "atoll_push_seconds",
+            "Handling one push after its bytes arrived: decode, judge, log, merge",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.snapshot_seconds = prom.Histogram(
+            "atoll_snapshot_seconds", "Writing one snapshot", buckets=_SECONDS, registry=r
+        )
         info = prom.Info("atoll_shard", "Which shard this is", registry=r)
         info.info({"shard_index": str(shard_index)})
         if gauges is not None:
@@ -96,18 +144,23 @@ class _ScrapeTime:
     def __init__(self, gauges: Gauges):
         self.gauges = gauges
 
-    def describe(self):
+    def describe(self) -> list[prom.metrics_core.Metric]:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[prom.metrics_core.Metric]:
         g = self.gauges()
         version = prom.metrics_core.GaugeMetricFamily(
-            "atoll_fragment_version", "Global version of each fragment", labels=["fragment"])
+            "atoll_fragment_version", "Global version of each fragment", labels=["fragment"]
+        )
         open_round = prom.metrics_core.GaugeMetricFamily(
-            "atoll_open_round_size", "Learners in each fragment's open round", labels=["fragment"])
+            "atoll_open_round_size", "Learners in each fragment's open round", labels=["fragment"]
+        )
         per_period = prom.metrics_core.GaugeMetricFamily(
-            "atoll_outer_steps_per_period", "Outer steps each fragment took per sync period since the "
-            "shard started (1 = one merge per period)", labels=["fragment"])
+            "atoll_outer_steps_per_period",
+            "Outer steps each fragment took per sync period since the "
+            "shard started (1 = one merge per period)",
+            labels=["fragment"],
+        )
         for p, f in sorted(g.fragments.items()):
             version.add_metric([str(p)], f.version)
             open_round.add_metric([str(p)], f.open_round)
@@ -117,12 +170,17 @@ class _ScrapeTime:
         yield open_round
         yield per_period
         live, grace = g.live, g.grace
-        yield prom.metrics_core.GaugeMetricFamily("atoll_live_learners", "Learners whose lease is current",
-                                                  value=live)
-        yield prom.metrics_core.GaugeMetricFamily("atoll_grace_window_seconds",
-                                                  "The grace window a round waits after its first push",
-                                                  value=grace)
+        yield prom.metrics_core.GaugeMetricFamily(
+            "atoll_live_learners", "Learners whose lease is current", value=live
+        )
+        yield prom.metrics_core.GaugeMetricFamily(
+            "atoll_grace_window_seconds",
+            "The grace window a round waits after its first push",
+            value=grace,
+        )
         if g.cadence is not None:
             yield prom.metrics_core.GaugeMetricFamily(
-                "atoll_cadence_seconds", "The sync period learners are asked to keep: H steps of the "
-                "fastest live learners", value=g.cadence)
+                "atoll_cadence_seconds",
+                "The sync period learners are asked to keep: H steps of the fastest live learners",
+                value=g.cadence,
+            )

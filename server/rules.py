@@ -1,7 +1,7 @@
 """The syncer shard's decisions: staleness, weights, leases, grace, round closing.
 
 Every decision is a pure function of (state, now) that returns the decision and a
-``Reason`` (DESIGN.md §1, §3). Nothing here reads a clock, sleeps or locks: the
+``Reason`` (docs/design.md §1, §3). Nothing here reads a clock, sleeps or locks: the
 servicer passes ``now`` (one monotonic clock per process), keeps the state, and arms a
 timer at ``CloseDecision.wake_at``. Reasons are short snake_case strings so they can
 be used directly as Prometheus label values.
@@ -44,12 +44,20 @@ class Reason(enum.StrEnum):
     QUORUM_UNREACHABLE = "quorum_unreachable"  # close below K: every live learner is in already
 
 
-def _real(name: str, x: object, *, low: float, strict: bool = False, high: float = math.inf,
-          hint: str = "") -> float:
+def _real(
+    name: str,
+    x: object,
+    *,
+    low: float,
+    strict: bool = False,
+    high: float = math.inf,
+    hint: str = "",
+) -> float:
     """Checks x is a finite real in [low, high] ((low, high] if strict); returns a float."""
-    ok = isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-    if ok and (x > low if strict else x >= low) and x <= high:
-        return float(x)
+    if isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x):
+        value = float(x)
+        if (value > low if strict else value >= low) and value <= high:
+            return value
     need = f"a finite number {'>' if strict else '>='} {low:g}"
     if high < math.inf:
         need += f" and <= {high:g}"
@@ -58,7 +66,7 @@ def _real(name: str, x: object, *, low: float, strict: bool = False, high: float
 
 def _int(name: str, x: object, *, low: int, hint: str = "") -> int:
     """Checks x is an int (not a bool) >= low and returns it."""
-    if isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= low:
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool) and int(x) >= low:
         return int(x)
     raise ValueError(f"{name}={x!r}: need an int >= {low}{hint}")
 
@@ -74,15 +82,28 @@ class RoundPolicy:
     lease_seconds: float = 30.0  # a learner is live this long after its last call; > 0
     ewma_alpha: float = 0.2  # weight of the newest timing sample; in (0, 1]
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _int("quorum", self.quorum, low=1, hint="; use 1 to close on the first push")
         _real("grace_factor", self.grace_factor, low=0.0, hint="; use 0 to disable grace")
-        _int("max_staleness", self.max_staleness, low=0,
-             hint="; use 0 to accept only pushes based on the current version")
-        _real("discount_exponent", self.discount_exponent, low=0.0,
-              hint="; use 0 for no staleness discount")
-        _real("lease_seconds", self.lease_seconds, low=0.0, strict=True,
-              hint="; set it above the learners' longest gap between calls")
+        _int(
+            "max_staleness",
+            self.max_staleness,
+            low=0,
+            hint="; use 0 to accept only pushes based on the current version",
+        )
+        _real(
+            "discount_exponent",
+            self.discount_exponent,
+            low=0.0,
+            hint="; use 0 for no staleness discount",
+        )
+        _real(
+            "lease_seconds",
+            self.lease_seconds,
+            low=0.0,
+            strict=True,
+            hint="; set it above the learners' longest gap between calls",
+        )
         _real("ewma_alpha", self.ewma_alpha, low=0.0, strict=True, high=1.0)
 
 
@@ -98,8 +119,9 @@ class StalenessVerdict(NamedTuple):
     discount: float  # multiplies the push's weight; 0.0 when refused
 
 
-def judge_staleness(current_version: int, base_version: int, max_staleness: int,
-                    discount_exponent: float) -> StalenessVerdict:
+def judge_staleness(
+    current_version: int, base_version: int, max_staleness: int, discount_exponent: float
+) -> StalenessVerdict:
     """Judges a push by how far its base version lags the fragment's current one.
 
     Args:
@@ -160,11 +182,20 @@ class Admission(NamedTuple):
     detail: str  # what the learner should do, for refusals
 
 
-def admit(*, seq: int, newest_seq: int | None, base_version: int, current_version: int,
-          in_round: bool, tokens: int, inner_steps: int, policy: RoundPolicy) -> Admission:
+def admit(
+    *,
+    seq: int,
+    newest_seq: int | None,
+    base_version: int,
+    current_version: int,
+    in_round: bool,
+    tokens: int,
+    inner_steps: int,
+    policy: RoundPolicy,
+) -> Admission:
     """Decides whether one push joins its fragment's open round, and with what weight.
 
-    The one place a push is judged (DESIGN.md §1, §2), in this order: a retry of the
+    The one place a push is judged (docs/design.md §1, §2), in this order: a retry of the
     learner's newest push (same seq) or an older seq is a DUPLICATE (the caller answers a
     retry with the first answer); a seq more than MAX_SEQ_JUMP past the newest is
     SEQ_TOO_FAR (an invalid argument); a base from the future is FUTURE_BASE (an invalid
@@ -187,31 +218,64 @@ def admit(*, seq: int, newest_seq: int | None, base_version: int, current_versio
       accepts with STALE_DISCOUNTED, staleness 1, discount 0.5 and weight 1000.0.
     """
     if newest_seq is not None and seq <= newest_seq:
-        detail = ("a retry of this learner's newest push" if seq == newest_seq else
-                  f"seq {seq} is older than this learner's newest push ({newest_seq}): "
-                  "already handled or superseded")
+        detail = (
+            "a retry of this learner's newest push"
+            if seq == newest_seq
+            else f"seq {seq} is older than this learner's newest push ({newest_seq}): "
+            "already handled or superseded"
+        )
         return Admission(False, Reason.DUPLICATE, 0, 0.0, 0.0, detail)
     # A seq far ahead would lock the learner out for ever (every later push "older"):
     # seqs count pushes, so a real learner never jumps by millions.
     if seq > (newest_seq or 0) + MAX_SEQ_JUMP:
-        return Admission(False, Reason.SEQ_TOO_FAR, 0, 0.0, 0.0,
-                         f"seq {seq} is more than {MAX_SEQ_JUMP} past this learner's newest "
-                         f"({newest_seq or 0}): a learner counts its pushes; rejoin to read its seq back")
-    verdict = judge_staleness(current_version, base_version, policy.max_staleness,
-                              policy.discount_exponent)
+        return Admission(
+            False,
+            Reason.SEQ_TOO_FAR,
+            0,
+            0.0,
+            0.0,
+            f"seq {seq} is more than {MAX_SEQ_JUMP} past this learner's newest "
+            f"({newest_seq or 0}): a learner counts its pushes; rejoin to read its seq back",
+        )
+    verdict = judge_staleness(
+        current_version, base_version, policy.max_staleness, policy.discount_exponent
+    )
     if verdict.reason is Reason.FUTURE_BASE:
-        return Admission(False, verdict.reason, verdict.staleness, 0.0, 0.0,
-                         f"base_version {base_version} is ahead of the fragment's version "
-                         f"{current_version}")
+        return Admission(
+            False,
+            verdict.reason,
+            verdict.staleness,
+            0.0,
+            0.0,
+            f"base_version {base_version} is ahead of the fragment's version {current_version}",
+        )
     if not verdict.accept:
-        return Admission(False, verdict.reason, verdict.staleness, 0.0, 0.0,
-                         f"base {base_version} is {verdict.staleness} versions behind "
-                         f"(max {policy.max_staleness}): pull, then go on")
+        return Admission(
+            False,
+            verdict.reason,
+            verdict.staleness,
+            0.0,
+            0.0,
+            f"base {base_version} is {verdict.staleness} versions behind "
+            f"(max {policy.max_staleness}): pull, then go on",
+        )
     if in_round:
-        return Admission(False, Reason.ALREADY_IN_ROUND, verdict.staleness, 0.0, 0.0,
-                         "this learner is already in the open round")
-    return Admission(True, verdict.reason, verdict.staleness, verdict.discount,
-                     token_weight(tokens, inner_steps), "")
+        return Admission(
+            False,
+            Reason.ALREADY_IN_ROUND,
+            verdict.staleness,
+            0.0,
+            0.0,
+            "this learner is already in the open round",
+        )
+    return Admission(
+        True,
+        verdict.reason,
+        verdict.staleness,
+        verdict.discount,
+        token_weight(tokens, inner_steps),
+        "",
+    )
 
 
 # ---------------------------------------------------------------- timing, grace, cadence
@@ -236,9 +300,14 @@ class Ewma(NamedTuple):
         return default if self.value is None else self.value
 
 
-def grace_window(grace_factor: float, overlap_steps: float, step_seconds: float,
-                 quorum_seconds: float, sync_seconds: float) -> float:
-    """ξ_grace = γ·max(0, τ·ξ_step − ξ_quorum − ξ_sync) (DESIGN.md §1).
+def grace_window(
+    grace_factor: float,
+    overlap_steps: float,
+    step_seconds: float,
+    quorum_seconds: float,
+    sync_seconds: float,
+) -> float:
+    """ξ_grace = γ·max(0, τ·ξ_step − ξ_quorum − ξ_sync) (docs/design.md §1).
 
     The shard only waits inside the slack that the learners' overlap already hides.
 
@@ -264,12 +333,17 @@ def grace_window(grace_factor: float, overlap_steps: float, step_seconds: float,
 GRACE_PERIOD_SHARE = 1 / 8  # times γ: the shortest grace window, as a share of the period
 
 
-def estimate_grace(policy: RoundPolicy, overlap_steps: float, step_seconds: float | None,
-                   sync: Ewma, cadence_seconds: float | None = None) -> float:
+def estimate_grace(
+    policy: RoundPolicy,
+    overlap_steps: float,
+    step_seconds: float | None,
+    sync: Ewma,
+    cadence_seconds: float | None = None,
+) -> float:
     """The grace window, counted from a round's first push: γ·max(ξ_step, τ·ξ_step − ξ_sync).
 
     Counted from the first push, the round's own ξ_quorum (first push -> quorum) is
-    inside the window, so this is DESIGN.md's γ·max(0, τ·ξ_step − ξ_quorum − ξ_sync)
+    inside the window, so this is docs/design.md's γ·max(0, τ·ξ_step − ξ_quorum − ξ_sync)
     after quorum with each round's own ξ_quorum, rather than an average that one
     straggler's early push would inflate for every later round.
 
@@ -285,18 +359,27 @@ def estimate_grace(policy: RoundPolicy, overlap_steps: float, step_seconds: floa
     """
     if step_seconds is None:
         return 0.0
-    grace = max(policy.grace_factor * step_seconds,
-                grace_window(policy.grace_factor, overlap_steps, step_seconds, 0.0, max(0.0, sync.value_or(0.0))))
+    grace = max(
+        policy.grace_factor * step_seconds,
+        grace_window(
+            policy.grace_factor, overlap_steps, step_seconds, 0.0, max(0.0, sync.value_or(0.0))
+        ),
+    )
     if cadence_seconds is None:
         return grace
-    return min(max(grace, policy.grace_factor * GRACE_PERIOD_SHARE * cadence_seconds), cadence_seconds)
+    return min(
+        max(grace, policy.grace_factor * GRACE_PERIOD_SHARE * cadence_seconds), cadence_seconds
+    )
 
 
 FAST_CLASS = 1.5  # learners within this factor of the fastest step time pace the cadence together
 
 
-def cadence(period_steps: int, step_seconds: Mapping[LearnerId, float],
-            live: frozenset[LearnerId] | set[LearnerId]) -> float | None:
+def cadence(
+    period_steps: int,
+    step_seconds: Mapping[LearnerId, float],
+    live: frozenset[LearnerId] | set[LearnerId],
+) -> float | None:
     """The sync period in seconds every learner keeps: H steps of the fastest live islands.
 
     Dynamic local updates (arXiv 2401.09135): the fastest island takes H inner steps per
@@ -328,8 +411,9 @@ def cadence(period_steps: int, step_seconds: Mapping[LearnerId, float],
 # ---------------------------------------------------------------- leases
 
 
-def live_learners(last_seen: Mapping[LearnerId, Seconds], now: Seconds,
-                  lease_seconds: float) -> frozenset[LearnerId]:
+def live_learners(
+    last_seen: Mapping[LearnerId, Seconds], now: Seconds, lease_seconds: float
+) -> frozenset[LearnerId]:
     """The learners whose lease holds at `now`.
 
     Args:
@@ -344,8 +428,9 @@ def live_learners(last_seen: Mapping[LearnerId, Seconds], now: Seconds,
     return frozenset(m for m, seen in last_seen.items() if now < seen + lease)
 
 
-def next_lease_expiry(last_seen: Mapping[LearnerId, Seconds], now: Seconds,
-                      lease_seconds: float) -> Seconds | None:
+def next_lease_expiry(
+    last_seen: Mapping[LearnerId, Seconds], now: Seconds, lease_seconds: float
+) -> Seconds | None:
     """The first instant after `now` at which a live lease lapses, or None."""
     lease = _real("lease_seconds", lease_seconds, low=0.0, strict=True)
     ends = [seen + lease for seen in last_seen.values() if now < seen + lease]
@@ -390,6 +475,9 @@ def open_round(due_at: Seconds | None = None) -> RoundState:
     return RoundState(due_at=due_at)
 
 
+MAX_PERIODS_BEHIND = float(1 << 40)  # past this, next_due restarts the schedule at now
+
+
 def next_due(state: RoundState, now: Seconds, cadence_seconds: float | None) -> Seconds | None:
     """When the round after `state` is due, as the round closes at `now`.
 
@@ -415,11 +503,19 @@ def next_due(state: RoundState, now: Seconds, cadence_seconds: float | None) -> 
     phase = state.due_at if state.due_at is not None else state.first_push_at
     if not cadence_seconds or phase is None:
         return None
-    periods = max(1, math.floor((now - phase) / cadence_seconds) + 1)
+    behind = (now - phase) / cadence_seconds  # ±inf with a cadence of ~1e-300 s (a bogus step time)
+    if behind < 1:
+        periods = 1
+    elif behind < MAX_PERIODS_BEHIND:
+        periods = math.floor(behind) + 1
+    else:  # too far behind to count periods in: the schedule starts again from now
+        return math.nextafter(now + cadence_seconds, math.inf)
     return phase + periods * cadence_seconds
 
 
-def due_in(state: RoundState, now: Seconds, cadence_seconds: float | None, *, in_round: bool) -> float:
+def due_in(
+    state: RoundState, now: Seconds, cadence_seconds: float | None, *, in_round: bool
+) -> float:
     """Seconds until a learner's next push of this fragment is due; 0 when unknown.
 
     A learner in the open round pushes next for the round after it (one period after
@@ -433,7 +529,8 @@ def due_in(state: RoundState, now: Seconds, cadence_seconds: float | None, *, in
         return 0.0
     if in_round or due < now - cadence_seconds / 2:
         due = next_due(state._replace(due_at=due), now, cadence_seconds)
-        if in_round and due is not None and state.due_at is not None:
+        assert due is not None  # the cadence and the phase are both set
+        if in_round and state.due_at is not None:
             due = max(due, state.due_at + cadence_seconds)
     return max(0.0, due - now)
 
@@ -452,8 +549,7 @@ def judge_membership(state: RoundState, learner: LearnerId) -> MembershipVerdict
     return MembershipVerdict(True, Reason.NEW_IN_ROUND)
 
 
-def add_contributor(state: RoundState, learner: LearnerId, now: Seconds,
-                    quorum: int) -> RoundState:
+def add_contributor(state: RoundState, learner: LearnerId, now: Seconds, quorum: int) -> RoundState:
     """The round with `learner` added, stamping its first push and when K is first met.
 
     Args:
@@ -468,8 +564,10 @@ def add_contributor(state: RoundState, learner: LearnerId, now: Seconds,
     """
     k = _int("quorum", quorum, low=1)
     if learner in state.contributors:
-        raise ValueError(f"learner {learner!r} already contributed to this round; "
-                         "check judge_membership before adding")
+        raise ValueError(
+            f"learner {learner!r} already contributed to this round; "
+            "check judge_membership before adding"
+        )
     contributors = state.contributors | {learner}
     first = now if state.first_push_at is None else state.first_push_at
     reached = state.quorum_reached_at
@@ -486,9 +584,14 @@ class CloseDecision(NamedTuple):
     wake_at: Seconds | None
 
 
-def decide_close(state: RoundState, live: frozenset[LearnerId] | set[LearnerId],
-                 now: Seconds, quorum: int, grace_seconds: float,
-                 joined: int | None = None) -> CloseDecision:
+def decide_close(
+    state: RoundState,
+    live: frozenset[LearnerId] | set[LearnerId],
+    now: Seconds,
+    quorum: int,
+    grace_seconds: float,
+    joined: int | None = None,
+) -> CloseDecision:
     """Decides whether the open round closes at `now`.
 
     A round gathers the pushes of one sync period. It closes once it has K
@@ -524,12 +627,16 @@ def decide_close(state: RoundState, live: frozenset[LearnerId] | set[LearnerId],
             return CloseDecision(False, Reason.WAITING_FOR_JOINERS, None)
         return CloseDecision(True, Reason.QUORUM_UNREACHABLE, None)
     if state.quorum_reached_at is None or state.first_push_at is None:
-        raise ValueError(f"round has {len(state.contributors)} >= quorum={k} contributors "
-                         "but no quorum_reached_at; pass decide_close the quorum given "
-                         "to add_contributor")
+        raise ValueError(
+            f"round has {len(state.contributors)} >= quorum={k} contributors "
+            "but no quorum_reached_at; pass decide_close the quorum given "
+            "to add_contributor"
+        )
     if set(live) <= state.contributors:
         return CloseDecision(True, Reason.ALL_LIVE_CONTRIBUTED, None)
-    ends = state.started_at + grace
+    started = state.started_at
+    assert started is not None  # first_push_at is set
+    ends = started + grace
     if now >= ends:
         return CloseDecision(True, Reason.GRACE_ELAPSED, None)
     return CloseDecision(False, Reason.IN_GRACE, ends)

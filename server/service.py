@@ -29,7 +29,8 @@ import ctypes
 import logging
 import re
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
+from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
 import prometheus_client as prom
@@ -37,25 +38,32 @@ from grpc_health.v1 import _async as aio_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from server.config import ShardConfig, load_tokens
-from server.shard import PushHeader, RecoveryError, Shard, ShardError
-from wire import codec
-from wire import syncer_pb2 as pb
-from wire import syncer_pb2_grpc as pb_grpc
+from atoll.server.config import ShardConfig, load_tokens
+from atoll.server.fragment import Answer
+from atoll.server.shard import PushHeader, RecoveryError, Shard, ShardError
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
+from atoll.wire import syncer_pb2_grpc as pb_grpc
+from atoll.wire.client import CHUNK_BYTES
 
 log = logging.getLogger("atoll.syncer")
 SERVICE = pb.DESCRIPTOR.services_by_name["Syncer"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-_REASONS = {"fresh": pb.PUSH_REASON_FRESH, "stale_discounted": pb.PUSH_REASON_STALE_DISCOUNTED,
-            "duplicate": pb.PUSH_REASON_DUPLICATE, "too_stale": pb.PUSH_REASON_TOO_STALE,
-            "already_in_round": pb.PUSH_REASON_ALREADY_IN_ROUND}
-CHUNK_BYTES = 1 << 20
+_REASONS = {
+    "fresh": pb.PUSH_REASON_FRESH,
+    "stale_discounted": pb.PUSH_REASON_STALE_DISCOUNTED,
+    "duplicate": pb.PUSH_REASON_DUPLICATE,
+    "too_stale": pb.PUSH_REASON_TOO_STALE,
+    "already_in_round": pb.PUSH_REASON_ALREADY_IN_ROUND,
+}
 LEARNER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 WORKERS = 8  # threads running domain calls; pushes to different fragments run side by side
 PENDING_CALLS = 10_000  # new calls queued before the event loop takes them up, then refused
 TICK_FAILURES_UNHEALTHY = 3  # round-timer failures in a row that make health NOT_SERVING
 TICK_RETRY_SECONDS = 0.5  # the round timer's pause after a failure
 TRIM_SECONDS = 10.0  # how often freed heap memory is handed back to the OS
+
+T = TypeVar("T")
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -84,7 +92,7 @@ def event_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def _run(coroutine):
+def _run(coroutine: Coroutine[Any, Any, T]) -> T:
     """Runs a coroutine on the event loop from another thread and returns its result."""
     return asyncio.run_coroutine_threadsafe(coroutine, event_loop()).result()
 
@@ -96,13 +104,26 @@ class ServingMetrics:
     """What the serving layer adds to the shard's registry: streams, bytes held, health."""
 
     def __init__(self, registry: prom.CollectorRegistry):
-        self.open_calls = prom.Gauge("atoll_open_calls", "Syncer calls in progress, by method (a Watch "
-                                     "is open as long as its learner listens)", ["method"], registry=registry)
-        self.inflight_bytes = prom.Gauge("atoll_inflight_frame_bytes", "Frame bytes declared by open Push "
-                                         "and Init streams (held against --max-inflight-bytes)", registry=registry)
-        self.tick_failures = prom.Counter("atoll_round_timer_failures", "Round-timer ticks that raised "
-                                          "(each is logged with its traceback)", registry=registry)
-        self.serving = prom.Gauge("atoll_serving", "1 while the health service says SERVING", registry=registry)
+        self.open_calls = prom.Gauge(
+            "atoll_open_calls",
+            "Syncer calls in progress, by method (a Watch is open as long as its learner listens)",
+            ["method"],
+            registry=registry,
+        )
+        self.inflight_bytes = prom.Gauge(
+            "atoll_inflight_frame_bytes",
+            "Frame bytes declared by open Push "
+            "and Init streams (held against --max-inflight-bytes)",
+            registry=registry,
+        )
+        self.tick_failures = prom.Counter(
+            "atoll_round_timer_failures",
+            "Round-timer ticks that raised (each is logged with its traceback)",
+            registry=registry,
+        )
+        self.serving = prom.Gauge(
+            "atoll_serving", "1 while the health service says SERVING", registry=registry
+        )
 
 
 class _Budget:
@@ -114,16 +135,20 @@ class _Budget:
         self.by_peer: dict[str, int] = {}
 
     @contextlib.contextmanager
-    def hold(self, peer: str, n: int):
+    def hold(self, peer: str, n: int) -> Iterator[None]:
         mine = self.by_peer.get(peer, 0)
         if mine + n > self.per_connection:
-            raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"this connection's open streams already declare {mine} frame bytes; {n} more "
-                             f"would pass its limit of {self.per_connection}: wait for them, then retry")
+            raise ShardError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this connection's open streams already declare {mine} frame bytes; {n} more "
+                f"would pass its limit of {self.per_connection}: wait for them, then retry",
+            )
         if self.held + n > self.total:
-            raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"the shard holds {self.held} frame bytes in flight; {n} more would pass its "
-                             f"limit of {self.total}: retry shortly")
+            raise ShardError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the shard holds {self.held} frame bytes in flight; {n} more would pass its "
+                f"limit of {self.total}: retry shortly",
+            )
         self.by_peer[peer] = mine + n
         self.held += n
         self.gauge.set(self.held)
@@ -164,17 +189,17 @@ class _VersionBoard:
     def __init__(self, read: Callable[[], Awaitable[dict[int, tuple[int, int]]]]):
         self.read = read  # the shard's {fragment: (version, contributors)}
         self.versions: dict[int, tuple[int, int]] = {}
-        self._waiters: dict[asyncio.Future, None] = {}
+        self._waiters: dict[asyncio.Future[_Wake], None] = {}
         self._dirty = False
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
-    def subscribe(self) -> asyncio.Future:
+    def subscribe(self) -> asyncio.Future[_Wake]:
         """A future that completes (with a _Wake to release) at the first refresh after this call."""
-        waiter = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[_Wake] = asyncio.get_running_loop().create_future()
         self._waiters[waiter] = None
         return waiter
 
-    def unsubscribe(self, waiter: asyncio.Future) -> None:
+    def unsubscribe(self, waiter: asyncio.Future[_Wake]) -> None:
         self._waiters.pop(waiter, None)
 
     def poke(self) -> None:
@@ -193,7 +218,7 @@ class _VersionBoard:
                 return
             waiters, self._waiters = list(self._waiters), {}
             for start in range(0, len(waiters), self.WAKE_SLICE):
-                batch = [w for w in waiters[start:start + self.WAKE_SLICE] if not w.done()]
+                batch = [w for w in waiters[start : start + self.WAKE_SLICE] if not w.done()]
                 if not batch:
                     continue
                 wake = _Wake(len(batch))
@@ -209,7 +234,7 @@ class _VersionBoard:
         return {p: self.versions[p] for p in fragments if p in self.versions}
 
 
-def _bearer(metadata) -> str | None:
+def _bearer(metadata: Iterable[tuple[str, str]] | None) -> str | None:
     """The token of an `authorization: Bearer TOKEN` header, if any."""
     value = dict(metadata or ()).get("authorization", "")
     return value[7:] if value.startswith("Bearer ") else None
@@ -218,9 +243,11 @@ def _bearer(metadata) -> str | None:
 def _check_id(learner_id: str) -> None:
     if learner_id and LEARNER_ID.fullmatch(learner_id) is None:
         shown = learner_id if len(learner_id) <= 40 else learner_id[:40] + "…"
-        raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"learner_id {shown!r} ({len(learner_id)} characters) must be 1-128 of "
-                         "A-Z a-z 0-9 . _ : -")
+        raise ShardError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"learner_id {shown!r} ({len(learner_id)} characters) must be 1-128 of "
+            "A-Z a-z 0-9 . _ : -",
+        )
 
 
 # --- the servicer -------------------------------------------------------------------
@@ -229,15 +256,25 @@ def _check_id(learner_id: str) -> None:
 class SyncerServicer(pb_grpc.SyncerServicer):
     """Translates requests into Shard calls and answers back; no math here."""
 
-    def __init__(self, shard: Shard, cfg: ShardConfig, tokens: dict[str, str | None] | None,
-                 workers: concurrent.futures.Executor, metrics: ServingMetrics):
+    def __init__(
+        self,
+        shard: Shard,
+        cfg: ShardConfig,
+        tokens: dict[str, str | None] | None,
+        workers: concurrent.futures.Executor,
+        metrics: ServingMetrics,
+    ):
         self.shard, self.cfg, self.workers, self.metrics = shard, cfg, workers, metrics
         self.tokens = tokens  # token -> the learner it is bound to (None: any); None: no auth
-        self.budget = _Budget(cfg.max_inflight_bytes, cfg.max_connection_inflight_bytes, metrics.inflight_bytes)
+        self.budget = _Budget(
+            cfg.max_inflight_bytes, cfg.max_connection_inflight_bytes, metrics.inflight_bytes
+        )
         self.board = _VersionBoard(lambda: self._call(self.shard.versions, None))
-        self.watching: collections.Counter[str] = collections.Counter()  # learner -> open Watch streams
+        self.watching: collections.Counter[str] = (
+            collections.Counter()
+        )  # learner -> open Watch streams
 
-    async def _call(self, fn, *args):
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """A blocking domain call on the worker pool; an unexpected error becomes INTERNAL."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
@@ -245,11 +282,16 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             raise
         except Exception as e:
             log.exception("%s failed", getattr(fn, "__name__", fn))
-            raise ShardError(grpc.StatusCode.INTERNAL, f"the shard failed: {type(e).__name__}: {e}") from None
+            raise ShardError(
+                grpc.StatusCode.INTERNAL, f"the shard failed: {type(e).__name__}: {e}"
+            ) from None
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, method: str, e: ShardError):
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, method: str, e: ShardError
+    ) -> NoReturn:
         self.shard.metrics.refused.labels(method, e.code.name).inc()
         await context.abort(e.code, str(e))
+        raise AssertionError("context.abort returned")  # it always raises
 
     def _check_caller(self, context: grpc.aio.ServicerContext, learner_id: str) -> None:
         """The id is well formed, and a token bound to a learner acts only as that learner
@@ -259,25 +301,31 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             return
         bound = self.tokens.get(_bearer(context.invocation_metadata()) or "")
         if bound is not None and learner_id and learner_id != bound:  # empty: an anonymous reader
-            raise ShardError(grpc.StatusCode.PERMISSION_DENIED,
-                             f"this token belongs to learner {bound!r}, not {learner_id!r}")
+            raise ShardError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"this token belongs to learner {bound!r}, not {learner_id!r}",
+            )
 
-    async def _read(self, context: grpc.aio.ServicerContext, kind: str):
+    async def _read(self, context: grpc.aio.ServicerContext, kind: str) -> Any:
         """The stream's next message, or EOF; a stream silent too long is aborted."""
         try:
             async with asyncio.timeout(self.cfg.stream_idle_seconds):
                 return await context.read()
         except TimeoutError:
-            raise ShardError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                             f"{kind} stream sent nothing for {self.cfg.stream_idle_seconds:g} s; "
-                             "send the frame's chunks without pausing") from None
+            raise ShardError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"{kind} stream sent nothing for {self.cfg.stream_idle_seconds:g} s; "
+                "send the frame's chunks without pausing",
+            ) from None
 
-    def _frame_need(self, header) -> int:
+    def _frame_need(self, header: pb.InitHeader | pb.PushHeader) -> int:
         """Most frame bytes the header's fragment can need in its codec."""
         try:
             frame_codec = codec.Codec(header.codec)
         except ValueError:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"codec {header.codec} is not accepted") from None
+            raise ShardError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"codec {header.codec} is not accepted"
+            ) from None
         plan = self.shard.plan
         if plan is None:  # the first Init brings the plan; the shard checks num_params against it
             values = header.num_params
@@ -285,10 +333,13 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             values = plan.fragment_sizes[header.fragment]
         else:  # the shard refuses the fragment itself; until then no frame outgrows the largest
             values = max(plan.fragment_sizes)
-        return codec.max_frame_bytes(values, frame_codec)
+        need: int = codec.max_frame_bytes(values, frame_codec)
+        return need
 
     @contextlib.asynccontextmanager
-    async def _intake(self, kind: str, context: grpc.aio.ServicerContext):
+    async def _intake(
+        self, kind: str, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tuple[Any, bytes]]:
         """Reads a header then chunks; yields (header, frame) with the frame's bytes held
         against the budgets until the block ends. Raises ShardError for a stream out of
         shape, oversize, stalled, or from a caller that may not send it."""
@@ -296,39 +347,51 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         if first is grpc.aio.EOF:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"empty {kind} stream: no header")
         if first.WhichOneof("kind") != "header":
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the header")
+            raise ShardError(
+                grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the header"
+            )
         header = first.header
         self._check_caller(context, header.learner_id)
         declared, limit = header.frame_bytes, self.cfg.max_frame_bytes
         if declared > limit:
-            raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"frame of {declared} bytes exceeds this shard's limit of {limit}")
+            raise ShardError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"frame of {declared} bytes exceeds this shard's limit of {limit}",
+            )
         need = self._frame_need(header)
         if declared > need:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"frame_bytes={declared} is more than fragment {header.fragment} can need "
-                             f"in codec {header.codec} ({need} bytes)")
+            raise ShardError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"frame_bytes={declared} is more than fragment {header.fragment} can need "
+                f"in codec {header.codec} ({need} bytes)",
+            )
         with self.budget.hold(context.peer(), declared):
             parts: list[bytes] = []
             received = 0
             while (request := await self._read(context, kind)) is not grpc.aio.EOF:
                 if request.WhichOneof("kind") != "chunk":
-                    raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header")
+                    raise ShardError(
+                        grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header"
+                    )
                 received += len(request.chunk)
                 if received > declared:
-                    raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
-                                     f"chunks exceed the header's frame_bytes={declared}")
+                    raise ShardError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"chunks exceed the header's frame_bytes={declared}",
+                    )
                 parts.append(request.chunk)
             if received != declared:
-                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"truncated stream: {received} of {declared} frame bytes arrived")
+                raise ShardError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"truncated stream: {received} of {declared} frame bytes arrived",
+                )
             frame = b"".join(parts)
             del parts
             self.shard.metrics.bytes_in.inc(len(frame))
             yield header, frame
 
     @contextlib.contextmanager
-    def _open(self, method: str):
+    def _open(self, method: str) -> Iterator[None]:
         gauge = self.metrics.open_calls.labels(method)
         gauge.inc()
         try:
@@ -338,7 +401,9 @@ class SyncerServicer(pb_grpc.SyncerServicer):
 
     # --- the RPCs ---
 
-    async def Init(self, request_iterator, context):
+    async def Init(
+        self, request_iterator: AsyncIterator[pb.InitRequest], context: grpc.aio.ServicerContext
+    ) -> pb.InitResponse:
         with self._open("Init"):
             try:
                 async with self._intake("Init", context) as (header, frame):
@@ -349,55 +414,107 @@ class SyncerServicer(pb_grpc.SyncerServicer):
 
     def _init(self, header: pb.InitHeader, frame: bytes) -> tuple[bool, int]:
         self.shard.touch(header.learner_id)
-        return self.shard.init(header.learner_id, header.fragment, header.plan_fingerprint, header.plan_json,
-                               frame, header.codec, header.num_params)
+        created: tuple[bool, int] = self.shard.init(
+            header.learner_id,
+            header.fragment,
+            header.plan_fingerprint,
+            header.plan_json,
+            frame,
+            header.codec,
+            header.num_params,
+        )
+        return created
 
-    async def Push(self, request_iterator, context):
+    async def Push(
+        self, request_iterator: AsyncIterator[pb.PushRequest], context: grpc.aio.ServicerContext
+    ) -> pb.PushResponse:
         with self._open("Push"):
             try:
                 async with self._intake("Push", context) as (header, frame):
-                    h = PushHeader(header.learner_id, header.fragment, header.base_version, header.seq,
-                                   header.inner_steps, header.tokens, header.codec, header.num_params,
-                                   header.plan_fingerprint, header.step_seconds, header.overlap_steps,
-                                   header.period_steps, header.last)
+                    h = PushHeader(
+                        header.learner_id,
+                        header.fragment,
+                        header.base_version,
+                        header.seq,
+                        header.inner_steps,
+                        header.tokens,
+                        header.codec,
+                        header.num_params,
+                        header.plan_fingerprint,
+                        header.step_seconds,
+                        header.overlap_steps,
+                        header.period_steps,
+                        header.last,
+                    )
                     a = await self._call(self._push, h, frame)
             except ShardError as e:
                 await self._refuse(context, "Push", e)
-            return pb.PushResponse(accepted=a.accepted, reason=_REASONS[a.reason], detail=a.detail,
-                                   version=a.version, staleness=max(0, a.staleness), weight=a.weight,
-                                   cadence_seconds=self.shard.cadence_seconds or 0.0,
-                                   next_due_seconds=self.shard.due_in(h.fragment, h.learner_id))
+            return pb.PushResponse(
+                accepted=a.accepted,
+                reason=_REASONS[a.reason],
+                detail=a.detail,
+                version=a.version,
+                staleness=max(0, a.staleness),
+                weight=a.weight,
+                cadence_seconds=self.shard.cadence_seconds or 0.0,
+                next_due_seconds=self.shard.due_in(h.fragment, h.learner_id),
+            )
 
-    def _push(self, h: PushHeader, frame: bytes):
+    def _push(self, h: PushHeader, frame: bytes) -> Answer:
         with self.shard.metrics.push_seconds.time():
             return self.shard.push(h, frame)
 
-    async def Pull(self, request, context):
+    async def Pull(
+        self, request: pb.PullRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PullResponse]:
         have = request.have_version if request.HasField("have_version") else None
         with self._open("Pull"):
             try:
                 self._check_caller(context, request.learner_id)
-                version, snapshot, frames, size, last_seq = await self._call(self._pull, request.learner_id,
-                                                                             request.fragment, have)
+                version, snapshot, frames, size, last_seq = await self._call(
+                    self._pull, request.learner_id, request.fragment, have
+                )
             except ShardError as e:
                 await self._refuse(context, "Pull", e)
-            yield pb.PullResponse(header=pb.PullHeader(fragment=request.fragment, version=version,
-                                                       snapshot=snapshot, num_frames=len(frames),
-                                                       num_params=size, last_seq=last_seq,
-                                                       next_due_seconds=self.shard.due_in(
-                                                           request.fragment, request.learner_id)))
+            yield pb.PullResponse(
+                header=pb.PullHeader(
+                    fragment=request.fragment,
+                    version=version,
+                    snapshot=snapshot,
+                    num_frames=len(frames),
+                    num_params=size,
+                    last_seq=last_seq,
+                    next_due_seconds=self.shard.due_in(request.fragment, request.learner_id),
+                )
+            )
             for v, c, frame in frames:
                 for start in range(0, max(len(frame), 1), CHUNK_BYTES):
-                    piece = frame[start:start + CHUNK_BYTES]
-                    yield pb.PullResponse(chunk=pb.PullChunk(version=v, codec=int(c), data=piece,
-                                                             last=start + CHUNK_BYTES >= len(frame)))
+                    piece = frame[start : start + CHUNK_BYTES]
+                    yield pb.PullResponse(
+                        chunk=pb.PullChunk(
+                            version=v,
+                            codec=cast(pb.Codec, int(c)),
+                            data=piece,
+                            last=start + CHUNK_BYTES >= len(frame),
+                        )
+                    )
 
-    def _pull(self, learner: str, p: int, have: int | None):
+    def _pull(
+        self, learner: str, p: int, have: int | None
+    ) -> tuple[int, bool, list[tuple[int, codec.Codec, bytes]], int, int]:
         self.shard.touch(learner)
         version, snapshot, frames = self.shard.pull(p, have)
-        return version, snapshot, frames, self.shard.fragments[p].size, self.shard.newest_seq(learner, p)
+        return (
+            version,
+            snapshot,
+            frames,
+            self.shard.fragments[p].size,
+            self.shard.newest_seq(learner, p),
+        )
 
-    async def Watch(self, request, context):
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchResponse]:
         fragments = list(request.fragments) or None
         learner = request.learner_id
         with self._open("Watch"):
@@ -417,9 +534,12 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                             # versions only grow; a board read older than the first read is skipped
                             if version > known.get(p, -1):
                                 known[p] = version
-                                yield pb.WatchResponse(fragment=p, version=version, contributors=contributors)
+                                yield pb.WatchResponse(
+                                    fragment=p, version=version, contributors=contributors
+                                )
                         if wake is not None:  # resumed past the yields: the notices are sent
-                            wake, _ = None, wake.release()
+                            wake.release()
+                            wake = None
                         wake = await waiter
                         waiter = self.board.subscribe()  # before reading the board, as above
                         current = self.board.view(fragments)
@@ -432,16 +552,19 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             finally:
                 self.board.unsubscribe(waiter)
 
-    def _watch_start(self, learner: str, fragments: list[int] | None):
+    def _watch_start(self, learner: str, fragments: list[int] | None) -> dict[int, tuple[int, int]]:
         self.shard.touch(learner)
-        return self.shard.versions(fragments)
+        versions: dict[int, tuple[int, int]] = self.shard.versions(fragments)
+        return versions
 
     def touch_watchers(self) -> None:
         """Refreshes the lease of every learner with an open Watch (a worker thread)."""
         for learner in list(self.watching):
             self.shard.touch(learner)
 
-    async def Describe(self, request, context):
+    async def Describe(
+        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DescribeResponse:
         with self._open("Describe"):
             try:
                 return await self._call(self._describe)
@@ -453,28 +576,44 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         cfg = self.shard.cfg
         plan = d["plan"]
         out = pb.DescribeResponse(
-            shard_index=cfg.shard_index, num_shards=cfg.num_shards,
+            shard_index=cfg.shard_index,
+            num_shards=cfg.num_shards,
             plan_fingerprint=plan.fingerprint if plan else "",
-            num_fragments=plan.num_fragments if plan else 0, live_learners=d["live"],
-            settings=pb.Settings(quorum=cfg.quorum, grace_factor=cfg.grace_factor,
-                                 max_staleness=cfg.max_staleness, staleness_discount=cfg.staleness_discount,
-                                 outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-                                 momentum_delay=cfg.momentum_delay,
-                                 delta_ring=cfg.delta_ring, snapshot_every=cfg.snapshot_every,
-                                 publish_codec=int(cfg.publish_codec)))
+            num_fragments=plan.num_fragments if plan else 0,
+            live_learners=d["live"],
+            settings=pb.Settings(
+                quorum=cfg.quorum,
+                grace_factor=cfg.grace_factor,
+                max_staleness=cfg.max_staleness,
+                staleness_discount=cfg.staleness_discount,
+                outer_lr=cfg.outer_lr,
+                outer_momentum=cfg.outer_momentum,
+                momentum_delay=cfg.momentum_delay,
+                delta_ring=cfg.delta_ring,
+                snapshot_every=cfg.snapshot_every,
+                publish_codec=cast(pb.Codec, int(cfg.publish_codec)),
+            ),
+        )
         for p, frag in sorted(d["fragments"].items()):
             out.fragments.add(
-                fragment=p, initialized=frag.initialized, version=frag.version, num_params=frag.size,
-                round_size=frag.round.count, oldest_delta_base=(frag.ring[0][0] - 1) if frag.ring else frag.version,
-                tensors=[pb.TensorInfo(name=s.name, shape=list(s.spec.shape), embedding=s.spec.embedding)
-                         for s in plan.tensors_of(p)])
+                fragment=p,
+                initialized=frag.initialized,
+                version=frag.version,
+                num_params=frag.size,
+                round_size=frag.round.count,
+                oldest_delta_base=(frag.ring[0][0] - 1) if frag.ring else frag.version,
+                tensors=[
+                    pb.TensorInfo(name=s.name, shape=list(s.spec.shape), embedding=s.spec.embedding)
+                    for s in plan.tensors_of(p)
+                ],
+            )
         return out
 
 
 # --- bearer tokens ------------------------------------------------------------------
 
 
-class _TokenAuth(grpc.aio.ServerInterceptor):
+class _TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no types
     """Checks `authorization: Bearer TOKEN` on every call except health and reflection."""
 
     OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -482,7 +621,11 @@ class _TokenAuth(grpc.aio.ServerInterceptor):
     def __init__(self, tokens: dict[str, str | None]):
         self.tokens = tokens
 
-    async def intercept_service(self, continuation, details):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         if handler is None or details.method.startswith(self.OPEN):
             return handler
@@ -491,12 +634,15 @@ class _TokenAuth(grpc.aio.ServerInterceptor):
         return _denying(handler)
 
 
-def _denying(handler):
+def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
-    async def deny(request_or_iterator, context):
+
+    async def deny(request_or_iterator: object, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
 
-    async def deny_stream(request_or_iterator, context):
+    async def deny_stream(
+        request_or_iterator: object, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[None]:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
         yield  # pragma: no cover
 
@@ -508,8 +654,11 @@ def _denying(handler):
     }
     make = kinds[(handler.request_streaming, handler.response_streaming)]
     fn = deny_stream if handler.response_streaming else deny
-    return make(fn, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    return make(
+        fn,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 # --- the server ---------------------------------------------------------------------
@@ -529,7 +678,8 @@ class SyncerServer:
         self.loop = event_loop()
         self.metrics = ServingMetrics(self.shard.metrics.registry)
         self.workers = concurrent.futures.ThreadPoolExecutor(
-            WORKERS, thread_name_prefix=f"shard{cfg.shard_index}-worker")
+            WORKERS, thread_name_prefix=f"shard{cfg.shard_index}-worker"
+        )
         tokens = load_tokens(cfg.token_file) if cfg.token_file else None
         self.metrics_port: int | None = None
         self.health_port: int | None = None
@@ -537,36 +687,50 @@ class SyncerServer:
         self._tick_failures = 0
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._tick_loop, name="round-timer", daemon=True)
-        self._housekeeping: asyncio.Future | None = None
+        self._housekeeping: concurrent.futures.Future[None] | None = None
         self.port = _run(self._build(tokens))
-        self._listener = lambda: self.loop.call_soon_threadsafe(self.servicer.board.poke)
+
+        def listener() -> None:  # under the shard's lock: hand the poke to the event loop
+            self.loop.call_soon_threadsafe(self.servicer.board.poke)
+
+        self._listener = listener
         self.shard.listeners.append(self._listener)
 
-    async def _build(self, tokens) -> int:
+    async def _build(self, tokens: dict[str, str | None] | None) -> int:
         """Makes the servers on the event loop (grpc.aio objects belong to the loop they
         are made on) and binds them; returns the gRPC port."""
         cfg = self.cfg
-        options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
-                   ("grpc.max_send_message_length", cfg.max_message_bytes),
-                   ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
-                   # calls waiting for the event loop to take them: every learner's Watch
-                   # arrives at once after a restart, and past grpc's default (1,000, then
-                   # refused at random as CANCELLED) a tenth of a 2,000-stream crowd was lost
-                   ("grpc.server.max_pending_requests", PENDING_CALLS),
-                   ("grpc.server.max_pending_requests_hard_limit", 2 * PENDING_CALLS)]
+        options = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
+            # calls waiting for the event loop to take them: every learner's Watch
+            # arrives at once after a restart, and past grpc's default (1,000, then
+            # refused at random as CANCELLED) a tenth of a 2,000-stream crowd was lost
+            ("grpc.server.max_pending_requests", PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", 2 * PENDING_CALLS),
+        ]
         self.health = aio_health.HealthServicer()
         self.servicer = SyncerServicer(self.shard, cfg, tokens, self.workers, self.metrics)
-        self.server = grpc.aio.server(options=options, interceptors=[_TokenAuth(tokens)] if tokens else [])
+        self.server = grpc.aio.server(
+            options=options, interceptors=[_TokenAuth(tokens)] if tokens else []
+        )
         pb_grpc.add_SyncerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server)
+        reflection.enable_server_reflection(
+            (SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server
+        )
         await self._publish_health()
         if cfg.tls:
+            assert (
+                cfg.tls_key is not None and cfg.tls_cert is not None
+            )  # ShardConfig checks both are set
             creds = grpc.ssl_server_credentials(
                 [(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())],
                 root_certificates=cfg.tls_client_ca.read_bytes() if cfg.tls_client_ca else None,
-                require_client_auth=cfg.tls_client_ca is not None)
-            port = self.server.add_secure_port(cfg.listen, creds)
+                require_client_auth=cfg.tls_client_ca is not None,
+            )
+            port: int = self.server.add_secure_port(cfg.listen, creds)
         else:
             port = self.server.add_insecure_port(cfg.listen)
         if port == 0:
@@ -586,11 +750,16 @@ class SyncerServer:
     @property
     def serving(self) -> bool:
         """What health says: recovered, not stopping, and the round timer making progress."""
-        return self._started and not self._stopping and self._tick_failures < TICK_FAILURES_UNHEALTHY
+        return (
+            self._started and not self._stopping and self._tick_failures < TICK_FAILURES_UNHEALTHY
+        )
 
     async def _publish_health(self) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if self.serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if self.serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in ("", SERVICE):
             await self.health.set(name, status)
         self.metrics.serving.set(1 if self.serving else 0)
@@ -612,8 +781,13 @@ class SyncerServer:
             # that would replay the same record: the operator decides (see the message).
             log.error("shard %d/%d: %s", self.cfg.shard_index, self.cfg.num_shards, e)
             return
-        log.info("shard %d/%d recovered (%d log records replayed) on port %d",
-                 self.cfg.shard_index, self.cfg.num_shards, replayed, self.port)
+        log.info(
+            "shard %d/%d recovered (%d log records replayed) on port %d",
+            self.cfg.shard_index,
+            self.cfg.num_shards,
+            replayed,
+            self.port,
+        )
         self._started = True
         _run(self._publish_health())
         self._housekeeping = asyncio.run_coroutine_threadsafe(self._housekeep(), self.loop)
@@ -650,8 +824,11 @@ class SyncerServer:
                 self._tick_failures += 1
                 log.exception("round timer: tick failed (%d in a row)", self._tick_failures)
                 if self._tick_failures == TICK_FAILURES_UNHEALTHY:
-                    log.error("round timer: %d failures in a row; health says NOT_SERVING until a tick "
-                              "succeeds", self._tick_failures)
+                    log.error(
+                        "round timer: %d failures in a row; health says NOT_SERVING until a tick "
+                        "succeeds",
+                        self._tick_failures,
+                    )
                     _run(self._publish_health())
                 self._stop.wait(TICK_RETRY_SECONDS)
                 continue

@@ -17,28 +17,26 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import math
 import pathlib
-import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
 
-from server import merge, rules, storage
-from server.config import ShardConfig
-from server.fragment import Answer, Fragment
-from server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
-from wire import codec
-from wire.plan import FragmentPlan
+from atoll.server import merge, rules, storage
+from atoll.server.config import ShardConfig
+from atoll.server.fragment import Answer, Fragment
+from atoll.server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
+from atoll.wire import codec
+from atoll.wire.plan import FragmentPlan
+from atoll.wire.records import LOG_CLOSE, LOG_INIT, LOG_PLAN, LOG_PUSH, log_record, parse_log_record
 
-_RECORD = struct.Struct("<BI")  # kind, meta length; then meta JSON, then payload
-PLAN, INIT, PUSH, CLOSE = 1, 2, 3, 4
+FIRST_ROUND_GRACE_PERIODS = 1.5  # how long a fragment's first round waits for every live learner
 ACCEPTED_CODECS = (codec.Codec.INT4, codec.Codec.MXFP4, codec.Codec.FP32)
 # Header bounds. Weights tokens²/steps stay below 2^80 and outer-gradient values below
 # MAX_ABS_VALUE, so a round of up to 2^17 pushes cannot overflow its float32 accumulator.
@@ -47,7 +45,9 @@ MAX_INNER_STEPS = 1 << 31
 MAX_SEQ = (1 << 63) - 1
 MAX_STEP_SECONDS = 86400.0  # a step longer than a day is a broken clock, not a slow island
 MAX_PERIOD_STEPS = 1 << 20
-MAX_ABS_VALUE = 1e9  # |outer gradient| or |initial weight| per element; training that far off has diverged
+MAX_ABS_VALUE = (
+    1e9  # |outer gradient| or |initial weight| per element; training that far off has diverged
+)
 log = logging.getLogger("atoll.syncer")
 PRUNE_AFTER_LEASES = 10  # a learner silent this many leases is forgotten (its lease table entry)
 
@@ -71,7 +71,9 @@ class PeriodCount(NamedTuple):
         """The count with one more close at `now` (periods advance once the cadence is known)."""
         if self.last_close_at is None or not cadence_seconds:
             return PeriodCount(self.closes + 1, self.periods, now)
-        return PeriodCount(self.closes + 1, self.periods + (now - self.last_close_at) / cadence_seconds, now)
+        return PeriodCount(
+            self.closes + 1, self.periods + (now - self.last_close_at) / cadence_seconds, now
+        )
 
     @property
     def outer_steps_per_period(self) -> float | None:
@@ -114,17 +116,6 @@ class ShardError(Exception):
         self.code = code
 
 
-def _record(kind: int, meta: dict, payload: bytes = b"") -> bytes:
-    body = json.dumps(meta, separators=(",", ":")).encode()
-    return _RECORD.pack(kind, len(body)) + body + payload
-
-
-def _parse(record: bytes) -> tuple[int, dict, memoryview]:
-    kind, n = _RECORD.unpack_from(record)
-    start = _RECORD.size
-    return kind, json.loads(record[start:start + n]), memoryview(record)[start + n:]
-
-
 @dataclasses.dataclass(frozen=True)
 class PushHeader:
     learner_id: str
@@ -147,8 +138,11 @@ class PushHeader:
         cadence, tokens and steps the merge weight."""
         if not self.learner_id:
             return "learner_id is empty"
-        for name, value, low, high in (("inner_steps", self.inner_steps, 1, MAX_INNER_STEPS),
-                                       ("tokens", self.tokens, 1, MAX_TOKENS), ("seq", self.seq, 0, MAX_SEQ)):
+        for name, value, low, high in (
+            ("inner_steps", self.inner_steps, 1, MAX_INNER_STEPS),
+            ("tokens", self.tokens, 1, MAX_TOKENS),
+            ("seq", self.seq, 0, MAX_SEQ),
+        ):
             if not low <= value <= high:
                 return f"{name}={value}: must be in [{low}, {high}]"
         if self.tokens < self.inner_steps:
@@ -164,28 +158,50 @@ class PushHeader:
 
 
 class Shard:
-    """Create, then `recover()` before serving."""
+    """Create, then `recover()` before serving.
 
-    def __init__(self, cfg: ShardConfig, clock: Callable[[], float] = time.monotonic):
+    `clock`, `log` and `snapshots` are the shard's only contact with time and disk: by
+    default the monotonic clock and a WriteAheadLog and SnapshotStore in cfg.data_dir;
+    tests pass a fake clock and in-memory storage (tests/test_shard_memory.py)."""
+
+    def __init__(
+        self,
+        cfg: ShardConfig,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        log: storage.Log | None = None,
+        snapshots: storage.SnapshotStorage | None = None,
+    ):
         self.cfg = cfg
         self.clock = clock
-        self.policy = rules.RoundPolicy(quorum=cfg.quorum, grace_factor=cfg.grace_factor,
-                                        max_staleness=cfg.max_staleness,
-                                        discount_exponent=cfg.staleness_discount,
-                                        lease_seconds=cfg.lease_seconds)
+        self.policy = rules.RoundPolicy(
+            quorum=cfg.quorum,
+            grace_factor=cfg.grace_factor,
+            max_staleness=cfg.max_staleness,
+            discount_exponent=cfg.staleness_discount,
+            lease_seconds=cfg.lease_seconds,
+        )
         data = pathlib.Path(cfg.data_dir)
-        self.wal = storage.WriteAheadLog(data / "wal")
-        self.snapshots = storage.SnapshotStore(data / "snapshots")
+        self.wal: storage.Log = log if log is not None else storage.WriteAheadLog(data / "wal")
+        self.snapshots: storage.SnapshotStorage = (
+            snapshots if snapshots is not None else storage.SnapshotStore(data / "snapshots")
+        )
         # Locks, always taken in this order: init_lock, a fragment's lock, lock.
         self.init_lock = threading.Lock()  # Init calls, one at a time (the first adopts the plan)
-        self.lock = threading.Lock()  # shard-wide state (leases, timings, cadence); never held over I/O or a merge
+        self.lock = (
+            threading.Lock()
+        )  # shard-wide state (leases, timings, cadence); never held over I/O or a merge
         self.changed = threading.Condition(self.lock)
         self.snapshot_lock = threading.Lock()  # one snapshot written at a time
         self._snapshotting = False  # a background snapshot is under way (under lock)
         self._snapshot_thread: threading.Thread | None = None
-        self.listeners: list[Callable[[], None]] = []  # called under the lock when a version changes; must not block
+        self.listeners: list[
+            Callable[[], None]
+        ] = []  # called under the lock when a version changes; must not block
         self.ready = False
-        self.recovery_error: str | None = None  # why recovery stopped; the shard then serves nothing
+        self.recovery_error: str | None = (
+            None  # why recovery stopped; the shard then serves nothing
+        )
         self.metrics = ShardMetrics(cfg.shard_index, gauges=self._gauges)
         self._reset()
 
@@ -208,7 +224,9 @@ class Shard:
         self.sync_time = rules.Ewma()
         self.rounds_since_snapshot = 0
         self.last_lsn = 0
-        self.snapshot_lsns: dict[int, int] = {}  # fragment -> newest LSN of it the loaded snapshot holds
+        self.snapshot_lsns: dict[
+            int, int
+        ] = {}  # fragment -> newest LSN of it the loaded snapshot holds
 
     # --- recovery ---
 
@@ -245,7 +263,9 @@ class Shard:
             try:
                 self._restore(snap)
             except ValueError as e:  # written under settings this shard does not have
-                raise RecoveryError(f"the snapshot in {self.cfg.data_dir} cannot be loaded: {e}") from e
+                raise RecoveryError(
+                    f"the snapshot in {self.cfg.data_dir} cannot be loaded: {e}"
+                ) from e
         replayed = 0
         for lsn, record in self.wal.replay(self.last_lsn):
             if lsn in skip:
@@ -259,7 +279,8 @@ class Shard:
                         f"the shard serves nothing until it can. Keep the data directory as it is, then "
                         f"restart with --quarantine-record {lsn} to set that record aside (copied to "
                         f"quarantine/{lsn}.record; if it was an acknowledged push, that push is lost) "
-                        f"and replay the rest") from e
+                        f"and replay the rest"
+                    ) from e
             self.last_lsn = lsn
             replayed += 1
         for frag in self.fragments.values():
@@ -270,29 +291,32 @@ class Shard:
         folder = pathlib.Path(self.cfg.data_dir) / "quarantine"
         folder.mkdir(exist_ok=True)
         (folder / f"{lsn}.record").write_bytes(record)
-        log.warning("log record %d set aside in %s as --quarantine-record asked; replay goes on without it",
-                    lsn, folder)
+        log.warning(
+            "log record %d set aside in %s as --quarantine-record asked; replay goes on without it",
+            lsn,
+            folder,
+        )
 
     def _apply(self, record: bytes, live: bool, lsn: int = 0) -> None:
         """Applies one log record; the same code runs live and during replay. A record of
         a fragment that the snapshot already holds (its LSN at or before that fragment's
         in the snapshot) is skipped."""
-        kind, meta, payload = _parse(record)
+        kind, meta, payload = parse_log_record(record)
         if "fragment" in meta and lsn <= self.snapshot_lsns.get(meta["fragment"], 0):
             return
-        if kind == PLAN:
+        if kind == LOG_PLAN:
             self._adopt_plan(FragmentPlan.from_json(meta["plan"]))
-        elif kind == INIT:
+        elif kind == LOG_INIT:
             frag = self.fragments[meta["fragment"]]
             codes = self._checked(codec.read_codes(payload, num_values=frag.size), frag, live)
             values = np.empty(frag.size, np.float32)
             codes.decode_into(values, accumulate=False)
             frag.initialize(values)
-        elif kind == PUSH:
+        elif kind == LOG_PUSH:
             frag = self.fragments[meta["fragment"]]
             codes = self._checked(codec.read_codes(payload, num_values=frag.size), frag, live)
             frag.contribute(meta["learner"], codes, Answer(**meta["answer"]), self.clock())
-        elif kind == CLOSE:
+        elif kind == LOG_CLOSE:
             self.fragments[meta["fragment"]].close_round(meta.get("trigger"))
         else:
             raise RuntimeError(f"unknown log record kind {kind}")
@@ -309,7 +333,8 @@ class Shard:
     def _write(self, records: list[bytes]) -> int:
         """Writes records to the log (not yet durable); returns the last one's LSN."""
         try:
-            return self.wal.write_many(records)[-1]
+            lsns: list[int] = self.wal.write_many(records)
+            return lsns[-1]
         except storage.StorageError as e:
             raise self._log_failed(e) from e
 
@@ -327,19 +352,26 @@ class Shard:
     def _log_failed(self, e: Exception) -> ShardError:
         """After a failed write or fsync, what is on disk is unknown: the shard stops serving
         (its memory may hold records that never reached the disk) until restarted from its log."""
-        self.recovery_error = f"the write-ahead log failed ({type(e).__name__}: {e}); restart the shard"
+        self.recovery_error = (
+            f"the write-ahead log failed ({type(e).__name__}: {e}); restart the shard"
+        )
         log.error("%s", self.recovery_error)
         return ShardError(grpc.StatusCode.UNAVAILABLE, self.recovery_error)
-
-
 
     def _adopt_plan(self, plan: FragmentPlan) -> None:
         fragments, locks = {}, {}
         for p in plan.fragments_of_shard(self.cfg.shard_index, self.cfg.num_shards):
-            fragments[p] = Fragment(p, plan, lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
-                                    rda=self.cfg.rda, delta_ring=self.cfg.delta_ring,
-                                    publish_codec=self.cfg.publish_codec, quorum=self.policy.quorum,
-                                    momentum_delay=self.cfg.momentum_delay)
+            fragments[p] = Fragment(
+                p,
+                plan,
+                lr=self.cfg.outer_lr,
+                momentum=self.cfg.outer_momentum,
+                rda=self.cfg.rda,
+                delta_ring=self.cfg.delta_ring,
+                publish_codec=self.cfg.publish_codec,
+                quorum=self.policy.quorum,
+                momentum_delay=self.cfg.momentum_delay,
+            )
             locks[p] = threading.Lock()
             self.periods[p] = PeriodCount()
         self.fragments, self.frag_locks = fragments, locks
@@ -358,9 +390,13 @@ class Shard:
         snapshot's LSN is the oldest fragment LSN, and replay skips each fragment's
         records up to its own."""
         with self.snapshot_lock:
-            meta: dict = {"plan": self.plan.to_json() if self.plan else None,
-                          "shard_index": self.cfg.shard_index, "num_shards": self.cfg.num_shards,
-                          "fragments": {}, "fragment_lsns": {}}
+            meta: dict[str, Any] = {
+                "plan": self.plan.to_json() if self.plan else None,
+                "shard_index": self.cfg.shard_index,
+                "num_shards": self.cfg.num_shards,
+                "fragments": {},
+                "fragment_lsns": {},
+            }
             arrays: dict[str, np.ndarray] = {}
             for p in sorted(self.fragments):
                 with self.frag_locks[p]:
@@ -380,24 +416,29 @@ class Shard:
         try:
             self._snapshot()
         except Exception:  # noqa: BLE001 - the log still holds everything; the next one tries again
-            log.exception("background snapshot failed; the log keeps every record until one succeeds")
+            log.exception(
+                "background snapshot failed; the log keeps every record until one succeeds"
+            )
         finally:
             with self.lock:
                 self._snapshotting = False
 
-    def _restore(self, snap) -> None:
+    def _restore(self, snap: storage.Snapshot) -> None:
         meta = snap.meta
         if (meta["shard_index"], meta["num_shards"]) != (self.cfg.shard_index, self.cfg.num_shards):
             raise RuntimeError(
                 f"data dir holds shard {meta['shard_index']} of {meta['num_shards']}, but this is "
-                f"shard {self.cfg.shard_index} of {self.cfg.num_shards}; point --data-dir elsewhere")
+                f"shard {self.cfg.shard_index} of {self.cfg.num_shards}; point --data-dir elsewhere"
+            )
         if meta["plan"] is not None:
             self._adopt_plan(FragmentPlan.from_json(meta["plan"]))
         for key, fmeta in meta["fragments"].items():
             prefix = f"f{key}."
             self.fragments[int(key)].restore(
-                fmeta, {k[len(prefix):]: v for k, v in snap.arrays.items() if k.startswith(prefix)},
-                self.clock())
+                fmeta,
+                {k[len(prefix) :]: v for k, v in snap.arrays.items() if k.startswith(prefix)},
+                self.clock(),
+            )
         # older snapshots were taken at one LSN for every fragment
         lsns = meta.get("fragment_lsns") or {key: snap.lsn for key in meta["fragments"]}
         self.snapshot_lsns = {int(key): int(lsn) for key, lsn in lsns.items()}
@@ -407,32 +448,45 @@ class Shard:
 
     def _require_ready(self) -> None:
         if self.recovery_error is not None:
-            raise ShardError(grpc.StatusCode.UNAVAILABLE, f"shard did not recover: {self.recovery_error}")
+            raise ShardError(
+                grpc.StatusCode.UNAVAILABLE, f"shard did not recover: {self.recovery_error}"
+            )
         if not self.ready:
             raise ShardError(grpc.StatusCode.UNAVAILABLE, "shard is recovering; retry shortly")
 
     def _check_fragment(self, plan: FragmentPlan, p: int, fingerprint: str | None) -> None:
         """Refuses a fragment that `plan` lacks or that another shard owns."""
         if fingerprint is not None and fingerprint != plan.fingerprint:
-            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"plan fingerprint {fingerprint!r} differs from the shard's "
-                             f"{plan.fingerprint!r}: learner and shard disagree on the model")
+            raise ShardError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"plan fingerprint {fingerprint!r} differs from the shard's "
+                f"{plan.fingerprint!r}: learner and shard disagree on the model",
+            )
         if not 0 <= p < plan.num_fragments:
-            raise ShardError(grpc.StatusCode.NOT_FOUND,
-                             f"fragment {p} does not exist (the plan has {plan.num_fragments})")
+            raise ShardError(
+                grpc.StatusCode.NOT_FOUND,
+                f"fragment {p} does not exist (the plan has {plan.num_fragments})",
+            )
         if plan.shard_of(p, self.cfg.num_shards) != self.cfg.shard_index:
-            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"fragment {p} lives on shard {plan.shard_of(p, self.cfg.num_shards)}, "
-                             f"not shard {self.cfg.shard_index}")
+            raise ShardError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"fragment {p} lives on shard {plan.shard_of(p, self.cfg.num_shards)}, "
+                f"not shard {self.cfg.shard_index}",
+            )
 
     def _fragment(self, p: int, fingerprint: str | None = None, need_init: bool = True) -> Fragment:
         if self.plan is None:
-            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION,
-                             "this shard has no fragment plan yet: a learner must Init first")
+            raise ShardError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this shard has no fragment plan yet: a learner must Init first",
+            )
         self._check_fragment(self.plan, p, fingerprint)
         frag = self.fragments[p]
         if need_init and not frag.initialized:
-            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, f"fragment {p} is not initialized; Init it first")
+            raise ShardError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"fragment {p} is not initialized; Init it first",
+            )
         return frag
 
     def touch(self, learner: str) -> None:
@@ -447,15 +501,27 @@ class Shard:
         except ValueError as e:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"bad plan_json: {e}") from None
         if plan.fingerprint != fingerprint:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "plan_json does not match plan_fingerprint")
+            raise ShardError(
+                grpc.StatusCode.INVALID_ARGUMENT, "plan_json does not match plan_fingerprint"
+            )
         if plan.num_fragments < self.cfg.num_shards:
-            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"plan has {plan.num_fragments} fragments for {self.cfg.num_shards} "
-                             "shards: some shard would own nothing")
+            raise ShardError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"plan has {plan.num_fragments} fragments for {self.cfg.num_shards} "
+                "shards: some shard would own nothing",
+            )
         return plan
 
-    def init(self, learner: str, p: int, fingerprint: str, plan_json: str, frame: bytes,
-             frame_codec: int, num_params: int) -> tuple[bool, int]:
+    def init(
+        self,
+        learner: str,
+        p: int,
+        fingerprint: str,
+        plan_json: str,
+        frame: bytes,
+        frame_codec: int,
+        num_params: int,
+    ) -> tuple[bool, int]:
         """Seeds fragment p from frame unless it exists; returns (created, version).
 
         The first Init also brings the plan; it is logged only with a valid first
@@ -463,7 +529,9 @@ class Shard:
         (they are rare); the fragment is seeded once its record is durable."""
         self._require_ready()
         if frame_codec not in ACCEPTED_CODECS:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"codec {frame_codec} is not accepted")
+            raise ShardError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"codec {frame_codec} is not accepted"
+            )
         with self.init_lock:
             plan = self.plan or self._parse_plan(plan_json, fingerprint)
             self._check_fragment(plan, p, fingerprint)
@@ -471,8 +539,10 @@ class Shard:
                 return False, self.fragments[p].version
             size = plan.fragment_sizes[p]
             if num_params != size:
-                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"fragment {p} holds {size} params, init says {num_params}")
+                raise ShardError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"fragment {p} holds {size} params, init says {num_params}",
+                )
             try:
                 codes = codec.read_codes(frame, codec=codec.Codec(frame_codec), num_values=size)
             except codec.CodecError as e:
@@ -482,13 +552,24 @@ class Shard:
                 raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"init frame: {too_big}")
             values = np.empty(size, np.float32)
             codes.decode_into(values, accumulate=False)
-            if self.plan is None:  # the plan and its first fragment are durable together or not at all
-                self._sync(self._write([_record(PLAN, {"plan": plan_json}), _record(INIT, {"fragment": p}, frame)]))
+            if (
+                self.plan is None
+            ):  # the plan and its first fragment are durable together or not at all
+                self._sync(
+                    self._write(
+                        [
+                            log_record(LOG_PLAN, {"plan": plan_json}),
+                            log_record(LOG_INIT, {"fragment": p}, frame),
+                        ]
+                    )
+                )
                 self._adopt_plan(plan)
                 self.fragments[p].initialize(values)
             else:
-                with self.frag_locks[p]:  # a snapshot sees the fragment seeded with its record, or neither
-                    self._sync(self._write([_record(INIT, {"fragment": p}, frame)]))
+                with self.frag_locks[
+                    p
+                ]:  # a snapshot sees the fragment seeded with its record, or neither
+                    self._sync(self._write([log_record(LOG_INIT, {"fragment": p}, frame)]))
                     self.fragments[p].initialize(values)
             with self.lock:
                 self._version_changed()
@@ -509,8 +590,10 @@ class Shard:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"codec {h.codec} is not accepted")
         frag = self._fragment(h.fragment, h.plan_fingerprint)
         if h.num_params != frag.size:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"fragment {h.fragment} holds {frag.size} params, push says {h.num_params}")
+            raise ShardError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"fragment {h.fragment} holds {frag.size} params, push says {h.num_params}",
+            )
         try:
             # decompressed and checked, never decoded to float32: the merge reads the codes
             codes = codec.read_codes(frame, codec=codec.Codec(h.codec), num_values=frag.size)
@@ -534,33 +617,73 @@ class Shard:
             refused = frag.refusals.get(h.learner_id)
             if prior is not None and prior.seq == h.seq:
                 # the first push's record may still be on its way to disk: answer once it is there
-                answer, durable_at = dataclasses.replace(prior, reason=str(rules.Reason.DUPLICATE)), \
-                    self.wal.written_lsn
+                answer, durable_at = (
+                    dataclasses.replace(prior, reason=str(rules.Reason.DUPLICATE)),
+                    self.wal.written_lsn,
+                )
             elif refused is not None and refused.seq == h.seq:
                 return self._count(refused)  # a retried refusal gets its first answer
             else:
                 newest = max((a.seq for a in (prior, refused) if a is not None), default=None)
-                verdict = rules.admit(seq=h.seq, newest_seq=newest, base_version=h.base_version,
-                                      current_version=frag.version, in_round=h.learner_id in frag.contributors,
-                                      tokens=h.tokens, inner_steps=h.inner_steps, policy=self.policy)
+                verdict = rules.admit(
+                    seq=h.seq,
+                    newest_seq=newest,
+                    base_version=h.base_version,
+                    current_version=frag.version,
+                    in_round=h.learner_id in frag.contributors,
+                    tokens=h.tokens,
+                    inner_steps=h.inner_steps,
+                    policy=self.policy,
+                )
                 if verdict.reason in (rules.Reason.FUTURE_BASE, rules.Reason.SEQ_TOO_FAR):
-                    raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"fragment {h.fragment}: {verdict.detail}")
+                    raise ShardError(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"fragment {h.fragment}: {verdict.detail}"
+                    )
                 if not verdict.accept:
-                    answer = Answer(h.seq, False, str(verdict.reason), verdict.detail, frag.version,
-                                    verdict.staleness, 0.0)
+                    answer = Answer(
+                        h.seq,
+                        False,
+                        str(verdict.reason),
+                        verdict.detail,
+                        frag.version,
+                        verdict.staleness,
+                        0.0,
+                    )
                     if verdict.reason is not rules.Reason.DUPLICATE:
                         frag.refusals[h.learner_id] = answer
                     return self._count(answer)
-                answer = Answer(h.seq, True, str(verdict.reason), "", frag.version, verdict.staleness,
-                                verdict.weight * verdict.discount, verdict.discount)
-                durable_at = self._write([_record(PUSH, {"fragment": h.fragment, "learner": h.learner_id,
-                                                         "answer": dataclasses.asdict(answer)}, frame)])
+                answer = Answer(
+                    h.seq,
+                    True,
+                    str(verdict.reason),
+                    "",
+                    frag.version,
+                    verdict.staleness,
+                    verdict.weight * verdict.discount,
+                    verdict.discount,
+                )
+                durable_at = self._write(
+                    [
+                        log_record(
+                            LOG_PUSH,
+                            {
+                                "fragment": h.fragment,
+                                "learner": h.learner_id,
+                                "answer": dataclasses.asdict(answer),
+                            },
+                            frame,
+                        )
+                    ]
+                )
                 frag.contribute(h.learner_id, codes, answer, now)
                 frag.refusals.pop(h.learner_id, None)
                 with self.lock:
                     self.known.add(h.learner_id)
                 self.metrics.staleness.observe(verdict.staleness)
-                self.metrics.compute_seconds.inc(h.inner_steps * h.step_seconds / self.plan.num_fragments)
+                assert self.plan is not None  # _fragment found it
+                self.metrics.compute_seconds.inc(
+                    h.inner_steps * h.step_seconds / self.plan.num_fragments
+                )
                 self._maybe_close(h.fragment, now, trigger=h.learner_id)
                 answer = frag.answers[h.learner_id]
         del codes
@@ -593,7 +716,8 @@ class Shard:
         slowest = max((t.step_seconds for t in timings if t.step_seconds > 0), default=None)
         overlap = max((t.overlap_steps for t in timings), default=0)
         cap = min(self.cadence_seconds or math.inf, self.policy.lease_seconds)
-        return rules.estimate_grace(self.policy, overlap, slowest, self.sync_time, cap)
+        grace: float = rules.estimate_grace(self.policy, overlap, slowest, self.sync_time, cap)
+        return grace
 
     def due_in(self, p: int, learner: str) -> float:
         """Seconds until `learner`'s next push of fragment p is due (0: no schedule yet).
@@ -603,7 +727,9 @@ class Shard:
         if frag is None:
             return 0.0
         state = frag.round_state
-        return rules.due_in(state, self.clock(), self.cadence_seconds, in_round=learner in state.contributors)
+        in_round = learner in state.contributors
+        due_in: float = rules.due_in(state, self.clock(), self.cadence_seconds, in_round=in_round)
+        return due_in
 
     def _joined(self) -> int:
         """Learners this shard knows: any with a lease, any whose push it holds (under lock)."""
@@ -619,18 +745,33 @@ class Shard:
         with self.lock:
             live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
             grace, joined = self._grace(live), self._joined()
+            if frag.version == 0 and self.cadence_seconds:
+                # A fragment's first round: each island pushes it first at step t_p of its own
+                # pace, a slower one up to a period after the fastest; waiting for that once
+                # keeps slower islands from starting a version behind (and pulling two deltas).
+                grace = max(
+                    grace,
+                    min(
+                        FIRST_ROUND_GRACE_PERIODS * self.cadence_seconds, self.policy.lease_seconds
+                    ),
+                )
             # a learner whose last push of p came in is not waited for (its push still counts)
             waited_for = live - self.finished[p]
-        decision = rules.decide_close(state, waited_for, now, self.policy.quorum, grace, joined=joined)
+        decision = rules.decide_close(
+            state, waited_for, now, self.policy.quorum, grace, joined=joined
+        )
         if not decision.close:
-            return decision.wake_at
+            wake_at: float | None = decision.wake_at
+            return wake_at
         started = self.clock()  # the shard's clock: ξ_sync sizes the grace window on it
-        lsn = self._write([_record(CLOSE, {"fragment": p, "trigger": trigger})])
+        lsn = self._write([log_record(LOG_CLOSE, {"fragment": p, "trigger": trigger})])
         frag.close_round(trigger)  # the same call replay makes
         # the fragment's schedule goes on a period after this round's due time, whenever
         # the round closed (round timing is not logged: after a restart, the first push
         # sets the phase again)
-        frag.round_state = frag.round_state._replace(due_at=rules.next_due(state, now, self.cadence_seconds))
+        frag.round_state = frag.round_state._replace(
+            due_at=rules.next_due(state, now, self.cadence_seconds)
+        )
         merge_seconds = self.clock() - started
         self._sync(lsn)  # under this fragment's lock only
         self.metrics.rounds.inc()
@@ -640,13 +781,18 @@ class Shard:
             self.sync_time = self.sync_time.update(merge_seconds, self.policy.ewma_alpha)
             self.periods[p] = self.periods[p].closed(now, self.cadence_seconds)
             self.rounds_since_snapshot += 1
-            snapshot = self.rounds_since_snapshot >= self.cfg.snapshot_every and not self._snapshotting
+            snapshot = (
+                self.rounds_since_snapshot >= self.cfg.snapshot_every and not self._snapshotting
+            )
             if snapshot:
                 self.rounds_since_snapshot, self._snapshotting = 0, True
             self._version_changed()
         if snapshot:  # written by a thread of its own while pushes go on
-            self._snapshot_thread = threading.Thread(target=self._snapshot_in_background,
-                                                     name=f"shard{self.cfg.shard_index}-snapshot", daemon=True)
+            self._snapshot_thread = threading.Thread(
+                target=self._snapshot_in_background,
+                name=f"shard{self.cfg.shard_index}-snapshot",
+                daemon=True,
+            )
             self._snapshot_thread.start()
         return None
 
@@ -676,17 +822,24 @@ class Shard:
         candidates = [w for w in wakes if w is not None] + ([expiry] if expiry is not None else [])
         return min(candidates) if candidates else None
 
-    def pull(self, p: int, have_version: int | None) -> tuple[int, bool, list[tuple[int, codec.Codec, bytes]]]:
+    def pull(
+        self, p: int, have_version: int | None
+    ) -> tuple[int, bool, list[tuple[int, codec.Codec, bytes]]]:
         """(version, is_snapshot, [(version, codec, frame)]) taking the caller to the newest."""
         self._require_ready()
         frag = self._fragment(p)
         with self.frag_locks[p]:
             version = frag.version
             if have_version is not None and have_version > version:
-                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"have_version {have_version} is ahead of fragment {p}'s version {version}")
+                raise ShardError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"have_version {have_version} is ahead of fragment {p}'s version {version}",
+                )
             deltas = None if have_version is None else frag.deltas_since(have_version)
-            published = frag.published  # replaced, never written, by a close: encoded outside the lock
+            published = (
+                frag.published
+            )  # replaced, never written, by a close: encoded outside the lock
+        assert published is not None  # _fragment checked it is initialized
         if deltas is not None:
             out = [(v, frag.publish_codec, f) for v, f in deltas]
         else:
@@ -714,23 +867,32 @@ class Shard:
                     out[p] = (f.version, f.last_round_size)
         return out
 
-    def wait_for_change(self, known: dict[int, int], fragments: list[int] | None, timeout: float) -> None:
+    def wait_for_change(
+        self, known: dict[int, int], fragments: list[int] | None, timeout: float
+    ) -> None:
         """Blocks until some watched fragment's version differs from `known`, or timeout."""
         with self.changed:
             self.changed.wait_for(
-                lambda: any(self.fragments[p].version != known.get(p) and self.fragments[p].initialized
-                            for p in (fragments or self.fragments)), timeout)
+                lambda: any(
+                    self.fragments[p].version != known.get(p) and self.fragments[p].initialized
+                    for p in (fragments or self.fragments)
+                ),
+                timeout,
+            )
 
     def _gauges(self) -> ScrapeGauges:
         """What the metrics read at scrape time: versions, open rounds, cadence, leases, grace."""
         with self.lock:
             now = self.clock()
-            fragments = {p: FragmentGauges(f.version, f.round.count, self.periods[p].outer_steps_per_period)
-                         for p, f in self.fragments.items() if f.initialized}
+            fragments = {
+                p: FragmentGauges(f.version, f.round.count, self.periods[p].outer_steps_per_period)
+                for p, f in self.fragments.items()
+                if f.initialized
+            }
             live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
             return ScrapeGauges(fragments, len(live), self._grace(live), self.cadence_seconds)
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         with self.lock:
             now = self.clock()
             return {

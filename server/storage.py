@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import io
 import json
 import logging
 import math
@@ -64,9 +65,10 @@ import threading
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +102,12 @@ class Log(Protocol):
     def first_lsn(self) -> int: ...  # oldest LSN still held (last_lsn + 1 if none)
     @property
     def last_lsn(self) -> int: ...  # newest durable LSN, 0 if none was ever written
+    @property
+    def written_lsn(self) -> int: ...  # newest LSN written, durable or not yet
     def append(self, record: bytes) -> int: ...
     def append_many(self, records: Iterable[bytes]) -> list[int]: ...
+    def write_many(self, records: Iterable[bytes]) -> list[int]: ...  # written, not yet durable
+    def sync(self, lsn: int) -> float | None: ...  # durable through lsn (group commit)
     def replay(self, after_lsn: int = 0) -> Iterator[tuple[int, bytes]]: ...
     def truncate_through(self, lsn: int) -> int: ...
     def close(self) -> None: ...
@@ -110,7 +116,9 @@ class Log(Protocol):
 class SnapshotStorage(Protocol):
     """What the shard needs of a snapshot store; tests/test_storage.py is the contract."""
 
-    def save(self, lsn: int, meta: Mapping, arrays: Mapping[str, np.ndarray]) -> pathlib.Path: ...
+    def save(
+        self, lsn: int, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
+    ) -> pathlib.Path: ...
     def latest(self) -> Snapshot | None: ...
     def lsns(self) -> list[int]: ...
     def truncatable_lsn(self) -> int: ...
@@ -125,7 +133,7 @@ _datasync = getattr(os, "fdatasync", os.fsync)
 
 def _write_all(fd: int, view: memoryview) -> None:
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _fsync_dir(path: pathlib.Path) -> None:
@@ -146,8 +154,10 @@ def _lock_dir(path: pathlib.Path, name: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise StorageError(f"{path} is already open (another process or object holds "
-                           f"{name}); one writer per directory: close the other first") from None
+        raise StorageError(
+            f"{path} is already open (another process or object holds "
+            f"{name}); one writer per directory: close the other first"
+        ) from None
     return fd
 
 
@@ -168,7 +178,9 @@ def encode_frame_header(lsn: int, payload: bytes | memoryview) -> bytes:
     return _FRAME.pack(_FRAME_MAGIC, size, lsn, crc)
 
 
-def _check_frame(f, offset: int, file_size: int, due_lsn: int | None) -> tuple[int, int] | str:
+def _check_frame(
+    f: io.BufferedIOBase, offset: int, file_size: int, due_lsn: int | None
+) -> tuple[int, int] | str:
     """(lsn, payload size) of the whole, valid frame at `offset`, or why there is none."""
     f.seek(offset)
     head = f.read(_FRAME.size)
@@ -184,14 +196,14 @@ def _check_frame(f, offset: int, file_size: int, due_lsn: int | None) -> tuple[i
     got, buf = zlib.crc32(struct.pack("<QQ", size, lsn)), memoryview(bytearray(min(size, _CHUNK)))
     left = size
     while left:
-        n = f.readinto(buf[:min(left, len(buf))])
+        n = f.readinto(buf[: min(left, len(buf))])
         if not n:
             return "a short read"
         got, left = zlib.crc32(buf[:n], got), left - n
     return (lsn, size) if got == crc else "a CRC mismatch"
 
 
-def _valid_frame_after(f, start: int, file_size: int, min_lsn: int) -> bool:
+def _valid_frame_after(f: io.BufferedIOBase, start: int, file_size: int, min_lsn: int) -> bool:
     """Whether any whole, valid frame with LSN >= min_lsn starts after `start`."""
     pos = start + 1
     while pos < file_size:
@@ -222,15 +234,19 @@ class WriteAheadLog:
       (1, 2)
     """
 
-    def __init__(self, directory: str | os.PathLike, *, segment_bytes: int = 256 << 20):
+    def __init__(self, directory: str | os.PathLike[str], *, segment_bytes: int = 256 << 20):
         self._mutex = threading.Lock()  # appends are serialised: their order is the merge order
-        self._synced = threading.Condition(threading.Lock())  # durable LSN and the one fsync in flight
+        self._synced = threading.Condition(
+            threading.Lock()
+        )  # durable LSN and the one fsync in flight
         self._syncing = False
         self._fd: int | None = None
         self._lock_fd: int | None = None
         if segment_bytes <= _FRAME.size:
-            raise ValueError(f"segment_bytes must exceed the {_FRAME.size}-byte frame header, "
-                             f"got {segment_bytes}")
+            raise ValueError(
+                f"segment_bytes must exceed the {_FRAME.size}-byte frame header, "
+                f"got {segment_bytes}"
+            )
         self.directory, self.segment_bytes = pathlib.Path(directory), segment_bytes
         self._failed: BaseException | None = None
         self.last_sync_seconds = 0.0  # how long the newest append's fsync took
@@ -245,8 +261,9 @@ class WriteAheadLog:
         return self.directory / f"{first_lsn:020d}.wal"
 
     def _recover(self) -> None:
-        firsts = sorted(int(m.group(1)) for p in self.directory.iterdir()
-                        if (m := _SEGMENT.match(p.name)))
+        firsts = sorted(
+            int(m.group(1)) for p in self.directory.iterdir() if (m := _SEGMENT.match(p.name))
+        )
         if not firsts:
             os.close(os.open(self._path(1), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
             _fsync_dir(self.directory)
@@ -255,8 +272,10 @@ class WriteAheadLog:
         for i, first in enumerate(firsts):
             path = self._path(first)
             if first != due:
-                raise WALCorruption(f"{path.name} starts at LSN {first} but the segment before it "
-                                    f"ends at LSN {due - 1}: a segment is missing or misnamed")
+                raise WALCorruption(
+                    f"{path.name} starts at LSN {first} but the segment before it "
+                    f"ends at LSN {due - 1}: a segment is missing or misnamed"
+                )
             file_size, end = path.stat().st_size, 0
             with open(path, "rb") as f:
                 while end < file_size:
@@ -270,9 +289,16 @@ class WriteAheadLog:
                     raise WALCorruption(
                         f"{path} at byte {end}: record LSN {due} is damaged ({found}) and is not "
                         "the log's last record, so acknowledged data would be lost; restore the "
-                        "log from a backup or replica, or move the damaged segment aside knowingly")
-            log.warning("WAL %s: cut off a torn tail of %d bytes at byte %d (%s); it was never "
-                        "acknowledged", path, file_size - end, end, found)
+                        "log from a backup or replica, or move the damaged segment aside knowingly"
+                    )
+            log.warning(
+                "WAL %s: cut off a torn tail of %d bytes at byte %d (%s); it was never "
+                "acknowledged",
+                path,
+                file_size - end,
+                end,
+                found,
+            )
             with open(path, "r+b") as f:
                 f.truncate(end)
                 os.fsync(f.fileno())
@@ -303,8 +329,10 @@ class WriteAheadLog:
 
     def _check_open(self) -> None:
         if self._failed is not None:
-            raise LogFailed(f"an earlier write to {self.directory} failed ({self._failed!r}); "
-                            "reopen the log to recover") from self._failed
+            raise LogFailed(
+                f"an earlier write to {self.directory} failed ({self._failed!r}); "
+                "reopen the log to recover"
+            ) from self._failed
         if self._fd is None:
             raise StorageError(f"the log in {self.directory} is closed")
 
@@ -320,8 +348,10 @@ class WriteAheadLog:
                     frame_bytes = _FRAME.size + len(view)
                     if self._size and self._size + frame_bytes > self.segment_bytes:
                         self._rotate()
-                    _write_all(self._fd, memoryview(encode_frame_header(self._next_lsn, view)))
-                    _write_all(self._fd, view)
+                    fd = self._fd
+                    assert fd is not None  # checked open; a rotation opens the next segment
+                    _write_all(fd, memoryview(encode_frame_header(self._next_lsn, view)))
+                    _write_all(fd, view)
                     self._size += frame_bytes
                     lsns.append(self._next_lsn)
                     self._next_lsn += 1
@@ -346,8 +376,10 @@ class WriteAheadLog:
         this call ran, or None if others' fsyncs covered `lsn`. Raises LogFailed if
         the fsync failed (for this caller or the one it waited on)."""
         if lsn > self.written_lsn:
-            raise ValueError(f"sync({lsn}): the log in {self.directory} has written only through "
-                             f"LSN {self.written_lsn}")
+            raise ValueError(
+                f"sync({lsn}): the log in {self.directory} has written only through "
+                f"LSN {self.written_lsn}"
+            )
         with self._synced:
             while self._durable_lsn < lsn:
                 if self._syncing:
@@ -355,6 +387,7 @@ class WriteAheadLog:
                     continue
                 with self._mutex:  # what is written now; a dup so a rotation may close the original
                     self._check_open()  # a failed fsync leaves these records unknown: no ack
+                    assert self._fd is not None
                     target, fd = self._next_lsn - 1, os.dup(self._fd)
                 self._syncing = True
                 self._synced.release()
@@ -378,6 +411,7 @@ class WriteAheadLog:
 
     def _rotate(self) -> None:
         old, self._fd = self._fd, None
+        assert old is not None
         try:
             _datasync(old)
         finally:
@@ -396,13 +430,17 @@ class WriteAheadLog:
         with self._mutex:
             firsts, last = list(self._firsts), self._durable_lsn
         if after_lsn < firsts[0] - 1:
-            raise MissingRecords(f"replay after LSN {after_lsn} needs records {after_lsn + 1}.."
-                                 f"{firsts[0] - 1}, already truncated from {self.directory}; "
-                                 f"replay from a snapshot at LSN >= {firsts[0] - 1}")
+            raise MissingRecords(
+                f"replay after LSN {after_lsn} needs records {after_lsn + 1}.."
+                f"{firsts[0] - 1}, already truncated from {self.directory}; "
+                f"replay from a snapshot at LSN >= {firsts[0] - 1}"
+            )
         if after_lsn > last:
-            raise MissingRecords(f"replay after LSN {after_lsn} but the log in {self.directory} "
-                                 f"ends at LSN {last}: the snapshot is newer than the log "
-                                 "(was the log directory replaced?)")
+            raise MissingRecords(
+                f"replay after LSN {after_lsn} but the log in {self.directory} "
+                f"ends at LSN {last}: the snapshot is newer than the log "
+                "(was the log directory replaced?)"
+            )
         return self._records(firsts, after_lsn, last)
 
     def _records(self, firsts: list[int], after_lsn: int, last: int) -> Iterator[tuple[int, bytes]]:
@@ -427,12 +465,15 @@ class WriteAheadLog:
     def truncate_through(self, lsn: int) -> int:
         """Deletes sealed segments whose records all have LSN <= lsn; returns how many."""
         with self._mutex:
-            doomed = [first for first, following in zip(self._firsts, self._firsts[1:])
-                      if following - 1 <= lsn]
+            doomed = [
+                first
+                for first, following in zip(self._firsts, self._firsts[1:])
+                if following - 1 <= lsn
+            ]
             for first in doomed:  # oldest first: a crash midway leaves a contiguous log
                 self._path(first).unlink()
             if doomed:
-                self._firsts = self._firsts[len(doomed):]
+                self._firsts = self._firsts[len(doomed) :]
                 _fsync_dir(self.directory)
             return len(doomed)
 
@@ -452,7 +493,7 @@ class WriteAheadLog:
     def __enter__(self) -> WriteAheadLog:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -484,10 +525,11 @@ def _dtype_of(name: str) -> np.dtype:
         return np.dtype(name)
     except TypeError:
         import ml_dtypes  # noqa: F401  (registers bfloat16 etc. with numpy)
+
         return np.dtype(name)
 
 
-def _plain(array) -> np.ndarray:
+def _plain(array: npt.ArrayLike) -> np.ndarray:
     """Little-endian, C-contiguous (a copy only where the input is neither)."""
     array = np.asarray(array)
     if array.dtype.byteorder == ">":
@@ -496,13 +538,13 @@ def _plain(array) -> np.ndarray:
 
 
 def _bytes_of(array: np.ndarray) -> memoryview:
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return array.reshape(-1).view(np.uint8).data
 
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
     lsn: int  # the last WAL record the state includes
-    meta: dict  # what the saver passed: config, plan fingerprint, versions
+    meta: dict[str, Any]  # what the saver passed: config, plan fingerprint, versions
     arrays: Arrays  # bit-exact copies, C-order, little-endian
     path: pathlib.Path  # the file it was loaded from
 
@@ -511,7 +553,7 @@ class Snapshot:
         return {name: (str(a.dtype), a.shape) for name, a in self.arrays.items()}
 
 
-def load_snapshot(path: str | os.PathLike) -> Snapshot:
+def load_snapshot(path: str | os.PathLike[str]) -> Snapshot:
     """Reads and verifies one snapshot file; raises SnapshotCorruption if it fails a check."""
     path = pathlib.Path(path)
 
@@ -533,10 +575,12 @@ def load_snapshot(path: str | os.PathLike) -> Snapshot:
         prefix = head + f.read(header_len + _pad(_SNAP_HEAD.size + header_len))
         crc = zlib.crc32(prefix)
         try:
-            header = json.loads(prefix[_SNAP_HEAD.size:_SNAP_HEAD.size + header_len])
+            header = json.loads(prefix[_SNAP_HEAD.size : _SNAP_HEAD.size + header_len])
             lsn, meta, entries = int(header["lsn"]), header["meta"], header["arrays"]
-            layout = [(e["name"], _dtype_of(e["dtype"]), tuple(int(d) for d in e["shape"]))
-                      for e in entries]
+            layout = [
+                (e["name"], _dtype_of(e["dtype"]), tuple(int(d) for d in e["shape"]))
+                for e in entries
+            ]
             if any(d < 0 for _, _, shape in layout for d in shape):
                 raise ValueError("negative dimension")
         except (ValueError, KeyError, TypeError) as exc:
@@ -544,8 +588,10 @@ def load_snapshot(path: str | os.PathLike) -> Snapshot:
         sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in layout]
         expected = len(prefix) + sum(n + _pad(n) for n in sizes) + _SNAP_TAIL.size
         if expected != file_size or path.name != f"{lsn:020d}.snap":
-            raise damaged(f"{file_size} bytes named {path.name}, but its header describes "
-                          f"{expected} bytes at LSN {lsn}")
+            raise damaged(
+                f"{file_size} bytes named {path.name}, but its header describes "
+                f"{expected} bytes at LSN {lsn}"
+            )
         arrays = {}
         for (name, dtype, shape), size in zip(layout, sizes):
             array = np.empty(shape, dtype)
@@ -575,7 +621,7 @@ class SnapshotStore:
       41
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int = 2):
+    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 2):
         self._lock_fd: int | None = None
         if keep < 1:
             raise ValueError(f"keep must be at least 1 (2 or more allows a fallback), got {keep}")
@@ -597,10 +643,13 @@ class SnapshotStore:
 
     def lsns(self) -> list[int]:
         """LSNs of the snapshots on disk (not yet found damaged), oldest first."""
-        return sorted(int(m.group(1)) for p in self.directory.iterdir()
-                      if (m := _SNAPSHOT.match(p.name)))
+        return sorted(
+            int(m.group(1)) for p in self.directory.iterdir() if (m := _SNAPSHOT.match(p.name))
+        )
 
-    def save(self, lsn: int, meta: Mapping, arrays: Mapping[str, np.ndarray]) -> pathlib.Path:
+    def save(
+        self, lsn: int, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
+    ) -> pathlib.Path:
         """Writes a snapshot of the state after WAL record `lsn` atomically; returns its path.
 
         `meta` must be JSON (config, plan fingerprint, versions); arrays round-trip
@@ -610,20 +659,32 @@ class SnapshotStore:
             raise StorageError(f"the snapshot store in {self.directory} is closed")
         existing = self.lsns()
         if lsn < 0 or (existing and lsn < existing[-1]):
-            raise ValueError(f"snapshot LSN must be >= 0 and not older than the newest "
-                             f"({existing[-1] if existing else 0}), got {lsn}")
+            raise ValueError(
+                f"snapshot LSN must be >= 0 and not older than the newest "
+                f"({existing[-1] if existing else 0}), got {lsn}"
+            )
         plain = {str(name): _plain(a) for name, a in arrays.items()}
         entries, offset = [], 0
         for name, a in plain.items():
-            entries.append({"name": name, "dtype": _dtype_name(a.dtype), "shape": list(a.shape),
-                            "offset": offset, "nbytes": a.nbytes})
+            entries.append(
+                {
+                    "name": name,
+                    "dtype": _dtype_name(a.dtype),
+                    "shape": list(a.shape),
+                    "offset": offset,
+                    "nbytes": a.nbytes,
+                }
+            )
             offset += a.nbytes + _pad(a.nbytes)
         try:
-            header = json.dumps({"lsn": lsn, "meta": meta, "arrays": entries}, allow_nan=False,
-                                sort_keys=True).encode()
+            header = json.dumps(
+                {"lsn": lsn, "meta": meta, "arrays": entries}, allow_nan=False, sort_keys=True
+            ).encode()
         except (TypeError, ValueError) as exc:
-            raise ValueError("snapshot meta must be JSON: dicts with str keys, lists, str, "
-                             f"int, finite float, bool, None ({exc})") from None
+            raise ValueError(
+                "snapshot meta must be JSON: dicts with str keys, lists, str, "
+                f"int, finite float, bool, None ({exc})"
+            ) from None
         prefix = _SNAP_HEAD.pack(_SNAP_MAGIC, _SNAP_FORMAT, len(header)) + header
         prefix += bytes(_pad(len(prefix)))
         final = self._path(lsn)
@@ -645,7 +706,7 @@ class SnapshotStore:
         os.close(fd)
         os.replace(temp, final)  # atomic: a reader sees the old set or the whole new file
         _fsync_dir(self.directory)
-        doomed = self.lsns()[:-self.keep]
+        doomed = self.lsns()[: -self.keep]
         for old in doomed:
             self._path(old).unlink()
         if doomed:
@@ -668,8 +729,9 @@ class SnapshotStore:
                 os.replace(self._path(lsn), self._path(lsn).with_suffix(".snap.damaged"))
                 _fsync_dir(self.directory)
         if errors:
-            raise SnapshotCorruption("every snapshot is damaged, refusing to start from nothing: "
-                                     + "; ".join(errors))
+            raise SnapshotCorruption(
+                "every snapshot is damaged, refusing to start from nothing: " + "; ".join(errors)
+            )
         return None
 
     def truncatable_lsn(self) -> int:
@@ -690,5 +752,5 @@ class SnapshotStore:
     def __enter__(self) -> SnapshotStore:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -17,14 +17,25 @@ import random
 import numpy as np
 import pytest
 
-from learner.sync import RUN_AHEAD_PERIODS, STEP_WINDOW, StepTimer, offsets, steps_per_period, sync_due
-from server.config import ShardConfig
-from server.shard import PushHeader, Shard
-from wire import codec
-from wire.plan import FragmentPlan, TensorSpec
+from atoll.learner.sync import (
+    RUN_AHEAD_PERIODS,
+    STEP_WINDOW,
+    StepTimer,
+    offsets,
+    steps_per_period,
+    sync_due,
+)
+from atoll.server.config import ShardConfig
+from atoll.server.shard import PushHeader, Shard
+from atoll.wire import codec
+from atoll.wire.plan import FragmentPlan, TensorSpec
 
-SPECS = [TensorSpec("embed", (40, 8)), TensorSpec("w1", (8, 36)), TensorSpec("w2", (36, 8)),
-         TensorSpec("w3", (16, 16))]
+SPECS = [
+    TensorSpec("embed", (40, 8)),
+    TensorSpec("w1", (8, 36)),
+    TensorSpec("w2", (36, 8)),
+    TensorSpec("w3", (16, 16)),
+]
 PLAN = FragmentPlan.build(SPECS, 4)
 H, TAU, TOKENS_PER_STEP = 32, 1, 512
 
@@ -60,28 +71,54 @@ class Learner:
         self.frags = {p: Frag() for p in range(PLAN.num_fragments)}
 
 
-def simulate(speeds: list[float], quorum: int, periods: int, tmp_path, seed: int = 0, jitter: float = 0.05,
-             stalls: float = 0.0):
+def simulate(
+    speeds: list[float],
+    quorum: int,
+    periods: int,
+    tmp_path,
+    seed: int = 0,
+    jitter: float = 0.05,
+    stalls: float = 0.0,
+    start_spread: float = 1.0,
+):
     """Runs the learners for `periods` sync periods of the fastest; returns (shard, learners, close times)."""
     clock = Clock()
-    cfg = ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path / "shard", quorum=quorum,
-                      lease_seconds=30.0, snapshot_every=1000)
+    cfg = ShardConfig(
+        shard_index=0,
+        num_shards=1,
+        data_dir=tmp_path / "shard",
+        quorum=quorum,
+        lease_seconds=30.0,
+        snapshot_every=1000,
+    )
     shard = Shard(cfg, clock=clock)
     shard.recover()
     rng = np.random.default_rng(seed)
     for p in range(PLAN.num_fragments):
-        shard.init("setup", p, PLAN.fingerprint, PLAN.to_json(),
-                   codec.encode(np.zeros(PLAN.fragment_sizes[p], np.float32), codec.Codec.FP32),
-                   int(codec.Codec.FP32), PLAN.fragment_sizes[p])
-    frames = {p: codec.encode(rng.normal(0, 1e-3, PLAN.fragment_sizes[p]).astype(np.float32), codec.Codec.INT4)
-              for p in range(PLAN.num_fragments)}
+        shard.init(
+            "setup",
+            p,
+            PLAN.fingerprint,
+            PLAN.to_json(),
+            codec.encode(np.zeros(PLAN.fragment_sizes[p], np.float32), codec.Codec.FP32),
+            int(codec.Codec.FP32),
+            PLAN.fragment_sizes[p],
+        )
+    frames = {
+        p: codec.encode(
+            rng.normal(0, 1e-3, PLAN.fragment_sizes[p]).astype(np.float32), codec.Codec.INT4
+        )
+        for p in range(PLAN.num_fragments)
+    }
     learners = [Learner(f"l{i}", s, random.Random(seed * 100 + i)) for i, s in enumerate(speeds)]
     closes: dict[int, list[float]] = {p: [] for p in range(PLAN.num_fragments)}
     known = {p: 0 for p in range(PLAN.num_fragments)}
     first_steps = offsets(PLAN.num_fragments, H)
     end = periods * H * min(speeds)
     # (time, order, learner index) for step boundaries; learners start up to a period apart
-    events = [(l.rng.uniform(0, H * min(speeds)), i, i) for i, l in enumerate(learners)]
+    events = [
+        (l.rng.uniform(0, start_spread * H * min(speeds)), i, i) for i, l in enumerate(learners)
+    ]
     heapq.heapify(events)
     order = len(learners)
     while events and clock.now < end:
@@ -118,21 +155,45 @@ def simulate(speeds: list[float], quorum: int, periods: int, tmp_path, seed: int
                 if ready:
                     f.version = shard.fragments[p].version
                     f.pushed_at_step = None
-            if (f.pushed_at_step is None and f.due_at is not None and cadence
-                    and clock.now + l.step_seconds / 2 >= f.due_at
-                    and l.step - (f.last_sync_step or 0) < max(1, per_period // 2)):
+            if (
+                f.pushed_at_step is None
+                and f.due_at is not None
+                and cadence
+                and clock.now + l.step_seconds / 2 >= f.due_at
+                and l.step - (f.last_sync_step or 0) < max(1, per_period // 2)
+            ):
                 f.due_at += cadence  # too little done since the last push: the next round instead
-            if f.pushed_at_step is None and sync_due(step=l.step, first_step=first_steps[p],
-                                                     last_sync_step=f.last_sync_step, due_at=f.due_at,
-                                                     now=clock.now, period=H, step_seconds=l.step_seconds):
+            if f.pushed_at_step is None and sync_due(
+                step=l.step,
+                first_step=first_steps[p],
+                last_sync_step=f.last_sync_step,
+                due_at=f.due_at,
+                now=clock.now,
+                period=H,
+                step_seconds=l.step_seconds,
+            ):
                 steps = l.step - (f.last_sync_step or 0)
                 l.seq += 1
-                h = PushHeader(l.name, p, f.version, l.seq, steps, steps * TOKENS_PER_STEP, int(codec.Codec.INT4),
-                               PLAN.fragment_sizes[p], PLAN.fingerprint, l.step_seconds, TAU, H)
+                h = PushHeader(
+                    l.name,
+                    p,
+                    f.version,
+                    l.seq,
+                    steps,
+                    steps * TOKENS_PER_STEP,
+                    int(codec.Codec.INT4),
+                    PLAN.fragment_sizes[p],
+                    PLAN.fingerprint,
+                    l.step_seconds,
+                    TAU,
+                    H,
+                )
                 answer = shard.push(h, frames[p])
                 note_closes(shard, known, closes, clock.now)
                 due_in = shard.due_in(p, l.name)  # PushResponse.next_due_seconds
-                f.due_at = clock.now + due_in if due_in > 0 else (clock.now + cadence if cadence else None)
+                f.due_at = (
+                    clock.now + due_in if due_in > 0 else (clock.now + cadence if cadence else None)
+                )
                 l.pushes.append((p, answer.staleness, answer.accepted))
                 f.last_sync_step = l.step
                 if answer.accepted:
@@ -148,7 +209,9 @@ def simulate(speeds: list[float], quorum: int, periods: int, tmp_path, seed: int
     return shard, learners, closes, end
 
 
-def note_closes(shard: Shard, known: dict[int, int], closes: dict[int, list[float]], now: float) -> None:
+def note_closes(
+    shard: Shard, known: dict[int, int], closes: dict[int, list[float]], now: float
+) -> None:
     for p, frag in shard.fragments.items():
         while known[p] < frag.version:
             known[p] += 1
@@ -159,21 +222,25 @@ def close_time(times: list[float], version: int) -> float | None:
     return times[version - 1] if len(times) >= version else None
 
 
-def outer_steps_per_period(closes: list[float], period_seconds: float, start: float, end: float) -> float:
+def outer_steps_per_period(
+    closes: list[float], period_seconds: float, start: float, end: float
+) -> float:
     return sum(start <= t < end for t in closes) / ((end - start) / period_seconds)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_one_outer_step_per_period_with_half_speed_islands_and_k_below_m(tmp_path, seed):
     speeds = [0.1, 0.1, 0.2, 0.2]  # two islands at half speed
-    shard, learners, closes, end = simulate(speeds, quorum=2, periods=30, tmp_path=tmp_path, seed=seed)
+    shard, learners, closes, end = simulate(
+        speeds, quorum=2, periods=30, tmp_path=tmp_path, seed=seed
+    )
     period = H * min(speeds)
     assert shard.cadence_seconds == pytest.approx(period, rel=0.06)
     start = 5 * period  # after the first periods, once the learners are in step
     rates = [outer_steps_per_period(c, period, start, end) for c in closes.values()]
     assert all(0.8 <= r <= 1.25 for r in rates), rates
     for l in learners:
-        late = [s for p, s, ok in l.pushes[len(l.pushes) // 3:] if ok and s > 0]
+        late = [s for p, s, ok in l.pushes[len(l.pushes) // 3 :] if ok and s > 0]
         # a 2x-slower island is neither refused nor chronically a version behind
         assert all(ok for _, _, ok in l.pushes), l.name
         assert len(late) <= len(l.pushes) // 5, (l.name, late)
@@ -183,10 +250,28 @@ def test_one_outer_step_per_period_with_half_speed_islands_and_k_below_m(tmp_pat
     assert fast.step / len(fast.pushes) == pytest.approx(2 * slow.step / len(slow.pushes), rel=0.25)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_slower_islands_that_start_together_make_each_fragments_first_round(tmp_path, seed):
+    # `atoll up` starts every island at once: a half-speed island reaches step t_p up to a
+    # period after the fast ones, and the first round waits for it (one delta per pull after)
+    speeds = [0.1, 0.1, 0.2, 0.2]
+    shard, learners, _, _ = simulate(
+        speeds, quorum=2, periods=6, tmp_path=tmp_path, seed=seed, start_spread=0.05
+    )
+    for l in learners:
+        first = {}
+        for p, staleness, ok in l.pushes:
+            first.setdefault(p, (staleness, ok))
+        assert first == {p: (0, True) for p in range(PLAN.num_fragments)}, (l.name, first)
+    assert all(f.version >= 2 for f in shard.fragments.values())
+
+
 def test_rounds_close_once_per_period_whatever_k(tmp_path):
     speeds = [0.1] * 4
     for quorum in (1, 2, 4):
-        shard, _, closes, end = simulate(speeds, quorum=quorum, periods=20, tmp_path=tmp_path / str(quorum))
+        shard, _, closes, end = simulate(
+            speeds, quorum=quorum, periods=20, tmp_path=tmp_path / str(quorum)
+        )
         period = H * 0.1
         rates = [outer_steps_per_period(c, period, 5 * period, end) for c in closes.values()]
         assert all(0.8 <= r <= 1.25 for r in rates), (quorum, rates)
@@ -199,8 +284,9 @@ def test_stalls_do_not_split_rounds(tmp_path, seed):
     round after it is still due a period after the last, so rounds do not split into
     a punctual group and a late one."""
     speeds = [0.1, 0.1, 0.2, 0.2]
-    shard, learners, closes, end = simulate(speeds, quorum=2, periods=30, tmp_path=tmp_path, seed=seed,
-                                            jitter=0.3, stalls=0.05)
+    shard, learners, closes, end = simulate(
+        speeds, quorum=2, periods=30, tmp_path=tmp_path, seed=seed, jitter=0.3, stalls=0.05
+    )
     period = H * min(speeds)
     start = 5 * period
     rates = [outer_steps_per_period(c, period, start, end) for c in closes.values()]

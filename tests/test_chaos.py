@@ -10,13 +10,20 @@ import types
 import numpy as np
 import pytest
 
-from atoll.chaos import ChaosConfig, ChaosConfigError, ChaosSession, FailureSchedule, _uptime, lockstep_config
-from atoll.up import UpConfig
-from server.audit import durable_pushes, lost_acks
-from server.config import ShardConfig
-from server.shard import PushHeader, Shard
-from wire import codec
-from wire.plan import FragmentPlan
+from atoll.faults.chaos import (
+    ChaosConfig,
+    ChaosConfigError,
+    ChaosSession,
+    FailureSchedule,
+    _uptime,
+    lockstep_config,
+)
+from atoll.local.config import UpConfig
+from atoll.server.audit import durable_pushes, lost_acks
+from atoll.server.config import ShardConfig
+from atoll.server.shard import PushHeader, Shard
+from atoll.wire import codec
+from atoll.wire.plan import FragmentPlan
 
 
 def test_schedule_is_the_same_for_one_seed_and_poisson_on_average():
@@ -45,7 +52,13 @@ class FakeLearner:
     """What the injector touches of a learner process: alive, killed with a signal, restarted."""
 
     def __init__(self, name: str):
-        self.name, self.state, self.finished, self.signals, self.starts = name, "training", False, [], 0
+        self.name, self.state, self.finished, self.signals, self.starts = (
+            name,
+            "training",
+            False,
+            [],
+            0,
+        )
         self.status = types.SimpleNamespace(last={"step": 10}, poll=lambda: None)
         self.proc = types.SimpleNamespace(send_signal=self.signals.append, wait=lambda: 0)
 
@@ -63,8 +76,14 @@ class FakeLearner:
 @pytest.mark.parametrize("restart_all", [False, True])
 def test_a_kill_takes_one_learner_down_or_with_checkpoint_restart_all(tmp_path, restart_all):
     chaos = ChaosConfig(mtbf=1e9, restart_delay=1.0, shard_kill_at=(), lockstep_restart=True)
-    session = ChaosSession(UpConfig(learners=3, preset="tiny"), chaos, tmp_path, io.StringIO(), inject=True,
-                           restart_all=restart_all)
+    session = ChaosSession(
+        UpConfig(learners=3, preset="tiny"),
+        chaos,
+        tmp_path,
+        io.StringIO(),
+        inject=True,
+        restart_all=restart_all,
+    )
     session.learners = [FakeLearner(f"learner-{i}") for i in range(3)]
     session.schedule._next = [5.0, 1e12, 1e12]  # learner-0 fails 5 s in; the others never
     session.t0 = 1000.0
@@ -99,21 +118,44 @@ def test_uptime_counts_windows_in_which_versions_advanced():
 
 def _plan() -> FragmentPlan:
     rng = np.random.default_rng(0)
-    return FragmentPlan.build({"a": rng.standard_normal((8, 8)).astype(np.float32),
-                               "b": rng.standard_normal(16).astype(np.float32)}, 2)
+    return FragmentPlan.build(
+        {
+            "a": rng.standard_normal((8, 8)).astype(np.float32),
+            "b": rng.standard_normal(16).astype(np.float32),
+        },
+        2,
+    )
 
 
 def test_audit_finds_acknowledged_pushes_in_log_and_snapshot(tmp_path):
     plan = _plan()
-    shard = Shard(ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path, quorum=1, snapshot_every=2))
+    shard = Shard(
+        ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path, quorum=1, snapshot_every=2)
+    )
     shard.recover()
     size = plan.fragment_sizes[0]
-    shard.init("x", 0, plan.fingerprint, plan.to_json(), codec.encode(np.zeros(size, np.float32), codec.Codec.FP32),
-               codec.Codec.FP32, size)
+    shard.init(
+        "x",
+        0,
+        plan.fingerprint,
+        plan.to_json(),
+        codec.encode(np.zeros(size, np.float32), codec.Codec.FP32),
+        codec.Codec.FP32,
+        size,
+    )
     acks = []
     for seq in range(1, 8):  # quorum 1: every push closes a round; a snapshot every 2 rounds
-        h = PushHeader(learner_id="x", fragment=0, base_version=seq - 1, seq=seq, inner_steps=1, tokens=1,
-                       codec=int(codec.Codec.INT4), num_params=size, plan_fingerprint=plan.fingerprint)
+        h = PushHeader(
+            learner_id="x",
+            fragment=0,
+            base_version=seq - 1,
+            seq=seq,
+            inner_steps=1,
+            tokens=1,
+            codec=int(codec.Codec.INT4),
+            num_params=size,
+            plan_fingerprint=plan.fingerprint,
+        )
         answer = shard.push(h, codec.encode(np.full(size, 0.01, np.float32)))
         assert answer.accepted
         acks.append({"learner": "x", "fragment": 0, "seq": seq, "accepted": True})
@@ -124,5 +166,10 @@ def test_audit_finds_acknowledged_pushes_in_log_and_snapshot(tmp_path):
     # an acknowledgement the shard never gave is found missing: the audit can fail
     ghost = {"learner": "y", "fragment": 0, "seq": 3, "accepted": True}
     refused = {"learner": "x", "fragment": 0, "seq": 99, "accepted": False}
-    unlogged = {"learner": "x", "fragment": 0, "seq": 8, "accepted": True}  # newer than anything held
+    unlogged = {
+        "learner": "x",
+        "fragment": 0,
+        "seq": 8,
+        "accepted": True,
+    }  # newer than anything held
     assert lost_acks(acks + [ghost, refused, unlogged], durable) == [ghost, unlogged]

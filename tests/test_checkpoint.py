@@ -19,14 +19,16 @@ import jax
 import numpy as np
 import pytest
 
-from learner import checkpoint, standby
-from learner.data import Batches, load_corpus, stdlib_dir
-from learner.model import PRESETS
-from learner.train import Trainer, TrainConfig
+from atoll.learner import checkpoint, standby
+from atoll.learner.data import Batches, load_corpus, stdlib_dir
+from atoll.learner.model import PRESETS
+from atoll.learner.train import TrainConfig, Trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = PRESETS["tiny"]
-TCFG = TrainConfig(batch_size=4, peak_lr=1e-2, warmup_steps=2, total_steps=40, eval_every=1000, eval_batches=1)
+TCFG = TrainConfig(
+    batch_size=4, peak_lr=1e-2, warmup_steps=2, total_steps=40, eval_every=1000, eval_batches=1
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +37,26 @@ def corpus(tmp_path_factory):
 
 
 def trainer_of(corpus) -> Trainer:
-    batches = Batches(corpus.train, context=TINY.context, batch_size=TCFG.batch_size, learner=1, num_learners=2,
-                      seed=3)
+    batches = Batches(
+        corpus.train,
+        context=TINY.context,
+        batch_size=TCFG.batch_size,
+        learner=1,
+        num_learners=2,
+        seed=3,
+    )
     return Trainer(TINY, TCFG, batches, heldout=corpus.heldout)
 
 
-IDENTITY = {"learner_id": "l1", "learner_index": 1, "num_learners": 2, "batch_size": 4, "seed": 3,
-            "model_config": dataclasses.asdict(TINY), "plan_fingerprint": "abc"}
+IDENTITY = {
+    "learner_id": "l1",
+    "learner_index": 1,
+    "num_learners": 2,
+    "batch_size": 4,
+    "seed": 3,
+    "model_config": dataclasses.asdict(TINY),
+    "plan_fingerprint": "abc",
+}
 
 
 def leaves(tree) -> list[np.ndarray]:
@@ -99,7 +114,9 @@ def test_a_checkpoint_is_whole_or_absent(corpus, tmp_path):
 
 def test_a_checkpoint_of_other_settings_is_refused_with_a_reason(corpus, tmp_path):
     t = trainer_of(corpus)
-    checkpoint.Checkpointer(tmp_path, "l1", every=1, identity=IDENTITY).save(t, None, None, wait=True)
+    checkpoint.Checkpointer(tmp_path, "l1", every=1, identity=IDENTITY).save(
+        t, None, None, wait=True
+    )
     got = checkpoint.read(checkpoint.path_for(tmp_path, "l1"))
     with pytest.raises(checkpoint.CheckpointError, match="learner_index=1.*learner_index=0"):
         checkpoint.check(got, {**IDENTITY, "learner_index": 0}, tmp_path)
@@ -110,15 +127,33 @@ def test_a_checkpoint_of_other_settings_is_refused_with_a_reason(corpus, tmp_pat
 
 def test_only_progress_no_later_push_delivered_is_carried():
     size = 4
-    frags = [types.SimpleNamespace(p=p, base=np.full(size, 10.0 * (p + 1), np.float32), compute=0.0,
-                                   ef=types.SimpleNamespace(residual=np.zeros(size, np.float32)))
-             for p in range(3)]
+    frags = [
+        types.SimpleNamespace(
+            p=p,
+            base=np.full(size, 10.0 * (p + 1), np.float32),
+            compute=0.0,
+            ef=types.SimpleNamespace(residual=np.zeros(size, np.float32)),
+        )
+        for p in range(3)
+    ]
     sync = types.SimpleNamespace(frags=frags, seq=5)
-    meta = {"seq": 40, "fragments": [{"fragment": p, "seq": 30 + p, "compute_seconds": 1.5, "version": 2,
-                                      "in_flight": False} for p in range(3)]}
-    ckpt = checkpoint.Checkpoint(meta, [], [], origins={p: np.ones(size, np.float32) for p in range(3)},
-                                 residuals={p: np.full(size, 0.25, np.float32) for p in range(3)})
-    theta = [np.full(size, 3.0, np.float32) for _ in range(3)]  # 2 of local progress since each origin
+    meta = {
+        "seq": 40,
+        "fragments": [
+            {"fragment": p, "seq": 30 + p, "compute_seconds": 1.5, "version": 2, "in_flight": False}
+            for p in range(3)
+        ],
+    }
+    ckpt = checkpoint.Checkpoint(
+        meta,
+        [],
+        [],
+        origins={p: np.ones(size, np.float32) for p in range(3)},
+        residuals={p: np.full(size, 0.25, np.float32) for p in range(3)},
+    )
+    theta = [
+        np.full(size, 3.0, np.float32) for _ in range(3)
+    ]  # 2 of local progress since each origin
     trail = checkpoint.PushTrail(3)
     # fragment 0: its shard saw the checkpoint's push at most; fragment 1: a newer push
     # (made after the checkpoint, which already delivered the progress); fragment 2: unknown
@@ -134,7 +169,9 @@ def test_only_progress_no_later_push_delivered_is_carried():
 def test_a_claim_is_exclusive_while_its_holder_lives(tmp_path):
     mine = standby.acquire(tmp_path, "l0", 0, 2, retry=0)
     assert mine is not None and standby.holder(tmp_path, "l0")["pid"] == os.getpid()
-    assert standby.acquire(tmp_path, "l0", 0, 2, retry=0.2) is None  # taken (flock is per open file)
+    assert (
+        standby.acquire(tmp_path, "l0", 0, 2, retry=0.2) is None
+    )  # taken (flock is per open file)
     assert standby.take_vacancy(tmp_path, 2) is None  # a live holder is no vacancy
     mine.release(done=True)
     assert standby.holder(tmp_path, "l0")["done"] is True
@@ -147,7 +184,7 @@ def test_a_standby_takes_over_the_id_of_a_killed_learner_and_only_once(tmp_path)
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
-        from learner import standby
+        from atoll.learner import standby
         claim = standby.acquire({str(tmp_path)!r}, "l1", 1, 2, retry=0)
         print("held" if claim else "refused", flush=True)
         time.sleep(600)
@@ -161,7 +198,9 @@ def test_a_standby_takes_over_the_id_of_a_killed_learner_and_only_once(tmp_path)
         holder.wait(10)
     finally:
         holder.kill()
-    assert standby.take_vacancy(tmp_path, 3) is None  # another run's claim (M differs) is left alone
+    assert (
+        standby.take_vacancy(tmp_path, 3) is None
+    )  # another run's claim (M differs) is left alone
     stop = threading.Event()
     taken = standby.wait_for_vacancy(tmp_path, 2, stop)
     assert taken.learner_id == "l1" and taken.info["learner_index"] == 1

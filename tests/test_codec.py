@@ -16,15 +16,38 @@ import ml_dtypes
 import numpy as np
 import pytest
 import zstandard
-from hypothesis import given, settings, strategies as st
+from codec_reference import (
+    INT4_MAX_SCALE,
+    int4_reference,
+    int4_values,
+    mxfp4_reference,
+    mxfp4_values,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from codec_reference import (INT4_MAX_SCALE, int4_reference, int4_values, mxfp4_reference,
-                             mxfp4_values)
-from wire import codec as codec_module, syncer_pb2
-from wire.codec import (BLOCK, CHUNK_VALUES, FRAME_VERSION, HEADER_BYTES, Codec, CodecError, Codes,
-                        ErrorFeedback, accumulate_ranges, body_bytes, decode, decode_into, encode,
-                        frame_info, max_frame_bytes, range_sq_norms, read_codes)
+from atoll.wire import codec as codec_module
+from atoll.wire import syncer_pb2
+from atoll.wire.codec import (
+    BLOCK,
+    CHUNK_VALUES,
+    FRAME_VERSION,
+    HEADER_BYTES,
+    Codec,
+    CodecError,
+    Codes,
+    ErrorFeedback,
+    accumulate_ranges,
+    body_bytes,
+    decode,
+    decode_into,
+    encode,
+    frame_info,
+    max_frame_bytes,
+    range_sq_norms,
+    read_codes,
+)
 
 INT4, MXFP4, FP32 = Codec.INT4, Codec.MXFP4, Codec.FP32
 FOUR_BIT = [INT4, MXFP4]
@@ -35,6 +58,7 @@ E2M1 = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.flo
 
 
 # ---- helpers ----
+
 
 def chunks_of(frame: bytes) -> list[bytes]:
     """The compressed chunks of a version 2 frame, from the documented layout: a table of
@@ -59,7 +83,9 @@ def body_of(frame: bytes) -> bytes:
     width = 2 if codec == INT4 else 1
     counts = [min(CHUNK_VALUES, n - i * CHUNK_VALUES) for i in range(len(bodies))]
     splits = [-(-c // BLOCK) * width for c in counts]
-    return b"".join([b[:w] for b, w in zip(bodies, splits)] + [b[w:] for b, w in zip(bodies, splits)])
+    return b"".join(
+        [b[:w] for b, w in zip(bodies, splits)] + [b[w:] for b, w in zip(bodies, splits)]
+    )
 
 
 def v1_frame(frame: bytes) -> bytes:
@@ -101,12 +127,19 @@ def same_bits(a: np.ndarray, b: np.ndarray, zero_sign: bool = True) -> bool:
 
 def reference_values(codec: Codec, x: np.ndarray) -> np.ndarray:
     if codec == INT4:
-        return int4_values(*int4_reference(x))[:x.size]
-    return mxfp4_values(*mxfp4_reference(x))[:x.size]
+        return int4_values(*int4_reference(x))[: x.size]
+    return mxfp4_values(*mxfp4_reference(x))[: x.size]
 
 
-def make_frame(codec_id: int, n: int, body: bytes, *, block: int | None = None, version: int = FRAME_VERSION,
-               magic: bytes = b"ATLQ") -> bytes:
+def make_frame(
+    codec_id: int,
+    n: int,
+    body: bytes,
+    *,
+    block: int | None = None,
+    version: int = FRAME_VERSION,
+    magic: bytes = b"ATLQ",
+) -> bytes:
     """A frame built by hand: header + body compressed with checksum and content size (one
     chunk: n <= CHUNK_VALUES, or version 1)."""
     if block is None:
@@ -135,16 +168,22 @@ def assert_rejected(frame, match: str, n: int | None = None, codec: Codec | None
 
 # ---- data ----
 
+
 @st.composite
 def tricky_vectors(draw, max_len: int = 5000) -> np.ndarray:
     """float32 vectors with per-block magnitudes from 1e-45 to 1e38, all-zero blocks,
     zeros, -0, denormals and huge values mixed into the same blocks."""
-    n = draw(st.one_of(st.integers(1, max_len),
-                       st.sampled_from([1, 2, 31, 32, 33, 63, 64, 65, 96, 4095, 4096, 4097])))
+    n = draw(
+        st.one_of(
+            st.integers(1, max_len),
+            st.sampled_from([1, 2, 31, 32, 33, 63, 64, 65, 96, 4095, 4096, 4097]),
+        )
+    )
     lo = draw(st.integers(-45, 38))
     hi = draw(st.integers(lo, 38))
     p_zero_block, p_zero, p_negzero, p_denormal, p_huge = (
-        draw(st.sampled_from([0.0, 0.02, 0.3])) for _ in range(5))
+        draw(st.sampled_from([0.0, 0.02, 0.3])) for _ in range(5)
+    )
     spread = draw(st.sampled_from([0.0, 3.0, 30.0]))  # decades of spread within a block
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     nb = -(-n // BLOCK)
@@ -155,21 +194,29 @@ def tricky_vectors(draw, max_len: int = 5000) -> np.ndarray:
     x[pick(p_zero)] = 0.0
     x[pick(p_negzero)] = -0.0
     den = pick(p_denormal)
-    x[den] = (rng.integers(1, 1 << 23, den.sum(), dtype=np.uint32)
-              | (rng.integers(0, 2, den.sum(), dtype=np.uint32) << 31)).view(np.float32)
+    x[den] = (
+        rng.integers(1, 1 << 23, den.sum(), dtype=np.uint32)
+        | (rng.integers(0, 2, den.sum(), dtype=np.uint32) << 31)
+    ).view(np.float32)
     huge = pick(p_huge)
-    x[huge] = (rng.uniform(1e37, 1e38, huge.sum()) * rng.choice([-1, 1], huge.sum())).astype(np.float32)
+    x[huge] = (rng.uniform(1e37, 1e38, huge.sum()) * rng.choice([-1, 1], huge.sum())).astype(
+        np.float32
+    )
     for b in np.flatnonzero(rng.random(nb) < p_zero_block):
-        x[b * BLOCK:(b + 1) * BLOCK] = 0.0
+        x[b * BLOCK : (b + 1) * BLOCK] = 0.0
     return x
 
 
 # Any finite float32 at all, up to FLT_MAX, in short vectors.
-raw_vectors = hnp.arrays(np.float32, st.integers(1, 200),
-                         elements=st.floats(width=32, allow_nan=False, allow_infinity=False))
+raw_vectors = hnp.arrays(
+    np.float32,
+    st.integers(1, 200),
+    elements=st.floats(width=32, allow_nan=False, allow_infinity=False),
+)
 
 
 # ---- 1. kernels vs the reference, bit for bit ----
+
 
 def check_against_reference(codec: Codec, x: np.ndarray):
     n = x.size
@@ -227,12 +274,29 @@ def test_kernels_match_reference_on_any_finite_float32(codec, x):
 
 
 @pytest.mark.parametrize("codec", FOUR_BIT)
-@pytest.mark.parametrize("x", [
-    np.zeros(1, np.float32), np.zeros(100, np.float32), np.full(77, -0.0, np.float32),
-    np.full(40, 2**-149, np.float32), np.array([2**-149, -2**-148, 3 * 2**-149], np.float32),
-    np.full(33, 1e38, np.float32), np.array([1e38] + [1e-40] * 40, np.float32),
-    np.array([0.0, -0.0, 1e-45, -1e-45, 1e-38, 1e38, -1e38, 1.0] * 9, np.float32),
-], ids=["zero1", "zero100", "negzero", "min-denormal", "tiny-amax", "1e38", "huge+denormal", "mixture"])
+@pytest.mark.parametrize(
+    "x",
+    [
+        np.zeros(1, np.float32),
+        np.zeros(100, np.float32),
+        np.full(77, -0.0, np.float32),
+        np.full(40, 2**-149, np.float32),
+        np.array([2**-149, -(2**-148), 3 * 2**-149], np.float32),
+        np.full(33, 1e38, np.float32),
+        np.array([1e38] + [1e-40] * 40, np.float32),
+        np.array([0.0, -0.0, 1e-45, -1e-45, 1e-38, 1e38, -1e38, 1.0] * 9, np.float32),
+    ],
+    ids=[
+        "zero1",
+        "zero100",
+        "negzero",
+        "min-denormal",
+        "tiny-amax",
+        "1e38",
+        "huge+denormal",
+        "mixture",
+    ],
+)
 def test_kernels_match_reference_on_edge_vectors(codec, x):
     check_against_reference(codec, x)
 
@@ -241,10 +305,37 @@ def test_mxfp4_rounds_ties_to_even_at_every_scale():
     """Every E8M0 scale the encoder can pick (2^-127 .. 2^125), with values exactly on
     E2M1 midpoints, above 6 (clipped) and just below 8 times the scale."""
     e = np.arange(-127, 126)
-    mult = np.array([4, 7.99, 6.5, 6, 5, -5, 3.5, -3.5, 2.5, -2.5, 1.75, -1.75, 1.25, -1.25,
-                     0.75, -0.75, 0.25, -0.25, 0.5, 5.5, 4.5, 3, 2.25, 1.1])
-    want = np.array([4, 6, 6, 6, 4, -4, 4, -4, 2, -2, 2, -2, 1, -1, 1, -1, 0, 0, 0.5, 6, 4, 3, 2, 1],
-                    np.float32)
+    mult = np.array(
+        [
+            4,
+            7.99,
+            6.5,
+            6,
+            5,
+            -5,
+            3.5,
+            -3.5,
+            2.5,
+            -2.5,
+            1.75,
+            -1.75,
+            1.25,
+            -1.25,
+            0.75,
+            -0.75,
+            0.25,
+            -0.25,
+            0.5,
+            5.5,
+            4.5,
+            3,
+            2.25,
+            1.1,
+        ]
+    )
+    want = np.array(
+        [4, 6, 6, 6, 4, -4, 4, -4, 2, -2, 2, -2, 1, -1, 1, -1, 0, 0, 0.5, 6, 4, 3, 2, 1], np.float32
+    )
     rng = np.random.default_rng(3)
     fill = rng.uniform(-7.9, 7.9, (e.size, BLOCK - mult.size))
     xm = np.concatenate([np.tile(mult, (e.size, 1)), fill], axis=1)
@@ -255,7 +346,7 @@ def test_mxfp4_rounds_ties_to_even_at_every_scale():
     scales, nib = split_body(MXFP4, x.size, body_of(encode(x, MXFP4)))
     np.testing.assert_array_equal(scales, e + 127)
     got = E2M1[nib].reshape(e.size, BLOCK)
-    np.testing.assert_array_equal(got[:, :mult.size], np.tile(want, (e.size, 1)))
+    np.testing.assert_array_equal(got[:, : mult.size], np.tile(want, (e.size, 1)))
     check_against_reference(MXFP4, x)
 
 
@@ -268,10 +359,10 @@ def _int4_tie_vectors():
     ties = np.array([k + 0.5 for k in range(7)], np.float32)
     mult = np.concatenate([[7, -7], ties, -ties]).astype(np.float32)
     x = np.zeros((s.size, BLOCK), np.float32)
-    x[:, :mult.size] = mult * s[:, None]
-    assert np.all(x[:, :mult.size].astype(np.float64) == mult.astype(np.float64) * s[:, None])
+    x[:, : mult.size] = mult * s[:, None]
+    assert np.all(x[:, : mult.size].astype(np.float64) == mult.astype(np.float64) * s[:, None])
     past = mult.size + ties.size
-    x[:, mult.size:past] = np.nextafter(x[:, 2:2 + ties.size], np.float32(np.inf))
+    x[:, mult.size : past] = np.nextafter(x[:, 2 : 2 + ties.size], np.float32(np.inf))
     return s, mult, x
 
 
@@ -280,10 +371,10 @@ def test_int4_rounds_ties_to_even_at_every_bf16_scale():
     scales, nib = split_body(INT4, x.size, body_of(encode(x.reshape(-1))))
     np.testing.assert_array_equal(bf16(scales), s)
     q = int4_codes(nib).reshape(s.size, BLOCK)
-    bad = np.flatnonzero(np.any(q[:, :mult.size] != np.rint(mult), axis=1))
+    bad = np.flatnonzero(np.any(q[:, : mult.size] != np.rint(mult), axis=1))
     some = s[bad][s[bad] >= 1][:3]
     assert bad.size == 0, f"{bad.size} of {s.size} scales misround exact midpoints, e.g. s = {some}"
-    past = q[:, mult.size:mult.size + 7]
+    past = q[:, mult.size : mult.size + 7]
     assert np.all(past == np.rint(mult[2:9]) + (np.arange(7) % 2 == 0)), "one ulp past a midpoint"
     check_against_reference(INT4, x.reshape(-1))
 
@@ -295,7 +386,7 @@ def test_int4_rounds_ties_to_even_for_power_of_two_scales():
     pow2 &= s >= 2**-126
     xs = x[pow2].reshape(-1)
     q = int4_codes(split_body(INT4, xs.size, body_of(encode(xs)))[1]).reshape(-1, BLOCK)
-    np.testing.assert_array_equal(q[:, :mult.size], np.tile(np.rint(mult), (pow2.sum(), 1)))
+    np.testing.assert_array_equal(q[:, : mult.size], np.tile(np.rint(mult), (pow2.sum(), 1)))
     check_against_reference(INT4, xs)
 
 
@@ -307,30 +398,36 @@ def test_golden_frames_pin_the_wire_layout():
     q = np.concatenate([np.arange(32) % 15 - 7, [7, -7, 0, 1, 2, 3, -1, -2]])
     x = (q * np.repeat([0.25, 2.0], 32)[:40]).astype(np.float32)  # scales 0.25 and 2
     assert body_of(encode(x, INT4)).hex() == (
-        "803e" "0040"                                   # bf16 0.25, 2.0
-        "a9bacbdcedfe0f1021324354657697a9"              # -7..7, -7 | -6..7, -7, -6
-        "0709000102030f0e" + "00" * 8)                 # 7 -7 0 1 2 3 -1 -2, padding
+        "803e"
+        "0040"  # bf16 0.25, 2.0
+        "a9bacbdcedfe0f1021324354657697a9"  # -7..7, -7 | -6..7, -7, -6
+        "0709000102030f0e" + "00" * 8
+    )  # 7 -7 0 1 2 3 -1 -2, padding
     assert body_of(encode(x, MXFP4)).hex() == (
-        "7d80"                                          # 2^-2, 2^1
-        "ffefeedecdac0a20425465667677f7ff"              # |q| 5 -> 4 (tie to even), 7 -> 6
-        "070f000204050a0c" + "00" * 8)
+        "7d80"  # 2^-2, 2^1
+        "ffefeedecdac0a20425465667677f7ff"  # |q| 5 -> 4 (tie to even), 7 -> 6
+        "070f000204050a0c" + "00" * 8
+    )
     assert encode(x, INT4)[:HEADER_BYTES] == HEADER.pack(b"ATLQ", 3, 2, 32, 40)
     assert encode(x, MXFP4)[:HEADER_BYTES] == HEADER.pack(b"ATLQ", 2, 2, 32, 40)
     assert encode(x, FP32)[:HEADER_BYTES] == HEADER.pack(b"ATLQ", 1, 2, 1, 40)
     # One chunk: the zstd frame follows the header directly (no table), as in version 1.
-    assert zstandard.ZstdDecompressor().decompress(encode(x, INT4)[HEADER_BYTES:]) == body_of(encode(x, INT4))
+    assert zstandard.ZstdDecompressor().decompress(encode(x, INT4)[HEADER_BYTES:]) == body_of(
+        encode(x, INT4)
+    )
 
 
 # ---- 2. round-trip error bounds ----
+
 
 def check_int4_bounds(x: np.ndarray):
     frame = encode(x, INT4)
     dec = decode(frame).astype(np.float64)
     scales, _ = split_body(INT4, x.size, body_of(frame))
-    s = np.repeat(bf16(scales).astype(np.float64), BLOCK)[:x.size]
+    s = np.repeat(bf16(scales).astype(np.float64), BLOCK)[: x.size]
     xb = np.concatenate([x, np.zeros(-x.size % BLOCK, np.float32)]).reshape(-1, BLOCK)
     amax_b = np.abs(xb.astype(np.float64)).max(axis=1)
-    amax = np.repeat(amax_b, BLOCK)[:x.size]
+    amax = np.repeat(amax_b, BLOCK)[: x.size]
     sb = bf16(scales).astype(np.float64)
     # The scale: >= absmax / 7 (up to the float32 rounding of the division, 2^-150 absolute
     # among denormals), at most one bf16 step (2^-7 relative, or the smallest bf16
@@ -341,7 +438,9 @@ def check_int4_bounds(x: np.ndarray):
     assert np.all(err <= amax), "an error larger than the block's absmax"
     pos = s > 0
     worst = np.argmax(np.where(pos, err - s / 2, -np.inf)) if pos.any() else 0
-    assert np.all(err[pos] <= s[pos] / 2), f"|x - dec| > s/2 at {worst}: x={x[worst]!r} s={s[worst]!r}"
+    assert np.all(err[pos] <= s[pos] / 2), (
+        f"|x - dec| > s/2 at {worst}: x={x[worst]!r} s={s[worst]!r}"
+    )
     # A zero scale only when absmax / 7 underflows float32 (absmax <= 3 * 2^-149).
     assert np.all(amax[~pos] <= 3 * 2**-149) and np.all(dec[~pos] == 0)
     assert np.all(np.abs(dec) <= amax * (1 + 2**-7) * (1 + 2**-23) + 7 * 2**-133)
@@ -357,7 +456,7 @@ def check_mxfp4_bounds(x: np.ndarray):
     with np.errstate(divide="ignore"):
         e = np.where(amax_b > 0, np.floor(np.log2(np.where(amax_b > 0, amax_b, 1))) - 2, -127)
     np.testing.assert_array_equal(scales.astype(np.int64) - 127, np.maximum(e, -127))
-    scale = np.repeat(np.exp2(scales.astype(np.float64) - 127), BLOCK)[:x.size]
+    scale = np.repeat(np.exp2(scales.astype(np.float64) - 127), BLOCK)[: x.size]
     a = np.abs(x.astype(np.float64)) / scale
     assert np.all(a < 8)
     half_step = np.where(a <= 2, 0.25, np.where(a <= 4, 0.5, 1.0))
@@ -424,6 +523,7 @@ def test_shapes_levels_and_threads():
 
 
 # ---- 3. error feedback ----
+
 
 @pytest.mark.parametrize("codec", FOUR_BIT)
 def test_error_feedback_keeps_the_running_sum_on_track(codec):
@@ -497,9 +597,11 @@ def test_error_feedback_rejects_wrong_length_and_dtype():
     ef = ErrorFeedback(64)
     ef.encode(np.ones(64, np.float32))
     before = ef.residual.tobytes()
-    for x, match in [(np.ones(63, np.float32), "63 values; this stream carries 64"),
-                     (np.ones(65, np.float32), "65 values"),
-                     (np.ones(64, np.float64), "float32")]:
+    for x, match in [
+        (np.ones(63, np.float32), "63 values; this stream carries 64"),
+        (np.ones(65, np.float32), "65 values"),
+        (np.ones(64, np.float64), "float32"),
+    ]:
         with pytest.raises(CodecError, match=match):
             ef.encode(x)
         assert ef.residual.tobytes() == before
@@ -515,6 +617,7 @@ def test_int4_near_float32_max_stays_finite():
 
 
 # ---- 4. decode_into ----
+
 
 @pytest.mark.parametrize("codec", list(Codec))
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 1000])
@@ -590,6 +693,7 @@ def test_decode_into_rejects_weight_beyond_float32(codec):
 
 # ---- 5. malformed frames ----
 
+
 @pytest.fixture(params=list(Codec), ids=lambda c: c.name)
 def good(request):
     """(codec, n, frame) for a valid frame of 100 values (a tail block included)."""
@@ -612,18 +716,26 @@ def test_rejects_bad_header_fields(good):
     assert_rejected(HEADER.pack(b"ATLX", codec, 1, block, n) + body, "not an atoll frame", n=n)
     assert_rejected(HEADER.pack(b"\0\0\0\0", codec, 1, block, n) + body, "magic", n=n)
     for cid in [0, 4, 255]:
-        assert_rejected(HEADER.pack(b"ATLQ", cid, 1, block, n) + body, f"unknown codec id {cid}", n=n)
+        assert_rejected(
+            HEADER.pack(b"ATLQ", cid, 1, block, n) + body, f"unknown codec id {cid}", n=n
+        )
     for version in [0, 3, 255]:
-        assert_rejected(HEADER.pack(b"ATLQ", codec, version, block, n) + body,
-                        f"frame version {version} is not supported", n=n)
+        assert_rejected(
+            HEADER.pack(b"ATLQ", codec, version, block, n) + body,
+            f"frame version {version} is not supported",
+            n=n,
+        )
     for wrong in [0, 16, 33, 64, 65535] + ([32] if codec == FP32 else [1]):
         assert_rejected(HEADER.pack(b"ATLQ", codec, 1, wrong, n) + body, f"block {wrong}", n=n)
 
 
 def test_rejects_truncated_payload(good):
     _, n, frame = good
-    cuts = sorted(set(range(HEADER_BYTES, HEADER_BYTES + 24)) | set(range(HEADER_BYTES, len(frame), 7))
-                  | {len(frame) - 4, len(frame) - 1})
+    cuts = sorted(
+        set(range(HEADER_BYTES, HEADER_BYTES + 24))
+        | set(range(HEADER_BYTES, len(frame), 7))
+        | {len(frame) - 4, len(frame) - 1}
+    )
     for cut in cuts:
         assert_rejected(frame[:cut], "truncated|corrupt", n=n)
 
@@ -643,7 +755,9 @@ def test_flipped_payload_bits_are_caught(good):
                 decode_into(bad, out, accumulate=False)
             except CodecError as e:
                 assert out.tobytes() == before
-                assert any(w in str(e) for w in ("corrupt", "truncated", "declares", "stray")), str(e)
+                assert any(w in str(e) for w in ("corrupt", "truncated", "declares", "stray")), str(
+                    e
+                )
             else:
                 assert same_bits(out, reference), f"byte {pos} bit {bit}: silently different values"
                 ignored.append((pos, bit))
@@ -664,7 +778,9 @@ def test_rejects_count_not_matching_body(good):
         if body_bytes(codec, m) == body_bytes(codec, n):
             continue
         bad = HEADER.pack(b"ATLQ", codec, 1, block, m) + frame[HEADER_BYTES:]
-        assert_rejected(bad, f"declares {body_bytes(codec, n)} bytes; {m} {codec.name} values need", n=m)
+        assert_rejected(
+            bad, f"declares {body_bytes(codec, n)} bytes; {m} {codec.name} values need", n=m
+        )
         with pytest.raises(CodecError, match="declares"):
             decode(bad)
     # A zstd frame without its content size is refused too (the size is checked up front).
@@ -695,15 +811,16 @@ def test_rejects_codec_mismatch(good):
     assert decode(frame, codec=codec).size == n
 
 
-@pytest.mark.parametrize("scale", [0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7F81, 0x8000, 0x8000 | 0x3F80,
-                                   0xFFFF])
+@pytest.mark.parametrize(
+    "scale", [0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7F81, 0x8000, 0x8000 | 0x3F80, 0xFFFF]
+)
 @pytest.mark.parametrize("bad_block", [0, 2])
 def test_rejects_invalid_int4_scale(scale, bad_block):
     n = 3 * BLOCK - 5
     scales = np.array([0x3F80, 0x3F80, 0x3F80], "<u2")
     scales[bad_block] = scale
     codes = np.random.default_rng(scale).integers(0, 256, 3 * BLOCK // 2, dtype=np.uint8)
-    codes[2 * 16 + 11:] &= 0x0F  # values 27..31 of the last block are padding: code 0
+    codes[2 * 16 + 11 :] &= 0x0F  # values 27..31 of the last block are padding: code 0
     frame = make_frame(INT4, n, scales.tobytes() + codes.tobytes())
     assert_rejected(frame, f"INT4 frame has an invalid scale .* in block {bad_block}")
     valid = make_frame(INT4, n, np.array([0x3F80] * 3, "<u2").tobytes() + codes.tobytes())
@@ -716,8 +833,10 @@ def test_rejects_invalid_mxfp4_scale(bad_block):
     scales = np.array([127, 127, 127], np.uint8)
     scales[bad_block] = 0xFF
     codes = np.random.default_rng(bad_block).integers(0, 256, 3 * BLOCK // 2, dtype=np.uint8)
-    assert_rejected(make_frame(MXFP4, n, scales.tobytes() + codes.tobytes()),
-                    f"MXFP4 frame has an invalid scale .* in block {bad_block}")
+    assert_rejected(
+        make_frame(MXFP4, n, scales.tobytes() + codes.tobytes()),
+        f"MXFP4 frame has an invalid scale .* in block {bad_block}",
+    )
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -727,8 +846,9 @@ def test_rejects_non_finite_fp32_body(bad):
     assert_rejected(make_frame(FP32, 10, x.astype("<f4").tobytes()), "non-finite")
 
 
-@pytest.mark.parametrize("codec, scale", [(MXFP4, b"\xfe"), (MXFP4, b"\xfd"),
-                                          (INT4, struct.pack("<H", 0x7F7F))])
+@pytest.mark.parametrize(
+    "codec, scale", [(MXFP4, b"\xfe"), (MXFP4, b"\xfd"), (INT4, struct.pack("<H", 0x7F7F))]
+)
 def test_rejects_frames_that_decode_to_inf(codec, scale):
     frame = make_frame(codec, BLOCK, scale + bytes([0x77] * 16))
     out = np.zeros(BLOCK, np.float32)
@@ -745,6 +865,7 @@ def test_decode_refuses_absurd_count_without_allocating():
 
 
 # ---- 6. encode refuses bad input ----
+
 
 @pytest.mark.parametrize("codec", list(Codec))
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -767,13 +888,16 @@ def test_encode_refuses_non_float32(codec, dtype):
 
 # ---- 7, 8. proto enum and wire size ----
 
+
 def test_codec_ids_equal_the_proto():
     assert syncer_pb2.CODEC_FP32 == Codec.FP32
     assert syncer_pb2.CODEC_MXFP4 == Codec.MXFP4
     assert syncer_pb2.CODEC_INT4 == Codec.INT4
     names = dict(syncer_pb2.Codec.items())
     assert names.pop("CODEC_UNSPECIFIED") == 0
-    assert {k.removeprefix("CODEC_"): v for k, v in names.items()} == {c.name: c.value for c in Codec}
+    assert {k.removeprefix("CODEC_"): v for k, v in names.items()} == {
+        c.name: c.value for c in Codec
+    }
 
 
 @pytest.mark.parametrize("codec", FOUR_BIT)
@@ -797,13 +921,14 @@ def test_bits_per_parameter(codec, data):
 def test_rejects_nonzero_padding(codec, n):
     """A frame relabelled to fewer values (same block count) must not decode silently."""
     frame = encode(np.linspace(-1, 1, 64, dtype=np.float32), codec)
-    relabelled = frame[:HEADER_BYTES - 8] + struct.pack("<Q", n) + frame[HEADER_BYTES:]
+    relabelled = frame[: HEADER_BYTES - 8] + struct.pack("<Q", n) + frame[HEADER_BYTES:]
     assert_rejected(relabelled, "padding", n=n)
     honest = encode(np.linspace(-1, 1, n, dtype=np.float32), codec)
     assert decode(honest).size == n
 
 
 # ---- 9. chunked frames (version 2) ----
+
 
 @pytest.fixture
 def threads():
@@ -816,7 +941,9 @@ def threads():
 def big_vector(n: int, seed: int = 0) -> np.ndarray:
     """Gaussian values whose magnitude changes between chunks and within them."""
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 1, -(-n // 1000)).repeat(1000)[:n]).astype(np.float32)
+    return (
+        rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 1, -(-n // 1000)).repeat(1000)[:n]
+    ).astype(np.float32)
 
 
 N3 = 2 * CHUNK_VALUES + 1000 + 7  # three chunks, the last with a tail block
@@ -828,12 +955,18 @@ def test_chunk_layout(codec):
     frame = encode(x, codec)
     chunks = chunks_of(frame)
     assert len(chunks) == 3
-    assert frame[HEADER_BYTES:HEADER_BYTES + 8] == struct.pack("<2I", len(chunks[0]), len(chunks[1]))
+    assert frame[HEADER_BYTES : HEADER_BYTES + 8] == struct.pack(
+        "<2I", len(chunks[0]), len(chunks[1])
+    )
     for i, c in enumerate(chunks):  # each chunk is the frame of its own values, less the header
-        part = x[i * CHUNK_VALUES:(i + 1) * CHUNK_VALUES]
+        part = x[i * CHUNK_VALUES : (i + 1) * CHUNK_VALUES]
         assert c == encode(part, codec)[HEADER_BYTES:]
-    assert same_bits(decode(frame), np.concatenate([decode(encode(x[i * CHUNK_VALUES:(i + 1) * CHUNK_VALUES],
-                                                                 codec)) for i in range(3)]))
+    assert same_bits(
+        decode(frame),
+        np.concatenate(
+            [decode(encode(x[i * CHUNK_VALUES : (i + 1) * CHUNK_VALUES], codec)) for i in range(3)]
+        ),
+    )
     assert len(frame) <= max_frame_bytes(N3, codec)
 
 
@@ -849,7 +982,10 @@ def test_version_1_frames_still_decode(codec, n):
     if n <= CHUNK_VALUES:  # one chunk: a version 1 frame but for the version byte
         assert same_bits(decode(frame[:5] + b"\x01" + frame[6:]), decode(frame))
     offsets, ends = ragged_ranges(n, seed=n)
-    assert range_sq_norms(old, offsets, ends).tobytes() == range_sq_norms(frame, offsets, ends).tobytes()
+    assert (
+        range_sq_norms(old, offsets, ends).tobytes()
+        == range_sq_norms(frame, offsets, ends).tobytes()
+    )
     a, b = sentinel(n), sentinel(n)
     accumulate_ranges(old, a, offsets, ends, np.linspace(-2, 3, len(offsets)))
     accumulate_ranges(frame, b, offsets, ends, np.linspace(-2, 3, len(offsets)))
@@ -859,7 +995,7 @@ def test_version_1_frames_still_decode(codec, n):
 @pytest.mark.parametrize("codec", list(Codec))
 def test_results_do_not_depend_on_threads(codec, threads):
     x = big_vector(N3, seed=1)
-    r = (big_vector(N3, seed=2) * np.float32(0.01))
+    r = big_vector(N3, seed=2) * np.float32(0.01)
     offsets, ends = ragged_ranges(N3, seed=3)
     scales = np.random.default_rng(4).uniform(-3, 3, len(offsets))
     scales[::5] = 0.0
@@ -875,8 +1011,17 @@ def test_results_do_not_depend_on_threads(codec, threads):
         codes.accumulate_ranges(out, offsets, ends, scales)
         dec = sentinel(N3)
         decode_into(frame, dec, 0.75)
-        seen.add((frame, ef_frame, ef.residual.tobytes(), decode(frame).tobytes(),
-                  codes.range_sq_norms(offsets, ends).tobytes(), out.tobytes(), dec.tobytes()))
+        seen.add(
+            (
+                frame,
+                ef_frame,
+                ef.residual.tobytes(),
+                decode(frame).tobytes(),
+                codes.range_sq_norms(offsets, ends).tobytes(),
+                out.tobytes(),
+                dec.tobytes(),
+            )
+        )
     assert len(seen) == 1
 
 
@@ -899,8 +1044,18 @@ def test_rejects_truncated_chunked_frames(chunked):
     _, n, frame = chunked
     c0, c1, c2 = map(len, chunks_of(frame))
     table_end = HEADER_BYTES + 8
-    cuts = [HEADER_BYTES, HEADER_BYTES + 3, table_end - 1, table_end, table_end + 5, table_end + c0 - 1,
-            table_end + c0, table_end + c0 + c1, len(frame) - c2 + 1, len(frame) - 1]
+    cuts = [
+        HEADER_BYTES,
+        HEADER_BYTES + 3,
+        table_end - 1,
+        table_end,
+        table_end + 5,
+        table_end + c0 - 1,
+        table_end + c0,
+        table_end + c0 + c1,
+        len(frame) - c2 + 1,
+        len(frame) - 1,
+    ]
     for cut in cuts:
         assert_rejected(frame[:cut], "truncated|corrupt", n=n)
 
@@ -908,13 +1063,25 @@ def test_rejects_truncated_chunked_frames(chunked):
 def test_rejects_bad_chunk_tables(chunked):
     _, n, frame = chunked
     c0, c1, _ = map(len, chunks_of(frame))
-    rest = frame[HEADER_BYTES + 8:]
+    rest = frame[HEADER_BYTES + 8 :]
     head = frame[:HEADER_BYTES]
-    for sizes in [(0, c1), (c0, 0), (c0 - 1, c1), (c0 + 1, c1), (c1, c0), (c0, c1 + len(rest)), (2**32 - 1, 1)]:
+    for sizes in [
+        (0, c1),
+        (c0, 0),
+        (c0 - 1, c1),
+        (c0 + 1, c1),
+        (c1, c0),
+        (c0, c1 + len(rest)),
+        (2**32 - 1, 1),
+    ]:
         if sizes == (c1, c0) and c0 == c1:
             continue
-        assert_rejected(head + struct.pack("<2I", *sizes) + rest, "truncated|corrupt|declares|stray", n=n)
-    assert_rejected(head + struct.pack("<I", c0) + rest, "truncated|corrupt|declares|stray", n=n)  # short table
+        assert_rejected(
+            head + struct.pack("<2I", *sizes) + rest, "truncated|corrupt|declares|stray", n=n
+        )
+    assert_rejected(
+        head + struct.pack("<I", c0) + rest, "truncated|corrupt|declares|stray", n=n
+    )  # short table
 
 
 def test_rejects_stray_bytes_after_the_last_chunk(chunked):
@@ -946,7 +1113,9 @@ def test_chunked_frame_bit_flips_are_caught(chunked):
                 decode_into(bytes(bad), out, accumulate=False)
             except CodecError as e:
                 assert out.tobytes() == before
-                assert any(w in str(e) for w in ("corrupt", "truncated", "declares", "stray")), str(e)
+                assert any(w in str(e) for w in ("corrupt", "truncated", "declares", "stray")), str(
+                    e
+                )
             else:
                 assert same_bits(out, reference) and (pos, bit) in allowed, f"byte {pos} bit {bit}"
 
@@ -957,9 +1126,19 @@ def test_bad_scale_in_a_later_chunk_names_its_block(codec):
     frame = encode(x, codec)
     chunks = chunks_of(frame)
     body = bytearray(zstandard.ZstdDecompressor().decompress(chunks[1]))
-    body[2 * 7:2 * 7 + 2] = b"\x80\x7f" if codec == INT4 else b"\xff\xff"  # block 7 (int4) / 14 (mxfp4)
-    bad_chunk = zstandard.ZstdCompressor(write_checksum=True, write_content_size=True).compress(bytes(body))
-    bad = frame[:HEADER_BYTES] + struct.pack("<2I", len(chunks[0]), len(bad_chunk)) + chunks[0] + bad_chunk + chunks[2]
+    body[2 * 7 : 2 * 7 + 2] = (
+        b"\x80\x7f" if codec == INT4 else b"\xff\xff"
+    )  # block 7 (int4) / 14 (mxfp4)
+    bad_chunk = zstandard.ZstdCompressor(write_checksum=True, write_content_size=True).compress(
+        bytes(body)
+    )
+    bad = (
+        frame[:HEADER_BYTES]
+        + struct.pack("<2I", len(chunks[0]), len(bad_chunk))
+        + chunks[0]
+        + bad_chunk
+        + chunks[2]
+    )
     block = CHUNK_VALUES // BLOCK + (7 if codec == INT4 else 14)
     assert_rejected(bad, f"invalid scale .* in block {block}$")
     with pytest.raises(CodecError, match=f"block {block}"):
@@ -992,6 +1171,7 @@ def test_max_frame_bytes_bounds_incompressible_frames(codec):
 
 # ---- 10. merge kernels: range_sq_norms and accumulate_ranges ----
 
+
 def ragged_ranges(n: int, seed: int = 0, count: int = 40) -> tuple[np.ndarray, np.ndarray]:
     """Ordered ranges that ignore block and chunk boundaries, with gaps and empty ranges."""
     if n == 0:
@@ -1015,7 +1195,7 @@ def sq_norms_reference(values: np.ndarray, offsets, ends) -> np.ndarray:
                 b0, b1 = a // BLOCK, -(-b // BLOCK)
                 sq = np.zeros((b1 - b0) * BLOCK)
                 v = values[a:b].astype(np.float64)
-                sq[a - b0 * BLOCK:b - b0 * BLOCK] = v * v
+                sq[a - b0 * BLOCK : b - b0 * BLOCK] = v * v
                 t = sq.reshape(-1, BLOCK)
                 while t.shape[1] > 1:
                     h = t.shape[1] // 2
@@ -1028,7 +1208,9 @@ def sq_norms_reference(values: np.ndarray, offsets, ends) -> np.ndarray:
 
 
 def add_scaled_reference(out: np.ndarray, values: np.ndarray, offsets, ends, scales) -> None:
-    for o, e, s in zip(offsets.tolist(), ends.tolist(), np.asarray(scales, np.float64).astype(np.float32)):
+    for o, e, s in zip(
+        offsets.tolist(), ends.tolist(), np.asarray(scales, np.float64).astype(np.float32)
+    ):
         if s != 0:
             t = values[o:e] * s  # multiply, then add: two float32 roundings
             out[o:e] = out[o:e] + t
@@ -1053,12 +1235,20 @@ def test_range_sq_norms_follow_the_documented_order(codec, n):
 @pytest.mark.parametrize("codec", FOUR_BIT)
 def test_block_sums_of_squares_are_exact(codec):
     """Values at the extremes of the scale range: each block's sum is exact in float64."""
-    x = np.concatenate([np.full(BLOCK, 3e38, np.float32), np.full(BLOCK, 1e-40, np.float32),
-                        np.linspace(-1e30, 1e30, BLOCK, dtype=np.float32)])
+    x = np.concatenate(
+        [
+            np.full(BLOCK, 3e38, np.float32),
+            np.full(BLOCK, 1e-40, np.float32),
+            np.linspace(-1e30, 1e30, BLOCK, dtype=np.float32),
+        ]
+    )
     frame = encode(x, codec)
     values = decode(frame).astype(np.float64)
-    got = range_sq_norms(frame, [0, BLOCK, 2 * BLOCK, 2 * BLOCK + 3], [BLOCK, 2 * BLOCK, 2 * BLOCK + 3, 3 * BLOCK])
+    got = range_sq_norms(
+        frame, [0, BLOCK, 2 * BLOCK, 2 * BLOCK + 3], [BLOCK, 2 * BLOCK, 2 * BLOCK + 3, 3 * BLOCK]
+    )
     import fractions
+
     for g, (a, b) in zip(got, [(0, 32), (32, 64), (64, 67), (67, 96)]):
         exact = sum(fractions.Fraction(float(v)) ** 2 for v in values[a:b])
         assert fractions.Fraction(float(g)) == exact
@@ -1088,8 +1278,14 @@ def test_accumulate_ranges_matches_numpy_bit_for_bit(codec, n):
 def test_range_arguments_are_checked():
     frame = encode(np.ones(100, np.float32))
     out = np.zeros(100, np.float32)
-    for offsets, ends, match in [([0, 50], [60, 100], "ordered"), ([10], [5], "ordered"), ([-1], [5], "ordered"),
-                                 ([0], [101], "within"), ([[0]], [[5]], "1-D"), ([0, 1], [1], "1-D")]:
+    for offsets, ends, match in [
+        ([0, 50], [60, 100], "ordered"),
+        ([10], [5], "ordered"),
+        ([-1], [5], "ordered"),
+        ([0], [101], "within"),
+        ([[0]], [[5]], "1-D"),
+        ([0, 1], [1], "1-D"),
+    ]:
         with pytest.raises(CodecError, match=match):
             range_sq_norms(frame, offsets, ends)
         with pytest.raises(CodecError, match=match):
@@ -1114,7 +1310,9 @@ def test_accumulate_refuses_overflow_and_changes_nothing(codec):
     out = np.zeros(n, np.float32)
     out[-50] = 3e38
     before = out.tobytes()
-    with pytest.raises(CodecError, match=f"adding range 1 .* would overflow float32 at index {n - 50}"):
+    with pytest.raises(
+        CodecError, match=f"adding range 1 .* would overflow float32 at index {n - 50}"
+    ):
         accumulate_ranges(frame, out, [0, 10], [10, n], [1.0, 1.0])
     assert out.tobytes() == before
     # The same terms with room to spare, or scaled down, go in.

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from wire import codegen
+from atoll.wire import codegen
 
 
 def test_stubs_are_fresh():
@@ -11,7 +11,7 @@ def test_stubs_are_fresh():
     assert set(generated) == {"syncer_pb2.py", "syncer_pb2.pyi", "syncer_pb2_grpc.py"}
     for name, text in generated.items():
         committed = (codegen.OUT_DIR / name).read_text()
-        assert committed == text, f"wire/{name} is stale: run `python -m wire.codegen`"
+        assert committed == text, f"wire/{name} is stale: run `python -m atoll.wire.codegen`"
 
 
 def test_check_flag_reports_stale(tmp_path, monkeypatch):
@@ -21,7 +21,7 @@ def test_check_flag_reports_stale(tmp_path, monkeypatch):
 
 
 def test_stubs_import_and_name_the_service():
-    from wire import syncer_pb2, syncer_pb2_grpc
+    from atoll.wire import syncer_pb2, syncer_pb2_grpc
 
     service = syncer_pb2.DESCRIPTOR.services_by_name["Syncer"]
     assert service.full_name == "atoll.v1.Syncer"
@@ -34,8 +34,13 @@ def test_stubs_import_and_name_the_service():
 
 
 def test_cli_help_runs():
-    out = subprocess.run([sys.executable, "-m", "atoll.cli", "--help"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "atoll.cli", "--help"], capture_output=True, text=True
+    )
     assert out.returncode == 0 and "bench" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "atoll.cli", "bench", "codec", "--params", "x"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "atoll.cli", "bench", "codec", "--params", "x"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "whole number" in bad.stderr and "Traceback" not in bad.stderr

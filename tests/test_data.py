@@ -7,8 +7,16 @@ import threading
 import numpy as np
 import pytest
 
-from learner.data import (Batches, Corpus, DataError, eval_batches, load_corpus,
-                          split_files, stdlib_dir, _walk)
+from atoll.learner.data import (
+    Batches,
+    Corpus,
+    DataError,
+    _walk,
+    eval_batches,
+    load_corpus,
+    split_files,
+    stdlib_dir,
+)
 
 
 def stream(n=10_000, seed=0):
@@ -52,7 +60,7 @@ def test_batches_are_windows_of_the_stream():
     batch = b[5]
     assert batch.shape == (4, L + 1) and batch.dtype == np.int32
     for row, w in zip(batch, b.window_ids(5)):
-        np.testing.assert_array_equal(row, tokens[w * L:w * L + L + 1])
+        np.testing.assert_array_equal(row, tokens[w * L : w * L + L + 1])
 
 
 def test_a_process_reads_its_own_rows_of_a_batch():
@@ -183,24 +191,48 @@ def test_npy_tokens(tmp_path):
     assert corpus.num_files == 0
 
 
-@pytest.mark.parametrize("make, kwargs, match", [
-    (lambda p: p / "nope", {}, "no such file or directory"),
-    (lambda p: (p / "empty").mkdir() or p / "empty", {}, "no files found"),
-    (lambda p: (p / "e.txt").write_bytes(b"") and None or p / "e.txt", {},
-     "no readable, non-empty text files"),
-    (lambda p: np.save(p / "big.npy", np.array([1, 2, 300])) or p / "big.npy", {},
-     r"span \[1, 300\] but the model's vocabulary is \[0, 256\)"),
-    (lambda p: np.save(p / "neg.npy", np.array([-1, 2, 3])) or p / "neg.npy", {},
-     r"span \[-1, 3\]"),
-    (lambda p: np.save(p / "f.npy", np.ones(9, np.float32)) or p / "f.npy", {},
-     "want an integer dtype"),
-    (lambda p: np.save(p / "z.npy", np.zeros(0, np.int32)) or p / "z.npy", {},
-     "token array is empty"),
-    (lambda p: (p / "bad.npy").write_bytes(b"not numpy") and None or p / "bad.npy", {},
-     "not a readable .npy array"),
-    (lambda p: (p / "t.txt").write_text("hello") and None or p / "t.txt", {"vocab": 100},
-     "needs vocab >= 256"),
-])
+@pytest.mark.parametrize(
+    "make, kwargs, match",
+    [
+        (lambda p: p / "nope", {}, "no such file or directory"),
+        (lambda p: (p / "empty").mkdir() or p / "empty", {}, "no files found"),
+        (
+            lambda p: (p / "e.txt").write_bytes(b"") and None or p / "e.txt",
+            {},
+            "no readable, non-empty text files",
+        ),
+        (
+            lambda p: np.save(p / "big.npy", np.array([1, 2, 300])) or p / "big.npy",
+            {},
+            r"span \[1, 300\] but the model's vocabulary is \[0, 256\)",
+        ),
+        (
+            lambda p: np.save(p / "neg.npy", np.array([-1, 2, 3])) or p / "neg.npy",
+            {},
+            r"span \[-1, 3\]",
+        ),
+        (
+            lambda p: np.save(p / "f.npy", np.ones(9, np.float32)) or p / "f.npy",
+            {},
+            "want an integer dtype",
+        ),
+        (
+            lambda p: np.save(p / "z.npy", np.zeros(0, np.int32)) or p / "z.npy",
+            {},
+            "token array is empty",
+        ),
+        (
+            lambda p: (p / "bad.npy").write_bytes(b"not numpy") and None or p / "bad.npy",
+            {},
+            "not a readable .npy array",
+        ),
+        (
+            lambda p: (p / "t.txt").write_text("hello") and None or p / "t.txt",
+            {"vocab": 100},
+            "needs vocab >= 256",
+        ),
+    ],
+)
 def test_bad_data_raises_a_clear_data_error(tmp_path, make, kwargs, match):
     with pytest.raises(DataError, match=match):
         load_corpus(make(tmp_path), cache_dir=tmp_path / "cache", **kwargs)
@@ -210,8 +242,10 @@ def test_concurrent_loads_build_one_complete_cache(tmp_path):
     root = write_tree(tmp_path / "text", n_files=100)
     cache = tmp_path / "cache"
     results: list[Corpus] = []
-    threads = [threading.Thread(target=lambda: results.append(load_corpus(root, cache_dir=cache)))
-               for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda: results.append(load_corpus(root, cache_dir=cache)))
+        for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:

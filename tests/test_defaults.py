@@ -10,10 +10,16 @@ import re
 import yaml
 
 from atoll import cli
-from atoll.up import UpConfig
-from server import main as syncer_main
-from server.config import GRACE_FACTOR, OUTER_LR, OUTER_MOMENTUM, OUTER_MOMENTUM_DELAY, ShardConfig
-from server.merge import outer_optimizer
+from atoll.local.config import UpConfig
+from atoll.server import main as syncer_main
+from atoll.server.config import (
+    GRACE_FACTOR,
+    OUTER_LR,
+    OUTER_MOMENTUM,
+    OUTER_MOMENTUM_DELAY,
+    ShardConfig,
+)
+from atoll.server.merge import outer_optimizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -43,9 +49,23 @@ def test_the_outer_optimiser_defaults_agree_everywhere():
     flags = vars(syncer.parse_known_args([])[0])
     assert (flags["outer_lr"], flags["outer_momentum"]) == (OUTER_LR, OUTER_MOMENTUM)
     config = _configmap(REPO / "k8s/base/syncer/kustomization.yaml", "atoll-syncer-config")
-    assert (float(config["ATOLL_OUTER_LR"]), float(config["ATOLL_OUTER_MOMENTUM"])) == (OUTER_LR, OUTER_MOMENTUM)
-    assert (int(config["ATOLL_OUTER_MOMENTUM_DELAY"]) == OUTER_MOMENTUM_DELAY == fields["momentum_delay"]
-            == UpConfig().momentum_delay == flags["momentum_delay"] == quality.momentum_delay)
-    assert float(config["ATOLL_GRACE_FACTOR"]) == GRACE_FACTOR == UpConfig().grace_factor == fields["grace_factor"]
+    assert (float(config["ATOLL_OUTER_LR"]), float(config["ATOLL_OUTER_MOMENTUM"])) == (
+        OUTER_LR,
+        OUTER_MOMENTUM,
+    )
+    assert (
+        int(config["ATOLL_OUTER_MOMENTUM_DELAY"])
+        == OUTER_MOMENTUM_DELAY
+        == fields["momentum_delay"]
+        == UpConfig().momentum_delay
+        == flags["momentum_delay"]
+        == quality.momentum_delay
+    )
+    assert (
+        float(config["ATOLL_GRACE_FACTOR"])
+        == GRACE_FACTOR
+        == UpConfig().grace_factor
+        == fields["grace_factor"]
+    )
     # and the optimiser itself takes them when called bare
     assert outer_optimizer.__defaults__ == (OUTER_LR, OUTER_MOMENTUM, OUTER_MOMENTUM_DELAY)

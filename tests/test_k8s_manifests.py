@@ -37,40 +37,76 @@ import yaml
 REPO = pathlib.Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
 DATA = pathlib.Path(__file__).resolve().parent / "data"
-OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
-COMPONENTS = sorted(p.name for p in (K8S / "components").iterdir() if (p / "kustomization.yaml").is_file())
+OVERLAYS = sorted(
+    p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file()
+)
+COMPONENTS = sorted(
+    p.name for p in (K8S / "components").iterdir() if (p / "kustomization.yaml").is_file()
+)
 # Components an overlay already lists in its kustomization.yaml.
-BUILT_IN = {o: tuple(pathlib.PurePath(c).name for c in
-                     (yaml.safe_load((K8S / "overlays" / o / "kustomization.yaml").read_text()).get("components") or []))
-            for o in OVERLAYS}
+BUILT_IN = {
+    o: tuple(
+        pathlib.PurePath(c).name
+        for c in (
+            yaml.safe_load((K8S / "overlays" / o / "kustomization.yaml").read_text()).get(
+                "components"
+            )
+            or []
+        )
+    )
+    for o in OVERLAYS
+}
 SYNCER_OVERLAYS = ["syncer", "all-in-one"]
-LEARNER_OVERLAYS = ["learners-tpu-v5p", "learners-tpu-v6e", "learners-tpu-v5p-2x2x2", "learners-tpu-v6e-4x4",
-                    "learners-cpu", "all-in-one"]
+LEARNER_OVERLAYS = [
+    "learners-tpu-v5p",
+    "learners-tpu-v6e",
+    "learners-tpu-v5p-2x2x2",
+    "learners-tpu-v6e-4x4",
+    "learners-cpu",
+    "all-in-one",
+]
 # overlay -> (accelerator node label, chips per host)
 TPU_OVERLAYS = {"learners-tpu-v5p": ("tpu-v5p-slice", 4), "learners-tpu-v6e": ("tpu-v6e-slice", 8)}
 # multi-host overlay -> (accelerator, chips per host, hosts per slice, the single-host one it replaces)
-MULTI_HOST_OVERLAYS = {"learners-tpu-v5p-2x2x2": ("tpu-v5p-slice", 4, 2, "learners-tpu-v5p"),
-                       "learners-tpu-v6e-4x4": ("tpu-v6e-slice", 4, 4, "learners-tpu-v6e")}
+MULTI_HOST_OVERLAYS = {
+    "learners-tpu-v5p-2x2x2": ("tpu-v5p-slice", 4, 2, "learners-tpu-v5p"),
+    "learners-tpu-v6e-4x4": ("tpu-v6e-slice", 4, 4, "learners-tpu-v6e"),
+}
 # Each component added to overlays the way an operator would add it (every component is used).
-COMBINATIONS = [("syncer", ("tls", "operator", "monitoring-gmp")),
-                ("syncer", ("monitoring-prometheus-operator",)),
-                ("all-in-one", ("operator", "monitoring-prometheus-operator")),
-                ("learners-tpu-v5p", ("kueue", "spot", "monitoring-gmp")),
-                ("learners-tpu-v6e", ("kueue", "flex-start", "monitoring-prometheus-operator")),
-                ("learners-cpu", ("kueue", "spot"))]
+COMBINATIONS = [
+    ("syncer", ("tls", "operator", "monitoring-gmp")),
+    ("syncer", ("monitoring-prometheus-operator",)),
+    ("all-in-one", ("operator", "monitoring-prometheus-operator")),
+    ("learners-tpu-v5p", ("kueue", "spot", "monitoring-gmp")),
+    ("learners-tpu-v6e", ("kueue", "flex-start", "monitoring-prometheus-operator")),
+    ("learners-cpu", ("kueue", "spot")),
+]
 KUBERNETES_VERSIONS = ["1.27", "1.37"]
 NAMESPACE = "atoll"
 COMMON_LABELS = {"app.kubernetes.io/name": "atoll", "app.kubernetes.io/part-of": "atoll"}
 CLUSTER_SCOPED = {"Namespace", "StorageClass"}
 # kind -> (schema file in tests/data: a CRD, or a CRD's version schema as JSON; the version)
-CRDS = {("jobset.x-k8s.io/v1alpha2", "JobSet"): ("jobset.x-k8s.io_jobsets.yaml", "v1alpha2"),
-        ("monitoring.googleapis.com/v1", "PodMonitoring"): ("monitoring.googleapis.com_podmonitoring_v1.json", "v1"),
-        ("monitoring.googleapis.com/v1", "Rules"): ("monitoring.googleapis.com_rules_v1.json", "v1"),
-        ("monitoring.coreos.com/v1", "ServiceMonitor"): ("monitoring.coreos.com_servicemonitor_v1.json", "v1"),
-        ("monitoring.coreos.com/v1", "PrometheusRule"): ("monitoring.coreos.com_prometheusrule_v1.json", "v1")}
+CRDS = {
+    ("jobset.x-k8s.io/v1alpha2", "JobSet"): ("jobset.x-k8s.io_jobsets.yaml", "v1alpha2"),
+    ("monitoring.googleapis.com/v1", "PodMonitoring"): (
+        "monitoring.googleapis.com_podmonitoring_v1.json",
+        "v1",
+    ),
+    ("monitoring.googleapis.com/v1", "Rules"): ("monitoring.googleapis.com_rules_v1.json", "v1"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): (
+        "monitoring.coreos.com_servicemonitor_v1.json",
+        "v1",
+    ),
+    ("monitoring.coreos.com/v1", "PrometheusRule"): (
+        "monitoring.coreos.com_prometheusrule_v1.json",
+        "v1",
+    ),
+}
 
-needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
-                                   reason="kubectl not installed: it renders the kustomize overlays")
+needs_kubectl = pytest.mark.skipif(
+    shutil.which("kubectl") is None,
+    reason="kubectl not installed: it renders the kustomize overlays",
+)
 
 
 # -- validation ---------------------------------------------------------------------
@@ -80,8 +116,11 @@ def _strict(schema):
     """The CRD schema with unknown fields refused wherever it lists the known ones."""
     if isinstance(schema, dict):
         out = {k: _strict(v) for k, v in schema.items()}
-        if ("properties" in out and "additionalProperties" not in out
-                and not out.get("x-kubernetes-preserve-unknown-fields")):
+        if (
+            "properties" in out
+            and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")
+        ):
             out["additionalProperties"] = False
         return out
     if isinstance(schema, list):
@@ -111,9 +150,12 @@ def validate(obj: dict, kubernetes: str) -> None:
     _crd_validator(*crd).validate(obj)
     if obj["kind"] == "JobSet":
         for rj in obj["spec"]["replicatedJobs"]:
-            job = {"apiVersion": "batch/v1", "kind": "Job",
-                   "metadata": {"name": f"{obj['metadata']['name']}-{rj['name']}"},
-                   "spec": rj["template"]["spec"]}
+            job = {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {"name": f"{obj['metadata']['name']}-{rj['name']}"},
+                "spec": rj["template"]["spec"],
+            }
             kubernetes_validate.validate(job, kubernetes, strict=True)
 
 
@@ -123,14 +165,18 @@ def _validate_all(objs, where: str) -> None:
             try:
                 validate(o, kubernetes)
             except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as e:
-                pytest.fail(f"{where}: {o['kind']}/{o['metadata']['name']} invalid for Kubernetes {kubernetes}: {e}")
+                pytest.fail(
+                    f"{where}: {o['kind']}/{o['metadata']['name']} invalid for Kubernetes {kubernetes}: {e}"
+                )
 
 
 # -- rendering ----------------------------------------------------------------------
 
 
 def _kustomize(path: pathlib.Path) -> list[dict]:
-    out = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, f"kubectl kustomize {path} failed:\n{out.stderr}"
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
@@ -157,7 +203,9 @@ def render_dir(name: str) -> tuple[dict, ...]:
 
 
 def find(objs, kind: str, name: str | None = None) -> list[dict]:
-    return [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    return [
+        o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)
+    ]
 
 
 def one(objs, kind: str, name: str | None = None) -> dict:
@@ -203,7 +251,10 @@ def learner_workloads(objs) -> list[tuple[dict, dict, int]]:
     out = []
     for o in objs:
         if o["kind"] == "JobSet":
-            out += [(o, rj["template"]["spec"]["template"], rj["replicas"]) for rj in o["spec"]["replicatedJobs"]]
+            out += [
+                (o, rj["template"]["spec"]["template"], rj["replicas"])
+                for rj in o["spec"]["replicatedJobs"]
+            ]
         elif o["kind"] == "Job" and component_of(o["spec"]["template"]) == "learner":
             out.append((o, o["spec"]["template"], o["spec"]["completions"]))
     return out
@@ -215,8 +266,11 @@ def learner_workloads(objs) -> list[tuple[dict, dict, int]]:
 def k8s_expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes' expansion of command, args and env values: $$ is a $, $(VAR) the value of a
     variable defined before (else left as it is)."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+        text,
+    )
 
 
 def container_env(container: dict, objs, fields: dict[str, str]) -> dict[str, str]:
@@ -239,26 +293,42 @@ def pod_fields(owner: dict, template: dict, index: int) -> dict[str, str]:
     """What the downward API gives a pod of `owner` with job/completion index `index`."""
     labels = template["metadata"]["labels"]
     fields = {f"metadata.labels['{k}']": v for k, v in labels.items()}
-    fields.update({"metadata.name": f"{owner['metadata']['name']}-{index}", "metadata.namespace": NAMESPACE,
-                   "metadata.labels['jobset.sigs.k8s.io/jobset-name']": owner["metadata"]["name"],
-                   "metadata.labels['jobset.sigs.k8s.io/job-index']": str(index),
-                   "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(index)})
+    fields.update(
+        {
+            "metadata.name": f"{owner['metadata']['name']}-{index}",
+            "metadata.namespace": NAMESPACE,
+            "metadata.labels['jobset.sigs.k8s.io/jobset-name']": owner["metadata"]["name"],
+            "metadata.labels['jobset.sigs.k8s.io/job-index']": str(index),
+            "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(index),
+        }
+    )
     return fields
 
 
-def run_container(container: dict, env: dict[str, str], tmp_path: pathlib.Path) -> tuple[list[str], dict]:
+def run_container(
+    container: dict, env: dict[str, str], tmp_path: pathlib.Path
+) -> tuple[list[str], dict]:
     """Runs the container's command line with `atoll` replaced by a stand-in that reports its
     arguments and environment; returns (atoll's argv, atoll's environment)."""
     stub = tmp_path / "bin"
     stub.mkdir(exist_ok=True)
-    (stub / "atoll").write_text('#!/bin/sh\nexec "$ATOLL_TEST_PYTHON" -c \'import json, os, sys; '
-                                'print(json.dumps([sys.argv[1:], dict(os.environ)]))\' "$@"\n')
+    (stub / "atoll").write_text(
+        '#!/bin/sh\nexec "$ATOLL_TEST_PYTHON" -c \'import json, os, sys; '
+        'print(json.dumps([sys.argv[1:], dict(os.environ)]))\' "$@"\n'
+    )
     (stub / "atoll").chmod(0o755)
-    argv = [k8s_expand(a, env) for a in container.get("command", ["atoll"]) + container.get("args", [])]
+    argv = [
+        k8s_expand(a, env) for a in container.get("command", ["atoll"]) + container.get("args", [])
+    ]
     if argv[0] == "atoll":
         argv[0] = str(stub / "atoll")
-    out = subprocess.run(argv, env={**env, "PATH": f"{stub}:/usr/bin:/bin", "ATOLL_TEST_PYTHON": sys.executable},
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        argv,
+        env={**env, "PATH": f"{stub}:/usr/bin:/bin", "ATOLL_TEST_PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, f"{shlex.join(argv)} failed:\n{out.stderr}"
     args, seen_env = json.loads(out.stdout)
     return args, seen_env
@@ -274,9 +344,18 @@ def atoll_parser():
 
 
 def test_every_overlay_and_component_is_tested():
-    assert set(OVERLAYS) == {"syncer", "learners-tpu-v5p", "learners-tpu-v6e", "learners-tpu-v5p-2x2x2",
-                             "learners-tpu-v6e-4x4", "learners-cpu", "all-in-one"}
-    assert set(COMPONENTS) == {c for _, cs in COMBINATIONS for c in cs} | {c for cs in BUILT_IN.values() for c in cs}
+    assert set(OVERLAYS) == {
+        "syncer",
+        "learners-tpu-v5p",
+        "learners-tpu-v6e",
+        "learners-tpu-v5p-2x2x2",
+        "learners-tpu-v6e-4x4",
+        "learners-cpu",
+        "all-in-one",
+    }
+    assert set(COMPONENTS) == {c for _, cs in COMBINATIONS for c in cs} | {
+        c for cs in BUILT_IN.values() for c in cs
+    }
     assert BUILT_IN["learners-cpu"] == ("standby-cpu",)
 
 
@@ -290,11 +369,15 @@ def test_overlay_validates_strictly(overlay, kubernetes):
         try:
             validate(o, kubernetes)
         except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as e:
-            pytest.fail(f"{overlay}: {o['kind']}/{o['metadata']['name']} invalid for Kubernetes {kubernetes}: {e}")
+            pytest.fail(
+                f"{overlay}: {o['kind']}/{o['metadata']['name']} invalid for Kubernetes {kubernetes}: {e}"
+            )
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay, components", COMBINATIONS, ids=[f"{o}+{'+'.join(c)}" for o, c in COMBINATIONS])
+@pytest.mark.parametrize(
+    "overlay, components", COMBINATIONS, ids=[f"{o}+{'+'.join(c)}" for o, c in COMBINATIONS]
+)
 def test_overlay_with_components_validates_strictly(overlay, components):
     objs = render(overlay, components)
     assert len(objs) > len(render(overlay)) or components in (("kueue", "spot"),)
@@ -305,7 +388,9 @@ def test_overlay_with_components_validates_strictly(overlay, components):
 def _check_labels_and_namespace(objs) -> None:
     for o in objs:
         where = f"{o['kind']}/{o['metadata']['name']}"
-        assert o["kind"] != "Namespace", f"{where}: an overlay must not own the namespace (k8s/namespace does)"
+        assert o["kind"] != "Namespace", (
+            f"{where}: an overlay must not own the namespace (k8s/namespace does)"
+        )
         assert COMMON_LABELS.items() <= o["metadata"].get("labels", {}).items(), where
         if o["kind"] not in CLUSTER_SCOPED:
             assert o["metadata"].get("namespace") == NAMESPACE, where
@@ -319,7 +404,9 @@ def _check_labels_and_namespace(objs) -> None:
             assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
             assert sc["capabilities"]["drop"] == ["ALL"]
             if sc.get("runAsUser") == 0:  # the one root container: chown of the state volume
-                assert c["name"] == "state-owner" and sc["capabilities"]["add"] == ["CHOWN"], c["name"]
+                assert c["name"] == "state-owner" and sc["capabilities"]["add"] == ["CHOWN"], c[
+                    "name"
+                ]
 
 
 @needs_kubectl
@@ -356,11 +443,16 @@ def test_storage_classes_retain_their_disks():
     sts = one(render("syncer"), "StatefulSet", "atoll-syncer")
     (claim,) = sts["spec"]["volumeClaimTemplates"]
     assert claim["spec"]["storageClassName"] == "atoll-wal"
-    assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Retain"}
+    assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {
+        "whenDeleted": "Retain",
+        "whenScaled": "Retain",
+    }
     for overlay in ("learners-tpu-v5p", "learners-cpu"):
         state = one(render(overlay), "PersistentVolumeClaim", "atoll-learner-state")
         assert state["spec"]["storageClassName"] == "atoll-learner-state"
-        assert state["spec"]["accessModes"] == ["ReadWriteMany"]  # a recreated pod lands on any node
+        assert state["spec"]["accessModes"] == [
+            "ReadWriteMany"
+        ]  # a recreated pod lands on any node
 
 
 @needs_kubectl
@@ -368,7 +460,11 @@ def test_storage_classes_retain_their_disks():
 def test_every_claim_a_pod_mounts_exists(overlay):
     objs = render(overlay)
     claims = {o["metadata"]["name"] for o in find(objs, "PersistentVolumeClaim")}
-    claims |= {c["metadata"]["name"] for o in find(objs, "StatefulSet") for c in o["spec"]["volumeClaimTemplates"]}
+    claims |= {
+        c["metadata"]["name"]
+        for o in find(objs, "StatefulSet")
+        for c in o["spec"]["volumeClaimTemplates"]
+    }
     for t in pod_templates(objs):
         volumes = {v["name"]: v for v in t["spec"]["volumes"]}
         for v in volumes.values():
@@ -376,12 +472,16 @@ def test_every_claim_a_pod_mounts_exists(overlay):
                 assert v["persistentVolumeClaim"]["claimName"] in claims, v
         for c in all_containers(t):
             for m in c.get("volumeMounts", []):
-                assert m["name"] in volumes or m["name"] in claims, f"{c['name']} mounts unknown {m['name']}"
+                assert m["name"] in volumes or m["name"] in claims, (
+                    f"{c['name']} mounts unknown {m['name']}"
+                )
 
 
 def _image_rule(image: str) -> str | None:
     """Why `image` would not pull on a real cluster, or None."""
-    name, _, tag = image.rpartition(":") if "@" not in image else (image.split("@")[0], "", "digest")
+    name, _, tag = (
+        image.rpartition(":") if "@" not in image else (image.split("@")[0], "", "digest")
+    )
     if "/" not in image or not re.search(r"[.:]", image.split("/")[0]):
         return "no registry host: the kubelet would pull it from docker.io"
     if not name or not tag or "/" in tag:
@@ -401,8 +501,11 @@ def test_image_rule():
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay, components", [(o, ()) for o in OVERLAYS] + COMBINATIONS,
-                         ids=[o for o in OVERLAYS] + [f"{o}+{'+'.join(c)}" for o, c in COMBINATIONS])
+@pytest.mark.parametrize(
+    "overlay, components",
+    [(o, ()) for o in OVERLAYS] + COMBINATIONS,
+    ids=[o for o in OVERLAYS] + [f"{o}+{'+'.join(c)}" for o, c in COMBINATIONS],
+)
 def test_images_name_a_registry_and_a_tag(overlay, components):
     objs = render(overlay, components)
     for t in pod_templates(objs):
@@ -412,7 +515,9 @@ def test_images_name_a_registry_and_a_tag(overlay, components):
             assert problem is None, f"{overlay}: {c['name']} image {c['image']}: {problem}"
             repository = c["image"].split("@")[0].rsplit(":", 1)[0].rsplit("/", 1)[1]
             # A TPU pod runs the TPU image (it has libtpu); nothing else does.
-            assert repository == ("atoll-tpu" if tpu else "atoll"), f"{overlay}: {c['name']} runs {c['image']}"
+            assert repository == ("atoll-tpu" if tpu else "atoll"), (
+                f"{overlay}: {c['name']} runs {c['image']}"
+            )
 
 
 # -- the syncer ---------------------------------------------------------------------
@@ -428,7 +533,10 @@ def test_syncer_statefulset(overlay):
     assert template["metadata"]["annotations"]["prometheus.io/port"] == "9090"
     (c,) = template["spec"]["containers"]
     assert c["args"][0] == "syncer"
-    assert {(p["name"], p["containerPort"]) for p in c["ports"]} == {("grpc", 50051), ("metrics", 9090)}
+    assert {(p["name"], p["containerPort"]) for p in c["ports"]} == {
+        ("grpc", 50051),
+        ("metrics", 9090),
+    }
     assert "--listen=0.0.0.0:50051" in c["args"] and "--metrics-port=9090" in c["args"]
     env = env_of(c)
     # The shard index is the pod ordinal, read from the pod name.
@@ -445,10 +553,12 @@ def test_syncer_statefulset(overlay):
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay, components", [("syncer", ()), ("all-in-one", ()), ("syncer", ("tls",))])
+@pytest.mark.parametrize(
+    "overlay, components", [("syncer", ()), ("all-in-one", ()), ("syncer", ("tls",))]
+)
 def test_syncer_command_line_is_a_valid_shard_config(overlay, components, tmp_path, monkeypatch):
     """The StatefulSet's args, expanded as the kubelet does, make a ShardConfig that validates."""
-    from server.main import config_from_args
+    from atoll.server.main import config_from_args
 
     objs = render(overlay, components)
     sts = one(objs, "StatefulSet", "atoll-syncer")
@@ -479,7 +589,9 @@ def test_syncer_command_line_is_a_valid_shard_config(overlay, components, tmp_pa
 @needs_kubectl
 @pytest.mark.parametrize("overlay", SYNCER_OVERLAYS)
 def test_syncer_grpc_probes(overlay):
-    (c,) = one(render(overlay), "StatefulSet", "atoll-syncer")["spec"]["template"]["spec"]["containers"]
+    (c,) = one(render(overlay), "StatefulSet", "atoll-syncer")["spec"]["template"]["spec"][
+        "containers"
+    ]
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         grpc = c[kind]["grpc"]
         # A number, not the port's name: kubelet's gRPC probe takes only a number.
@@ -492,7 +604,10 @@ def test_syncer_grpc_probes(overlay):
 def test_tls_keeps_grpc_probes_on_a_plaintext_health_port():
     objs = render("syncer", ("tls",))
     (c,) = one(objs, "StatefulSet", "atoll-syncer")["spec"]["template"]["spec"]["containers"]
-    assert "--tls-cert=/etc/atoll/tls/tls.crt" in c["args"] and "--tls-key=/etc/atoll/tls/tls.key" in c["args"]
+    assert (
+        "--tls-cert=/etc/atoll/tls/tls.crt" in c["args"]
+        and "--tls-key=/etc/atoll/tls/tls.key" in c["args"]
+    )
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert f"--health-port={ports['health']}" in c["args"] and ports["health"] != ports["grpc"]
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -500,7 +615,9 @@ def test_tls_keeps_grpc_probes_on_a_plaintext_health_port():
         assert c[kind]["grpc"]["port"] == ports["health"] and "tcpSocket" not in c[kind], kind
     # No Service publishes the plaintext port.
     for s in find(objs, "Service"):
-        assert all(p["targetPort"] != "health" and p["port"] != ports["health"] for p in s["spec"]["ports"])
+        assert all(
+            p["targetPort"] != "health" and p["port"] != ports["health"] for p in s["spec"]["ports"]
+        )
 
 
 @needs_kubectl
@@ -511,11 +628,17 @@ def test_syncer_services(overlay):
     headless = one(objs, "Service", "atoll-syncer")
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["selector"]["app.kubernetes.io/component"] == "syncer"
-    per_shard = [s for s in find(objs, "Service") if re.fullmatch(r"atoll-syncer-\d+", s["metadata"]["name"])]
-    assert sorted(s["metadata"]["name"] for s in per_shard) == [f"atoll-syncer-{i}" for i in range(shards)]
+    per_shard = [
+        s for s in find(objs, "Service") if re.fullmatch(r"atoll-syncer-\d+", s["metadata"]["name"])
+    ]
+    assert sorted(s["metadata"]["name"] for s in per_shard) == [
+        f"atoll-syncer-{i}" for i in range(shards)
+    ]
     for s in per_shard:
         # Exactly one pod: the StatefulSet pod of the same ordinal.
-        assert s["spec"]["selector"] == {"statefulset.kubernetes.io/pod-name": s["metadata"]["name"]}
+        assert s["spec"]["selector"] == {
+            "statefulset.kubernetes.io/pod-name": s["metadata"]["name"]
+        }
         assert {p["name"]: p["port"] for p in s["spec"]["ports"]}["grpc"] == 50051
 
 
@@ -531,8 +654,12 @@ def test_syncer_disruption_budget_and_network_policy(overlay):
     by_port = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
     assert set(by_port) == {"grpc", "metrics"}
     learners = [f for f in by_port["grpc"] if "podSelector" in f]
-    assert learners == [{"namespaceSelector": {"matchLabels": {"atoll.dev/enabled": "true"}},
-                         "podSelector": {"matchLabels": {"app.kubernetes.io/component": "learner"}}}]
+    assert learners == [
+        {
+            "namespaceSelector": {"matchLabels": {"atoll.dev/enabled": "true"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/component": "learner"}},
+        }
+    ]
     assert any("ipBlock" in f for f in by_port["grpc"]), "no ipBlock for learners in other clusters"
     assert all("ipBlock" not in f for f in by_port["metrics"])
 
@@ -545,7 +672,9 @@ def test_load_balancers_admit_the_same_ranges_as_the_network_policy():
     grpc = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "grpc")
     ranges = sorted(f["ipBlock"]["cidr"] for f in grpc["from"] if "ipBlock" in f)
     balancers = [s for s in find(objs, "Service") if s["spec"].get("type") == "LoadBalancer"]
-    assert len(balancers) == one(objs, "StatefulSet")["spec"]["replicas"], "one load balancer per shard"
+    assert len(balancers) == one(objs, "StatefulSet")["spec"]["replicas"], (
+        "one load balancer per shard"
+    )
     for s in balancers:
         assert sorted(s["spec"]["loadBalancerSourceRanges"]) == ranges, s["metadata"]["name"]
         assert s["spec"]["externalTrafficPolicy"] == "Local"  # keeps the Pod IP the policy checks
@@ -561,8 +690,11 @@ def test_learner_pods(overlay):
     templates = learner_templates(objs)
     assert templates, f"{overlay} has no learner pods"
     config = one(objs, "ConfigMap", "atoll-learner-config")["data"]
-    syncer_config = next(o for o in render("syncer") if o["kind"] == "ConfigMap"
-                         and o["metadata"]["name"].startswith("atoll-syncer-config"))["data"]
+    syncer_config = next(
+        o
+        for o in render("syncer")
+        if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("atoll-syncer-config")
+    )["data"]
     assert config["ATOLL_NUM_SHARDS"] == syncer_config["ATOLL_NUM_SHARDS"]
     assert "{i}" in config["ATOLL_SHARDS"] and config["ATOLL_SHARDS"].endswith(":50051")
     assert int(config["ATOLL_FRAGMENTS"]) >= int(config["ATOLL_NUM_SHARDS"])
@@ -574,18 +706,26 @@ def test_learner_pods(overlay):
         assert c["args"][0] == "learner" and "--metrics-port=9091" in c["args"]
         assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("metrics", 9091)]
         env = env_of(c)
-        assert "ATOLL_LEARNER_INDEX" not in env and "ATOLL_LEARNER_INDEX" not in config  # computed (below)
+        assert (
+            "ATOLL_LEARNER_INDEX" not in env and "ATOLL_LEARNER_INDEX" not in config
+        )  # computed (below)
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
         if is_standby(t):  # test_standby_learners
             assert t["spec"]["restartPolicy"] == "Always"
             continue
         assert t["spec"]["restartPolicy"] == "Never"  # a podFailurePolicy needs it
-        assert env["ATOLL_REGION"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['atoll.dev/region']"
+        assert (
+            env["ATOLL_REGION"]["valueFrom"]["fieldRef"]["fieldPath"]
+            == "metadata.labels['atoll.dev/region']"
+        )
         assert env["ATOLL_LEARNER_ID"]["value"].startswith("$(ATOLL_REGION)-")
         # Status records and compiled programs on the state volume, one name per learner id.
         for flag in ("--status-file", "--compile-cache"):
             (value,) = [a.split("=", 1)[1] for a in c["args"] if a.startswith(flag + "=")]
-            assert "$(ATOLL_LEARNER_ID)" in value and mounts[str(pathlib.PurePath(value).parent)] == "state"
+            assert (
+                "$(ATOLL_LEARNER_ID)" in value
+                and mounts[str(pathlib.PurePath(value).parent)] == "state"
+            )
 
 
 def _flag(container: dict, flag: str) -> str:
@@ -614,7 +754,11 @@ def test_learners_checkpoint_on_the_state_volume(overlay):
         env = container_env(c, objs, pod_fields({"metadata": {"name": "learner"}}, t, 0))
         state, _ = _state_volume(t)
         directory = pathlib.PurePath(env["ATOLL_CHECKPOINT_DIR"])
-        assert directory.is_absolute() and directory.is_relative_to(state) and directory != pathlib.PurePath(state)
+        assert (
+            directory.is_absolute()
+            and directory.is_relative_to(state)
+            and directory != pathlib.PurePath(state)
+        )
         assert int(env["ATOLL_CHECKPOINT_EVERY"]) > 0
 
 
@@ -631,30 +775,43 @@ def test_standby_learners():
     assert deployment["spec"]["replicas"] >= 1 and standby["spec"]["restartPolicy"] == "Always"
     # The Deployment owns its standbys alone; the network policy and monitors see learners.
     selector = deployment["spec"]["selector"]
-    assert _selects(selector, standby["metadata"]["labels"]) and not _selects(selector, learner["metadata"]["labels"])
+    assert _selects(selector, standby["metadata"]["labels"]) and not _selects(
+        selector, learner["metadata"]["labels"]
+    )
     assert component_of(standby) == "learner"
     policy = one(render("syncer"), "NetworkPolicy", "atoll-syncer")
     grpc = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "grpc")
-    assert any(_selects(f["podSelector"], standby["metadata"]["labels"]) for f in grpc["from"] if "podSelector" in f)
+    assert any(
+        _selects(f["podSelector"], standby["metadata"]["labels"])
+        for f in grpc["from"]
+        if "podSelector" in f
+    )
     monitor = one(render("learners-cpu", ("monitoring-gmp",)), "PodMonitoring", "atoll-learner")
     assert _selects(monitor["spec"]["selector"], standby["metadata"]["labels"])
-    assert standby["metadata"]["labels"]["atoll.dev/region"] == learner["metadata"]["labels"]["atoll.dev/region"]
+    assert (
+        standby["metadata"]["labels"]["atoll.dev/region"]
+        == learner["metadata"]["labels"]["atoll.dev/region"]
+    )
     assert standby["metadata"]["annotations"] == learner["metadata"]["annotations"]
     (c,), (lc,) = standby["spec"]["containers"], learner["spec"]["containers"]
     for key in ("image", "envFrom", "resources", "securityContext", "volumeMounts", "ports"):
         assert c[key] == lc[key], key
     for key in ("securityContext", "volumes", "initContainers"):
         assert standby["spec"][key] == learner["spec"][key], key
-    assert _state_volume(standby)[1]["persistentVolumeClaim"]["claimName"] == \
-        _state_volume(learner)[1]["persistentVolumeClaim"]["claimName"] == "atoll-learner-state"
+    assert (
+        _state_volume(standby)[1]["persistentVolumeClaim"]["claimName"]
+        == _state_volume(learner)[1]["persistentVolumeClaim"]["claimName"]
+        == "atoll-learner-state"
+    )
     assert "--standby" in c["args"] and "--standby" not in lc["args"]
     assert "{id}" in _flag(c, "--status-file")
     assert env_of(c)["ATOLL_LEARNER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert "ATOLL_JOB_INDEX" not in env_of(c)
     # Every other flag as the Job's learner has it.
     differ = {"--standby", "--learner-index", "--status-file", "--compile-cache"}
-    assert ([a for a in c["args"] if a.split("=")[0] not in differ]
-            == [a for a in lc["args"] if a.split("=")[0] not in differ])
+    assert [a for a in c["args"] if a.split("=")[0] not in differ] == [
+        a for a in lc["args"] if a.split("=")[0] not in differ
+    ]
 
 
 @needs_kubectl
@@ -681,7 +838,7 @@ def test_standby_command_line_is_a_valid_learner_config(tmp_path, monkeypatch):
 
 def _learner_config(args: list[str], seen: dict, token: pathlib.Path, monkeypatch):
     """The LearnerConfig `atoll learner args` builds in a container whose environment is `seen`."""
-    from learner.main import config_from_args
+    from atoll.learner.main import config_from_args
 
     with monkeypatch.context() as m:
         for name in [n for n in os.environ if n.startswith("ATOLL_")]:
@@ -711,12 +868,16 @@ def test_learner_command_line_is_a_valid_learner_config(overlay, tmp_path, monke
             base = int(env["ATOLL_LEARNER_INDEX_BASE"])
             assert seen["ATOLL_LEARNER_INDEX"] == str(base + index)
             cfg = _learner_config(args, seen, token, monkeypatch)
-            assert cfg.learner_index == base + index and cfg.num_learners == int(env["ATOLL_NUM_LEARNERS"])
+            assert cfg.learner_index == base + index and cfg.num_learners == int(
+                env["ATOLL_NUM_LEARNERS"]
+            )
             assert len(cfg.shards) == int(env["ATOLL_NUM_SHARDS"]) and "{i}" not in cfg.shards[0]
             assert cfg.learner_id == seen["ATOLL_LEARNER_ID"] and "$(" not in cfg.learner_id
             assert cfg.status_file.name == f"{cfg.learner_id}.status.jsonl"
             assert cfg.compile_cache is not None and cfg.token_file == token
-            assert cfg.checkpoint_dir == pathlib.Path(env["ATOLL_CHECKPOINT_DIR"]) and not cfg.standby
+            assert (
+                cfg.checkpoint_dir == pathlib.Path(env["ATOLL_CHECKPOINT_DIR"]) and not cfg.standby
+            )
             assert cfg.checkpoint_every == int(env["ATOLL_CHECKPOINT_EVERY"]) > 0
             ids.add(cfg.learner_id)
     assert len(ids) == sum(n for _, _, n in learner_workloads(objs)), "learner ids must be unique"
@@ -729,9 +890,14 @@ def test_learner_clusters_read_disjoint_data_shards():
     for overlay in TPU_OVERLAYS:
         objs = render(overlay)
         config = one(objs, "ConfigMap", "atoll-learner-config")["data"]
-        base, sizes = int(config["ATOLL_LEARNER_INDEX_BASE"]), sizes | {int(config["ATOLL_NUM_LEARNERS"])}
+        base, sizes = (
+            int(config["ATOLL_LEARNER_INDEX_BASE"]),
+            sizes | {int(config["ATOLL_NUM_LEARNERS"])},
+        )
         (jobset,) = find(objs, "JobSet")
-        ranges.append(range(base, base + sum(rj["replicas"] for rj in jobset["spec"]["replicatedJobs"])))
+        ranges.append(
+            range(base, base + sum(rj["replicas"] for rj in jobset["spec"]["replicatedJobs"]))
+        )
     (m,) = sizes
     seen = [i for r in ranges for i in r]
     assert len(seen) == len(set(seen)), f"overlapping learner indices {ranges}"
@@ -764,9 +930,16 @@ def test_tpu_jobset(overlay):
     assert job["parallelism"] == job["completions"] == hosts == 1, "a learner runs on one host"
     (c,) = pod["containers"]
     res = c["resources"]
-    assert res["requests"]["google.com/tpu"] == res["limits"]["google.com/tpu"] == str(chips_per_host)
-    assert env_of(c)["JAX_PLATFORMS"]["value"] == "tpu", "the CPU image must fail fast, not train on CPU"
-    assert job["template"]["metadata"]["labels"]["atoll.dev/region"] == jobset["metadata"]["labels"]["atoll.dev/region"]
+    assert (
+        res["requests"]["google.com/tpu"] == res["limits"]["google.com/tpu"] == str(chips_per_host)
+    )
+    assert env_of(c)["JAX_PLATFORMS"]["value"] == "tpu", (
+        "the CPU image must fail fast, not train on CPU"
+    )
+    assert (
+        job["template"]["metadata"]["labels"]["atoll.dev/region"]
+        == jobset["metadata"]["labels"]["atoll.dev/region"]
+    )
 
 
 @needs_kubectl
@@ -774,15 +947,17 @@ def test_tpu_jobset(overlay):
 def test_multi_host_tpu_jobset(overlay, tmp_path, monkeypatch):
     """One Job per slice, one pod per host, all under one learner id; each pod's command
     line, given what GKE sets on a multi-host slice, is a learner joining its slice."""
-    from learner.distributed import DistributedConfig
-    from learner.main import config_from_args
+    from atoll.learner.distributed import DistributedConfig
+    from atoll.learner.main import config_from_args
 
     accelerator, chips_per_host, hosts, single = MULTI_HOST_OVERLAYS[overlay]
     objs = render(overlay)
     (jobset,) = find(objs, "JobSet")
     (single_jobset,) = find(render(single), "JobSet")
     assert jobset["metadata"]["name"] != single_jobset["metadata"]["name"]
-    assert jobset["spec"]["network"]["enableDNSHostnames"] is True, "pods of a slice find each other by name"
+    assert jobset["spec"]["network"]["enableDNSHostnames"] is True, (
+        "pods of a slice find each other by name"
+    )
     (rj,) = jobset["spec"]["replicatedJobs"]
     job = rj["template"]["spec"]
     pod = job["template"]["spec"]
@@ -793,7 +968,9 @@ def test_multi_host_tpu_jobset(overlay, tmp_path, monkeypatch):
     assert job["completionMode"] == "Indexed"
     (c,) = pod["containers"]
     res = c["resources"]
-    assert res["requests"]["google.com/tpu"] == res["limits"]["google.com/tpu"] == str(chips_per_host)
+    assert (
+        res["requests"]["google.com/tpu"] == res["limits"]["google.com/tpu"] == str(chips_per_host)
+    )
     token = tmp_path / "token"
     token.write_text("0123456789abcdef" * 4 + "\n")
     env = container_env(c, objs, pod_fields(jobset, job["template"], 1))
@@ -809,7 +986,9 @@ def test_multi_host_tpu_jobset(overlay, tmp_path, monkeypatch):
         m.setenv("TPU_WORKER_HOSTNAMES", ",".join(f"h{i}" for i in range(hosts)))
         m.setenv("TPU_WORKER_ID", "1")
         cfg = config_from_args(atoll_parser().parse_args(args))
-    assert cfg.distributed == DistributedConfig(), "jax.distributed reads the slice from the TPU metadata"
+    assert cfg.distributed == DistributedConfig(), (
+        "jax.distributed reads the slice from the TPU metadata"
+    )
 
 
 def _pod_failure_rules(job_spec: dict) -> dict[str, dict]:
@@ -821,18 +1000,32 @@ def _pod_failure_rules(job_spec: dict) -> dict[str, dict]:
 def test_learner_failure_policy(overlay):
     """Exit 2 (a setting error) fails at once; preemption costs nothing; the rest restarts."""
     for owner, template, _ in learner_workloads(render(overlay)):
-        job = owner["spec"] if owner["kind"] == "Job" else owner["spec"]["replicatedJobs"][0]["template"]["spec"]
+        job = (
+            owner["spec"]
+            if owner["kind"] == "Job"
+            else owner["spec"]["replicatedJobs"][0]["template"]["spec"]
+        )
         rules = list(job["podFailurePolicy"]["rules"])
         by_action = _pod_failure_rules(job)
-        assert by_action["FailJob"]["onExitCodes"] == {"containerName": "learner", "operator": "In", "values": [2]}
-        assert by_action["Ignore"]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
-        assert rules.index(by_action["Ignore"]) < rules.index(by_action["FailJob"])  # a preempted pod is never a setting error
+        assert by_action["FailJob"]["onExitCodes"] == {
+            "containerName": "learner",
+            "operator": "In",
+            "values": [2],
+        }
+        assert by_action["Ignore"]["onPodConditions"] == [
+            {"type": "DisruptionTarget", "status": "True"}
+        ]
+        assert rules.index(by_action["Ignore"]) < rules.index(
+            by_action["FailJob"]
+        )  # a preempted pod is never a setting error
         assert template["spec"]["containers"][0]["name"] == "learner"
         if owner["kind"] == "JobSet":
             assert job["backoffLimit"] == 0  # a failed slice fails its Job; the JobSet recreates it
             policy = owner["spec"]["failurePolicy"]
             first, last = policy["rules"][0], policy["rules"][-1]
-            assert first["action"] == "FailJobSet" and first["onJobFailureReasons"] == ["PodFailurePolicy"]
+            assert first["action"] == "FailJobSet" and first["onJobFailureReasons"] == [
+                "PodFailurePolicy"
+            ]
             assert last["action"] == "RestartJob" and not last.get("onJobFailureReasons")
             assert policy["maxRestarts"] > 0
         else:
@@ -841,16 +1034,18 @@ def test_learner_failure_policy(overlay):
 
 @needs_kubectl
 def test_state_volume_is_owned_by_the_learner():
-    (_, template, _), = learner_workloads(render("learners-tpu-v5p"))
+    ((_, template, _),) = learner_workloads(render("learners-tpu-v5p"))
     (init,) = template["spec"]["initContainers"]
     uid = template["spec"]["securityContext"]["runAsUser"]
     assert init["command"] == ["chown", f"{uid}:{uid}", "/var/lib/atoll"]
     assert {m["mountPath"]: m["name"] for m in init["volumeMounts"]}["/var/lib/atoll"] == "state"
     # all-in-one keeps the state in the pod and asks for no claim it does not make.
     objs = render("all-in-one")
-    (_, template, _), = learner_workloads(objs)
+    ((_, template, _),) = learner_workloads(objs)
     volumes = {v["name"]: v for v in template["spec"]["volumes"]}
-    assert volumes["state"] == {"name": "state", "emptyDir": {}} and not find(objs, "PersistentVolumeClaim")
+    assert volumes["state"] == {"name": "state", "emptyDir": {}} and not find(
+        objs, "PersistentVolumeClaim"
+    )
 
 
 # -- components ---------------------------------------------------------------------
@@ -864,11 +1059,22 @@ def test_queue_and_capacity_components():
     pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert pod["nodeSelector"]["cloud.google.com/gke-spot"] == "true"
     assert pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu-v5p-slice"  # kept
-    assert {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true",
-            "effect": "NoSchedule"} in pod["tolerations"]
+    assert {
+        "key": "cloud.google.com/gke-spot",
+        "operator": "Equal",
+        "value": "true",
+        "effect": "NoSchedule",
+    } in pod["tolerations"]
     assert pod["terminationGracePeriodSeconds"] < 30  # inside Spot's notice
-    pod = find(render("learners-tpu-v6e", ("kueue", "flex-start")), "JobSet")[0]["spec"]["replicatedJobs"][0]
-    assert pod["template"]["spec"]["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-flex-start"] == "true"
+    pod = find(render("learners-tpu-v6e", ("kueue", "flex-start")), "JobSet")[0]["spec"][
+        "replicatedJobs"
+    ][0]
+    assert (
+        pod["template"]["spec"]["template"]["spec"]["nodeSelector"][
+            "cloud.google.com/gke-flex-start"
+        ]
+        == "true"
+    )
     (job,) = find(render("learners-cpu", ("kueue", "spot")), "Job")
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "atoll"
     assert job["spec"]["template"]["spec"]["nodeSelector"] == {"cloud.google.com/gke-spot": "true"}
@@ -881,9 +1087,12 @@ def _selects(selector: dict, labels: dict) -> bool:
     ok = selector.get("matchLabels", {}).items() <= labels.items()
     for e in selector.get("matchExpressions", []):
         present = e["key"] in labels
-        ok &= {"Exists": present, "DoesNotExist": not present,
-               "In": present and labels.get(e["key"]) in e.get("values", []),
-               "NotIn": labels.get(e["key"]) not in e.get("values", [])}[e["operator"]]
+        ok &= {
+            "Exists": present,
+            "DoesNotExist": not present,
+            "In": present and labels.get(e["key"]) in e.get("values", []),
+            "NotIn": labels.get(e["key"]) not in e.get("values", []),
+        }[e["operator"]]
     return ok
 
 
@@ -892,11 +1101,15 @@ def test_operator_component():
     objs = render("syncer", ("operator",))
     account = one(objs, "ServiceAccount", "atoll-operator")
     binding = one(objs, "RoleBinding", "atoll-operator")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
-                                    "namespace": NAMESPACE}]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
+    ]
     assert binding["roleRef"]["name"] == one(objs, "Role", "atoll-operator")["metadata"]["name"]
     jobs = {o["metadata"]["name"]: o for o in find(objs, "Job")}
-    assert set(jobs) == {"atoll-status", "atoll-chaos"} and jobs["atoll-chaos"]["spec"]["suspend"] is True
+    assert (
+        set(jobs) == {"atoll-status", "atoll-chaos"}
+        and jobs["atoll-chaos"]["spec"]["suspend"] is True
+    )
     syncer_labels = one(objs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
     policy = one(objs, "NetworkPolicy", "atoll-operator")
     assert _selects(policy["spec"]["podSelector"], syncer_labels)
@@ -906,14 +1119,24 @@ def test_operator_component():
         spec = job["spec"]["template"]["spec"]
         assert spec["serviceAccountName"] == "atoll-operator"
         labels = job["spec"]["template"]["metadata"]["labels"]
-        assert any(_selects(f["podSelector"], labels) for f in rule["from"]), "the policy must admit the Jobs"
+        assert any(_selects(f["podSelector"], labels) for f in rule["from"]), (
+            "the policy must admit the Jobs"
+        )
         (c,) = spec["containers"]
         env = container_env(c, objs, {"metadata.namespace": NAMESPACE})
         args = [k8s_expand(a, env) for a in c["args"]]
         parsed = atoll_parser().parse_args(args)  # every flag is a real one
         assert parsed.namespace == NAMESPACE
-    assert atoll_parser().parse_args([k8s_expand(a, {"POD_NAMESPACE": NAMESPACE}) for a in
-                                      jobs["atoll-chaos"]["spec"]["template"]["spec"]["containers"][0]["args"]]).kubernetes
+    assert (
+        atoll_parser()
+        .parse_args(
+            [
+                k8s_expand(a, {"POD_NAMESPACE": NAMESPACE})
+                for a in jobs["atoll-chaos"]["spec"]["template"]["spec"]["containers"][0]["args"]
+            ]
+        )
+        .kubernetes
+    )
 
 
 # -- monitoring ---------------------------------------------------------------------
@@ -926,19 +1149,34 @@ def test_monitors_select_pods_and_ports_that_exist(overlay):
         objs = render(overlay, (component,))
         templates = pod_templates(objs)
         for m in find(objs, "PodMonitoring"):
-            pods = [t for t in templates if _selects(m["spec"]["selector"], t["metadata"]["labels"])]
+            pods = [
+                t for t in templates if _selects(m["spec"]["selector"], t["metadata"]["labels"])
+            ]
             if overlay == "all-in-one" or "learner" in m["metadata"]["name"]:
                 assert pods, f"{component}: PodMonitoring {m['metadata']['name']} selects no pods"
             for t in pods:
                 ports = {p["name"] for c in t["spec"]["containers"] for p in c.get("ports", [])}
                 assert {e["port"] for e in m["spec"]["endpoints"]} <= ports
         for m in find(objs, "ServiceMonitor"):
-            services = [s for s in find(objs, "Service") if _selects(m["spec"]["selector"], s["metadata"]["labels"])]
-            assert len(services) <= 1, f"{m['metadata']['name']} scrapes pods through {len(services)} Services"
+            services = [
+                s
+                for s in find(objs, "Service")
+                if _selects(m["spec"]["selector"], s["metadata"]["labels"])
+            ]
+            assert len(services) <= 1, (
+                f"{m['metadata']['name']} scrapes pods through {len(services)} Services"
+            )
             for s in services:
-                assert {e["port"] for e in m["spec"]["endpoints"]} <= {p["name"] for p in s["spec"]["ports"]}
-                assert any(_selects({"matchLabels": s["spec"]["selector"]}, t["metadata"]["labels"])
-                           for t in templates) or overlay != "all-in-one"
+                assert {e["port"] for e in m["spec"]["endpoints"]} <= {
+                    p["name"] for p in s["spec"]["ports"]
+                }
+                assert (
+                    any(
+                        _selects({"matchLabels": s["spec"]["selector"]}, t["metadata"]["labels"])
+                        for t in templates
+                    )
+                    or overlay != "all-in-one"
+                )
             if overlay == "all-in-one":
                 assert services, f"ServiceMonitor {m['metadata']['name']} selects no Service"
 
@@ -949,11 +1187,15 @@ def test_gmp_collectors_may_scrape_the_shards():
     policy = one(objs, "NetworkPolicy", "atoll-gmp-collector")
     (rule,) = policy["spec"]["ingress"]
     assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
-    assert rule["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "gmp-system"}
+    assert rule["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "gmp-system"
+    }
 
 
 def _alert_groups(component: str) -> list[dict]:
-    (doc,) = [d for d in yaml.safe_load_all((K8S / "components" / component / "alerts.yaml").read_text())]
+    (doc,) = [
+        d for d in yaml.safe_load_all((K8S / "components" / component / "alerts.yaml").read_text())
+    ]
     return doc["spec"]["groups"]
 
 
@@ -962,26 +1204,48 @@ def test_alerts_are_the_same_for_both_monitoring_stacks():
 
 
 def test_alerts_read_metrics_atoll_exposes():
-    rules = {r["alert"]: r for g in _alert_groups("monitoring-prometheus-operator") for r in g["rules"]}
-    assert {"AtollShardNotServing", "AtollNoVersionProgress", "AtollRefusalsRising",
-            "AtollWalFsyncSlow"} <= set(rules)
+    rules = {
+        r["alert"]: r for g in _alert_groups("monitoring-prometheus-operator") for r in g["rules"]
+    }
+    assert {
+        "AtollShardNotServing",
+        "AtollNoVersionProgress",
+        "AtollRefusalsRising",
+        "AtollWalFsyncSlow",
+    } <= set(rules)
     known = exposed_metric_names() | {"up"}
     for name, rule in rules.items():
         unknown = promql_metric_names(rule["expr"]) - known
         assert not unknown, f"alert {name} reads unknown metrics {sorted(unknown)}"
-        assert re.fullmatch(r"\d+[smh]", rule["for"]) and rule["labels"]["severity"] in ("critical", "warning")
+        assert re.fullmatch(r"\d+[smh]", rule["for"]) and rule["labels"]["severity"] in (
+            "critical",
+            "warning",
+        )
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
     assert 'job="atoll-syncer"' in rules["AtollShardNotServing"]["expr"]
     # `job` is the PodMonitoring's name under GMP and the scraped Service's name under the operator.
     assert one(render("syncer", ("monitoring-gmp",)), "PodMonitoring", "atoll-syncer")
-    assert one(render("syncer", ("monitoring-prometheus-operator",)), "ServiceMonitor", "atoll-syncer")
+    assert one(
+        render("syncer", ("monitoring-prometheus-operator",)), "ServiceMonitor", "atoll-syncer"
+    )
     assert one(render("syncer"), "Service", "atoll-syncer")
 
 
 # -- the dashboard and the metrics it reads -------------------------------------------
 
-_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
-                 "unless", "offset"}
+_PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+}
 
 
 def promql_metric_names(expr: str) -> set[str]:
@@ -991,7 +1255,7 @@ def promql_metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
     names = set()
     for m in re.finditer(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr):
-        follows = expr[m.end():].lstrip()[:1]
+        follows = expr[m.end() :].lstrip()[:1]
         if m.group() not in _PROMQL_WORDS and follows != "(":
             names.add(m.group())
     return names
@@ -1002,37 +1266,54 @@ def test_promql_metric_names():
         'sum by (le) (rate(atoll_push_staleness_bucket{job="x"}[5m])) / count(up{a="b"})'
     ) == {"atoll_push_staleness_bucket", "up"}
     assert promql_metric_names("histogram_quantile(0.9, x_bucket)") == {"x_bucket"}
-    assert promql_metric_names("max by (f) (changes(v[15m])) == 0 and on () max(w) > 0") == {"v", "w"}
+    assert promql_metric_names("max by (f) (changes(v[15m])) == 0 and on () max(w) > 0") == {
+        "v",
+        "w",
+    }
 
 
 # Sample names Prometheus stores for each metric type (a labelled metric with no
 # children yet is exposed with HELP and TYPE only, no samples).
-_SAMPLE_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"),
-                    "summary": ("", "_sum", "_count"), "info": ("_info",)}
+_SAMPLE_SUFFIXES = {
+    "counter": ("_total",),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("", "_sum", "_count"),
+    "info": ("_info",),
+}
 
 
 def _families(registry_text: str) -> dict[str, object]:
-    return {f.name: f for f in prometheus_client.parser.text_string_to_metric_families(registry_text)}
+    return {
+        f.name: f for f in prometheus_client.parser.text_string_to_metric_families(registry_text)
+    }
 
 
 @functools.cache
 def exposed_metric_names() -> frozenset[str]:
     """Sample names a shard and a learner expose, as Prometheus stores them."""
-    from learner.loop import _Metrics
-    from server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
-    from server.service import ServingMetrics
+    from atoll.learner.loop import _Metrics
+    from atoll.server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
+    from atoll.server.service import ServingMetrics
 
-    shard = ShardMetrics(0, gauges=lambda: ScrapeGauges({0: FragmentGauges(1, 0, 1.0)}, 1, 0.0, 2.0))
+    shard = ShardMetrics(
+        0, gauges=lambda: ScrapeGauges({0: FragmentGauges(1, 0, 1.0)}, 1, 0.0, 2.0)
+    )
     ServingMetrics(shard.registry)
-    texts = [shard.text(), prometheus_client.generate_latest(_Metrics("learner-0").registry).decode()]
+    texts = [
+        shard.text(),
+        prometheus_client.generate_latest(_Metrics("learner-0").registry).decode(),
+    ]
     families = [f for text in texts for f in _families(text).values()]
-    return frozenset({s.name for f in families for s in f.samples}
-                     | {f.name + suffix for f in families for suffix in _SAMPLE_SUFFIXES[f.type]})
+    return frozenset(
+        {s.name for f in families for s in f.samples}
+        | {f.name + suffix for f in families for suffix in _SAMPLE_SUFFIXES[f.type]}
+    )
 
 
 def test_learner_totals_are_counters_and_up_says_provisioned():
     """Bytes, blocked time and tokens only grow: counters, so rate() works across restarts."""
-    from learner.loop import _Metrics, _observe
+    from atoll.learner.loop import _Metrics, _observe
 
     class Sync:
         stats = {"bytes_sent": 0, "bytes_received": 0, "blocked_seconds": 0.0}
@@ -1047,8 +1328,12 @@ def test_learner_totals_are_counters_and_up_says_provisioned():
         _observe(metrics, step, sync)
     families = _families(prometheus_client.generate_latest(metrics.registry).decode())
     value = {s.name: s.value for f in families.values() for s in f.samples}
-    for name, total in (("atoll_learner_sent_bytes", 1500), ("atoll_learner_received_bytes", 4000),
-                        ("atoll_learner_blocked_seconds", 0.75), ("atoll_learner_tokens", 1024)):
+    for name, total in (
+        ("atoll_learner_sent_bytes", 1500),
+        ("atoll_learner_received_bytes", 4000),
+        ("atoll_learner_blocked_seconds", 0.75),
+        ("atoll_learner_tokens", 1024),
+    ):
         assert families[name].type == "counter", name
         assert value[name + "_total"] == pytest.approx(total), name
     (up,) = families["atoll_learner_up"].samples
@@ -1059,10 +1344,19 @@ def test_learner_totals_are_counters_and_up_says_provisioned():
 def test_dashboard():
     dashboard = json.loads((K8S / "dashboards" / "atoll.json").read_text())
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert (
+        variables["datasource"]["type"] == "datasource"
+        and variables["datasource"]["query"] == "prometheus"
+    )
     exprs = {p["title"]: [t["expr"] for t in p["targets"]] for p in dashboard["panels"]}
-    for title in ("Goodput", "Fragment versions", "Push staleness", "Bytes", "Rounds closed per second",
-                  "Live learners"):
+    for title in (
+        "Goodput",
+        "Fragment versions",
+        "Push staleness",
+        "Bytes",
+        "Rounds closed per second",
+        "Live learners",
+    ):
         assert title in exprs, f"dashboard lacks {title!r}"
     for title in ("Goodput", "Goodput over time"):
         (goodput,) = exprs[title]
@@ -1070,14 +1364,19 @@ def test_dashboard():
         assert "atoll_accepted_compute_seconds_total" in numerator
         # Provisioned learners from the learners' own metric, by learner id (which outlives pods),
         # not from `up` and relabelled pod labels, which GMP does not have.
-        assert promql_metric_names(denominator) == {"atoll_learner_up"} and "by (learner)" in denominator
+        assert (
+            promql_metric_names(denominator) == {"atoll_learner_up"}
+            and "by (learner)" in denominator
+        )
     known = exposed_metric_names() | {"up"}  # up: Prometheus's own, per scrape target
     for p in dashboard["panels"]:
         assert p["datasource"]["uid"] == "${datasource}", p["title"]
         for t in p["targets"]:
             unknown = promql_metric_names(t["expr"]) - known
             assert not unknown, f"panel {p['title']!r} reads unknown metrics {sorted(unknown)}"
-            assert "app_kubernetes_io" not in t["expr"], f"panel {p['title']!r} relies on relabelled pod labels"
+            assert "app_kubernetes_io" not in t["expr"], (
+                f"panel {p['title']!r} relies on relabelled pod labels"
+            )
 
 
 # -- the image ----------------------------------------------------------------------
@@ -1122,15 +1421,28 @@ def test_dockerfile_installs_dependencies_before_sources():
         (source_copy,) = sources
         # Dependencies first, from pyproject.toml alone; the project itself last, without deps.
         assert steps[installs[-1]][1].startswith("/opt/atoll/bin/pip install --no-deps .")
-        assert installs[-1] > source_copy and all(i < source_copy for i in installs[:-1]) and installs[:-1]
+        assert (
+            installs[-1] > source_copy
+            and all(i < source_copy for i in installs[:-1])
+            and installs[:-1]
+        )
         copies_before = [rest for ins, rest in steps[:source_copy] if ins == "COPY"]
         assert copies_before == ["pyproject.toml ./"], copies_before
     tpu_deps = " ".join(rest for ins, rest in _chain(stages, "build-tpu") if ins == "RUN")
-    assert 'python -c "import libtpu"' in tpu_deps, "the TPU image must prove libtpu imports at build time"
-    assert "ARG" not in {ins for s in stages.values() for ins, _ in s}, "no build argument picks the accelerator"
+    assert 'python -c "import libtpu"' in tpu_deps, (
+        "the TPU image must prove libtpu imports at build time"
+    )
+    assert "ARG" not in {ins for s in stages.values() for ins, _ in s}, (
+        "no build argument picks the accelerator"
+    )
     sources = [rest for ins, rest in stages["sources"] if ins == "COPY"]
-    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    assert {f"{p} /src/{p}" for p in packages} <= set(sources)
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {
+        setuptools["package-dir"].get(p, p.replace(".", "/")).split("/")[0]
+        for p in setuptools["packages"]
+    }
+    assert folders == {"atoll", "server", "learner", "wire"}
+    assert {f"{f} /src/{f}" for f in folders} <= set(sources)
 
 
 def _python_one_liners() -> list[str]:
@@ -1144,16 +1456,23 @@ def test_dockerfile_requirements_come_from_pyproject(tmp_path):
     shutil.copy(REPO / "pyproject.toml", tmp_path)
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     (everything, tpu) = _python_one_liners()
-    out = [subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
-           for code in (everything, tpu)]
+    out = [
+        subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+        ).stdout
+        for code in (everything, tpu)
+    ]
     assert out[0].split() == deps
     (jax,) = [d for d in deps if d.startswith("jax==")]
     assert out[1].split() == [jax.replace("jax==", "jax[tpu]==")]
 
 
 def test_dockerignore_keeps_what_the_build_copies():
-    ignored = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")]
+    ignored = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     for needed in ("pyproject.toml", "setup.py", "README.md", "atoll", "server", "learner", "wire"):
         assert needed not in ignored
     assert {".git", ".venv", "tests", "k8s"} <= set(ignored)
@@ -1163,7 +1482,7 @@ def test_dockerignore_keeps_what_the_build_copies():
 
 
 def test_the_shipped_placeholder_token_is_refused(tmp_path):
-    from server.config import ConfigError, load_tokens
+    from atoll.server.config import ConfigError, load_tokens
 
     with pytest.raises(ConfigError, match="placeholder"):
         load_tokens(K8S / "base" / "common" / "token")
@@ -1172,7 +1491,9 @@ def test_the_shipped_placeholder_token_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="32"):
         load_tokens(short)
     good = tmp_path / "good"
-    good.write_text("# the run's token\n" + "0123456789abcdef" * 4 + "\nlearner-b " + "f" * 32 + "\n")
+    good.write_text(
+        "# the run's token\n" + "0123456789abcdef" * 4 + "\nlearner-b " + "f" * 32 + "\n"
+    )
     assert load_tokens(good) == {"0123456789abcdef" * 4: None, "f" * 32: "learner-b"}
 
 
@@ -1181,13 +1502,20 @@ def test_the_shipped_placeholder_token_is_refused(tmp_path):
 
 def test_docs_never_delete_the_namespace_or_an_overlay():
     """Deleting an overlay or the namespace deleted the shards' claims once; the docs delete by label."""
-    for doc in (REPO / "docs" / "kubernetes.md", REPO / "docs" / "operations.md", REPO / "README.md"):
+    for doc in (
+        REPO / "docs" / "kubernetes.md",
+        REPO / "docs" / "operations.md",
+        REPO / "README.md",
+    ):
         for line in doc.read_text().splitlines():
             if re.search(r"kubectl\b.*\bdelete\b", line):
-                assert not re.search(r"\bdelete\s+(-k|-f|--kustomize|--filename)\b", line), f"{doc.name}: {line}"
+                assert not re.search(r"\bdelete\s+(-k|-f|--kustomize|--filename)\b", line), (
+                    f"{doc.name}: {line}"
+                )
                 assert not re.search(r"\bdelete\s+(ns|namespaces?)\b", line), f"{doc.name}: {line}"
-                assert re.search(r"\s(-l|--selector)[\s=]", line) or re.search(r"\bdelete\s+\w+/\S+|delete\s+job\s", line), \
-                    f"{doc.name}: delete by label: {line}"
+                assert re.search(r"\s(-l|--selector)[\s=]", line) or re.search(
+                    r"\bdelete\s+\w+/\S+|delete\s+job\s", line
+                ), f"{doc.name}: delete by label: {line}"
 
 
 # -- the checks can fail ------------------------------------------------------------
@@ -1205,16 +1533,24 @@ def _jobset() -> dict:
 
 
 def _rules() -> dict:
-    return yaml.safe_load((K8S / "components" / "monitoring-prometheus-operator" / "alerts.yaml").read_text())
+    return yaml.safe_load(
+        (K8S / "components" / "monitoring-prometheus-operator" / "alerts.yaml").read_text()
+    )
 
 
 def _pod_monitoring() -> dict:
-    return next(yaml.safe_load_all((K8S / "components" / "monitoring-gmp" / "podmonitorings.yaml").read_text()))
+    return next(
+        yaml.safe_load_all(
+            (K8S / "components" / "monitoring-gmp" / "podmonitorings.yaml").read_text()
+        )
+    )
 
 
 def _container(obj: dict) -> dict:
     if obj["kind"] == "JobSet":
-        return obj["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+        return obj["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+            "containers"
+        ][0]
     return obj["spec"]["template"]["spec"]["containers"][0]
 
 
@@ -1243,8 +1579,11 @@ def _misspelled_container_field(o):
 
 
 def _misspelled_template_field(o):
-    spec = (o["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"] if o["kind"] == "JobSet"
-            else o["spec"]["template"]["spec"])
+    spec = (
+        o["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        if o["kind"] == "JobSet"
+        else o["spec"]["template"]["spec"]
+    )
     spec["nodeSelectr"] = spec.pop("nodeSelector", {"a": "b"})
 
 
@@ -1261,8 +1600,11 @@ def _unknown_failure_action(o):
 
 
 def _misspelled_pod_failure_policy(o):
-    o["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"][1]["onExitCode"] = \
-        o["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"][1].pop("onExitCodes")
+    o["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"][1][
+        "onExitCode"
+    ] = o["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"][1].pop(
+        "onExitCodes"
+    )
 
 
 def _misspelled_alert_field(o):
@@ -1274,16 +1616,26 @@ def _misspelled_endpoint_field(o):
     o["spec"]["endpoints"][0]["intervall"] = o["spec"]["endpoints"][0].pop("interval")
 
 
-BREAKAGES = [(_statefulset, _probe_port_as_string), (_statefulset, _misspelled_probe),
-             (_statefulset, _misspelled_template_field), (_jobset, _port_as_string),
-             (_jobset, _misspelled_container_field), (_jobset, _misspelled_template_field),
-             (_jobset, _misspelled_jobset_field), (_jobset, _replicas_as_string),
-             (_jobset, _unknown_failure_action), (_jobset, _misspelled_pod_failure_policy),
-             (_rules, _misspelled_alert_field), (_pod_monitoring, _misspelled_endpoint_field)]
+BREAKAGES = [
+    (_statefulset, _probe_port_as_string),
+    (_statefulset, _misspelled_probe),
+    (_statefulset, _misspelled_template_field),
+    (_jobset, _port_as_string),
+    (_jobset, _misspelled_container_field),
+    (_jobset, _misspelled_template_field),
+    (_jobset, _misspelled_jobset_field),
+    (_jobset, _replicas_as_string),
+    (_jobset, _unknown_failure_action),
+    (_jobset, _misspelled_pod_failure_policy),
+    (_rules, _misspelled_alert_field),
+    (_pod_monitoring, _misspelled_endpoint_field),
+]
 
 
 @pytest.mark.parametrize("kubernetes", KUBERNETES_VERSIONS)
-@pytest.mark.parametrize("make, breakage", BREAKAGES, ids=[f"{m.__name__[1:]}-{b.__name__[1:]}" for m, b in BREAKAGES])
+@pytest.mark.parametrize(
+    "make, breakage", BREAKAGES, ids=[f"{m.__name__[1:]}-{b.__name__[1:]}" for m, b in BREAKAGES]
+)
 def test_broken_manifest_is_rejected(make, breakage, kubernetes):
     obj = make()
     broken = copy.deepcopy(obj)
@@ -1294,6 +1646,11 @@ def test_broken_manifest_is_rejected(make, breakage, kubernetes):
 
 
 def test_unknown_kind_is_rejected():
-    probe = {"apiVersion": "monitoring.coreos.com/v1", "kind": "Probe", "metadata": {"name": "atoll"}, "spec": {}}
+    probe = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "Probe",
+        "metadata": {"name": "atoll"},
+        "spec": {},
+    }
     with pytest.raises(kubernetes_validate.SchemaNotFoundError):
         validate(probe, "1.37")

@@ -23,24 +23,40 @@ def run(capsys):
         except SystemExit as e:  # argparse's way out
             code = e.code
         return Result(code, capsys.readouterr().err)
+
     return go
 
 
-@pytest.mark.parametrize("args, message", [
-    ((), "--shards is required"),
-    (("--shards", "127.0.0.1:1", "--overlap", "16", "--period", "16"), "--overlap must be in [0, --period=16)"),
-    (("--shards", "atoll-{i}:7070"), "give --num-shards too"),
-    (("--shards", "nohost"), "must be HOST:PORT"),
-    (("--shards", "a:1,b:2", "--fragments", "1"), "--fragments (1) must be at least the number of shards (2)"),
-    (("--baseline", "--learner-index", "4", "--num-learners", "4"), "--learner-index must be in [0, 4)"),
-    (("--baseline", "--slowdown", "0.5"), "--slowdown must be >= 1"),
-    (("--baseline", "--metrics-port", "99999"), "--metrics-port must be in 1-65535"),
-    (("--baseline", "--metrics-port", "-1"), "--metrics-port must be in 1-65535"),
-    (("--shards", "127.0.0.1:99999"), "'127.0.0.1:99999': the port must be in 1-65535"),
-    (("--shards", "127.0.0.1:0"), "'127.0.0.1:0': the port must be in 1-65535"),
-    (("--shards", "127.0.0.1:7070,127.0.0.1:x"), "'127.0.0.1:x': the port must be in 1-65535"),
-    (("--shards", "atoll-{i}:70700", "--num-shards", "2"), "'atoll-0:70700': the port must be in 1-65535"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((), "--shards is required"),
+        (
+            ("--shards", "127.0.0.1:1", "--overlap", "16", "--period", "16"),
+            "--overlap must be in [0, --period=16)",
+        ),
+        (("--shards", "atoll-{i}:7070"), "give --num-shards too"),
+        (("--shards", "nohost"), "must be HOST:PORT"),
+        (
+            ("--shards", "a:1,b:2", "--fragments", "1"),
+            "--fragments (1) must be at least the number of shards (2)",
+        ),
+        (
+            ("--baseline", "--learner-index", "4", "--num-learners", "4"),
+            "--learner-index must be in [0, 4)",
+        ),
+        (("--baseline", "--slowdown", "0.5"), "--slowdown must be >= 1"),
+        (("--baseline", "--metrics-port", "99999"), "--metrics-port must be in 1-65535"),
+        (("--baseline", "--metrics-port", "-1"), "--metrics-port must be in 1-65535"),
+        (("--shards", "127.0.0.1:99999"), "'127.0.0.1:99999': the port must be in 1-65535"),
+        (("--shards", "127.0.0.1:0"), "'127.0.0.1:0': the port must be in 1-65535"),
+        (("--shards", "127.0.0.1:7070,127.0.0.1:x"), "'127.0.0.1:x': the port must be in 1-65535"),
+        (
+            ("--shards", "atoll-{i}:70700", "--num-shards", "2"),
+            "'atoll-0:70700': the port must be in 1-65535",
+        ),
+    ],
+)
 def test_bad_flags_are_refused_with_a_message(run, args, message):
     result = run(*args)
     assert result.returncode == 2
@@ -55,25 +71,45 @@ def test_missing_data_and_unknown_preset_are_readable_errors(run, tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr and "huge" in result.stderr
 
 
-@pytest.mark.parametrize("flags, wanted", [
-    (["--coordinator", "127.0.0.1:1234"], "go together"),
-    (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
-    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"], "--process-id must be in [0, 2)"),
-    (["--coordinator", "127.0.0.1:0", "--num-processes", "2", "--process-id", "0"], "1-65535"),
-])
+@pytest.mark.parametrize(
+    "flags, wanted",
+    [
+        (["--coordinator", "127.0.0.1:1234"], "go together"),
+        (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
+        (
+            ["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
+            "--process-id must be in [0, 2)",
+        ),
+        (["--coordinator", "127.0.0.1:0", "--num-processes", "2", "--process-id", "0"], "1-65535"),
+    ],
+)
 def test_bad_multi_process_flags_are_readable_errors(run, tmp_path, flags, wanted):
-    result = run("--shards", "127.0.0.1:1", "--steps", "1", "--status-file", str(tmp_path / "s.jsonl"), *flags)
+    result = run(
+        "--shards",
+        "127.0.0.1:1",
+        "--steps",
+        "1",
+        "--status-file",
+        str(tmp_path / "s.jsonl"),
+        *flags,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert wanted in result.stderr
     assert not (tmp_path / "s.jsonl").exists(), "it stopped before doing anything"
 
 
 def test_multi_process_setting_from_flags_then_environment_then_tpu_slice():
-    from learner.distributed import DistributedConfig, DistributedConfigError, config_from
+    from atoll.learner.distributed import DistributedConfig, DistributedConfigError, config_from
 
-    env = {"ATOLL_COORDINATOR": "learner-0.atoll:8476", "ATOLL_NUM_PROCESSES": "4", "ATOLL_PROCESS_ID": "3"}
+    env = {
+        "ATOLL_COORDINATOR": "learner-0.atoll:8476",
+        "ATOLL_NUM_PROCESSES": "4",
+        "ATOLL_PROCESS_ID": "3",
+    }
     assert config_from(None, None, None, env) == DistributedConfig("learner-0.atoll:8476", 4, 3)
-    assert config_from("10.0.0.1:9", 2, 1, env) == DistributedConfig("10.0.0.1:9", 2, 1), "flags win"
+    assert config_from("10.0.0.1:9", 2, 1, env) == DistributedConfig("10.0.0.1:9", 2, 1), (
+        "flags win"
+    )
     assert config_from("10.0.0.1:9", 1, 0, {}) is None, "one process: nothing to join"
     assert config_from(None, None, None, {}) is None
     assert config_from(None, None, None, {"TPU_WORKER_HOSTNAMES": "slice-0-0.atoll"}) is None

@@ -7,14 +7,18 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.config import ShardConfig
-from server.shard import PRUNE_AFTER_LEASES, Shard
-from wire import codec
+from atoll.server.config import ShardConfig
+from atoll.server.shard import PRUNE_AFTER_LEASES, Shard
+from atoll.wire import codec
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 40_000), c=st.sampled_from(list(codec.Codec)), seed=st.integers(0, 2**32 - 1),
-       level=st.sampled_from([None, 1, 19]))
+@given(
+    n=st.integers(1, 40_000),
+    c=st.sampled_from(list(codec.Codec)),
+    seed=st.integers(0, 2**32 - 1),
+    level=st.sampled_from([None, 1, 19]),
+)
 def test_no_frame_outgrows_max_frame_bytes(n, c, seed, level):
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-30, 30)).astype(np.float32)
@@ -26,8 +30,10 @@ def test_no_frame_outgrows_max_frame_bytes(n, c, seed, level):
 
 def test_a_learner_silent_for_ten_leases_is_forgotten(tmp_path):
     now = [1000.0]
-    shard = Shard(ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path, lease_seconds=2.0),
-                  clock=lambda: now[0])
+    shard = Shard(
+        ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path, lease_seconds=2.0),
+        clock=lambda: now[0],
+    )
     shard.recover()
     shard.touch("gone")
     shard.touch("here")

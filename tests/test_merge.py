@@ -4,10 +4,18 @@ import numpy as np
 import optax
 import pytest
 
-from server.merge import (RoundAccumulator, RoundState, Segments, add_scaled, delayed_nesterov, outer_optimizer,
-                          outer_step, segment_norms)
-from wire import codec
-from wire.plan import FragmentPlan, TensorSpec
+from atoll.server.merge import (
+    RoundAccumulator,
+    RoundState,
+    Segments,
+    add_scaled,
+    delayed_nesterov,
+    outer_optimizer,
+    outer_step,
+    segment_norms,
+)
+from atoll.wire import codec
+from atoll.wire.plan import FragmentPlan, TensorSpec
 
 
 def rand_deltas(rng, m, n, scale=1.0):
@@ -29,8 +37,12 @@ def weighted_avg(deltas, weights):
 
 
 def test_segments_from_plan_follow_layout_and_embedding_flags():
-    specs = [TensorSpec("embed/table", (50, 4)), TensorSpec("blocks/0/w", (4, 4)),
-             TensorSpec("blocks/0/b", (4,)), TensorSpec("head/w", (4, 3))]
+    specs = [
+        TensorSpec("embed/table", (50, 4)),
+        TensorSpec("blocks/0/w", (4, 4)),
+        TensorSpec("blocks/0/b", (4,)),
+        TensorSpec("head/w", (4, 3)),
+    ]
     plan = FragmentPlan.build(specs, 2)
     for p in range(2):
         seg, slots = Segments.from_plan(plan, p), plan.tensors_of(p)
@@ -74,8 +86,9 @@ def test_rda_of_identical_deltas_is_that_delta():
     rng = np.random.default_rng(1)
     seg = Segments.from_sizes([100, 7, 1000])
     d = rand_deltas(rng, 1, seg.size, scale=0.01)[0]
-    np.testing.assert_allclose(merged(seg, [d] * 5, [1.0, 2.0, 0.5, 3.0, 1.0]), d,
-                               rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(
+        merged(seg, [d] * 5, [1.0, 2.0, 0.5, 3.0, 1.0]), d, rtol=1e-5, atol=1e-9
+    )
 
 
 def test_single_contribution_returns_it():
@@ -101,8 +114,9 @@ def test_rda_false_is_the_weighted_average_everywhere():
     rng = np.random.default_rng(4)
     seg = Segments.from_sizes([400, 100, 250], embedding=[False, True, False])
     deltas, weights = rand_deltas(rng, 5, seg.size), [1.0, 3.0, 2.0, 0.25, 7.0]
-    np.testing.assert_allclose(merged(seg, deltas, weights, rda=False),
-                               weighted_avg(deltas, weights), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        merged(seg, deltas, weights, rda=False), weighted_avg(deltas, weights), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("rda", [True, False])
@@ -143,10 +157,14 @@ def test_bad_input_is_refused_and_changes_nothing():
     acc = RoundAccumulator(seg)
     acc.add(np.ones(5, np.float32), 2.0)
     before = acc.state()
-    for delta, w in [(np.ones(4, np.float32), 1.0), (np.ones(5, np.float64), 1.0),
-                     (np.ones(5, np.float32), 0.0), (np.ones(5, np.float32), float("nan")),
-                     (np.array([1, np.nan, 1, 1, 1], np.float32), 1.0),
-                     (np.array([1, 1, 1, 1, np.inf], np.float32), 1.0)]:
+    for delta, w in [
+        (np.ones(4, np.float32), 1.0),
+        (np.ones(5, np.float64), 1.0),
+        (np.ones(5, np.float32), 0.0),
+        (np.ones(5, np.float32), float("nan")),
+        (np.array([1, np.nan, 1, 1, 1], np.float32), 1.0),
+        (np.array([1, 1, 1, 1, np.inf], np.float32), 1.0),
+    ]:
         with pytest.raises(ValueError):
             acc.add(delta, w)
     after = acc.state()
@@ -176,8 +194,10 @@ def _round(seg, deltas, weights, snapshot_at=None):
     acc = RoundAccumulator(seg)
     for i, (d, w) in enumerate(zip(deltas, weights)):
         if i == snapshot_at:  # through plain arrays and back, as a shard snapshot would
-            acc = RoundAccumulator.from_state(RoundState(*[np.array(x) if isinstance(
-                x, np.ndarray) else x for x in acc.state()]), seg)
+            acc = RoundAccumulator.from_state(
+                RoundState(*[np.array(x) if isinstance(x, np.ndarray) else x for x in acc.state()]),
+                seg,
+            )
         acc.add(d.copy(), w)
     return acc.result()
 
@@ -201,19 +221,24 @@ def test_from_state_refuses_another_layout():
 
 
 def _same_state(a: RoundAccumulator, b: RoundAccumulator) -> bool:
-    return all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(a.state(), b.state()))
+    return all(
+        np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(a.state(), b.state())
+    )
 
 
 # Tensors that ignore 32-value blocks and the codec's chunks (2^18 values), embeddings among them.
-WIDE = Segments.from_sizes([70_000, 3, 300_001, 999, 160_000, 33],
-                           embedding=[False, False, True, False, False, True])
+WIDE = Segments.from_sizes(
+    [70_000, 3, 300_001, 999, 160_000, 33], embedding=[False, False, True, False, False, True]
+)
 
 
 def _pushes(seg, seed=11):
     rng = np.random.default_rng(seed)
     scales = 10.0 ** rng.uniform(-4, 1, (4, len(seg)))
-    deltas = [(rng.standard_normal(seg.size) * np.repeat(s, seg.ends - seg.offsets)).astype(np.float32)
-              for s in scales]
+    deltas = [
+        (rng.standard_normal(seg.size) * np.repeat(s, seg.ends - seg.offsets)).astype(np.float32)
+        for s in scales
+    ]
     codecs = [codec.Codec.INT4, codec.Codec.MXFP4, codec.Codec.FP32, codec.Codec.INT4]
     return [codec.encode(d, c) for d, c in zip(deltas, codecs)], [1.0, 3.5, 0.25, 2.0]
 
@@ -226,14 +251,19 @@ def test_add_frame_is_bit_identical_to_add_of_the_decoded_frame(rda):
         states = []
         for threads in (1, 2, 3):
             codec.set_threads(threads)
-            from_frames, from_values = RoundAccumulator(WIDE, rda=rda), RoundAccumulator(WIDE, rda=rda)
+            from_frames, from_values = (
+                RoundAccumulator(WIDE, rda=rda),
+                RoundAccumulator(WIDE, rda=rda),
+            )
             for f, w in zip(frames, weights):
                 from_frames.add_frame(f, w, codec.frame_info(f).codec)
                 from_values.add(codec.decode(f), w)
                 assert _same_state(from_frames, from_values)
             assert from_frames.result().tobytes() == from_values.result().tobytes()
             states.append(from_frames)
-        assert _same_state(states[0], states[1]) and _same_state(states[0], states[2])  # any thread count
+        assert _same_state(states[0], states[1]) and _same_state(
+            states[0], states[2]
+        )  # any thread count
     finally:
         codec.set_threads(old)
 
@@ -273,11 +303,13 @@ def test_add_frame_refuses_bad_frames_and_changes_nothing():
     huge[5] = 3e38  # an embedding: 2 · 3e38 overflows float32
     good = codec.encode(np.ones(340, np.float32))
     for frame, w, c, match in [
-            (codec.encode(np.ones(341, np.float32)), 1.0, None, "341 values; expected 340"),
-            (good, 1.0, codec.Codec.MXFP4, "expected MXFP4"),
-            (good[:-3], 1.0, None, "truncated|corrupt"),
-            (good, 0.0, None, "weight"), (good, float("inf"), None, "weight"),
-            (codec.encode(huge), 2.0, None, "overflow")]:
+        (codec.encode(np.ones(341, np.float32)), 1.0, None, "341 values; expected 340"),
+        (good, 1.0, codec.Codec.MXFP4, "expected MXFP4"),
+        (good[:-3], 1.0, None, "truncated|corrupt"),
+        (good, 0.0, None, "weight"),
+        (good, float("inf"), None, "weight"),
+        (codec.encode(huge), 2.0, None, "overflow"),
+    ]:
         with pytest.raises(ValueError, match=match):
             acc.add_frame(frame, w, c)
     with pytest.raises(ValueError, match="overflow"):
@@ -321,8 +353,9 @@ def test_zero_momentum_step_moves_against_the_outer_gradient():
     assert new.dtype == np.float32 and isinstance(new, np.ndarray)
     np.testing.assert_allclose(new, theta - 0.7 * delta, rtol=1e-6, atol=1e-6)
     opt1 = outer_optimizer(lr=1.0, momentum=0.0)  # lr 1, one learner: adopt its params
-    np.testing.assert_allclose(outer_step(theta, opt1.init(theta), delta, opt1)[0], learner,
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        outer_step(theta, opt1.init(theta), delta, opt1)[0], learner, rtol=1e-6, atol=1e-6
+    )
 
 
 def test_nesterov_matches_a_hand_written_reference():
@@ -370,7 +403,7 @@ def test_delayed_nesterov_matches_a_hand_written_reference():
             step = step + mu * m
         ref = ref - lr * step
         np.testing.assert_allclose(theta, ref, rtol=1e-5, atol=1e-5)
-        assert int(state.count) == r % delay
+        assert int(state.rounds) == r % delay
 
 
 def test_outer_optimizer_refuses_a_delay_below_one():

@@ -7,9 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from learner.model import (PRESETS, ModelConfig, ModelConfigError, forward, init_params,
-                           loss_fn, preset)
-from wire.plan import FragmentPlan, named_leaves
+from atoll.learner.model import (
+    PRESETS,
+    ModelConfig,
+    ModelConfigError,
+    forward,
+    init_params,
+    loss_fn,
+    preset,
+)
+from atoll.wire.plan import FragmentPlan, named_leaves
 
 TINY = PRESETS["tiny"]
 
@@ -60,7 +67,7 @@ def test_initial_loss_is_near_uniform(params):
 def test_init_is_deterministic_and_accepts_jax_keys():
     a, b = init_params(TINY, 3), init_params(TINY, jax.random.key(3))
     c, d = init_params(TINY, jax.random.PRNGKey(3)), init_params(TINY, 4)
-    for x, y, z, w in zip(*(jax.tree.leaves(t) for t in (a, b, c, d))):
+    for x, y, z, _w in zip(*(jax.tree.leaves(t) for t in (a, b, c, d))):
         np.testing.assert_array_equal(x, y)
         np.testing.assert_array_equal(x, z)
     assert not np.array_equal(a["head"]["w"], d["head"]["w"])
@@ -73,8 +80,9 @@ def test_fragment_plan_round_trip(params, P):
     vectors = plan.flatten(params)
     tree = plan.unflatten(vectors)
     assert jax.tree.structure(tree) == jax.tree.structure(params)
-    for (name, x), (_, y) in zip(sorted(named_leaves(params).items()),
-                                 sorted(named_leaves(tree).items())):
+    for (name, x), (_, y) in zip(
+        sorted(named_leaves(params).items()), sorted(named_leaves(tree).items())
+    ):
         np.testing.assert_array_equal(x, y, err_msg=name)
     # The merge rules the syncer reads from the names: only the token table averages.
     embeddings = {s.name for s in plan.slots if s.spec.embedding}
@@ -95,7 +103,7 @@ GOLDEN = {"init_loss": 5.555826187133789, "one_step_loss": 5.158759117126465}
 
 
 def test_golden_one_step_loss(params):
-    from learner.train import TrainConfig, make_optimizer
+    from atoll.learner.train import TrainConfig, make_optimizer
 
     opt = make_optimizer(TrainConfig(peak_lr=1e-2, warmup_steps=0, total_steps=100))
     batch = jnp.asarray(fixed_batch(TINY), jnp.int32)
@@ -111,19 +119,23 @@ def test_golden_one_step_loss(params):
     for k in GOLDEN:
         assert got[k] == pytest.approx(GOLDEN[k], rel=1e-4), (
             f"golden {k} moved: got {got}. Changed model init/architecture on purpose? "
-            f"update GOLDEN in tests/test_model.py")
+            f"update GOLDEN in tests/test_model.py"
+        )
     assert one_step_loss < init_loss
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(d_model=30, n_heads=4), "not a multiple of n_heads"),
-    (dict(d_model=36, n_heads=12), "must be even"),
-    (dict(vocab=1), "vocab must be at least 2"),
-    (dict(n_layers=0), "n_layers must be an int >= 1"),
-    (dict(context=2.5), "context must be an int"),
-    (dict(compute_dtype="float16"), "compute_dtype must be one of"),
-    (dict(init_std=0.0), "init_std must be > 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(d_model=30, n_heads=4), "not a multiple of n_heads"),
+        (dict(d_model=36, n_heads=12), "must be even"),
+        (dict(vocab=1), "vocab must be at least 2"),
+        (dict(n_layers=0), "n_layers must be an int >= 1"),
+        (dict(context=2.5), "context must be an int"),
+        (dict(compute_dtype="float16"), "compute_dtype must be one of"),
+        (dict(init_std=0.0), "init_std must be > 0"),
+    ],
+)
 def test_config_validation_says_how_to_fix(kwargs, match):
     with pytest.raises(ModelConfigError, match=match):
         ModelConfig(**kwargs)

@@ -9,10 +9,11 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from wire.plan import FragmentPlan, Slot, TensorSpec, named_leaves
+from atoll.wire.plan import FragmentPlan, Slot, TensorSpec, named_leaves
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,9 +23,16 @@ def transformer_specs(d, layers, vocab, tied):
     out = [TensorSpec("embed/table", (vocab, d))]
     if not tied:
         out.append(TensorSpec("unembed/w", (d, vocab)))
-    per_layer = [("attn/wq", (d, d)), ("attn/wk", (d, d)), ("attn/wv", (d, d)),
-                 ("attn/wo", (d, d)), ("mlp/w1", (d, 4 * d)), ("mlp/w2", (4 * d, d)),
-                 ("ln1/scale", (d,)), ("ln2/scale", (d,))]
+    per_layer = [
+        ("attn/wq", (d, d)),
+        ("attn/wk", (d, d)),
+        ("attn/wv", (d, d)),
+        ("attn/wo", (d, d)),
+        ("mlp/w1", (d, 4 * d)),
+        ("mlp/w2", (4 * d, d)),
+        ("ln1/scale", (d,)),
+        ("ln2/scale", (d,)),
+    ]
     for i in range(layers):
         out += [TensorSpec(f"blocks/{i}/{n}", shape) for n, shape in per_layer]
     out.append(TensorSpec("final_norm/scale", (d,)))
@@ -50,11 +58,17 @@ def shape_tree(specs):
 
 def small_tree(seed=0):
     rng = np.random.default_rng(seed)
-    return {"embed": rng.standard_normal((11, 4)).astype(np.float32),
-            "blocks": {str(i): {"w": rng.standard_normal((4, 4)).astype(np.float32),
-                                "b": rng.standard_normal(4).astype(np.float32)}
-                       for i in range(3)},
-            "head": {"w": rng.standard_normal((4, 11)).astype(np.float32)}}
+    return {
+        "embed": rng.standard_normal((11, 4)).astype(np.float32),
+        "blocks": {
+            str(i): {
+                "w": rng.standard_normal((4, 4)).astype(np.float32),
+                "b": rng.standard_normal(4).astype(np.float32),
+            }
+            for i in range(3)
+        },
+        "head": {"w": rng.standard_normal((4, 11)).astype(np.float32)},
+    }
 
 
 # -- balance -----------------------------------------------------------------------
@@ -63,8 +77,8 @@ def small_tree(seed=0):
 def test_balance_on_transformer_trees():
     checked = 0
     for d, layers, vocab, tied in itertools.product(
-            [256, 512, 768, 1024, 2048], [4, 12, 24], [256, 8192, 32000, 50257],
-            [True, False]):
+        [256, 512, 768, 1024, 2048], [4, 12, 24], [256, 8192, 32000, 50257], [True, False]
+    ):
         specs = transformer_specs(d, layers, vocab, tied)
         total, largest = sum(s.size for s in specs), max(s.size for s in specs)
         # Balance is achievable only while the largest tensor fits in a mean fragment.
@@ -74,7 +88,8 @@ def test_balance_on_transformer_trees():
             assert plan.num_params == total
             assert max(plan.fragment_sizes) <= 4 / 3 * mean, (
                 f"d={d} L={layers} V={vocab} tied={tied} P={P}: "
-                f"sizes {plan.fragment_sizes}, mean {mean:.0f}")
+                f"sizes {plan.fragment_sizes}, mean {mean:.0f}"
+            )
             checked += 1
     assert checked > 1000  # the sweep really swept
 
@@ -85,8 +100,7 @@ def test_tree_and_specs_give_same_plan():
 
 
 def test_greedy_rule_on_a_known_case():
-    specs = [TensorSpec(n, (k,)) for n, k in [("a", 5), ("b", 4), ("c", 3), ("d", 3),
-                                              ("e", 3)]]
+    specs = [TensorSpec(n, (k,)) for n, k in [("a", 5), ("b", 4), ("c", 3), ("d", 3), ("e", 3)]]
     plan = FragmentPlan.build(specs, 2)
     # a -> 0 (loads 5, 0); b -> 1 (5, 4); c -> 1 (5, 7); d -> 0 (8, 7); e -> 1 (8, 10).
     assert [plan.fragment_of(n) for n in "abcde"] == [0, 1, 1, 0, 1]
@@ -116,14 +130,23 @@ def test_same_plan_from_shuffled_input():
 
 
 def test_fingerprint_stable_across_processes():
-    code = ("import sys; sys.path.insert(0, sys.argv[1]);"
-            "from tests.test_plan import transformer_specs, shape_tree;"
-            "from wire.plan import FragmentPlan;"
-            "print(FragmentPlan.build(shape_tree(transformer_specs(256, 4, 1000, False)),"
-            " 5).fingerprint)")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]);"
+        "from tests.test_plan import transformer_specs, shape_tree;"
+        "from wire.plan import FragmentPlan;"
+        "print(FragmentPlan.build(shape_tree(transformer_specs(256, 4, 1000, False)),"
+        " 5).fingerprint)"
+    )
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    out = subprocess.run([sys.executable, "-c", code, REPO], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, REPO],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     here = FragmentPlan.build(transformer_specs(256, 4, 1000, False), 5).fingerprint
     assert out.stdout.strip() == here
     assert len(here) == 16 and int(here, 16) >= 0
@@ -135,8 +158,7 @@ def test_fingerprint_changes_with_every_ingredient():
     changed = {
         "shape": FragmentPlan.build({**base, "w": np.zeros((4, 5))}, 2),
         "transposed": FragmentPlan.build({**base, "v": np.zeros((2, 4))}, 2),
-        "name": FragmentPlan.build({"embed": base["embed"], "x": base["w"],
-                                    "v": base["v"]}, 2),
+        "name": FragmentPlan.build({"embed": base["embed"], "x": base["w"], "v": base["v"]}, 2),
         "P": FragmentPlan.build(base, 3),
         "embedding": FragmentPlan.build(base, 2, is_embedding=lambda n: False),
     }
@@ -152,11 +174,17 @@ def test_fingerprint_changes_with_every_ingredient():
 
 
 def test_default_and_custom_embedding_rule():
-    tree = {"tok_embed": np.zeros((5, 2)), "embed": {"table": np.zeros((5, 2))},
-            "head": np.zeros((2, 5))}
+    tree = {
+        "tok_embed": np.zeros((5, 2)),
+        "embed": {"table": np.zeros((5, 2))},
+        "head": np.zeros((2, 5)),
+    }
     plan = FragmentPlan.build(tree, 1)
     assert {s.name: s.spec.embedding for s in plan.slots} == {
-        "embed/table": True, "head": False, "tok_embed": True}
+        "embed/table": True,
+        "head": False,
+        "tok_embed": True,
+    }
     plan = FragmentPlan.build(tree, 1, is_embedding=lambda n: n == "head")
     assert [s.name for s in plan.slots if s.spec.embedding] == ["head"]
 
@@ -164,10 +192,14 @@ def test_default_and_custom_embedding_rule():
 # -- flat vectors --------------------------------------------------------------------
 
 keys = st.text(alphabet="abcxyz_0123", min_size=1, max_size=3)
-leaves = hnp.arrays(np.float32, hnp.array_shapes(min_dims=0, max_dims=3, max_side=4),
-                    elements=st.floats(width=32, allow_nan=True, allow_infinity=True))
-trees = st.recursive(leaves, lambda kids: st.dictionaries(keys, kids, min_size=1,
-                                                          max_size=4), max_leaves=12)
+leaves = hnp.arrays(
+    np.float32,
+    hnp.array_shapes(min_dims=0, max_dims=3, max_side=4),
+    elements=st.floats(width=32, allow_nan=True, allow_infinity=True),
+)
+trees = st.recursive(
+    leaves, lambda kids: st.dictionaries(keys, kids, min_size=1, max_size=4), max_leaves=12
+)
 dict_trees = st.dictionaries(keys, trees, min_size=1, max_size=4)
 
 
@@ -187,8 +219,9 @@ def test_flatten_unflatten_bit_exact(tree, data):
         assert back[name].shape == arr.shape and back[name].dtype == np.float32
         assert np.array_equal(back[name].view(np.uint32), arr.view(np.uint32)), name
     for p in range(P):
-        assert np.array_equal(plan.flatten_fragment(tree, p).view(np.uint32),
-                              vectors[p].view(np.uint32))
+        assert np.array_equal(
+            plan.flatten_fragment(tree, p).view(np.uint32), vectors[p].view(np.uint32)
+        )
         part = plan.unflatten_fragment(p, vectors[p])
         assert set(part) == {s.name for s in plan.tensors_of(p)}
 
@@ -212,8 +245,7 @@ def test_every_parameter_in_exactly_one_fragment(tree, data):
     # Each scalar lands in exactly one place: number positions and read them back.
     numbered, start = {}, 0
     for name, arr in names.items():
-        numbered[name] = np.arange(start, start + arr.size, dtype=np.float32).reshape(
-            arr.shape)
+        numbered[name] = np.arange(start, start + arr.size, dtype=np.float32).reshape(arr.shape)
         start += arr.size
     flat = np.concatenate(plan.flatten(nest(numbered)))
     assert plan.num_params == start
@@ -296,21 +328,27 @@ def test_shard_argument_refusals():
 # -- build refusals ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tree_or_specs, P, message", [
-    ({"a": np.zeros(2)}, 0, "num_fragments=0: need an int >= 1"),
-    ({"a": np.zeros(2)}, 1.5, "num_fragments=1.5"),
-    ({"a": np.zeros(2), "b": np.zeros(3)}, 3,
-     "num_fragments=3 but only 2 tensors: a fragment would be empty"),
-    ({}, 1, "empty parameter tree"),
-    ({"a": {}}, 1, "empty parameter tree"),
-    ({"a": np.zeros((2, 0))}, 1, r"shape \(2, 0\) has a zero or negative dim"),
-    ([TensorSpec("a", (2,)), TensorSpec("a", (3,))], 1, "duplicate tensor name 'a'"),
-    ([TensorSpec("a", (2,)), TensorSpec("a/b", (3,))], 1, "'a/b' nests under tensor 'a'"),
-    ({"a/b": np.zeros(2)}, 1, "key 'a/b'.*without '/'"),
-    ({"x": {3: np.zeros(2)}}, 1, "key 3 under 'x'"),
-    ({"x": {"": np.zeros(2)}}, 1, "key '' under 'x'"),
-    (["not a spec"], 1, "nested mapping or TensorSpecs"),
-])
+@pytest.mark.parametrize(
+    "tree_or_specs, P, message",
+    [
+        ({"a": np.zeros(2)}, 0, "num_fragments=0: need an int >= 1"),
+        ({"a": np.zeros(2)}, 1.5, "num_fragments=1.5"),
+        (
+            {"a": np.zeros(2), "b": np.zeros(3)},
+            3,
+            "num_fragments=3 but only 2 tensors: a fragment would be empty",
+        ),
+        ({}, 1, "empty parameter tree"),
+        ({"a": {}}, 1, "empty parameter tree"),
+        ({"a": np.zeros((2, 0))}, 1, r"shape \(2, 0\) has a zero or negative dim"),
+        ([TensorSpec("a", (2,)), TensorSpec("a", (3,))], 1, "duplicate tensor name 'a'"),
+        ([TensorSpec("a", (2,)), TensorSpec("a/b", (3,))], 1, "'a/b' nests under tensor 'a'"),
+        ({"a/b": np.zeros(2)}, 1, "key 'a/b'.*without '/'"),
+        ({"x": {3: np.zeros(2)}}, 1, "key 3 under 'x'"),
+        ({"x": {"": np.zeros(2)}}, 1, "key '' under 'x'"),
+        (["not a spec"], 1, "nested mapping or TensorSpecs"),
+    ],
+)
 def test_build_refusals(tree_or_specs, P, message):
     with pytest.raises(ValueError, match=message):
         FragmentPlan.build(tree_or_specs, P)
@@ -350,23 +388,28 @@ def _swap_fragments(doc):
     a["fragment"], b["fragment"] = b["fragment"], a["fragment"]
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d["tensors"][0].update(shape=[7, 7]), "offset|fingerprint mismatch"),
-    (lambda d: d["tensors"][0].update(embedding=not d["tensors"][0]["embedding"]),
-     "fingerprint mismatch"),
-    (lambda d: d["tensors"][0].update(name="zzz"), "offset|fingerprint mismatch"),
-    (lambda d: d.update(fingerprint="0" * 16), "fingerprint mismatch"),
-    (lambda d: d.update(num_fragments=7), "fragment 3 has no tensors"),
-    (lambda d: d.update(format="other"), "format 'other'"),
-    (lambda d: d.pop("tensors"), "malformed"),
-    (lambda d: d["tensors"][0].pop("offset"), "malformed"),
-    (lambda d: d["tensors"][0].update(offset=1), "offset 1, layout says 0"),
-    (lambda d: d["tensors"][0].update(fragment=99), r"fragment 99 not in \[0, 3\)"),
-    (lambda d: d["tensors"][0].update(fragment="0"), "must be ints"),
-    (lambda d: d["tensors"][0].update(shape=[2, 0]), "zero or negative"),
-    (lambda d: d["tensors"].append(dict(d["tensors"][0])), "duplicate tensor name"),
-    (_swap_fragments, "offset|fingerprint mismatch"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d["tensors"][0].update(shape=[7, 7]), "offset|fingerprint mismatch"),
+        (
+            lambda d: d["tensors"][0].update(embedding=not d["tensors"][0]["embedding"]),
+            "fingerprint mismatch",
+        ),
+        (lambda d: d["tensors"][0].update(name="zzz"), "offset|fingerprint mismatch"),
+        (lambda d: d.update(fingerprint="0" * 16), "fingerprint mismatch"),
+        (lambda d: d.update(num_fragments=7), "fragment 3 has no tensors"),
+        (lambda d: d.update(format="other"), "format 'other'"),
+        (lambda d: d.pop("tensors"), "malformed"),
+        (lambda d: d["tensors"][0].pop("offset"), "malformed"),
+        (lambda d: d["tensors"][0].update(offset=1), "offset 1, layout says 0"),
+        (lambda d: d["tensors"][0].update(fragment=99), r"fragment 99 not in \[0, 3\)"),
+        (lambda d: d["tensors"][0].update(fragment="0"), "must be ints"),
+        (lambda d: d["tensors"][0].update(shape=[2, 0]), "zero or negative"),
+        (lambda d: d["tensors"].append(dict(d["tensors"][0])), "duplicate tensor name"),
+        (_swap_fragments, "offset|fingerprint mismatch"),
+    ],
+)
 def test_tampered_json_rejected(edit, message):
     plan = FragmentPlan.build(small_tree(), 3)
     with pytest.raises(ValueError, match=message):

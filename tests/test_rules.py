@@ -5,12 +5,31 @@ import math
 import re
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from server.rules import (CloseDecision, Ewma, Reason, RoundPolicy, RoundState, admit,
-                          add_contributor, cadence, decide_close, due_in, estimate_grace, grace_window,
-                          judge_membership, judge_staleness, live_learners,
-                          next_due, next_lease_expiry, open_round, token_weight)
+from atoll.server import rules
+from atoll.server.rules import (
+    CloseDecision,
+    Ewma,
+    Reason,
+    RoundPolicy,
+    RoundState,
+    add_contributor,
+    admit,
+    cadence,
+    decide_close,
+    due_in,
+    estimate_grace,
+    grace_window,
+    judge_membership,
+    judge_staleness,
+    live_learners,
+    next_due,
+    next_lease_expiry,
+    open_round,
+    token_weight,
+)
 
 T0 = 1000.0  # an arbitrary instant on the injected monotonic clock
 FAST = settings(max_examples=150, deadline=None)
@@ -51,10 +70,14 @@ def test_stale_push_within_bound_is_discounted():
 def test_staleness_exactly_max_is_accepted_and_one_more_is_refused():
     at_max = judge_staleness(10, 7, 3, 0.5)
     assert at_max.accept and at_max.reason is Reason.STALE_DISCOUNTED
-    assert at_max.discount == pytest.approx(4 ** -0.5)
+    assert at_max.discount == pytest.approx(4**-0.5)
     over = judge_staleness(10, 6, 3, 0.5)
     assert (over.accept, over.reason, over.staleness, over.discount) == (
-        False, Reason.TOO_STALE, 4, 0.0)
+        False,
+        Reason.TOO_STALE,
+        4,
+        0.0,
+    )
 
 
 def test_zero_exponent_disables_discount():
@@ -69,14 +92,22 @@ def test_max_staleness_zero_accepts_only_fresh():
 
 def test_base_from_the_future_is_refused_as_invalid():
     v = judge_staleness(4, 5, 100, 1.0)
-    assert (v.accept, v.reason, v.staleness, v.discount) == (
-        False, Reason.FUTURE_BASE, -1, 0.0)
+    assert (v.accept, v.reason, v.staleness, v.discount) == (False, Reason.FUTURE_BASE, -1, 0.0)
 
 
-@pytest.mark.parametrize("args", [
-    (-1, 0, 1, 0.0), (0, -1, 1, 0.0), (5, 5, -1, 0.0), (5, 5, 1, -0.5),
-    (5, 5, 1, math.nan), (5, 5, 1, math.inf), (5.0, 5, 1, 0.0), (True, 0, 1, 0.0),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        (-1, 0, 1, 0.0),
+        (0, -1, 1, 0.0),
+        (5, 5, -1, 0.0),
+        (5, 5, 1, -0.5),
+        (5, 5, 1, math.nan),
+        (5, 5, 1, math.inf),
+        (5.0, 5, 1, 0.0),
+        (True, 0, 1, 0.0),
+    ],
+)
 def test_judge_staleness_refuses_bad_arguments(args):
     with pytest.raises(ValueError):
         judge_staleness(*args)
@@ -106,8 +137,9 @@ def test_token_weight_is_quantity_times_tokens_per_step():
     assert token_weight(800, 4) == 2 * token_weight(400, 2)
 
 
-@pytest.mark.parametrize("tokens,steps", [(0, 1), (1, 0), (-5, 3), (10, -1),
-                                          (math.nan, 1), (10, math.inf), (True, 1)])
+@pytest.mark.parametrize(
+    "tokens,steps", [(0, 1), (1, 0), (-5, 3), (10, -1), (math.nan, 1), (10, math.inf), (True, 1)]
+)
 def test_token_weight_refuses_empty_or_bad_pushes(tokens, steps):
     with pytest.raises(ValueError):
         token_weight(tokens, steps)
@@ -127,9 +159,17 @@ def test_grace_window_is_zero_when_quorum_and_sync_eat_the_slack():
     assert grace_window(1.0, 2, 1.0, 3.0, 1.0) == 0.0  # negative slack clamps
 
 
-@pytest.mark.parametrize("args", [(-1.0, 1, 1, 0, 0), (1.0, -1, 1, 0, 0),
-                                  (1.0, 1, -1, 0, 0), (1.0, 1, 1, -1, 0),
-                                  (1.0, 1, 1, 0, -1), (1.0, 1, math.nan, 0, 0)])
+@pytest.mark.parametrize(
+    "args",
+    [
+        (-1.0, 1, 1, 0, 0),
+        (1.0, -1, 1, 0, 0),
+        (1.0, 1, -1, 0, 0),
+        (1.0, 1, 1, -1, 0),
+        (1.0, 1, 1, 0, -1),
+        (1.0, 1, math.nan, 0, 0),
+    ],
+)
 def test_grace_window_refuses_negative_inputs(args):
     with pytest.raises(ValueError):
         grace_window(*args)
@@ -151,8 +191,9 @@ def test_ewma_first_sample_sets_then_blends():
     assert e.update(10.0, 1.0).value == 10.0  # alpha 1: newest sample only
 
 
-@pytest.mark.parametrize("sample,alpha", [(1.0, 0.0), (1.0, 1.5), (1.0, -0.1),
-                                          (math.nan, 0.5), (math.inf, 0.5)])
+@pytest.mark.parametrize(
+    "sample,alpha", [(1.0, 0.0), (1.0, 1.5), (1.0, -0.1), (math.nan, 0.5), (math.inf, 0.5)]
+)
 def test_ewma_refuses_bad_samples_and_alpha(sample, alpha):
     with pytest.raises(ValueError):
         Ewma().update(sample, alpha)
@@ -173,8 +214,12 @@ def test_estimate_grace_from_running_timings():
     assert estimate_grace(policy, 4, step, Ewma(), cadence_seconds=1.5) == 1.5
     assert estimate_grace(policy, 4, step, Ewma(), cadence_seconds=9.0) == pytest.approx(2.0)
     # nor shorter than γ/8 of a period: short steps on a busy host arrive spread by more than a step
-    assert estimate_grace(RoundPolicy(grace_factor=2.0), 1, 0.005, Ewma(), cadence_seconds=0.32) == pytest.approx(0.08)
-    assert estimate_grace(RoundPolicy(grace_factor=0.0), 1, 0.005, Ewma(), cadence_seconds=0.32) == 0.0
+    assert estimate_grace(
+        RoundPolicy(grace_factor=2.0), 1, 0.005, Ewma(), cadence_seconds=0.32
+    ) == pytest.approx(0.08)
+    assert (
+        estimate_grace(RoundPolicy(grace_factor=0.0), 1, 0.005, Ewma(), cadence_seconds=0.32) == 0.0
+    )
 
 
 def test_cadence_is_h_steps_of_the_fastest_live_learner():
@@ -182,7 +227,9 @@ def test_cadence_is_h_steps_of_the_fastest_live_learner():
     assert cadence(32, steps, {"fast", "slow"}) == 4.0  # "gone" has no lease: not the pace
     assert cadence(32, steps, {"slow"}) == 8.0
     # islands of one kind pace together (their median), a 2x slower one does not
-    assert cadence(100, {"a": 0.10, "b": 0.11, "c": 0.12, "d": 0.25}, {"a", "b", "c", "d"}) == pytest.approx(11.0)
+    assert cadence(
+        100, {"a": 0.10, "b": 0.11, "c": 0.12, "d": 0.25}, {"a", "b", "c", "d"}
+    ) == pytest.approx(11.0)
     assert cadence(100, {"a": 0.10, "b": 0.12}, {"a", "b"}) == pytest.approx(11.0)
     assert cadence(32, steps, set()) is None
     assert cadence(32, {"a": 0.0}, {"a"}) is None  # no measured step yet
@@ -257,8 +304,7 @@ def test_quorum_exactly_k_then_grace_window_from_the_first_push():
     assert d == CloseDecision(False, Reason.IN_GRACE, T0 + 4)  # first push + grace
     assert decide_close(s, live, T0 + 3.999, 2, 3.0).reason is Reason.IN_GRACE
     # Grace exactly elapsed closes.
-    assert decide_close(s, live, T0 + 4, 2, 3.0) == CloseDecision(
-        True, Reason.GRACE_ELAPSED, None)
+    assert decide_close(s, live, T0 + 4, 2, 3.0) == CloseDecision(True, Reason.GRACE_ELAPSED, None)
     # A quorum reached after the grace ran out closes at once.
     late = round_with(["a", "b"], at=[T0, T0 + 10], quorum=2)
     assert decide_close(late, live, T0 + 10, 2, 3.0).reason is Reason.GRACE_ELAPSED
@@ -310,7 +356,11 @@ def test_round_closes_below_quorum_when_every_live_learner_is_in():
 def test_no_round_closes_below_quorum_before_k_learners_joined():
     s = round_with(["a"], quorum=2)
     # start-up: "a" is the only learner the shard has ever known, and alone it waits
-    assert decide_close(s, {"a"}, T0 + 1e6, 2, 0.0, joined=1) == (False, Reason.WAITING_FOR_JOINERS, None)
+    assert decide_close(s, {"a"}, T0 + 1e6, 2, 0.0, joined=1) == (
+        False,
+        Reason.WAITING_FOR_JOINERS,
+        None,
+    )
     # once K have joined, a lone survivor's round closes below quorum
     assert decide_close(s, {"a"}, T0 + 1, 2, 0.0, joined=2).reason is Reason.QUORUM_UNREACHABLE
     # at quorum, joiners do not matter
@@ -334,12 +384,17 @@ learner_ids = st.sampled_from(list("abcdefgh"))
 
 
 @FAST
-@given(contributors=st.lists(learner_ids, unique=True, max_size=8),
-       others=st.sets(learner_ids), quorum=st.integers(1, 5),
-       gaps=st.lists(st.floats(0, 100), min_size=8, max_size=8),
-       grace=st.floats(0, 100), t=st.floats(0, 500), dt=st.floats(0, 500))
+@given(
+    contributors=st.lists(learner_ids, unique=True, max_size=8),
+    others=st.sets(learner_ids),
+    quorum=st.integers(1, 5),
+    gaps=st.lists(st.floats(0, 100), min_size=8, max_size=8),
+    grace=st.floats(0, 100),
+    t=st.floats(0, 500),
+    dt=st.floats(0, 500),
+)
 def test_decide_close_is_monotone_in_time(contributors, others, quorum, gaps, grace, t, dt):
-    times = [T0 + sum(gaps[:i + 1]) for i in range(len(contributors))]
+    times = [T0 + sum(gaps[: i + 1]) for i in range(len(contributors))]
     s = round_with(contributors, at=times, quorum=quorum)
     live = frozenset(others)
     now = T0 + t
@@ -363,13 +418,20 @@ def test_policy_defaults_are_valid_and_frozen():
         p.quorum = 2  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("field,value,hint", [
-    ("quorum", 0, "use 1"), ("quorum", 1.5, "int >= 1"),
-    ("grace_factor", -0.1, "disable grace"), ("max_staleness", -1, "use 0"),
-    ("discount_exponent", -1.0, "no staleness discount"),
-    ("lease_seconds", 0.0, "longest gap"), ("lease_seconds", math.inf, "finite"),
-    ("ewma_alpha", 0.0, "> 0"), ("ewma_alpha", 1.5, "<= 1"),
-])
+@pytest.mark.parametrize(
+    "field,value,hint",
+    [
+        ("quorum", 0, "use 1"),
+        ("quorum", 1.5, "int >= 1"),
+        ("grace_factor", -0.1, "disable grace"),
+        ("max_staleness", -1, "use 0"),
+        ("discount_exponent", -1.0, "no staleness discount"),
+        ("lease_seconds", 0.0, "longest gap"),
+        ("lease_seconds", math.inf, "finite"),
+        ("ewma_alpha", 0.0, "> 0"),
+        ("ewma_alpha", 1.5, "<= 1"),
+    ],
+)
 def test_policy_refuses_bad_fields_saying_how_to_fix(field, value, hint):
     with pytest.raises(ValueError, match=re.escape(hint)) as err:
         RoundPolicy(**{field: value})
@@ -380,8 +442,16 @@ def test_policy_refuses_bad_fields_saying_how_to_fix(field, value, hint):
 
 
 def _admit(**kw):
-    args = dict(seq=10, newest_seq=9, base_version=5, current_version=5, in_round=False,
-                tokens=1000, inner_steps=10, policy=RoundPolicy(max_staleness=2, discount_exponent=1.0))
+    args = dict(
+        seq=10,
+        newest_seq=9,
+        base_version=5,
+        current_version=5,
+        in_round=False,
+        tokens=1000,
+        inner_steps=10,
+        policy=RoundPolicy(max_staleness=2, discount_exponent=1.0),
+    )
     return admit(**(args | kw))
 
 
@@ -402,19 +472,35 @@ def test_admit_judges_in_order_duplicate_future_stale_in_round():
     assert _admit(base_version=6, in_round=True).reason is Reason.FUTURE_BASE
     too = _admit(base_version=2, in_round=True)
     assert too.reason is Reason.TOO_STALE and "pull" in too.detail and too.weight == 0.0
-    assert _admit(in_round=True) == (False, Reason.ALREADY_IN_ROUND, 0, 0.0, 0.0,
-                                     "this learner is already in the open round")
+    assert _admit(in_round=True) == (
+        False,
+        Reason.ALREADY_IN_ROUND,
+        0,
+        0.0,
+        0.0,
+        "this learner is already in the open round",
+    )
 
 
 @FAST
-@given(current=st.integers(0, 50), lag=st.integers(-3, 10), in_round=st.booleans(),
-       tokens=st.integers(1, 10**6), steps=st.integers(1, 1000))
+@given(
+    current=st.integers(0, 50),
+    lag=st.integers(-3, 10),
+    in_round=st.booleans(),
+    tokens=st.integers(1, 10**6),
+    steps=st.integers(1, 1000),
+)
 def test_admit_accepts_exactly_the_pushes_the_rules_allow(current, lag, in_round, tokens, steps):
     base = current - lag
     if base < 0:
         return
-    a = _admit(base_version=base, current_version=current, in_round=in_round, tokens=tokens,
-               inner_steps=steps)
+    a = _admit(
+        base_version=base,
+        current_version=current,
+        in_round=in_round,
+        tokens=tokens,
+        inner_steps=steps,
+    )
     assert a.accept == (0 <= lag <= 2 and not in_round)
     if a.accept:
         assert a.weight == token_weight(tokens, steps) and a.discount == (1.0 + lag) ** -1.0
@@ -423,7 +509,7 @@ def test_admit_accepts_exactly_the_pushes_the_rules_allow(current, lag, in_round
 
 
 def test_admit_refuses_a_seq_far_past_the_newest():
-    from server.rules import MAX_SEQ_JUMP
+    from atoll.server.rules import MAX_SEQ_JUMP
 
     assert _admit(seq=9 + MAX_SEQ_JUMP).accept
     far = _admit(seq=10 + MAX_SEQ_JUMP)
@@ -439,22 +525,53 @@ def test_next_due_keeps_one_schedule_whenever_rounds_close():
     due = RoundState(T0 + 0.2, frozenset({"a", "b"}), T0 + 0.3, T0)
     assert next_due(due, T0 + 0.9, 3.0) == T0 + 3.0  # a late close does not shift the next period
     assert next_due(due, T0 + 7.5, 3.0) == T0 + 9.0  # a round that closed periods late skips them
-    first = RoundState(T0 + 1.0, frozenset({"a"}), T0 + 1.0)  # no schedule yet: the first push sets it
+    first = RoundState(
+        T0 + 1.0, frozenset({"a"}), T0 + 1.0
+    )  # no schedule yet: the first push sets it
     assert next_due(first, T0 + 1.5, 3.0) == T0 + 4.0
     assert next_due(due, T0 + 1.0, None) is None  # no cadence, no schedule
 
 
 def test_due_in_tells_each_learner_its_next_push():
     state = add_contributor(open_round(due_at=T0 + 3.0), "a", T0 + 2.9, 2)
-    assert due_in(state, T0 + 2.9, 3.0, in_round=True) == pytest.approx(3.1)  # the round after this one
+    assert due_in(state, T0 + 2.9, 3.0, in_round=True) == pytest.approx(
+        3.1
+    )  # the round after this one
     assert due_in(state, T0 + 2.9, 3.0, in_round=False) == pytest.approx(0.1)  # this one
-    assert due_in(state, T0 + 5.0, 3.0, in_round=False) == pytest.approx(1.0)  # overdue: the next instant
+    assert due_in(state, T0 + 5.0, 3.0, in_round=False) == pytest.approx(
+        1.0
+    )  # overdue: the next instant
     assert due_in(state, T0 + 2.9, None, in_round=False) == 0.0  # no cadence yet
     assert due_in(open_round(), T0, 3.0, in_round=False) == 0.0  # no phase yet
 
 
 def test_an_early_push_does_not_start_the_grace_clock():
-    state = add_contributor(add_contributor(open_round(due_at=T0 + 3.0), "a", T0 + 1.0, 2), "b", T0 + 1.1, 2)
+    state = add_contributor(
+        add_contributor(open_round(due_at=T0 + 3.0), "a", T0 + 1.0, 2), "b", T0 + 1.1, 2
+    )
     assert state.started_at == T0 + 3.0
-    assert decide_close(state, {"a", "b", "c"}, T0 + 3.4, 2, 0.5) == (False, Reason.IN_GRACE, T0 + 3.5)
+    assert decide_close(state, {"a", "b", "c"}, T0 + 3.4, 2, 0.5) == (
+        False,
+        Reason.IN_GRACE,
+        T0 + 3.5,
+    )
     assert decide_close(state, {"a", "b", "c"}, T0 + 3.5, 2, 0.5).close
+
+
+def test_a_cadence_too_short_to_count_in_restarts_the_schedule_instead_of_overflowing():
+    # a learner may report any step time in [0, 86400]: 5e-324 s makes a cadence of ~4e-323 s,
+    # and the periods since the phase overflow (found by tests/integration/test_fuzz.py)
+    state = rules.RoundState(10.0, frozenset({"a"}), 10.0, 10.0)
+    cadence = rules.cadence(8, {"a": 5e-324}, {"a"})
+    assert cadence is not None and 0 < cadence < 1e-300
+    due = rules.next_due(state, 11.0, cadence)
+    assert due is not None and 11.0 < due < 11.0 + 1e-9
+    assert 0 <= rules.due_in(state, 11.0, cadence, in_round=True) < 1e-9
+    assert rules.next_due(state, 11.0, 0.5) == 11.5  # the ordinary case is unchanged
+
+
+def test_a_cadence_too_short_to_count_in_with_the_due_time_ahead():
+    ahead = rules.RoundState(10.0, frozenset({"a"}), 10.0, 12.0)  # due at 12, now 11
+    due = rules.next_due(ahead, 11.0, 4e-323)
+    assert due is not None and due > 11.0
+    assert rules.due_in(ahead, 11.0, 4e-323, in_round=True) >= 0.0

@@ -11,14 +11,20 @@ import jax
 import numpy as np
 import pytest
 
-from server import storage
-from server.config import ShardConfig
-from server.shard import PushHeader, Shard, _parse
-from wire import codec
-from wire.plan import FragmentPlan, TensorSpec
+from atoll.server import storage
+from atoll.server.config import ShardConfig
+from atoll.server.shard import PushHeader, Shard
+from atoll.wire import codec
+from atoll.wire.plan import FragmentPlan, TensorSpec
+from atoll.wire.records import parse_log_record
 
-SPECS = [TensorSpec("embed", (64, 16)), TensorSpec("w1", (16, 48)), TensorSpec("w2", (48, 16)),
-         TensorSpec("w3", (32, 32)), TensorSpec("norm", (16,))]
+SPECS = [
+    TensorSpec("embed", (64, 16)),
+    TensorSpec("w1", (16, 48)),
+    TensorSpec("w2", (48, 16)),
+    TensorSpec("w3", (32, 32)),
+    TensorSpec("norm", (16,)),
+]
 LEARNERS = 3
 
 
@@ -28,8 +34,11 @@ def plan():
 
 
 def _shard(tmp_path, **kw) -> Shard:
-    shard = Shard(ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path, quorum=LEARNERS, grace_factor=0.0,
-                              **kw))
+    shard = Shard(
+        ShardConfig(
+            shard_index=0, num_shards=1, data_dir=tmp_path, quorum=LEARNERS, grace_factor=0.0, **kw
+        )
+    )
     shard.recover()
     return shard
 
@@ -37,16 +46,31 @@ def _shard(tmp_path, **kw) -> Shard:
 def _seed(shard: Shard, plan: FragmentPlan) -> None:
     for p, size in enumerate(plan.fragment_sizes):
         values = np.random.default_rng(p).standard_normal(size).astype(np.float32)
-        shard.init("seed", p, plan.fingerprint, plan.to_json(), codec.encode(values, codec.Codec.FP32),
-                   int(codec.Codec.FP32), size)
+        shard.init(
+            "seed",
+            p,
+            plan.fingerprint,
+            plan.to_json(),
+            codec.encode(values, codec.Codec.FP32),
+            int(codec.Codec.FP32),
+            size,
+        )
 
 
 def _push(shard: Shard, plan: FragmentPlan, p: int, learner: int, seq: int, base: int):
     size = plan.fragment_sizes[p]
     delta = np.random.default_rng([p, learner, seq]).standard_normal(size).astype(np.float32) * 0.01
-    h = PushHeader(learner_id=f"l{learner}", fragment=p, base_version=base, seq=seq, inner_steps=4,
-                   tokens=400 * (learner + 1), codec=int(codec.Codec.INT4), num_params=size,
-                   plan_fingerprint=plan.fingerprint)
+    h = PushHeader(
+        learner_id=f"l{learner}",
+        fragment=p,
+        base_version=base,
+        seq=seq,
+        inner_steps=4,
+        tokens=400 * (learner + 1),
+        codec=int(codec.Codec.INT4),
+        num_params=size,
+        plan_fingerprint=plan.fingerprint,
+    )
     return shard.push(h, codec.encode(delta, codec.Codec.INT4))
 
 
@@ -54,8 +78,11 @@ def _run_rounds(shard: Shard, plan: FragmentPlan, rounds: int, first: int = 0) -
     """Every learner pushes every fragment once per round, all at once from threads."""
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         for r in range(first, first + rounds):
-            jobs = [pool.submit(_push, shard, plan, p, m, r + 1, r) for p in range(plan.num_fragments)
-                    for m in range(LEARNERS)]
+            jobs = [
+                pool.submit(_push, shard, plan, p, m, r + 1, r)
+                for p in range(plan.num_fragments)
+                for m in range(LEARNERS)
+            ]
             assert all(j.result().accepted for j in jobs)
 
 
@@ -63,8 +90,12 @@ def _state(shard: Shard) -> dict:
     out = {}
     for p, f in shard.fragments.items():
         meta, arrays = f.state()
-        out[p] = (meta["version"], meta["round"], meta["answers"],
-                  {k: np.asarray(v).tobytes() for k, v in arrays.items()})
+        out[p] = (
+            meta["version"],
+            meta["round"],
+            meta["answers"],
+            {k: np.asarray(v).tobytes() for k, v in arrays.items()},
+        )
     return out
 
 
@@ -118,13 +149,17 @@ def test_replay_skips_what_the_snapshot_holds_per_fragment(tmp_path, plan):
     _crash(shard)
     with storage.SnapshotStore(tmp_path / "snapshots") as store:
         saved = store.latest()
-    assert saved.meta["fragment_lsns"]["2"] > saved.lsn  # fragment 2 holds a record past the snapshot's LSN
+    assert (
+        saved.meta["fragment_lsns"]["2"] > saved.lsn
+    )  # fragment 2 holds a record past the snapshot's LSN
     again = _shard(tmp_path)
     assert _state(again) == live
     again.close()
 
 
-def test_concurrent_pushes_share_fsyncs_and_are_acked_only_once_durable(tmp_path, plan, monkeypatch):
+def test_concurrent_pushes_share_fsyncs_and_are_acked_only_once_durable(
+    tmp_path, plan, monkeypatch
+):
     shard = _shard(tmp_path, snapshot_every=1000)
     _seed(shard, plan)
     written: dict[tuple[str, int], int] = {}
@@ -135,7 +170,7 @@ def test_concurrent_pushes_share_fsyncs_and_are_acked_only_once_durable(tmp_path
         records = list(records)
         lsns = real_write(records)
         for lsn, r in zip(lsns, records):
-            kind, meta, _ = _parse(bytes(r))
+            kind, meta, _ = parse_log_record(bytes(r))
             if "learner" in meta:
                 written[(meta["learner"], meta["fragment"])] = lsn
         return lsns
@@ -189,7 +224,9 @@ def test_pushes_go_on_while_a_snapshot_is_written(tmp_path, plan, monkeypatch):
     _run_rounds(shard, plan, 1)  # the closes start a snapshot, which then waits
     assert saving.wait(5)
     started = time.monotonic()
-    _run_rounds(shard, plan, 2, first=1)  # a whole two rounds while the snapshot is still being written
+    _run_rounds(
+        shard, plan, 2, first=1
+    )  # a whole two rounds while the snapshot is still being written
     assert time.monotonic() - started < 8
     assert all(f.version == 3 for f in shard.fragments.values())
     release.set()
@@ -208,7 +245,8 @@ def test_a_failed_fsync_stops_the_shard_serving(tmp_path, plan, monkeypatch):
         raise OSError(5, "EIO")
 
     monkeypatch.setattr(storage, "_datasync", broken)
-    from server.shard import ShardError
+    from atoll.server.shard import ShardError
+
     with pytest.raises(ShardError) as e:
         _push(shard, plan, 0, 0, 1, 0)
     assert e.value.code.name == "UNAVAILABLE"
@@ -220,46 +258,88 @@ def test_a_failed_fsync_stops_the_shard_serving(tmp_path, plan, monkeypatch):
 
 
 def test_a_snapshot_written_with_another_momentum_delay_is_refused_with_the_reason(tmp_path, plan):
-    from server.fragment import Fragment
+    from atoll.server.fragment import Fragment
 
     shard = _shard(tmp_path)
     _seed(shard, plan)
     _run_rounds(shard, plan, 1)
     meta, arrays = shard.fragments[0].state()
-    other = Fragment(0, plan, lr=0.7, momentum=0.9, rda=True, delta_ring=4, publish_codec=codec.Codec.INT4,
-                     momentum_delay=1)
+    other = Fragment(
+        0,
+        plan,
+        lr=0.7,
+        momentum=0.9,
+        rda=True,
+        delta_ring=4,
+        publish_codec=codec.Codec.INT4,
+        momentum_delay=1,
+    )
     with pytest.raises(ValueError, match="--momentum-delay"):
         other.restore(meta, arrays, now=0.0)
-    same = Fragment(0, plan, lr=0.7, momentum=0.9, rda=True, delta_ring=4, publish_codec=codec.Codec.INT4,
-                    momentum_delay=shard.cfg.momentum_delay)
+    same = Fragment(
+        0,
+        plan,
+        lr=0.7,
+        momentum=0.9,
+        rda=True,
+        delta_ring=4,
+        publish_codec=codec.Codec.INT4,
+        momentum_delay=shard.cfg.momentum_delay,
+    )
     same.restore(meta, arrays, now=0.0)
     assert np.array_equal(same.params, shard.fragments[0].params) and same.version == 1
 
 
 def test_a_shard_restarted_with_another_momentum_delay_stops_with_a_recovery_error(tmp_path, plan):
-    from server.shard import RecoveryError
+    from atoll.server.shard import RecoveryError
 
     shard = _shard(tmp_path, snapshot_every=1)
     _seed(shard, plan)
     _run_rounds(shard, plan, 2)
     shard.close()
-    again = Shard(ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path, quorum=LEARNERS, grace_factor=0.0,
-                              momentum_delay=1))  # Nesterov every round: another state layout
+    again = Shard(
+        ShardConfig(
+            shard_index=0,
+            num_shards=1,
+            data_dir=tmp_path,
+            quorum=LEARNERS,
+            grace_factor=0.0,
+            momentum_delay=1,
+        )
+    )  # Nesterov every round: another state layout
     with pytest.raises(RecoveryError, match="--momentum-delay"):
         again.recover()
 
 
 def test_a_round_does_not_wait_for_a_learner_whose_last_push_came_in(tmp_path, plan):
-    shard = Shard(ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path, quorum=2, grace_factor=0.0,
-                              lease_seconds=60.0))
+    shard = Shard(
+        ShardConfig(
+            shard_index=0,
+            num_shards=1,
+            data_dir=tmp_path,
+            quorum=2,
+            grace_factor=0.0,
+            lease_seconds=60.0,
+        )
+    )
     shard.recover()
     _seed(shard, plan)
     size = plan.fragment_sizes[0]
     frame = codec.encode(np.full(size, 0.01, np.float32), codec.Codec.INT4)
 
     def push(learner, seq, base, last):
-        h = PushHeader(learner_id=learner, fragment=0, base_version=base, seq=seq, inner_steps=4, tokens=400,
-                       codec=int(codec.Codec.INT4), num_params=size, plan_fingerprint=plan.fingerprint, last=last)
+        h = PushHeader(
+            learner_id=learner,
+            fragment=0,
+            base_version=base,
+            seq=seq,
+            inner_steps=4,
+            tokens=400,
+            codec=int(codec.Codec.INT4),
+            num_params=size,
+            plan_fingerprint=plan.fingerprint,
+            last=last,
+        )
         return shard.push(h, frame)
 
     assert push("a", 1, 0, False).accepted and push("b", 1, 0, False).accepted

@@ -16,13 +16,22 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from server import storage
-from server.storage import (LogFailed, MissingRecords, SnapshotCorruption, SnapshotStore,
-                            StorageError, WALCorruption, WriteAheadLog, encode_frame_header,
-                            load_snapshot)
+from atoll.server import storage
+from atoll.server.storage import (
+    LogFailed,
+    MissingRecords,
+    SnapshotCorruption,
+    SnapshotStore,
+    StorageError,
+    WALCorruption,
+    WriteAheadLog,
+    encode_frame_header,
+    load_snapshot,
+)
 
 
 class LocalDisk:
@@ -59,9 +68,14 @@ class LocalDisk:
         frame = encode_frame_header(lsn, record) + record
         bad = bytearray(frame)
         bad[-1] ^= 0x01
-        tail = {"garbage": os.urandom(37), "header": frame[:10],
-                "half": frame[:len(frame) // 2], "crc": bytes(bad), "zeros": bytes(4096),
-                "all-but-one-byte": frame[:-1]}[kind]
+        tail = {
+            "garbage": os.urandom(37),
+            "header": frame[:10],
+            "half": frame[: len(frame) // 2],
+            "crc": bytes(bad),
+            "zeros": bytes(4096),
+            "all-but-one-byte": frame[:-1],
+        }[kind]
         with open(self.segments()[-1], "ab") as f:
             f.write(tail)
 
@@ -84,7 +98,7 @@ class LocalDisk:
             with SnapshotStore(other) as store:
                 path = store.save(lsn, {"half": True}, {"x": np.ones(1000, np.float32)})
             data = path.read_bytes()
-        (self.snap_dir / f".{lsn:020d}.snap.tmp-1234-abcd").write_bytes(data[:len(data) // 2])
+        (self.snap_dir / f".{lsn:020d}.snap.tmp-1234-abcd").write_bytes(data[: len(data) // 2])
 
     def leftovers(self) -> list[str]:
         return [p.name for p in self.snap_dir.iterdir() if ".tmp-" in p.name]
@@ -93,7 +107,7 @@ class LocalDisk:
         path = self.snap_dir / f"{lsn:020d}.snap"
         data = bytearray(path.read_bytes())
         if how == "truncate":
-            del data[len(data) // 2:]
+            del data[len(data) // 2 :]
         else:
             at = {"magic": 0, "header": 30, "data": len(data) - 100, "tail": len(data) - 2}[how]
             data[at] ^= 0x01
@@ -118,6 +132,7 @@ def records_of(log, after=0) -> dict[int, bytes]:
 
 
 # -- write-ahead log: order, LSNs, reopen ----------------------------------------------
+
 
 def test_append_returns_consecutive_lsns_and_replays_in_order(backend):
     with backend.open_log() as wal:
@@ -168,6 +183,7 @@ def test_replay_past_the_end_is_refused(backend):
 
 
 # -- torn tails and corruption ---------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["garbage", "header", "half", "crc", "zeros", "all-but-one-byte"])
 def test_torn_tail_is_cut_off_and_appends_continue(backend, kind, caplog):
@@ -246,6 +262,7 @@ def test_failed_write_fails_the_log_until_reopened(backend, monkeypatch):
 
 # -- segments --------------------------------------------------------------------------
 
+
 def test_rotation_and_truncate_through_delete_only_covered_segments(backend):
     kw = {"segment_bytes": 1000}
     with backend.open_log(**kw) as wal:
@@ -283,6 +300,7 @@ def test_segment_files_follow_the_size_limit(backend):
 
 # -- concurrency -----------------------------------------------------------------------
 
+
 def test_concurrent_appends_are_gap_free_and_intact(backend):
     threads, per_thread = 8, 30
     acked: dict[int, bytes] = {}
@@ -319,6 +337,7 @@ def test_concurrent_appends_are_gap_free_and_intact(backend):
 
 # -- snapshots -------------------------------------------------------------------------
 
+
 def assert_bit_exact(saved, loaded):
     assert list(saved) == list(loaded)
     for name, want in saved.items():
@@ -330,8 +349,9 @@ def assert_bit_exact(saved, loaded):
 
 
 def awkward_arrays():
-    nan_bits = np.array([0x7FC00001, 0xFFC12345, 0x7F800001, 0x80000000, 0x00000001, 0x7F800000],
-                        np.uint32)
+    nan_bits = np.array(
+        [0x7FC00001, 0xFFC12345, 0x7F800001, 0x80000000, 0x00000001, 0x7F800000], np.uint32
+    )
     rng = np.random.default_rng(0)
     return {
         "f32_nan_payloads_neg_zero": nan_bits.view(np.float32),
@@ -353,8 +373,11 @@ def awkward_arrays():
 
 def test_snapshot_round_trip_is_bit_exact(backend):
     arrays = awkward_arrays()
-    meta = {"config": {"outer_lr": 0.7, "codec": "int4", "tags": ["a", None, True]},
-            "plan_fingerprint": "abc123", "versions": [3, 4]}
+    meta = {
+        "config": {"outer_lr": 0.7, "codec": "int4", "tags": ["a", None, True]},
+        "plan_fingerprint": "abc123",
+        "versions": [3, 4],
+    }
     with backend.open_snapshots() as store:
         assert store.latest() is None
         store.save(17, meta, arrays)
@@ -367,12 +390,27 @@ def test_snapshot_round_trip_is_bit_exact(backend):
 
 
 @settings(max_examples=25, deadline=None)
-@given(arrays=st.dictionaries(
-    st.text(min_size=1, max_size=8),
-    hnp.arrays(st.sampled_from([np.float32, np.float64, np.float16, np.int16, np.uint8, np.bool_,
-                                np.complex128, np.dtype(">i4")]),
-               hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5)),
-    max_size=4))
+@given(
+    arrays=st.dictionaries(
+        st.text(min_size=1, max_size=8),
+        hnp.arrays(
+            st.sampled_from(
+                [
+                    np.float32,
+                    np.float64,
+                    np.float16,
+                    np.int16,
+                    np.uint8,
+                    np.bool_,
+                    np.complex128,
+                    np.dtype(">i4"),
+                ]
+            ),
+            hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5),
+        ),
+        max_size=4,
+    )
+)
 def test_snapshot_round_trip_property(arrays):
     with tempfile.TemporaryDirectory() as d, SnapshotStore(d) as store:
         store.save(1, {}, arrays)
@@ -475,8 +513,10 @@ def test_every_snapshot_damaged_is_an_error_not_a_fresh_start(backend):
 
 # -- recovery, end to end ----------------------------------------------------------------
 
+
 def test_recovery_survives_a_damaged_newest_snapshot_after_truncation(backend):
     """The documented recipe: snapshot, truncate through truncatable_lsn, recover."""
+
     def apply(state, rec):
         return state + np.frombuffer(rec, np.float32)
 
@@ -548,13 +588,16 @@ def test_concurrent_syncs_share_fsyncs_and_return_only_once_durable(backend, mon
             t.join()
         monkeypatch.undo()
         assert sorted(done.values()) == list(range(1, 9))
-        assert 1 <= len(calls) <= 3, len(calls)  # one leader, then at most a second batch and a third
+        assert 1 <= len(calls) <= 3, len(
+            calls
+        )  # one leader, then at most a second batch and a third
         assert wal.sync(8) is None  # already durable: no fsync
         with pytest.raises(ValueError):
             wal.sync(9)  # never written
     with backend.open_log() as wal:
-        assert [r for _, r in wal.replay()] == sorted((f"rec {i}".encode() for i in range(8)),
-                                                      key=lambda r: done[int(r.split()[1])])
+        assert [r for _, r in wal.replay()] == sorted(
+            (f"rec {i}".encode() for i in range(8)), key=lambda r: done[int(r.split()[1])]
+        )
 
 
 def test_failed_group_fsync_fails_every_waiter(backend, monkeypatch):

@@ -12,16 +12,23 @@ import jax
 import numpy as np
 import pytest
 
-from learner.data import Batches, load_corpus, stdlib_dir
-from learner.model import PRESETS
-from learner.train import (Trainer, TrainConfig, TrainConfigError, evaluate, lr_at,
-                           make_schedule)
-from wire.plan import FragmentPlan
+from atoll.learner.data import Batches, load_corpus, stdlib_dir
+from atoll.learner.model import PRESETS
+from atoll.learner.train import (
+    TrainConfig,
+    TrainConfigError,
+    Trainer,
+    evaluate,
+    lr_at,
+    make_schedule,
+)
+from atoll.wire.plan import FragmentPlan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = PRESETS["tiny"]
-TCFG = TrainConfig(batch_size=8, peak_lr=1e-2, warmup_steps=5, total_steps=200,
-                   eval_every=10, eval_batches=2)
+TCFG = TrainConfig(
+    batch_size=8, peak_lr=1e-2, warmup_steps=5, total_steps=200, eval_every=10, eval_batches=2
+)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +133,7 @@ def test_swapped_params_never_alias_the_callers_buffer(corpus):
     plan = FragmentPlan.build(trainer.params, 4)
     size = plan.fragment_sizes[2]
     raw = np.empty(size * 4 + 64, np.uint8)
-    aligned = raw[-raw.ctypes.data % 64:][:size * 4].view(np.float32)
+    aligned = raw[-raw.ctypes.data % 64 :][: size * 4].view(np.float32)
     aligned[:] = plan.flatten_fragment(trainer.params, 2) + 1.0
     expected = aligned.copy()
     trainer.set_tensors(plan.unflatten_fragment(2, aligned))
@@ -148,15 +155,18 @@ def test_slowdown_stretches_each_step(corpus):
         make_trainer(corpus, slowdown=0.5)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(batch_size=0), "batch_size must be an int >= 1"),
-    (dict(warmup_steps=100, total_steps=100), "warmup_steps must be in"),
-    (dict(peak_lr=0.0), "peak_lr must be a finite number > 0"),
-    (dict(b2=1.0), "b1 and b2 must be in"),
-    (dict(grad_clip=-1.0), "grad_clip must be >= 0"),
-    (dict(eval_every=-1), "eval_every must be an int >= 0"),
-    (dict(end_lr_fraction=2.0), "end_lr_fraction must be in"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(batch_size=0), "batch_size must be an int >= 1"),
+        (dict(warmup_steps=100, total_steps=100), "warmup_steps must be in"),
+        (dict(peak_lr=0.0), "peak_lr must be a finite number > 0"),
+        (dict(b2=1.0), "b1 and b2 must be in"),
+        (dict(grad_clip=-1.0), "grad_clip must be >= 0"),
+        (dict(eval_every=-1), "eval_every must be an int >= 0"),
+        (dict(end_lr_fraction=2.0), "end_lr_fraction must be in"),
+    ],
+)
 def test_config_validation_says_how_to_fix(kwargs, match):
     with pytest.raises(TrainConfigError, match=match):
         TrainConfig(**kwargs)
@@ -173,9 +183,9 @@ def test_batch_of_the_wrong_shape_is_refused(corpus):
 _DEVICE_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax
-    from learner.data import Batches, load_corpus, stdlib_dir
-    from learner.model import PRESETS
-    from learner.train import Trainer, TrainConfig, TrainConfigError
+    from atoll.learner.data import Batches, load_corpus, stdlib_dir
+    from atoll.learner.model import PRESETS
+    from atoll.learner.train import Trainer, TrainConfig, TrainConfigError
     cfg = PRESETS["tiny"]
     tcfg = TrainConfig(**json.loads(sys.argv[2]))
     corpus = load_corpus(stdlib_dir() / "json", cache_dir=sys.argv[1])
@@ -194,11 +204,21 @@ _DEVICE_SCRIPT = textwrap.dedent("""
 
 
 def test_four_host_devices_match_one(corpus, tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": REPO,
+    }
     args = [str(tmp_path), json.dumps(dataclasses.asdict(TCFG))]
-    proc = subprocess.run([sys.executable, "-c", _DEVICE_SCRIPT, *args], env=env,
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _DEVICE_SCRIPT, *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["devices"] == 4 and out["param_devices"] == 4

@@ -6,8 +6,14 @@ import json
 
 import pytest
 
-from atoll.report import build_report, learner_summary, lives, write_report
-from atoll.up import UpConfig, UpConfigError, baseline_spec, learner_specs, prepare_run_dir
+from atoll.local.config import (
+    UpConfig,
+    UpConfigError,
+    baseline_spec,
+    learner_specs,
+    prepare_run_dir,
+)
+from atoll.local.report import build_report, learner_summary, lives, write_report
 
 
 def test_the_default_run():
@@ -28,20 +34,33 @@ def test_defaults_follow_the_learner_count():
     cfg = UpConfig(learners=3, eval_batches=8)
     assert cfg.slowdown == (1.0, 1.0, 2.0) and cfg.quorum == 2 and cfg.eval_batches == 9
     assert UpConfig(learners=1).quorum == 1 and UpConfig(learners=1).slowdown == (1.0,)
-    assert UpConfig(learners=4, slowdown=(3.0,)).slowdown == (3.0, 3.0, 3.0, 3.0)  # one factor: every learner
+    assert UpConfig(learners=4, slowdown=(3.0,)).slowdown == (
+        3.0,
+        3.0,
+        3.0,
+        3.0,
+    )  # one factor: every learner
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(shards=4, fragments=2), "--fragments (2) must be at least --shards (4)"),
-    (dict(slowdown=(0.5,)), "--slowdown factors must be >= 1"),
-    (dict(learners=2, slowdown=(1, 1, 2)), "--slowdown lists 3 factors for 2 learners"),
-    (dict(learners=4, slowdown=(1, 2)), "--slowdown lists 2 factors for 4 learners: give one factor for all"),
-    (dict(period=4, overlap=4), "--overlap must be in [0, --period=4)"),
-    (dict(learners=2, quorum=3), "--quorum must be in [1, --learners=2]"),
-    (dict(preset="huge"), "unknown --preset 'huge'"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(shards=4, fragments=2), "--fragments (2) must be at least --shards (4)"),
+        (dict(slowdown=(0.5,)), "--slowdown factors must be >= 1"),
+        (dict(learners=2, slowdown=(1, 1, 2)), "--slowdown lists 3 factors for 2 learners"),
+        (
+            dict(learners=4, slowdown=(1, 2)),
+            "--slowdown lists 2 factors for 4 learners: give one factor for all",
+        ),
+        (dict(period=4, overlap=4), "--overlap must be in [0, --period=4)"),
+        (dict(learners=2, quorum=3), "--quorum must be in [1, --learners=2]"),
+        (dict(preset="huge"), "unknown --preset 'huge'"),
+    ],
+)
 def test_settings_that_cannot_work_say_how_to_fix_them(fields, message):
-    with pytest.raises(UpConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    with pytest.raises(
+        UpConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+    ):
         UpConfig(**fields)
 
 
@@ -50,9 +69,13 @@ def test_a_run_directory_resumes_only_with_the_same_settings(tmp_path):
     cfg, resuming = prepare_run_dir(run, {"preset": "tiny", "steps": 30})
     assert not resuming and cfg.steps == 30
     assert json.loads((run / "config.json").read_text())["steps"] == 30
-    again, resuming = prepare_run_dir(run, {"steps": 30, "slowdown": (1, 1, 2, 2)})  # same, spelled out
+    again, resuming = prepare_run_dir(
+        run, {"steps": 30, "slowdown": (1, 1, 2, 2)}
+    )  # same, spelled out
     assert resuming and again == cfg
-    with pytest.raises(UpConfigError, match=r"--steps 40 \(the run has 30\).*--learners 2 \(the run has 4\)"):
+    with pytest.raises(
+        UpConfigError, match=r"--steps 40 \(the run has 30\).*--learners 2 \(the run has 4\)"
+    ):
         prepare_run_dir(run, {"steps": 40, "learners": 2})
     (run / "report.json").write_text(json.dumps({"complete": True}))
     with pytest.raises(UpConfigError, match="holds a finished run"):
@@ -64,14 +87,36 @@ def test_a_run_directory_resumes_only_with_the_same_settings(tmp_path):
 
 
 def _record(t, state, step, **kw):
-    return {"learner": "l", "params": 400, "slowdown": 1.0, "time": t, "state": state, "step": step,
-            "tokens": step * 10, **kw}
+    return {
+        "learner": "l",
+        "params": 400,
+        "slowdown": 1.0,
+        "time": t,
+        "state": state,
+        "step": step,
+        "tokens": step * 10,
+        **kw,
+    }
 
 
 def _synced(t, step, sent, received, pushes, adopted, version, **kw):
-    return _record(t, "training", step, loss=3.0, tokens_per_s=10.0, bytes_sent=sent, bytes_received=received,
-                   pushes=pushes, refused=0, resyncs=0, adopted=adopted, blocked_seconds=0.5, version=version,
-                   lag=1, **kw)
+    return _record(
+        t,
+        "training",
+        step,
+        loss=3.0,
+        tokens_per_s=10.0,
+        bytes_sent=sent,
+        bytes_received=received,
+        pushes=pushes,
+        refused=0,
+        resyncs=0,
+        adopted=adopted,
+        blocked_seconds=0.5,
+        version=version,
+        lag=1,
+        **kw,
+    )
 
 
 # two lives: the second process restarts its counters; join traffic (first record) is not sync traffic
@@ -92,19 +137,31 @@ def test_a_learner_summary_adds_up_its_lives():
     assert (s["steps"], s["tokens"], s["restarts"], s["state"]) == (4, 40, 1, "done")
     assert (s["bytes_sent"], s["bytes_received"]) == (1900, 3650)  # everything, both lives
     assert (s["push_bytes"], s["pull_bytes"], s["pushes"], s["adopted"]) == (300, 450, 2, 2)
-    assert s["push_bits_per_param"] == pytest.approx(8 * 300 / (2 * 100))  # 2 pushes of 400/4 params
+    assert s["push_bits_per_param"] == pytest.approx(
+        8 * 300 / (2 * 100)
+    )  # 2 pushes of 400/4 params
     assert s["pull_bits_per_param"] == pytest.approx(8 * 450 / (2 * 100))
     assert s["blocked_seconds"] == 1.0 and s["step_seconds"] == pytest.approx(4 * 10 / 10.0)
     assert s["final_eval_loss"] == 2.4 and s["first_train_loss"] == 3.0
 
 
 def test_the_report_and_its_plots(tmp_path):
-    cfg, _ = prepare_run_dir(tmp_path / "run", {"learners": 1, "preset": "tiny", "steps": 4, "fragments": 4})
+    cfg, _ = prepare_run_dir(
+        tmp_path / "run", {"learners": 1, "preset": "tiny", "steps": 4, "fragments": 4}
+    )
     run = tmp_path / "run"
-    (run / "learners" / "learner-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS) + '{"cut')
-    (run / "sessions.jsonl").write_text(json.dumps({"start": 0, "end": 8, "outcome": "finished",
-                                                    "learners_start": 0, "learners_end": 8}) + "\n")
-    report = write_report(run, cfg, learner_specs(cfg), global_eval={"eval_loss": 2.3, "versions": {}})
+    (run / "learners" / "learner-0.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in RECORDS) + '{"cut'
+    )
+    (run / "sessions.jsonl").write_text(
+        json.dumps(
+            {"start": 0, "end": 8, "outcome": "finished", "learners_start": 0, "learners_end": 8}
+        )
+        + "\n"
+    )
+    report = write_report(
+        run, cfg, learner_specs(cfg), global_eval={"eval_loss": 2.3, "versions": {}}
+    )
     assert report["complete"] and report["wall_seconds"] == 8
     g = report["global"]
     assert g["eval_loss"] == 2.3 and g["tokens"] == 40

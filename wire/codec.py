@@ -50,30 +50,43 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import zstandard
 
-from wire import _kernels
+from atoll.wire import _kernels
 
 MAGIC = b"ATLQ"
 FRAME_VERSION = 2
 READ_VERSIONS = (1, 2)  # version 1: one zstd frame over the whole body
-BLOCK = _kernels.BLOCK
+BLOCK: int = _kernels.BLOCK
 CHUNK_VALUES = 1 << 18  # values per chunk: an INT4 chunk body is 144 KiB and stays in L2
 _HEADER = struct.Struct("<4sBBHQ")  # magic, codec, frame version, block, num values
 HEADER_BYTES = _HEADER.size
 # The zstd settings favour speed: 4-bit codes have no long matches to find, so a
 # small match search costs little ratio while Huffman coding of the literals does
 # the compressing (measured: 3.64 bits per 4-bit code at ~600 MB/s).
-_ZSTD_PARAMS = dict(strategy=zstandard.STRATEGY_FAST, window_log=17, hash_log=10, chain_log=6,
-                    search_log=1, min_match=7, target_length=0,
-                    write_checksum=1, write_content_size=1)
+_ZSTD_PARAMS = dict(
+    strategy=zstandard.STRATEGY_FAST,
+    window_log=17,
+    hash_log=10,
+    chain_log=6,
+    search_log=1,
+    min_match=7,
+    target_length=0,
+    write_checksum=1,
+    write_content_size=1,
+)
 _ZSTD_FRAME_OVERHEAD = 32  # zstd frame header (<= 18 bytes) and checksum (4), rounded up
 THREADS_ENV = "ATOLL_CODEC_THREADS"  # threads for chunks; default: the CPUs this process may use
 # |scale * value| below this cannot carry a finite float32 sum to infinity: FLT_MAX plus
 # less than half its ulp (2^103) still rounds to FLT_MAX.
-_SAFE_PRODUCT = 2.0 ** 102
+_SAFE_PRODUCT = 2.0**102
+
+
+Frame: TypeAlias = bytes | memoryview  # a frame's bytes, read in place
 
 
 class Codec(enum.IntEnum):
@@ -100,11 +113,13 @@ class FrameInfo:
     block: int  # values per scale (1 for FP32)
 
 
-def _codec(value) -> Codec:
+def _codec(value: int) -> Codec:
     try:
         return Codec(value)
     except ValueError:
-        raise CodecError(f"unknown codec {value!r}; expected one of {[c.name for c in Codec]}") from None
+        raise CodecError(
+            f"unknown codec {value!r}; expected one of {[c.name for c in Codec]}"
+        ) from None
 
 
 def body_bytes(codec: Codec, num_values: int) -> int:
@@ -204,7 +219,10 @@ def _get_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
         if _pool is None or _pool_workers < workers:
             if _pool is not None:
                 _pool.shutdown(wait=False)  # its queued work still runs
-            _pool, _pool_workers = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="codec"), workers
+            _pool, _pool_workers = (
+                concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="codec"),
+                workers,
+            )
         return _pool
 
 
@@ -218,7 +236,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _parallel(fn: Callable[[int], object], n: int) -> list:
+def _parallel(fn: Callable[[int], Any], n: int) -> list[Any]:
     """[fn(0), ..., fn(n - 1)] on up to get_threads() threads, the caller's included.
 
     Items go to whichever thread is free (each writes only its own outputs), so the
@@ -228,11 +246,11 @@ def _parallel(fn: Callable[[int], object], n: int) -> list:
     threads = min(_threads, n)
     if threads <= 1 or getattr(_local, "in_pool", False):
         return [fn(i) for i in range(n)]
-    results: list = [None] * n
+    results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
     items = iter(range(n))  # next() on a range iterator is atomic under the GIL
 
-    def work(in_pool: bool):
+    def work(in_pool: bool) -> None:
         _local.in_pool = in_pool
         for i in items:
             try:
@@ -253,6 +271,7 @@ def _parallel(fn: Callable[[int], object], n: int) -> list:
 
 # ---- zstd ----
 
+
 def _compressor(level: int | None) -> zstandard.ZstdCompressor:
     """One compressor per thread and level: zstd contexts are not thread-safe."""
     cache = getattr(_local, "compressors", None)
@@ -263,9 +282,11 @@ def _compressor(level: int | None) -> zstandard.ZstdCompressor:
             params = zstandard.ZstdCompressionParameters(**_ZSTD_PARAMS)
         else:
             params = zstandard.ZstdCompressionParameters.from_level(
-                level, write_checksum=1, write_content_size=1)
+                level, write_checksum=1, write_content_size=1
+            )
         cache[level] = zstandard.ZstdCompressor(compression_params=params)
-    return cache[level]
+    compressor: zstandard.ZstdCompressor = cache[level]
+    return compressor
 
 
 def _scratch(size: int) -> np.ndarray:
@@ -291,7 +312,9 @@ def _inflate(payload: memoryview, codec: Codec, count: int, what: str) -> bytes:
     except zstandard.ZstdError as e:
         raise CodecError(f"corrupt {what}: {e}") from None
     if size != expected:
-        raise CodecError(f"{what} declares {size} bytes; {count} {codec.name} values need {expected}")
+        raise CodecError(
+            f"{what} declares {size} bytes; {count} {codec.name} values need {expected}"
+        )
     if expected <= 4 * CHUNK_VALUES:  # allocates `expected` up front: only for chunk-sized bodies
         try:
             body = _decompressor().decompress(payload, allow_extra_data=False)
@@ -314,6 +337,7 @@ def _inflate(payload: memoryview, codec: Codec, count: int, what: str) -> bytes:
 
 # ---- encode ----
 
+
 def _assemble(codec: Codec, n: int, chunks: Sequence[Sequence[bytes]]) -> bytes:
     """Header, table and compressed chunks (each a list of pieces): a version 2 frame."""
     header = _HEADER.pack(MAGIC, int(codec), FRAME_VERSION, 1 if codec == Codec.FP32 else BLOCK, n)
@@ -321,19 +345,26 @@ def _assemble(codec: Codec, n: int, chunks: Sequence[Sequence[bytes]]) -> bytes:
     return b"".join([header, table, *itertools.chain.from_iterable(chunks)])  # one copy
 
 
-def _frame(codec: Codec, n: int, body, level: int | None = None) -> bytes:
+def _frame(codec: Codec, n: int, body: Frame | np.ndarray, level: int | None = None) -> bytes:
     """A frame around ready-made chunk bodies laid back to back (for frames the encoder
     would not write, e.g. an incompressible worst case)."""
-    mv, chunks, at = memoryview(body).cast("B"), [], 0
+    mv = memoryview(body).cast("B")  # type: ignore[arg-type]  # numpy types no buffer before 3.12
+    chunks: list[list[bytes]] = []
+    at = 0
     for start, stop in _chunk_spans(n):
         size = body_bytes(codec, stop - start)
-        chunks.append([_compressor(level).compress(mv[at:at + size])])
+        chunks.append([_compressor(level).compress(mv[at : at + size])])
         at += size
     return _assemble(codec, n, chunks)
 
 
-def _encode(x: np.ndarray, residual: np.ndarray | None, codec: Codec, level: int | None,
-            r_out: np.ndarray | None = None) -> bytes:
+def _encode(
+    x: np.ndarray,
+    residual: np.ndarray | None,
+    codec: Codec,
+    level: int | None,
+    r_out: np.ndarray | None = None,
+) -> bytes:
     """The frame of x (+ residual); raises CodecError on non-finite input.
 
     When r_out is given (never `residual` itself) the new residual is written there."""
@@ -352,17 +383,23 @@ def _encode(x: np.ndarray, residual: np.ndarray | None, codec: Codec, level: int
                 return start + int(bad[0])
             if r_out is not None:
                 r_out[start:stop] = 0.0  # lossless: nothing is left over
-            return [_compressor(level).compress(y.astype("<f4", copy=False))]
+            return [_compressor(level).compress(y.astype("<f4", copy=False).data)]
         body = _scratch(body_bytes(codec, stop - start))
-        bad = _kernels.encode(_KERNEL_FORMAT[codec], xs, rs, None if r_out is None else r_out[start:stop], body)
-        if bad >= 0:
-            return start + bad
+        bad_at: int = _kernels.encode(
+            _KERNEL_FORMAT[codec], xs, rs, None if r_out is None else r_out[start:stop], body
+        )
+        if bad_at >= 0:
+            return start + bad_at
         # The scales end a zstd block of their own: one Huffman table for scales and
         # codes together costs ~0.18 bits per INT4 value (measured, Gaussian data).
         split = -(-(stop - start) // BLOCK) * _SCALE_BYTES[codec]
         z = _compressor(level).compressobj(size=body.size)
-        return [z.compress(body[:split]), z.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK),
-                z.compress(body[split:]), z.flush()]
+        return [
+            z.compress(body[:split].data),
+            z.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK),
+            z.compress(body[split:].data),
+            z.flush(),
+        ]
 
     chunks = _parallel(chunk, len(spans))
     for c in chunks:
@@ -414,7 +451,9 @@ class ErrorFeedback:
         """Encodes x plus the residual; on error the residual is left as it was."""
         flat = _as_f32(x, "x")
         if flat.size != self.residual.size:
-            raise CodecError(f"x holds {flat.size} values; this stream carries {self.residual.size}")
+            raise CodecError(
+                f"x holds {flat.size} values; this stream carries {self.residual.size}"
+            )
         frame = _encode(flat, self.residual, self.codec, self.level, r_out=self._spare)
         # only now: a failed encode leaves the stream as it was
         self.residual, self._spare = self._spare, self.residual
@@ -427,15 +466,20 @@ class ErrorFeedback:
 
 # ---- read ----
 
+
 def frame_info(frame: bytes | memoryview) -> FrameInfo:
     """Parses and checks a frame's header."""
     if len(frame) < HEADER_BYTES:
-        raise CodecError(f"frame of {len(frame)} bytes is shorter than its {HEADER_BYTES}-byte header")
+        raise CodecError(
+            f"frame of {len(frame)} bytes is shorter than its {HEADER_BYTES}-byte header"
+        )
     magic, codec_id, version, block, n = _HEADER.unpack_from(frame)
     if magic != MAGIC:
         raise CodecError(f"not an atoll frame (magic {magic!r})")
     if version not in READ_VERSIONS:
-        raise CodecError(f"frame version {version} is not supported (this build reads {READ_VERSIONS})")
+        raise CodecError(
+            f"frame version {version} is not supported (this build reads {READ_VERSIONS})"
+        )
     try:
         codec = Codec(codec_id)
     except ValueError:
@@ -454,29 +498,36 @@ class _Chunk:
     codes: memoryview  # 4-bit codes, or FP32 values
 
 
-def _split_body(codec: Codec, start: int, count: int, body) -> _Chunk:
+def _split_body(codec: Codec, start: int, count: int, body: bytes | np.ndarray) -> _Chunk:
     """A chunk over one chunk body: scales then codes (4-bit) or float32 values."""
-    mv = memoryview(body).cast("B")
+    mv = memoryview(body).cast("B")  # type: ignore[arg-type]  # numpy types no buffer before 3.12
     if codec == Codec.FP32:
         return _Chunk(start, count, mv[:0], mv)
     nb = -(-count // BLOCK)
-    return _Chunk(start, count, mv[:nb * _SCALE_BYTES[codec]], mv[nb * _SCALE_BYTES[codec]:])
+    return _Chunk(start, count, mv[: nb * _SCALE_BYTES[codec]], mv[nb * _SCALE_BYTES[codec] :])
 
 
 def _v1_chunks(codec: Codec, n: int, body: bytes) -> list[_Chunk]:
     """A version 1 body cut on the version 2 chunk grid (views, no copies)."""
     mv = memoryview(body)
     if codec == Codec.FP32:
-        return [_Chunk(a, b - a, mv[:0], mv[4 * a:4 * b]) for a, b in _chunk_spans(n)]
+        return [_Chunk(a, b - a, mv[:0], mv[4 * a : 4 * b]) for a, b in _chunk_spans(n)]
     nb, sb = -(-n // BLOCK), _SCALE_BYTES[codec]
     out = []
     for a, b in _chunk_spans(n):
         b0, b1 = a // BLOCK, -(-b // BLOCK)
-        out.append(_Chunk(a, b - a, mv[b0 * sb:b1 * sb], mv[nb * sb + b0 * (BLOCK // 2):nb * sb + b1 * (BLOCK // 2)]))
+        out.append(
+            _Chunk(
+                a,
+                b - a,
+                mv[b0 * sb : b1 * sb],
+                mv[nb * sb + b0 * (BLOCK // 2) : nb * sb + b1 * (BLOCK // 2)],
+            )
+        )
     return out
 
 
-def _payloads(frame, info: FrameInfo, version: int) -> list[tuple[int, int, memoryview]]:
+def _payloads(frame: Frame, info: FrameInfo, version: int) -> list[tuple[int, int, memoryview]]:
     """(start, count, compressed bytes) of every chunk, from the header and table alone."""
     mv = memoryview(frame).cast("B")
     n = info.num_values
@@ -485,16 +536,20 @@ def _payloads(frame, info: FrameInfo, version: int) -> list[tuple[int, int, memo
     k = _num_chunks(n)
     table_end = HEADER_BYTES + 4 * (k - 1)
     if len(mv) <= table_end:  # also refuses an absurd count before allocating for it
-        raise CodecError(f"truncated frame: {n} values need a table of {k - 1} chunk lengths and "
-                         f"{k} chunks; the frame ends after {len(mv)} bytes")
+        raise CodecError(
+            f"truncated frame: {n} values need a table of {k - 1} chunk lengths and "
+            f"{k} chunks; the frame ends after {len(mv)} bytes"
+        )
     spans = _chunk_spans(n)
     sizes = list(struct.unpack_from(f"<{k - 1}I", mv, HEADER_BYTES))
     last = len(mv) - table_end - sum(sizes)
     if last <= 0 or 0 in sizes:
-        raise CodecError(f"truncated frame: chunk lengths {sizes[:8]}{'...' if k > 9 else ''} leave "
-                         f"{last} bytes for the last chunk")
+        raise CodecError(
+            f"truncated frame: chunk lengths {sizes[:8]}{'...' if k > 9 else ''} leave "
+            f"{last} bytes for the last chunk"
+        )
     bounds = list(itertools.accumulate(sizes + [last], initial=table_end))  # k + 1 offsets
-    return [(a, b - a, mv[bounds[i]:bounds[i + 1]]) for i, (a, b) in enumerate(spans)]
+    return [(a, b - a, mv[bounds[i] : bounds[i + 1]]) for i, (a, b) in enumerate(spans)]
 
 
 class Codes:
@@ -539,26 +594,35 @@ class Codes:
                 return
             if self.info.codec == Codec.FP32:
                 raise CodecError(f"non-finite FP32 value at index {c.start + bad}")
-            raise CodecError(f"{self.info.codec.name} frame has an invalid scale (out of range) or nonzero "
-                             f"padding in block {c.start // BLOCK + bad}")
+            raise CodecError(
+                f"{self.info.codec.name} frame has an invalid scale (out of range) or nonzero "
+                f"padding in block {c.start // BLOCK + bad}"
+            )
+
         _parallel(check, len(self._chunks))
 
-    def _ranges(self, offsets, ends) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    def _ranges(
+        self, offsets: npt.ArrayLike, ends: npt.ArrayLike
+    ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
         """Checked int64 ranges and, per chunk, the slice [r0, r1) of ranges that meet it."""
         o = np.ascontiguousarray(offsets, np.int64).reshape(-1)
         e = np.ascontiguousarray(ends, np.int64).reshape(-1)
         if np.ndim(offsets) != 1 or o.shape != e.shape:
-            raise CodecError(f"offsets {np.shape(offsets)} and ends {np.shape(ends)}: want equal 1-D shapes")
+            raise CodecError(
+                f"offsets {np.shape(offsets)} and ends {np.shape(ends)}: want equal 1-D shapes"
+            )
         n = self.num_values
         if o.size and (o[0] < 0 or np.any(e < o) or np.any(o[1:] < e[:-1]) or e[-1] > n):
             raise CodecError(f"ranges must be ordered, non-overlapping and within [0, {n})")
         starts = np.array([c.start for c in self._chunks], np.int64)
         stops = starts + np.array([c.count for c in self._chunks], np.int64)
         r0 = np.searchsorted(e, starts, side="right")  # first range ending after the chunk starts
-        r1 = np.maximum(np.searchsorted(o, stops, side="left"), r0)  # first range starting at/after its end
+        r1 = np.maximum(
+            np.searchsorted(o, stops, side="left"), r0
+        )  # first range starting at/after its end
         return o, e, list(zip(r0.tolist(), r1.tolist()))
 
-    def range_sq_norms(self, offsets, ends) -> np.ndarray:
+    def range_sq_norms(self, offsets: npt.ArrayLike, ends: npt.ArrayLike) -> np.ndarray:
         """Σ value² over each range [offsets[r], ends[r]) of the values, as float64.
 
         Order, fixed by the format and not by threads: per 32-value block (counted from
@@ -571,27 +635,43 @@ class Codes:
         o, e, meets = self._ranges(offsets, ends)
         key = (o.tobytes(), e.tobytes())
         cached = self._sq_norms
-        if cached is not None and cached[:2] == key:  # the codes never change: neither do their sums
+        if (
+            cached is not None and cached[:2] == key
+        ):  # the codes never change: neither do their sums
             return cached[2].copy()
 
         def part(i: int) -> np.ndarray:
             c, (r0, r1) = self._chunks[i], meets[i]
             sq = np.empty(r1 - r0, np.float64)
             if r1 > r0:
-                _kernels.range_stats(self._format, c.scales, c.codes, c.count, c.start, o[r0:r1], e[r0:r1], sq, None,
-                                     False)
+                _kernels.range_stats(
+                    self._format,
+                    c.scales,
+                    c.codes,
+                    c.count,
+                    c.start,
+                    o[r0:r1],
+                    e[r0:r1],
+                    sq,
+                    None,
+                    False,
+                )
             return sq
 
         parts = _parallel(part, len(self._chunks))
         total = np.zeros(o.size, np.float64)
-        for (r0, r1), sq in zip(meets, parts):  # chunk order: the same sums on any number of threads
+        for (r0, r1), sq in zip(
+            meets, parts
+        ):  # chunk order: the same sums on any number of threads
             total[r0:r1] += sq
         if not np.all(np.isfinite(total)):  # cannot happen for checked codes; refuse all the same
             raise CodecError("a range's sum of squares is not finite")
         self._sq_norms = (*key, total.copy())
         return total
 
-    def accumulate_ranges(self, out: np.ndarray, offsets, ends, scales) -> None:
+    def accumulate_ranges(
+        self, out: np.ndarray, offsets: npt.ArrayLike, ends: npt.ArrayLike, scales: npt.ArrayLike
+    ) -> None:
         """out[i] += float32(scales[r]) * value_i for i in each range r; 0 scales skip.
 
         Multiply, then add, each rounded to float32 (never fused): bit-identical to
@@ -617,24 +697,50 @@ class Codes:
 
             def check(i: int) -> int:
                 c, (r0, r1) = self._chunks[i], meets[i]
-                return _kernels.accumulate(self._format, c.scales, c.codes, c.count, c.start, o[r0:r1], e[r0:r1],
-                                           w_risky[r0:r1], flat, True) if r1 > r0 else -1
+                return (
+                    _kernels.accumulate(
+                        self._format,
+                        c.scales,
+                        c.codes,
+                        c.count,
+                        c.start,
+                        o[r0:r1],
+                        e[r0:r1],
+                        w_risky[r0:r1],
+                        flat,
+                        True,
+                    )
+                    if r1 > r0
+                    else -1
+                )
 
             for bad in _parallel(check, len(self._chunks)):
                 if bad >= 0:
                     r = int(np.searchsorted(e, bad, side="right"))
-                    raise CodecError(f"adding range {r} (scale {float(w[r])!r}) would overflow float32 "
-                                     f"at index {bad}")
+                    raise CodecError(
+                        f"adding range {r} (scale {float(w[r])!r}) would overflow float32 "
+                        f"at index {bad}"
+                    )
 
         def add(i: int) -> None:
             c, (r0, r1) = self._chunks[i], meets[i]
             if r1 > r0:
-                _kernels.accumulate(self._format, c.scales, c.codes, c.count, c.start, o[r0:r1], e[r0:r1],
-                                    w[r0:r1], flat, False)
+                _kernels.accumulate(
+                    self._format,
+                    c.scales,
+                    c.codes,
+                    c.count,
+                    c.start,
+                    o[r0:r1],
+                    e[r0:r1],
+                    w[r0:r1],
+                    flat,
+                    False,
+                )
 
         _parallel(add, len(self._chunks))
 
-    def range_max_abs(self, offsets, ends) -> np.ndarray:
+    def range_max_abs(self, offsets: npt.ArrayLike, ends: npt.ArrayLike) -> np.ndarray:
         """max |value| over each range [offsets[r], ends[r]) (0 for an empty one), float64.
 
         Example:
@@ -645,14 +751,27 @@ class Codes:
         o, e, meets = self._ranges(offsets, ends)
         return self._max_abs(o, e, meets, exact=True)
 
-    def _max_abs(self, o: np.ndarray, e: np.ndarray, meets, exact: bool) -> np.ndarray:
+    def _max_abs(
+        self, o: np.ndarray, e: np.ndarray, meets: list[tuple[int, int]], exact: bool
+    ) -> np.ndarray:
         """max |value| per range; exact=False: for 4-bit codes, a bound from the scales alone."""
+
         def part(i: int) -> np.ndarray:
             c, (r0, r1) = self._chunks[i], meets[i]
             m = np.empty(r1 - r0, np.float64)
             if r1 > r0:
-                _kernels.range_stats(self._format, c.scales, c.codes, c.count, c.start, o[r0:r1], e[r0:r1], None, m,
-                                     exact)
+                _kernels.range_stats(
+                    self._format,
+                    c.scales,
+                    c.codes,
+                    c.count,
+                    c.start,
+                    o[r0:r1],
+                    e[r0:r1],
+                    None,
+                    m,
+                    exact,
+                )
             return m
 
         out = np.zeros(o.size, np.float64)
@@ -670,20 +789,31 @@ class Codes:
 
         def run(i: int) -> None:
             c = self._chunks[i]
-            _kernels.decode(self._format, c.scales, c.codes, flat[c.start:c.start + c.count], float(weight), accumulate)
+            _kernels.decode(
+                self._format,
+                c.scales,
+                c.codes,
+                flat[c.start : c.start + c.count],
+                float(weight),
+                accumulate,
+            )
 
         _parallel(run, len(self._chunks))
 
 
-def _check_out(out, n: int) -> None:
-    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous \
-            or not out.flags.writeable:
+def _check_out(out: object, n: int) -> None:
+    if (
+        not isinstance(out, np.ndarray)
+        or out.dtype != np.float32
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
         raise CodecError("out must be a writeable C-contiguous float32 numpy array")
     if out.size != n:
         raise CodecError(f"frame holds {n} values; out holds {out.size}")
 
 
-def read_codes(frame, *, codec: Codec | None = None, num_values: int | None = None) -> Codes:
+def read_codes(frame: Frame, *, codec: Codec | None = None, num_values: int | None = None) -> Codes:
     """Decompresses and checks every part of a frame: the merge's input, with no float32 copy.
 
     Args:
@@ -715,13 +845,18 @@ def read_codes(frame, *, codec: Codec | None = None, num_values: int | None = No
     if version == 1:
         chunks = _v1_chunks(info.codec, info.num_values, bodies[0])
     else:
-        chunks = [_split_body(info.codec, start, count, body) for (start, count, _), body in zip(payloads, bodies)]
+        chunks = [
+            _split_body(info.codec, start, count, body)
+            for (start, count, _), body in zip(payloads, bodies)
+        ]
     codes = Codes(info, chunks)
     codes._check()
     return codes
 
 
-def _as_codes(frame, codec: Codec | None = None, num_values: int | None = None) -> Codes:
+def _as_codes(
+    frame: Frame | Codes, codec: Codec | None = None, num_values: int | None = None
+) -> Codes:
     if isinstance(frame, Codes):
         if codec is not None and frame.info.codec != _codec(codec):
             raise CodecError(f"frame uses {frame.info.codec.name}; expected {_codec(codec).name}")
@@ -731,7 +866,7 @@ def _as_codes(frame, codec: Codec | None = None, num_values: int | None = None) 
     return read_codes(frame, codec=codec, num_values=num_values)
 
 
-def range_sq_norms(frame, offsets, ends) -> np.ndarray:
+def range_sq_norms(frame: Frame | Codes, offsets: npt.ArrayLike, ends: npt.ArrayLike) -> np.ndarray:
     """Σ value² per range [offsets[r], ends[r]) of a frame's values, float64 (see Codes.range_sq_norms).
 
     Example:
@@ -741,7 +876,13 @@ def range_sq_norms(frame, offsets, ends) -> np.ndarray:
     return _as_codes(frame).range_sq_norms(offsets, ends)
 
 
-def accumulate_ranges(frame, out: np.ndarray, offsets, ends, scales) -> None:
+def accumulate_ranges(
+    frame: Frame | Codes,
+    out: np.ndarray,
+    offsets: npt.ArrayLike,
+    ends: npt.ArrayLike,
+    scales: npt.ArrayLike,
+) -> None:
     """out[i] += float32(scales[r]) * value_i over each range r of a frame's values.
 
     The frame is checked whole, and so is every sum, before out is touched (see
@@ -756,8 +897,14 @@ def accumulate_ranges(frame, out: np.ndarray, offsets, ends, scales) -> None:
     _as_codes(frame).accumulate_ranges(out, offsets, ends, scales)
 
 
-def decode_into(frame, out: np.ndarray, weight: float = 1.0, *, accumulate: bool = True,
-                codec: Codec | None = None) -> FrameInfo:
+def decode_into(
+    frame: Frame | Codes,
+    out: np.ndarray,
+    weight: float = 1.0,
+    *,
+    accumulate: bool = True,
+    codec: Codec | None = None,
+) -> FrameInfo:
     """Adds weight * decoded frame into out (or overwrites when accumulate=False).
 
     No temporary of the decoded size is made for 4-bit codecs. Every check runs before
@@ -785,12 +932,16 @@ def decode_into(frame, out: np.ndarray, weight: float = 1.0, *, accumulate: bool
     return codes.info
 
 
-def decode(frame, *, codec: Codec | None = None, num_values: int | None = None) -> np.ndarray:
+def decode(
+    frame: Frame | Codes, *, codec: Codec | None = None, num_values: int | None = None
+) -> np.ndarray:
     """Decodes a frame into a new flat float32 array.
 
     When num_values is given, a frame of any other length is refused.
     """
-    codes = _as_codes(frame, codec, num_values)  # before allocating: the header's count is not yet trusted
+    codes = _as_codes(
+        frame, codec, num_values
+    )  # before allocating: the header's count is not yet trusted
     out = np.empty(codes.num_values, np.float32)
     codes.decode_into(out, 1.0, accumulate=False)
     return out

@@ -1,6 +1,6 @@
 """The fragment plan: which tensors form each of the P fragments, and where.
 
-Balanced tensor fragmentation (DESIGN.md §1): whole tensors, greedily bin-packed
+Balanced tensor fragmentation (docs/design.md §1): whole tensors, greedily bin-packed
 largest first into P fragments of near-equal size. Each fragment is one flat float32
 vector with its tensors laid out in name order at fixed offsets, and is owned by
 syncer shard ``p % S``. Learners and shards must agree on the plan bit for bit, so it
@@ -45,8 +45,10 @@ def _check_count(num_tensors: int, num_fragments: Any) -> None:
     if num_tensors == 0:
         raise ValueError("empty parameter tree: nothing to fragment")
     if num_tensors < num_fragments:
-        raise ValueError(f"num_fragments={num_fragments} but only {num_tensors} tensors: "
-                         f"a fragment would be empty; use num_fragments <= {num_tensors}")
+        raise ValueError(
+            f"num_fragments={num_fragments} but only {num_tensors} tensors: "
+            f"a fragment would be empty; use num_fragments <= {num_tensors}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +59,7 @@ class TensorSpec:
     shape: tuple[int, ...]  # every dim >= 1
     embedding: bool | None = None  # None: default_is_embedding(name)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not all(self.name.split(SEP)):
             raise ValueError(f"tensor name {self.name!r}: want non-empty '/'-joined keys")
         dims = tuple(self.shape) if isinstance(self.shape, Iterable) else (self.shape,)
@@ -96,8 +98,10 @@ def named_leaves(tree: Params, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in tree.items():
         if not isinstance(key, str) or not key or SEP in key:
-            raise ValueError(f"key {key!r} under {prefix or '<root>'!r}: keys must be "
-                             f"non-empty str without {SEP!r} (it joins tensor names)")
+            raise ValueError(
+                f"key {key!r} under {prefix or '<root>'!r}: keys must be "
+                f"non-empty str without {SEP!r} (it joins tensor names)"
+            )
         name = prefix + SEP + key if prefix else key
         if isinstance(value, Mapping):
             out.update(named_leaves(value, name))
@@ -118,10 +122,9 @@ class FragmentPlan:
     num_fragments: int
     slots: tuple[Slot, ...]  # sorted by name
     _by_name: dict[str, Slot] = dataclasses.field(init=False, repr=False, compare=False)
-    _frags: tuple[tuple[Slot, ...], ...] = dataclasses.field(
-        init=False, repr=False, compare=False)
+    _frags: tuple[tuple[Slot, ...], ...] = dataclasses.field(init=False, repr=False, compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         P, slots = self.num_fragments, tuple(sorted(self.slots, key=lambda s: s.name))
         _check_count(len(slots), P)
         P = int(P)
@@ -146,8 +149,7 @@ class FragmentPlan:
             offset = 0
             for s in members:  # name order, contiguous: the canonical layout
                 if s.offset != offset:
-                    raise ValueError(f"tensor {s.name!r}: offset {s.offset}, layout "
-                                     f"says {offset}")
+                    raise ValueError(f"tensor {s.name!r}: offset {s.offset}, layout says {offset}")
                 offset = s.end
         object.__setattr__(self, "num_fragments", P)
         object.__setattr__(self, "slots", slots)
@@ -155,8 +157,13 @@ class FragmentPlan:
         object.__setattr__(self, "_frags", tuple(tuple(m) for m in frags))
 
     @classmethod
-    def build(cls, specs_or_tree: Params | Iterable[TensorSpec], num_fragments: int, *,
-              is_embedding: IsEmbedding | None = None) -> FragmentPlan:
+    def build(
+        cls,
+        specs_or_tree: Params | Iterable[TensorSpec],
+        num_fragments: int,
+        *,
+        is_embedding: IsEmbedding | None = None,
+    ) -> FragmentPlan:
         """Splits tensors into `num_fragments` balanced fragments.
 
         Greedy longest-processing-time packing: tensors largest first (ties by name,
@@ -180,15 +187,13 @@ class FragmentPlan:
           ((800, 64), 1)
         """
         if isinstance(specs_or_tree, Mapping):
-            specs = [TensorSpec(n, _shape(leaf)) for n, leaf in
-                     named_leaves(specs_or_tree).items()]
+            specs = [TensorSpec(n, _shape(leaf)) for n, leaf in named_leaves(specs_or_tree).items()]
         else:
             specs = list(specs_or_tree)
             if not all(isinstance(s, TensorSpec) for s in specs):
                 raise ValueError("build() takes a nested mapping or TensorSpecs")
         if is_embedding is not None:
-            specs = [dataclasses.replace(s, embedding=bool(is_embedding(s.name)))
-                     for s in specs]
+            specs = [dataclasses.replace(s, embedding=bool(is_embedding(s.name))) for s in specs]
         _check_count(len(specs), num_fragments)
         loads = [(0, p) for p in range(num_fragments)]  # (params, fragment): min-heap
         assign: dict[str, int] = {}
@@ -231,8 +236,10 @@ class FragmentPlan:
         if not _is_int(num_shards) or num_shards < 1:
             raise ValueError(f"num_shards={num_shards!r}: need an int >= 1")
         if num_shards > self.num_fragments:
-            raise ValueError(f"num_shards={num_shards} > num_fragments="
-                             f"{self.num_fragments}: a shard would own nothing")
+            raise ValueError(
+                f"num_shards={num_shards} > num_fragments="
+                f"{self.num_fragments}: a shard would own nothing"
+            )
 
     def shard_of(self, fragment: int, num_shards: int) -> int:
         """The shard that owns `fragment`: fragment % num_shards."""
@@ -255,19 +262,21 @@ class FragmentPlan:
             if s.name not in leaves:
                 raise ValueError(f"tree lacks tensor {s.name!r} {s.spec.shape}")
             if _shape(leaves[s.name]) != s.spec.shape:
-                raise ValueError(f"tensor {s.name!r}: shape {_shape(leaves[s.name])}, "
-                                 f"plan says {s.spec.shape}")
+                raise ValueError(
+                    f"tensor {s.name!r}: shape {_shape(leaves[s.name])}, plan says {s.spec.shape}"
+                )
         extra = sorted(set(leaves) - set(self._by_name))
         if extra:
-            raise ValueError(f"tree has tensor {extra[0]!r} the plan does not know "
-                             f"({len(extra)} unknown)")
+            raise ValueError(
+                f"tree has tensor {extra[0]!r} the plan does not know ({len(extra)} unknown)"
+            )
         return leaves
 
     def _pack(self, leaves: dict[str, Any], fragment: int) -> FragmentVector:
         """Copies one fragment's tensors into a fresh float32 vector."""
         out = np.empty(self.fragment_sizes[fragment], np.float32)
         for s in self._frags[fragment]:
-            out[s.offset:s.end] = np.asarray(leaves[s.name], np.float32).reshape(-1)
+            out[s.offset : s.end] = np.asarray(leaves[s.name], np.float32).reshape(-1)
         return out
 
     def flatten(self, tree: Params) -> list[FragmentVector]:
@@ -284,15 +293,15 @@ class FragmentPlan:
         p = self._check_fragment(fragment)
         vec = np.asarray(vector, np.float32)
         if vec.shape != (self.fragment_sizes[p],):
-            raise ValueError(f"fragment {p}: vector shape {vec.shape}, want "
-                             f"({self.fragment_sizes[p]},)")
-        return {s.name: vec[s.offset:s.end].reshape(s.spec.shape) for s in self._frags[p]}
+            raise ValueError(
+                f"fragment {p}: vector shape {vec.shape}, want ({self.fragment_sizes[p]},)"
+            )
+        return {s.name: vec[s.offset : s.end].reshape(s.spec.shape) for s in self._frags[p]}
 
     def unflatten(self, vectors: Sequence[Any]) -> dict[str, Any]:
         """The nested tree of float32 arrays (views where possible) from P vectors."""
         if len(vectors) != self.num_fragments:
-            raise ValueError(f"got {len(vectors)} vectors, plan has "
-                             f"{self.num_fragments} fragments")
+            raise ValueError(f"got {len(vectors)} vectors, plan has {self.num_fragments} fragments")
         tree: dict[str, Any] = {}
         for p, vec in enumerate(vectors):
             for name, arr in self.unflatten_fragment(p, vec).items():
@@ -307,22 +316,36 @@ class FragmentPlan:
 
     def _records(self) -> list[dict[str, Any]]:
         """Per-tensor records, in name order, that define the plan."""
-        return [{"name": s.name, "shape": list(s.spec.shape), "embedding": s.spec.embedding,
-                 "fragment": s.fragment, "offset": s.offset} for s in self.slots]
+        return [
+            {
+                "name": s.name,
+                "shape": list(s.spec.shape),
+                "embedding": s.spec.embedding,
+                "fragment": s.fragment,
+                "offset": s.offset,
+            }
+            for s in self.slots
+        ]
 
     @property
     def fingerprint(self) -> str:
         """Stable id: first 16 hex chars of sha256 over the canonical JSON encoding."""
-        body = {"format": FORMAT, "num_fragments": self.num_fragments,
-                "tensors": self._records()}
+        body = {"format": FORMAT, "num_fragments": self.num_fragments, "tensors": self._records()}
         text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def to_json(self) -> str:
         """The plan as JSON, fingerprint included."""
-        return json.dumps({"format": FORMAT, "num_fragments": self.num_fragments,
-                           "fingerprint": self.fingerprint, "tensors": self._records()},
-                          sort_keys=True, indent=1)
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "num_fragments": self.num_fragments,
+                "fingerprint": self.fingerprint,
+                "tensors": self._records(),
+            },
+            sort_keys=True,
+            indent=1,
+        )
 
     @classmethod
     def from_json(cls, text: str | bytes) -> FragmentPlan:
@@ -337,15 +360,22 @@ class FragmentPlan:
                     raise ValueError(f"tensor {t['name']!r}: fragment/offset must be ints")
                 if not isinstance(t["embedding"], bool) or not isinstance(t["shape"], list):
                     raise ValueError(f"tensor {t['name']!r}: bad embedding or shape")
-                slots.append(Slot(TensorSpec(t["name"], tuple(t["shape"]), t["embedding"]),
-                                  t["fragment"], t["offset"]))
+                slots.append(
+                    Slot(
+                        TensorSpec(t["name"], tuple(t["shape"]), t["embedding"]),
+                        t["fragment"],
+                        t["offset"],
+                    )
+                )
             plan = cls(doc["num_fragments"], tuple(slots))
             claimed = doc["fingerprint"]
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise ValueError(f"malformed fragment plan JSON: {e!r}") from e
         if claimed != plan.fingerprint:
-            raise ValueError(f"fragment plan fingerprint mismatch: JSON says {claimed!r}, "
-                             f"content hashes to {plan.fingerprint!r}")
+            raise ValueError(
+                f"fragment plan fingerprint mismatch: JSON says {claimed!r}, "
+                f"content hashes to {plan.fingerprint!r}"
+            )
         return plan
 
 

@@ -24,18 +24,23 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from wire import codec
-from wire import syncer_pb2 as pb
-from wire import syncer_pb2_grpc as pb_grpc
-from wire.plan import FragmentPlan, TensorSpec
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
+from atoll.wire import syncer_pb2_grpc as pb_grpc
+from atoll.wire.plan import FragmentPlan, TensorSpec
+from atoll.wire.records import parse_serving
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SERVICE = "atoll.v1.Syncer"
 DEADLINE = 10.0  # seconds, on every call
 # Four tensors of a few hundred values, one per fragment: small enough that a push is
 # all fsync and bookkeeping, large enough for several 32-value codec blocks.
-SPECS = [TensorSpec("embed", (40, 8)), TensorSpec("w1", (8, 36)), TensorSpec("w2", (36, 8)),
-         TensorSpec("w3", (16, 16))]
+SPECS = [
+    TensorSpec("embed", (40, 8)),
+    TensorSpec("w1", (8, 36)),
+    TensorSpec("w2", (36, 8)),
+    TensorSpec("w3", (16, 16)),
+]
 PLAN = FragmentPlan.build(SPECS, 4)
 Metadata = Sequence[tuple[str, str]] | None
 
@@ -45,59 +50,122 @@ def bearer(token: str) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {token}")]
 
 
-def connect(port: int, credentials: grpc.ChannelCredentials | None = None,
-            options: Sequence[tuple[str, object]] = ()) -> tuple[grpc.Channel, pb_grpc.SyncerStub]:
+def connect(
+    port: int,
+    credentials: grpc.ChannelCredentials | None = None,
+    options: Sequence[tuple[str, object]] = (),
+) -> tuple[grpc.Channel, pb_grpc.SyncerStub]:
     """A channel to 127.0.0.1:port (TLS when credentials are given) and a Syncer stub."""
     target = f"127.0.0.1:{port}"
-    channel = (grpc.secure_channel(target, credentials, options=list(options)) if credentials
-               else grpc.insecure_channel(target, options=list(options)))
+    channel = (
+        grpc.secure_channel(target, credentials, options=list(options))
+        if credentials
+        else grpc.insecure_channel(target, options=list(options))
+    )
     return channel, pb_grpc.SyncerStub(channel)
 
 
 # --- requests ---
 
 
-def init_requests(plan: FragmentPlan, p: int, values: np.ndarray, learner: str = "a",
-                  **header) -> list[pb.InitRequest]:
+def init_requests(
+    plan: FragmentPlan, p: int, values: np.ndarray, learner: str = "a", **header
+) -> list[pb.InitRequest]:
     """Header + one chunk seeding fragment p with `values` (FP32); `header` overrides fields."""
     frame = codec.encode(np.asarray(values, np.float32), codec.Codec.FP32)
-    fields = dict(learner_id=learner, fragment=p, plan_fingerprint=plan.fingerprint,
-                  plan_json=plan.to_json(), codec=pb.CODEC_FP32, num_params=np.asarray(values).size,
-                  frame_bytes=len(frame))
+    fields = dict(
+        learner_id=learner,
+        fragment=p,
+        plan_fingerprint=plan.fingerprint,
+        plan_json=plan.to_json(),
+        codec=pb.CODEC_FP32,
+        num_params=np.asarray(values).size,
+        frame_bytes=len(frame),
+    )
     fields.update(header)
     return [pb.InitRequest(header=pb.InitHeader(**fields)), pb.InitRequest(chunk=frame)]
 
 
-def init(stub, plan: FragmentPlan, p: int, values: np.ndarray, learner: str = "a",
-         metadata: Metadata = None) -> pb.InitResponse:
-    return stub.Init(iter(init_requests(plan, p, values, learner)), timeout=DEADLINE, metadata=metadata)
+def init(
+    stub,
+    plan: FragmentPlan,
+    p: int,
+    values: np.ndarray,
+    learner: str = "a",
+    metadata: Metadata = None,
+) -> pb.InitResponse:
+    return stub.Init(
+        iter(init_requests(plan, p, values, learner)), timeout=DEADLINE, metadata=metadata
+    )
 
 
-def push_requests(plan: FragmentPlan, p: int, learner: str, seq: int, base: int,
-                  frame: bytes, num_params: int, *, chunks: int = 3, codec_id: int = pb.CODEC_INT4,
-                  **header) -> list[pb.PushRequest]:
+def push_requests(
+    plan: FragmentPlan,
+    p: int,
+    learner: str,
+    seq: int,
+    base: int,
+    frame: bytes,
+    num_params: int,
+    *,
+    chunks: int = 3,
+    codec_id: int = pb.CODEC_INT4,
+    **header,
+) -> list[pb.PushRequest]:
     """Header + `frame` split into `chunks` chunks; `header` overrides any header field."""
-    fields = dict(learner_id=learner, fragment=p, base_version=base, seq=seq, inner_steps=10,
-                  tokens=1000, codec=codec_id, num_params=num_params,
-                  plan_fingerprint=plan.fingerprint, frame_bytes=len(frame))
+    fields = dict(
+        learner_id=learner,
+        fragment=p,
+        base_version=base,
+        seq=seq,
+        inner_steps=10,
+        tokens=1000,
+        codec=codec_id,
+        num_params=num_params,
+        plan_fingerprint=plan.fingerprint,
+        frame_bytes=len(frame),
+    )
     fields.update(header)
     size = max(1, -(-len(frame) // chunks))
     return [pb.PushRequest(header=pb.PushHeader(**fields))] + [
-        pb.PushRequest(chunk=frame[i:i + size]) for i in range(0, len(frame), size)]
+        pb.PushRequest(chunk=frame[i : i + size]) for i in range(0, len(frame), size)
+    ]
 
 
-def push(stub, plan: FragmentPlan, p: int, learner: str, seq: int, base: int, delta: np.ndarray, *,
-         chunks: int = 3, codec_id: int = pb.CODEC_INT4, metadata: Metadata = None,
-         **header) -> pb.PushResponse:
+def push(
+    stub,
+    plan: FragmentPlan,
+    p: int,
+    learner: str,
+    seq: int,
+    base: int,
+    delta: np.ndarray,
+    *,
+    chunks: int = 3,
+    codec_id: int = pb.CODEC_INT4,
+    metadata: Metadata = None,
+    **header,
+) -> pb.PushResponse:
     """Encodes `delta` with `codec_id` and pushes it; `header` overrides any header field."""
     frame = codec.encode(np.asarray(delta, np.float32), codec.Codec(codec_id))
-    msgs = push_requests(plan, p, learner, seq, base, frame, np.asarray(delta).size, chunks=chunks,
-                         codec_id=codec_id, **header)
+    msgs = push_requests(
+        plan,
+        p,
+        learner,
+        seq,
+        base,
+        frame,
+        np.asarray(delta).size,
+        chunks=chunks,
+        codec_id=codec_id,
+        **header,
+    )
     return stub.Push(iter(msgs), timeout=DEADLINE, metadata=metadata)
 
 
-def pull(stub, p: int, have: int | None = None, learner: str = "",
-         metadata: Metadata = None) -> tuple[pb.PullHeader, list[tuple[int, bytes]]]:
+def pull(
+    stub, p: int, have: int | None = None, learner: str = "", metadata: Metadata = None
+) -> tuple[pb.PullHeader, list[tuple[int, bytes]]]:
     """(header, [(version, frame bytes)]) of one Pull; chunks are joined into frames."""
     req = pb.PullRequest(fragment=p, learner_id=learner)
     if have is not None:
@@ -133,8 +201,12 @@ def fragment_state(stub, info: pb.FragmentInfo) -> dict | None:
     """A fragment's visible state: version, open round, the published copy as a full
     FP32 snapshot frame, and every delta frame still in the ring (all bytes). None when a
     round closed between the Describe that gave `info` and the Pull."""
-    state = {"initialized": info.initialized, "version": info.version, "round_size": info.round_size,
-             "oldest_delta_base": info.oldest_delta_base}
+    state = {
+        "initialized": info.initialized,
+        "version": info.version,
+        "round_size": info.round_size,
+        "oldest_delta_base": info.oldest_delta_base,
+    }
     if info.initialized:
         header, snap = pull(stub, info.fragment)
         assert header.snapshot
@@ -161,12 +233,16 @@ def shard_state(stub, metadata: Metadata = None, attempts: int = 20) -> dict[int
 
 
 def health_status(channel: grpc.Channel, service: str = "") -> int:
-    return health_pb2_grpc.HealthStub(channel).Check(
-        health_pb2.HealthCheckRequest(service=service), timeout=DEADLINE).status
+    return (
+        health_pb2_grpc.HealthStub(channel)
+        .Check(health_pb2.HealthCheckRequest(service=service), timeout=DEADLINE)
+        .status
+    )
 
 
-def wait_serving(port: int, timeout: float = 30.0,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+def wait_serving(
+    port: int, timeout: float = 30.0, credentials: grpc.ChannelCredentials | None = None
+) -> None:
     """Polls the health service until the shard reports SERVING for the Syncer service."""
     channel, _ = connect(port, credentials)
     deadline = time.monotonic() + timeout
@@ -187,26 +263,44 @@ def wait_serving(port: int, timeout: float = 30.0,
 
 # --- `atoll syncer` processes ---
 
-_SERVING = re.compile(r"serving on port (\d+)")
-
 
 class SyncerProcess:
     """One `atoll syncer` child on 127.0.0.1:0; `start()` returns the port it printed."""
 
     def __init__(self, data_dir: pathlib.Path, flags: Sequence[str], log_path: pathlib.Path):
-        self.args = [sys.executable, "-m", "atoll.cli", "syncer", "--data-dir", str(data_dir),
-                     "--listen", "127.0.0.1:0", *map(str, flags)]
+        self.args = [
+            sys.executable,
+            "-m",
+            "atoll.cli",
+            "syncer",
+            "--data-dir",
+            str(data_dir),
+            "--listen",
+            "127.0.0.1:0",
+            *map(str, flags),
+        ]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
         self._reader: threading.Thread | None = None
 
     def start(self, timeout: float = 60.0) -> int:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+            ),
+        }
         with open(self.log_path, "a") as log:
-            self.proc = subprocess.Popen(self.args, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, stderr=log, text=True)
+            self.proc = subprocess.Popen(
+                self.args,
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
         lines: queue.Queue[str | None] = queue.Queue()
 
         def read(out=self.proc.stdout):  # drains stdout so the child never blocks on it
@@ -221,13 +315,16 @@ class SyncerProcess:
             try:
                 line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise TimeoutError(f"no 'serving on port' line after {timeout} s:\n{self.log()}") from None
+                raise TimeoutError(
+                    f"no 'serving on port' line after {timeout} s:\n{self.log()}"
+                ) from None
             if line is None:
                 self.proc.wait(timeout=10)
-                raise RuntimeError(f"atoll syncer exited with {self.proc.returncode} before serving:\n"
-                                   f"{self.log()}")
-            if m := _SERVING.search(line):
-                self.port = int(m.group(1))
+                raise RuntimeError(
+                    f"atoll syncer exited with {self.proc.returncode} before serving:\n{self.log()}"
+                )
+            if ports := parse_serving(line):
+                self.port = ports[0]
         wait_serving(self.port, timeout=max(1.0, deadline - time.monotonic()))
         return self.port
 

@@ -8,15 +8,40 @@ import sys
 
 import pytest
 
-FIELDS = ("params", "learners", "fragments", "rounds", "codec", "bits_per_param", "pushes_accepted",
-          "pushes_expected", "ingest_mparams_per_s", "wire_mb_per_s", "raw_grpc_mb_per_s", "ratio",
-          "fsync_ms_p50", "rss_bytes_per_param", "rss_peak_bytes_per_param", "rss_note", "targets",
-          "connections", "client_processes", "push_latency_ms", "raw_latency_ms")
+pytestmark = pytest.mark.e2e  # a whole run: `make test-fast` skips it
+
+FIELDS = (
+    "params",
+    "learners",
+    "fragments",
+    "rounds",
+    "codec",
+    "bits_per_param",
+    "pushes_accepted",
+    "pushes_expected",
+    "ingest_mparams_per_s",
+    "wire_mb_per_s",
+    "raw_grpc_mb_per_s",
+    "ratio",
+    "fsync_ms_p50",
+    "rss_bytes_per_param",
+    "rss_peak_bytes_per_param",
+    "rss_note",
+    "targets",
+    "connections",
+    "client_processes",
+    "push_latency_ms",
+    "raw_latency_ms",
+)
 
 
 def _bench(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "atoll.cli", "bench", "ingest", *flags, "--json"],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "atoll.cli", "bench", "ingest", *flags, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.timeout(90)
@@ -34,11 +59,19 @@ def test_tiny_run_reports_every_figure():
     assert r["pushes_refused"] == {}
     assert r["shard"]["rounds_closed"] == 8 * 2  # quorum 2, no grace: every round closes
     assert 3.5 < r["bits_per_param"] < 4.5
-    for key in ("ingest_mparams_per_s", "wire_mb_per_s", "raw_grpc_mb_per_s", "ratio", "fsync_ms_p50"):
+    for key in (
+        "ingest_mparams_per_s",
+        "wire_mb_per_s",
+        "raw_grpc_mb_per_s",
+        "ratio",
+        "fsync_ms_p50",
+    ):
         assert r[key] > 0, key
     # 4-bit frames: params per second is about twice the MB per second
     assert 1.5 < r["ingest_mparams_per_s"] / r["wire_mb_per_s"] < 2.5
-    assert r["rss_bytes_per_param"] > 0 and r["rss_peak_bytes_per_param"] >= r["rss_bytes_per_param"]
+    assert (
+        r["rss_bytes_per_param"] > 0 and r["rss_peak_bytes_per_param"] >= r["rss_bytes_per_param"]
+    )
     assert set(r["targets"]) == {"ratio", "rss_bytes_per_param", "fsync_ms_p50"}
     assert all(isinstance(t["met"], bool) for t in r["targets"].values())
 

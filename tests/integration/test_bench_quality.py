@@ -6,13 +6,35 @@ import json
 import subprocess
 import sys
 
+import pytest
 from syncer_helpers import REPO
+
+pytestmark = pytest.mark.e2e  # a whole run: `make test-fast` skips it
 
 
 def test_quality_bench_compares_four_runs_at_equal_tokens(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "atoll.cli", "bench", "quality", "--steps", "40",
-                             "--learners", "2", "--period", "8", "--work-dir", str(tmp_path), "--json"],
-                            cwd=REPO, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "atoll.cli",
+            "bench",
+            "quality",
+            "--steps",
+            "40",
+            "--learners",
+            "2",
+            "--period",
+            "8",
+            "--work-dir",
+            str(tmp_path),
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     r = json.loads(result.stdout)
     for key in ("baseline_eval_loss", "atoll_fp32_eval_loss"):
@@ -23,12 +45,29 @@ def test_quality_bench_compares_four_runs_at_equal_tokens(tmp_path):
     for key in ("atoll_4bit_eval_loss", "atoll_mixed_speed_eval_loss"):
         assert 0 < r[key] < float("inf"), (key, r[key])
     # the mixed-speed run trains the same tokens: its slow learner takes longer, not fewer steps
-    assert r["budget"]["tokens"] == r["budget"]["baseline_tokens"] == r["budget"]["mixed_tokens"] == 2 * 40 * 16 * 32
+    assert (
+        r["budget"]["tokens"]
+        == r["budget"]["baseline_tokens"]
+        == r["budget"]["mixed_tokens"]
+        == 2 * 40 * 16 * 32
+    )
     assert r["budget"]["mixed_slowdown"] == [1.0, 2.0]
-    assert abs(r["mixed_speed_gap_pct"] - 100 * (r["atoll_mixed_speed_eval_loss"] / r["baseline_eval_loss"] - 1)) < 1e-2
+    assert (
+        abs(
+            r["mixed_speed_gap_pct"]
+            - 100 * (r["atoll_mixed_speed_eval_loss"] / r["baseline_eval_loss"] - 1)
+        )
+        < 1e-2
+    )
     # the defaults: the paper's outer optimiser, K = 2 (< M at the default M = 4)
-    assert r["config"]["outer_lr"] == 0.7 and r["config"]["outer_momentum"] == 0.9 and r["config"]["quorum"] == 2
-    assert abs(r["gap_pct"] - 100 * (r["atoll_4bit_eval_loss"] / r["baseline_eval_loss"] - 1)) < 1e-2
+    assert (
+        r["config"]["outer_lr"] == 0.7
+        and r["config"]["outer_momentum"] == 0.9
+        and r["config"]["quorum"] == 2
+    )
+    assert (
+        abs(r["gap_pct"] - 100 * (r["atoll_4bit_eval_loss"] / r["baseline_eval_loss"] - 1)) < 1e-2
+    )
     # 4-bit frames carry ~8x fewer bytes than fp32 ones; the Init offers are the same in both
     assert r["bytes_atoll"] < r["bytes_atoll_fp32"]
     assert r["bandwidth_reduction"] == round(r["bytes_dp"] / r["bytes_atoll"], 1)

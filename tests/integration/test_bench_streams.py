@@ -8,21 +8,39 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # a whole run: `make test-fast` skips it
+
 
 def _bench(*flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "atoll.cli", "bench", "streams", *flags, "--json"],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "atoll.cli", "bench", "streams", *flags, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.timeout(150)
 def test_tiny_crowd_reports_every_figure():
-    run = _bench("--watches", "120", "--stalled", "20", "--seconds", "1.5", "--push-interval", "0.5",
-                 "--crowd-processes", "2")
+    run = _bench(
+        "--watches",
+        "120",
+        "--stalled",
+        "20",
+        "--seconds",
+        "1.5",
+        "--push-interval",
+        "0.5",
+        "--crowd-processes",
+        "2",
+    )
     assert run.returncode == 0, run.stderr
     r = json.loads(run.stdout)
     assert (r["watch_streams"], r["stalled_pushes"]) == (120, 20)
     assert r["open_calls_at_shard"]["Watch"] == 120 and r["open_calls_at_shard"]["Push"] >= 20
-    assert r["crowd_errors"] == [] and r["watch_notices_received"] >= 120 * 4  # each fragment's version, then more
+    assert (
+        r["crowd_errors"] == [] and r["watch_notices_received"] >= 120 * 4
+    )  # each fragment's version, then more
     for phase in ("before", "during", "after", "after_second_crowd"):
         p = r[phase]
         assert p["health_checks"] > 0 and p["health_failures"] == 0, phase

@@ -7,9 +7,12 @@ import json
 import subprocess
 import sys
 
+import pytest
 from syncer_helpers import REPO
 
-from atoll.chaos import FailureSchedule
+from atoll.faults.chaos import FailureSchedule
+
+pytestmark = pytest.mark.e2e  # a whole run: `make test-fast` skips it
 
 LEARNERS, DURATION, MTBF, SEED = 3, 40.0, 25.0, 0
 SHARD_KILL_AT = 12.0
@@ -23,11 +26,37 @@ def test_chaos_run_survives_learner_and_shard_kills(tmp_path):
 
     work = tmp_path / "chaos"
     proc = subprocess.run(
-        [sys.executable, "-m", "atoll.cli", "chaos", "--learners", str(LEARNERS), "--shards", "2",
-         "--duration", str(DURATION), "--mtbf", str(MTBF), "--seed", str(SEED), "--restart-delay", "1",
-         "--shard-kill-at", str(SHARD_KILL_AT), "--shard-restart-delay", "1", "--no-lockstep",
-         "--work-dir", str(work), "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=280)
+        [
+            sys.executable,
+            "-m",
+            "atoll.cli",
+            "chaos",
+            "--learners",
+            str(LEARNERS),
+            "--shards",
+            "2",
+            "--duration",
+            str(DURATION),
+            "--mtbf",
+            str(MTBF),
+            "--seed",
+            str(SEED),
+            "--restart-delay",
+            "1",
+            "--shard-kill-at",
+            str(SHARD_KILL_AT),
+            "--shard-restart-delay",
+            "1",
+            "--no-lockstep",
+            "--work-dir",
+            str(work),
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     run = result["runs"]["atoll"]
@@ -41,12 +70,22 @@ def test_chaos_run_survives_learner_and_shard_kills(tmp_path):
     assert run["pushes_accepted"] > 0 and run["pushes_merged"] > 0
 
     # the killed learners rejoined: each restart that had time was followed by training
-    status = {f"learner-{i}": [json.loads(l) for l in (work / "atoll" / "learners" / f"learner-{i}.jsonl")
-                                .read_text().splitlines() if l.strip()] for i in range(LEARNERS)}
+    status = {
+        f"learner-{i}": [
+            json.loads(l)
+            for l in (work / "atoll" / "learners" / f"learner-{i}.jsonl").read_text().splitlines()
+            if l.strip()
+        ]
+        for i in range(LEARNERS)
+    }
     kills = [k for k in run["kills"] if "learner" in k]
     for k in kills:
         if k["time"] < DURATION - 15:
-            later = [r for r in status[k["learner"]] if r.get("state") == "training" and r["step"] > k["step"]]
+            later = [
+                r
+                for r in status[k["learner"]]
+                if r.get("state") == "training" and r["step"] > k["step"]
+            ]
             assert later, f"{k['learner']} killed at step {k['step']} never trained again"
     assert run["learners_rejoined"] >= 1
     # by default compiled standbys take the killed learners' ids over (from their checkpoints)
@@ -58,4 +97,6 @@ def test_chaos_run_survives_learner_and_shard_kills(tmp_path):
     assert run["uptime"] > 0.5
     assert all(v >= 5 for v in run["final_versions"].values()), run["final_versions"]
     assert 0 < result["goodput"] <= 1
-    assert result["final_eval_loss"] is not None and result["final_eval_loss"] < 4.0  # from ~5.5 at init
+    assert (
+        result["final_eval_loss"] is not None and result["final_eval_loss"] < 4.0
+    )  # from ~5.5 at init

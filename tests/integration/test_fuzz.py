@@ -18,27 +18,54 @@ import pytest
 from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from syncer_helpers import (
+    DEADLINE,
+    PLAN,
+    connect,
+    describe,
+    health_status,
+    init,
+    pull,
+    push,
+    push_requests,
+    shard_state,
+    syncer_processes,
+)
 
-from syncer_helpers import (DEADLINE, PLAN, connect, describe, health_status, init, pull, push,
-                            push_requests, shard_state, syncer_processes)
-from wire import codec
-from wire import syncer_pb2 as pb
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
 
 U32, U64 = (1 << 32) - 1, (1 << 64) - 1
 FLAGS = ("--quorum=2", "--grace-factor=0", "--lease-seconds=600", "--stream-idle-seconds=5")
 # Statuses a shard may answer bad input with; UNKNOWN and INTERNAL are its own failures,
 # UNAVAILABLE a crash or a dropped connection.
-PRECISE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-           grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND,
-           grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ABORTED}
-SETTINGS = settings(max_examples=50, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck))
+PRECISE = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.ABORTED,
+}
+SETTINGS = settings(
+    max_examples=50,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 
 # --- strategies ---
 
-u64 = st.one_of(st.integers(0, 16), st.sampled_from([U32, U32 + 1, 1 << 63, U64]), st.integers(0, U64))
+u64 = st.one_of(
+    st.integers(0, 16), st.sampled_from([U32, U32 + 1, 1 << 63, U64]), st.integers(0, U64)
+)
 u32 = st.one_of(st.integers(0, 16), st.sampled_from([U32, 1 << 31]), st.integers(0, U32))
-doubles = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, 1e308, 5e-324]))
+doubles = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, 1e308, 5e-324])
+)
 # Each strategy mostly draws what a learner would send, so most examples get past the
 # first check and reach the codec, the magnitude check, admission, the log and the merge.
 VALID_IDS = st.sampled_from(["f0", "f1", "f2", "f3", "f4", "f5"])
@@ -53,7 +80,9 @@ def frames(draw, size: int, codec_id: int) -> bytes:
     """A real frame of random values (possibly non-finite or huge), then perhaps mutated."""
     n = draw(st.sampled_from([size] * 6 + [0, 1, size - 1, size + 1, size * 2]))
     scale = draw(magnitudes)
-    values = np.random.default_rng(draw(st.integers(0, 2**32 - 1))).standard_normal(max(n, 0)) * scale
+    values = (
+        np.random.default_rng(draw(st.integers(0, 2**32 - 1))).standard_normal(max(n, 0)) * scale
+    )
     special = draw(st.sampled_from([None] * 6 + [math.nan, math.inf, -math.inf]))
     if special is not None and n:
         values[draw(st.integers(0, n - 1))] = special
@@ -62,12 +91,14 @@ def frames(draw, size: int, codec_id: int) -> bytes:
             frame = codec.encode(values.astype(np.float32), codec.Codec(codec_id))
     except codec.CodecError:  # values the encoder itself refuses: send bytes instead
         frame = draw(st.binary(max_size=4096))
-    mutation = draw(st.sampled_from(["none"] * 6 + ["truncate", "flip", "append", "random", "empty"]))
+    mutation = draw(
+        st.sampled_from(["none"] * 6 + ["truncate", "flip", "append", "random", "empty"])
+    )
     if mutation == "truncate" and frame:
-        frame = frame[:draw(st.integers(0, len(frame) - 1))]
+        frame = frame[: draw(st.integers(0, len(frame) - 1))]
     elif mutation == "flip" and frame:
         at = draw(st.integers(0, len(frame) - 1))
-        frame = frame[:at] + bytes([frame[at] ^ draw(st.integers(1, 255))]) + frame[at + 1:]
+        frame = frame[:at] + bytes([frame[at] ^ draw(st.integers(1, 255))]) + frame[at + 1 :]
     elif mutation == "append":
         frame += draw(st.binary(min_size=1, max_size=64))
     elif mutation == "random":
@@ -82,22 +113,64 @@ def push_streams(draw) -> list[pb.PushRequest]:
     """A Push stream: a header with any field fuzzed, a frame, and a mangled message order."""
     p = draw(st.integers(0, PLAN.num_fragments - 1))
     codec_id = draw(codecs)
-    frame = draw(frames(PLAN.fragment_sizes[p], codec_id if codec_id in (1, 2, 3) else pb.CODEC_INT4))
-    header = dict(learner_id=draw(learner_ids), fragment=p, base_version=0, seq=draw(st.one_of(st.integers(1, 64), st.integers(1, 1 << 21))),
-                  inner_steps=10, tokens=1000, codec=codec_id, num_params=PLAN.fragment_sizes[p],
-                  plan_fingerprint=PLAN.fingerprint, frame_bytes=len(frame), step_seconds=0.1,
-                  overlap_steps=1, period_steps=16)
-    fuzzed = {"fragment": u32, "base_version": u64, "seq": u64, "inner_steps": u64, "tokens": u64,
-              "num_params": u64, "plan_fingerprint": st.text(max_size=80), "frame_bytes": u64,
-              "step_seconds": doubles, "overlap_steps": u32, "period_steps": u32}
-    for name in draw(st.lists(st.sampled_from(sorted(fuzzed)), max_size=draw(st.sampled_from([0, 0, 1, 3])),
-                              unique=True)):
+    frame = draw(
+        frames(PLAN.fragment_sizes[p], codec_id if codec_id in (1, 2, 3) else pb.CODEC_INT4)
+    )
+    header = dict(
+        learner_id=draw(learner_ids),
+        fragment=p,
+        base_version=0,
+        seq=draw(st.one_of(st.integers(1, 64), st.integers(1, 1 << 21))),
+        inner_steps=10,
+        tokens=1000,
+        codec=codec_id,
+        num_params=PLAN.fragment_sizes[p],
+        plan_fingerprint=PLAN.fingerprint,
+        frame_bytes=len(frame),
+        step_seconds=0.1,
+        overlap_steps=1,
+        period_steps=16,
+    )
+    fuzzed = {
+        "fragment": u32,
+        "base_version": u64,
+        "seq": u64,
+        "inner_steps": u64,
+        "tokens": u64,
+        "num_params": u64,
+        "plan_fingerprint": st.text(max_size=80),
+        "frame_bytes": u64,
+        "step_seconds": doubles,
+        "overlap_steps": u32,
+        "period_steps": u32,
+    }
+    for name in draw(
+        st.lists(
+            st.sampled_from(sorted(fuzzed)),
+            max_size=draw(st.sampled_from([0, 0, 1, 3])),
+            unique=True,
+        )
+    ):
         header[name] = draw(fuzzed[name])
     chunks = draw(st.integers(1, 4))
-    msgs = push_requests(PLAN, p, header.pop("learner_id"), header.pop("seq"), header.pop("base_version"),
-                         frame, header.pop("num_params"), chunks=chunks, codec_id=header.pop("codec"), **header)
-    order = draw(st.sampled_from(["as is"] * 8 + ["no header", "two headers", "header only", "chunk first",
-                                                 "empty stream"]))
+    msgs = push_requests(
+        PLAN,
+        p,
+        header.pop("learner_id"),
+        header.pop("seq"),
+        header.pop("base_version"),
+        frame,
+        header.pop("num_params"),
+        chunks=chunks,
+        codec_id=header.pop("codec"),
+        **header,
+    )
+    order = draw(
+        st.sampled_from(
+            ["as is"] * 8
+            + ["no header", "two headers", "header only", "chunk first", "empty stream"]
+        )
+    )
     if order == "no header":
         msgs = msgs[1:]
     elif order == "two headers":
@@ -117,7 +190,9 @@ def well_formed_pushes(draw) -> dict:
     magnitude check, admission, the log and the merge (the test fills in seq and base)."""
     p = draw(st.integers(0, PLAN.num_fragments - 1))
     codec_id = draw(VALID_CODECS)
-    values = np.random.default_rng(draw(st.integers(0, 2**32 - 1))).standard_normal(PLAN.fragment_sizes[p])
+    values = np.random.default_rng(draw(st.integers(0, 2**32 - 1))).standard_normal(
+        PLAN.fragment_sizes[p]
+    )
     values *= draw(magnitudes)
     if draw(st.sampled_from([False] * 6 + [True])):  # one value at float32's edge
         values[draw(st.integers(0, values.size - 1))] = 3.4e38
@@ -126,16 +201,27 @@ def well_formed_pushes(draw) -> dict:
     if not np.isfinite(values).all():  # the encoder refuses these; frames() sends such bytes
         values = np.nan_to_num(values, posinf=3.4e38, neginf=-3.4e38)
     frame = codec.encode(values, codec.Codec(codec_id))
+
     def mostly(plausible, anything):
         return draw(anything if draw(st.integers(0, 15)) == 15 else plausible)
 
     steps = mostly(st.integers(1, 64), u64)
-    header = dict(inner_steps=steps, tokens=mostly(st.integers(steps, min(steps << 10, U64)), u64),
-                  step_seconds=mostly(st.floats(0.001, 10.0), doubles),
-                  overlap_steps=mostly(st.integers(0, 4), u32), period_steps=mostly(st.integers(8, 64), u32))
-    return dict(p=p, learner=draw(VALID_IDS), codec_id=codec_id, frame=frame, header=header,
-                base_lag=draw(st.sampled_from([0, 0, 0, 1, 2, 5, -1])),
-                seq_step=draw(st.sampled_from([1, 1, 1, 1, 0, -1, 1 << 20, (1 << 20) + 1])))
+    header = dict(
+        inner_steps=steps,
+        tokens=mostly(st.integers(steps, min(steps << 10, U64)), u64),
+        step_seconds=mostly(st.floats(0.001, 10.0), doubles),
+        overlap_steps=mostly(st.integers(0, 4), u32),
+        period_steps=mostly(st.integers(8, 64), u32),
+    )
+    return dict(
+        p=p,
+        learner=draw(VALID_IDS),
+        codec_id=codec_id,
+        frame=frame,
+        header=header,
+        base_lag=draw(st.sampled_from([0, 0, 0, 1, 2, 5, -1])),
+        seq_step=draw(st.sampled_from([1, 1, 1, 1, 0, -1, 1 << 20, (1 << 20) + 1])),
+    )
 
 
 @st.composite
@@ -148,16 +234,22 @@ def other_calls(draw) -> tuple[str, object]:
             req.have_version = draw(u64)
         return kind, req
     if kind == "watch":
-        return kind, pb.WatchRequest(fragments=draw(st.lists(u32, max_size=5)), learner_id=draw(learner_ids))
+        return kind, pb.WatchRequest(
+            fragments=draw(st.lists(u32, max_size=5)), learner_id=draw(learner_ids)
+        )
     if kind == "describe":
         return kind, pb.DescribeRequest()
     p = draw(st.integers(0, PLAN.num_fragments - 1))
     frame = draw(frames(PLAN.fragment_sizes[p], pb.CODEC_FP32))
-    header = pb.InitHeader(learner_id=draw(learner_ids), fragment=draw(st.one_of(st.just(p), u32)),
-                           plan_fingerprint=draw(st.one_of(st.just(PLAN.fingerprint), st.text(max_size=40))),
-                           plan_json=draw(st.one_of(st.just(PLAN.to_json()), st.text(max_size=200))),
-                           codec=draw(codecs), num_params=draw(st.one_of(st.just(PLAN.fragment_sizes[p]), u64)),
-                           frame_bytes=draw(st.one_of(st.just(len(frame)), u64)))
+    header = pb.InitHeader(
+        learner_id=draw(learner_ids),
+        fragment=draw(st.one_of(st.just(p), u32)),
+        plan_fingerprint=draw(st.one_of(st.just(PLAN.fingerprint), st.text(max_size=40))),
+        plan_json=draw(st.one_of(st.just(PLAN.to_json()), st.text(max_size=200))),
+        codec=draw(codecs),
+        num_params=draw(st.one_of(st.just(PLAN.fragment_sizes[p]), u64)),
+        frame_bytes=draw(st.one_of(st.just(len(frame)), u64)),
+    )
     return kind, [pb.InitRequest(header=header), pb.InitRequest(chunk=frame)]
 
 
@@ -211,7 +303,9 @@ def shard(tmp_path):
 
 def test_fuzzed_pushes_get_precise_answers_and_acknowledged_ones_survive_kill_9(shard):
     proc, channel, stub, restart = shard
-    acked: list[tuple[list[pb.PushRequest], pb.PushResponse]] = []  # streams taken as new, and the answer
+    acked: list[
+        tuple[list[pb.PushRequest], pb.PushResponse]
+    ] = []  # streams taken as new, and the answer
 
     @SETTINGS
     @given(msgs=push_streams())
@@ -232,8 +326,17 @@ def test_fuzzed_pushes_get_precise_answers_and_acknowledged_ones_survive_kill_9(
         seq = max(0, newest.get((learner, p), 0) + push_["seq_step"])
         newest[(learner, p)] = max(seq, newest.get((learner, p), 0))
         base = max(0, describe(stub).fragments[p].version - push_["base_lag"])
-        msgs = push_requests(PLAN, p, learner, seq, base, push_["frame"], PLAN.fragment_sizes[p],
-                             codec_id=push_["codec_id"], **push_["header"])
+        msgs = push_requests(
+            PLAN,
+            p,
+            learner,
+            seq,
+            base,
+            push_["frame"],
+            PLAN.fragment_sizes[p],
+            codec_id=push_["codec_id"],
+            **push_["header"],
+        )
         resp = _answer(lambda: stub.Push(iter(msgs), timeout=DEADLINE))
         if resp is not None:
             _well_formed(resp)
@@ -244,8 +347,15 @@ def test_fuzzed_pushes_get_precise_answers_and_acknowledged_ones_survive_kill_9(
     fuzz()
     fuzz_values()
     # a good push from a learner the fuzz never named is taken
-    good = push(stub, PLAN, 1, "good", 1, describe(stub).fragments[1].version,
-                np.full(PLAN.fragment_sizes[1], 0.01, np.float32))
+    good = push(
+        stub,
+        PLAN,
+        1,
+        "good",
+        1,
+        describe(stub).fragments[1].version,
+        np.full(PLAN.fragment_sizes[1], 0.01, np.float32),
+    )
     assert good.accepted and good.reason in (pb.PUSH_REASON_FRESH, pb.PUSH_REASON_STALE_DISCOUNTED)
     before = _settled(stub)
     assert proc.kill() == -9
@@ -257,7 +367,10 @@ def test_fuzzed_pushes_get_precise_answers_and_acknowledged_ones_survive_kill_9(
             if after[p]["version"] != was["version"]:
                 # a round open at quorum may close once the restarted shard has no leases left
                 # to wait for; its pushes are all in the close
-                assert (after[p]["version"], after[p]["round_size"]) == (was["version"] + 1, 0), (p, after[p])
+                assert (after[p]["version"], after[p]["round_size"]) == (was["version"] + 1, 0), (
+                    p,
+                    after[p],
+                )
                 assert was["round_size"] >= 2, (p, was)
             else:
                 assert after[p] == was, p
@@ -293,7 +406,9 @@ def test_fuzzed_init_pull_watch_and_describe_get_precise_answers(shard):
                 for note in stream:  # notices of fragments this shard owns, then the deadline
                     assert note.fragment < PLAN.num_fragments
             except grpc.RpcError as e:
-                assert e.code() in PRECISE | {grpc.StatusCode.DEADLINE_EXCEEDED}, f"{e.code()}: {e.details()}"
+                assert e.code() in PRECISE | {grpc.StatusCode.DEADLINE_EXCEEDED}, (
+                    f"{e.code()}: {e.details()}"
+                )
         else:
             assert len(describe(stub).fragments) == PLAN.num_fragments
         _serving(channel)

@@ -9,16 +9,22 @@ import time
 import grpc
 import numpy as np
 import pytest
-
-from server.audit import durable_pushes, lost_acks
 from syncer_helpers import PLAN, connect, init, pull, push, shard_state, syncer_processes
-from wire import syncer_pb2 as pb
+
+from atoll.server.audit import durable_pushes, lost_acks
+from atoll.wire import syncer_pb2 as pb
 
 LEARNERS = ("g0", "g1", "g2")
 # quorum 2 of 3: some pushes wait for their own fsync, some ride on their round's close;
 # snapshots every 4 rounds are written in the background while the pushes go on
-FLAGS = ["--quorum=2", "--grace-factor=0", "--snapshot-every=4", "--max-staleness=64",
-         "--staleness-discount=0", "--lease-seconds=600"]
+FLAGS = [
+    "--quorum=2",
+    "--grace-factor=0",
+    "--snapshot-every=4",
+    "--max-staleness=64",
+    "--staleness-discount=0",
+    "--lease-seconds=600",
+]
 
 
 @pytest.mark.timeout(120)
@@ -48,12 +54,17 @@ def test_sigkill_among_concurrent_pushes_loses_no_acknowledged_one(tmp_path):
                 assert ack.accepted or ack.reason in refusals, ack
                 base = ack.version
                 with lock:
-                    acks.append({"learner": learner, "fragment": p, "seq": seq, "accepted": ack.accepted})
+                    acks.append(
+                        {"learner": learner, "fragment": p, "seq": seq, "accepted": ack.accepted}
+                    )
                 if killed.is_set():
                     return
 
-        threads = [threading.Thread(target=stream, args=(m, p)) for m in LEARNERS
-                   for p in range(PLAN.num_fragments)]
+        threads = [
+            threading.Thread(target=stream, args=(m, p))
+            for m in LEARNERS
+            for p in range(PLAN.num_fragments)
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
@@ -80,8 +91,13 @@ def test_sigkill_among_concurrent_pushes_loses_no_acknowledged_one(tmp_path):
         assert sorted(state) == list(range(PLAN.num_fragments))
         newest: dict[tuple[str, int], int] = {}
         for a in accepted:
-            newest[a["learner"], a["fragment"]] = max(a["seq"], newest.get((a["learner"], a["fragment"]), 0))
-        for (learner, p), seq in newest.items():  # the restarted shard knows each newest acknowledged seq
+            newest[a["learner"], a["fragment"]] = max(
+                a["seq"], newest.get((a["learner"], a["fragment"]), 0)
+            )
+        for (
+            learner,
+            p,
+        ), seq in newest.items():  # the restarted shard knows each newest acknowledged seq
             header, _ = pull(stub, p, learner=learner)
             assert header.last_seq >= seq, (learner, p, seq)
         channel.close()

@@ -4,7 +4,6 @@ both a shard's kill -9 and a learner's kill -9 are survived."""
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import signal
@@ -13,44 +12,69 @@ import sys
 import time
 
 import pytest
-
 from syncer_helpers import REPO, SyncerProcess, syncer_processes
 
-LEARNER_FLAGS = ["--preset", "tiny", "--period", "8", "--overlap", "1", "--fragments", "4",
-                 "--eval-every", "0", "--quiet"]
+from atoll.wire.records import read_jsonl
 
-
-def _records(path: pathlib.Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+LEARNER_FLAGS = [
+    "--preset",
+    "tiny",
+    "--period",
+    "8",
+    "--overlap",
+    "1",
+    "--fragments",
+    "4",
+    "--eval-every",
+    "0",
+    "--quiet",
+]
 
 
 class Learner:
-    def __init__(self, tmp: pathlib.Path, name: str, index: int, shards: list[int], steps: int, *flags):
+    def __init__(
+        self, tmp: pathlib.Path, name: str, index: int, shards: list[int], steps: int, *flags
+    ):
         self.status = tmp / f"{name}.jsonl"
         self.log = tmp / f"{name}.log"
-        self.args = [sys.executable, "-m", "atoll.cli", "learner", "--learner-id", name,
-                     "--learner-index", str(index), "--num-learners", "2", "--steps", str(steps),
-                     "--shards", ",".join(f"127.0.0.1:{p}" for p in shards), "--status-file", str(self.status),
-                     "--cache-dir", str(tmp / "cache"), *LEARNER_FLAGS, *flags]
+        self.args = [
+            sys.executable,
+            "-m",
+            "atoll.cli",
+            "learner",
+            "--learner-id",
+            name,
+            "--learner-index",
+            str(index),
+            "--num-learners",
+            "2",
+            "--steps",
+            str(steps),
+            "--shards",
+            ",".join(f"127.0.0.1:{p}" for p in shards),
+            "--status-file",
+            str(self.status),
+            "--cache-dir",
+            str(tmp / "cache"),
+            *LEARNER_FLAGS,
+            *flags,
+        ]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Learner:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
+        }
         with open(self.log, "a") as log:
-            self.proc = subprocess.Popen(self.args, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=log)
+            self.proc = subprocess.Popen(
+                self.args, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+            )
         return self
 
     def records(self) -> list[dict]:
-        return _records(self.status)
+        return read_jsonl(self.status)
 
     def wait_for_step(self, step: int, timeout: float = 120.0) -> dict:
         deadline = time.monotonic() + timeout
@@ -79,14 +103,26 @@ def learners():
         learner.kill()
 
 
-SHARD_FLAGS = ["--num-shards", "2", "--quorum", "2", "--grace-factor", "1", "--lease-seconds", "3",
-               "--snapshot-every", "4"]
+SHARD_FLAGS = [
+    "--num-shards",
+    "2",
+    "--quorum",
+    "2",
+    "--grace-factor",
+    "1",
+    "--lease-seconds",
+    "3",
+    "--snapshot-every",
+    "4",
+]
 
 
 def _two_shards_two_learners(start, tmp_path, learners, steps):
     shards = [start(tmp_path / f"s{i}", "--shard-index", str(i), *SHARD_FLAGS) for i in range(2)]
     ports = [s.port for s in shards]
-    learners += [Learner(tmp_path, f"l{i}", i, ports, steps, "--slowdown", "8").start() for i in range(2)]
+    learners += [
+        Learner(tmp_path, f"l{i}", i, ports, steps, "--slowdown", "8").start() for i in range(2)
+    ]
     return shards, ports
 
 
@@ -98,8 +134,11 @@ def test_learners_train_through_a_shard_kill(tmp_path, learners):
         assert shards[1].kill() == -signal.SIGKILL
         before = max(r.get("version", 0) for r in learners[0].records())
         time.sleep(1.0)
-        revived = SyncerProcess(tmp_path / "s1", ["--shard-index", "1", *SHARD_FLAGS,
-                                                  "--listen", f"127.0.0.1:{ports[1]}"], tmp_path / "s1b.log")
+        revived = SyncerProcess(
+            tmp_path / "s1",
+            ["--shard-index", "1", *SHARD_FLAGS, "--listen", f"127.0.0.1:{ports[1]}"],
+            tmp_path / "s1b.log",
+        )
         revived.start()
         try:
             assert [learner.wait() for learner in learners] == [0, 0]

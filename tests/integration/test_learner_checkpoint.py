@@ -12,10 +12,11 @@ import sys
 import time
 
 import pytest
-
-from learner import checkpoint, standby
 from syncer_helpers import REPO, syncer_processes
-from test_learner import LEARNER_FLAGS, SHARD_FLAGS, Learner, _records, learners  # noqa: F401 (a fixture)
+from test_learner import LEARNER_FLAGS, SHARD_FLAGS, Learner, learners  # noqa: F401 (a fixture)
+
+from atoll.learner import checkpoint, standby
+from atoll.wire.records import read_jsonl
 
 STEPS = 140
 # Kill -> the standby's first training step: it has imported, loaded data and compiled,
@@ -41,7 +42,10 @@ def _first_training_after(records: list[dict], t: float) -> dict:
 def test_a_killed_learner_resumes_at_its_checkpoint(tmp_path, learners):
     with syncer_processes(tmp_path) as start:
         ports = _shards(start, tmp_path)
-        learners += [Learner(tmp_path, f"l{i}", i, ports, STEPS, *_ckpt_flags(tmp_path)).start() for i in range(2)]
+        learners += [
+            Learner(tmp_path, f"l{i}", i, ports, STEPS, *_ckpt_flags(tmp_path)).start()
+            for i in range(2)
+        ]
         learners[1].wait_for_step(45)
         learners[1].kill()
         killed_at = time.time()
@@ -68,15 +72,41 @@ def test_a_killed_learner_resumes_at_its_checkpoint(tmp_path, learners):
 def test_a_standby_takes_over_a_killed_learner(tmp_path, learners):
     with syncer_processes(tmp_path) as start:
         ports = _shards(start, tmp_path)
-        learners += [Learner(tmp_path, f"l{i}", i, ports, STEPS, *_ckpt_flags(tmp_path)).start() for i in range(2)]
+        learners += [
+            Learner(tmp_path, f"l{i}", i, ports, STEPS, *_ckpt_flags(tmp_path)).start()
+            for i in range(2)
+        ]
         log = tmp_path / "spare.log"
-        args = [sys.executable, "-m", "atoll.cli", "learner", "--standby", "--learner-id", "spare",
-                "--num-learners", "2", "--steps", str(STEPS), "--shards", ",".join(f"127.0.0.1:{p}" for p in ports),
-                "--status-file", str(tmp_path / "{id}.jsonl"), "--cache-dir", str(tmp_path / "cache"),
-                *LEARNER_FLAGS, *_ckpt_flags(tmp_path)]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
+        args = [
+            sys.executable,
+            "-m",
+            "atoll.cli",
+            "learner",
+            "--standby",
+            "--learner-id",
+            "spare",
+            "--num-learners",
+            "2",
+            "--steps",
+            str(STEPS),
+            "--shards",
+            ",".join(f"127.0.0.1:{p}" for p in ports),
+            "--status-file",
+            str(tmp_path / "{id}.jsonl"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            *LEARNER_FLAGS,
+            *_ckpt_flags(tmp_path),
+        ]
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
+        }
         with open(log, "a") as out:
-            spare = subprocess.Popen(args, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+            spare = subprocess.Popen(
+                args, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out
+            )
         try:
             deadline = time.monotonic() + 120
             while "ready (compiled" not in log.read_text():
@@ -87,7 +117,9 @@ def test_a_standby_takes_over_a_killed_learner(tmp_path, learners):
             learners[1].kill()
             killed_at = time.time()
             saved = checkpoint.read(checkpoint.path_for(tmp_path / "ck", "l1"))
-            while not any(r["state"] == "training" and r["time"] > killed_at for r in learners[1].records()):
+            while not any(
+                r["state"] == "training" and r["time"] > killed_at for r in learners[1].records()
+            ):
                 assert spare.poll() is None, log.read_text()
                 assert time.time() - killed_at < TAKEOVER_SECONDS, log.read_text()
                 time.sleep(0.05)
@@ -101,6 +133,6 @@ def test_a_standby_takes_over_a_killed_learner(tmp_path, learners):
 
     assert took["step"] == saved.step + 1 and took["time"] - killed_at < TAKEOVER_SECONDS
     assert "takes over learner l1 (data shard 1)" in log.read_text()
-    records = _records(tmp_path / "l1.jsonl")
+    records = read_jsonl(tmp_path / "l1.jsonl")
     assert records[-1]["state"] == "done" and records[-1]["step"] == STEPS
     assert not (tmp_path / "spare.jsonl").exists()  # it wrote as l1, never as itself

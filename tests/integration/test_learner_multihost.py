@@ -5,7 +5,6 @@ on the same parameters."""
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -14,9 +13,12 @@ import subprocess
 import sys
 
 import pytest
-
-from learner import checkpoint
 from syncer_helpers import REPO, syncer_processes
+
+from atoll.learner import checkpoint
+from atoll.wire.records import read_jsonl
+
+pytestmark = pytest.mark.e2e  # a whole run: `make test-fast` skips it
 
 # Measured here: 1, 2 and 4 processes agree to within 1e-6 (float32 reduction order).
 LOSS_TOLERANCE = 1e-4
@@ -29,20 +31,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(tmp: pathlib.Path, name: str, processes: int, flags: list[str], timeout: float = 240.0) -> list[str]:
+def _run(
+    tmp: pathlib.Path, name: str, processes: int, flags: list[str], timeout: float = 240.0
+) -> list[str]:
     """Runs one learner as `processes` processes to the end; returns each process's log."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
-    base = [sys.executable, "-m", "atoll.cli", "learner", "--learner-id", name, "--cache-dir", str(tmp / "cache"),
-            "--status-file", str(tmp / f"{name}.jsonl"), *FLAGS, *flags]
+    base = [
+        sys.executable,
+        "-m",
+        "atoll.cli",
+        "learner",
+        "--learner-id",
+        name,
+        "--cache-dir",
+        str(tmp / "cache"),
+        "--status-file",
+        str(tmp / f"{name}.jsonl"),
+        *FLAGS,
+        *flags,
+    ]
     port = _free_port()
     procs, logs = [], [tmp / f"{name}.{i}.log" for i in range(processes)]
     try:
         for i in range(processes):
-            extra = [] if processes == 1 else ["--coordinator", f"127.0.0.1:{port}",
-                                               "--num-processes", str(processes), "--process-id", str(i)]
+            extra = (
+                []
+                if processes == 1
+                else [
+                    "--coordinator",
+                    f"127.0.0.1:{port}",
+                    "--num-processes",
+                    str(processes),
+                    "--process-id",
+                    str(i),
+                ]
+            )
             with open(logs[i], "w") as log:
-                procs.append(subprocess.Popen(base + extra, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                                              stdout=log, stderr=subprocess.STDOUT))
+                procs.append(
+                    subprocess.Popen(
+                        base + extra,
+                        cwd=REPO,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
         for i, proc in enumerate(procs):
             assert proc.wait(timeout=timeout) == 0, f"process {i} failed:\n{logs[i].read_text()}"
     finally:
@@ -53,12 +87,8 @@ def _run(tmp: pathlib.Path, name: str, processes: int, flags: list[str], timeout
     return [log.read_text() for log in logs]
 
 
-def _records(path: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _losses(path: pathlib.Path) -> list[float]:
-    return [r["loss"] for r in _records(path) if r["state"] == "training"]
+    return [r["loss"] for r in read_jsonl(path) if r["state"] == "training"]
 
 
 def _final_eval(log: str) -> str:
@@ -83,20 +113,49 @@ def test_a_multi_process_learner_follows_the_one_process_trajectory(tmp_path, pr
 
 def test_a_two_process_learner_syncs_with_a_real_shard(tmp_path):
     with syncer_processes(tmp_path) as start:
-        shard = start(tmp_path / "s0", "--shard-index", "0", "--num-shards", "1", "--quorum", "1",
-                      "--grace-factor", "1", "--lease-seconds", "5")
+        shard = start(
+            tmp_path / "s0",
+            "--shard-index",
+            "0",
+            "--num-shards",
+            "1",
+            "--quorum",
+            "1",
+            "--grace-factor",
+            "1",
+            "--lease-seconds",
+            "5",
+        )
         push_log = tmp_path / "pushes.jsonl"
-        logs = _run(tmp_path, "mh", 2, ["--shards", f"127.0.0.1:{shard.port}", "--steps", "24",
-                                        "--period", "8", "--overlap", "1", "--fragments", "2",
-                                        "--eval-every", "0", "--push-log", str(push_log)])
-    pushes = _records(push_log)
+        logs = _run(
+            tmp_path,
+            "mh",
+            2,
+            [
+                "--shards",
+                f"127.0.0.1:{shard.port}",
+                "--steps",
+                "24",
+                "--period",
+                "8",
+                "--overlap",
+                "1",
+                "--fragments",
+                "2",
+                "--eval-every",
+                "0",
+                "--push-log",
+                str(push_log),
+            ],
+        )
+    pushes = read_jsonl(push_log)
     assert {p["learner"] for p in pushes} == {"mh"}
     accepted = [p for p in pushes if p.get("accepted")]
     assert len(accepted) >= 2, pushes
     # Process 0 alone pushes: no (fragment, seq) twice, as a second pusher would give.
     keys = [(p["fragment"], p["seq"]) for p in pushes]
     assert len(keys) == len(set(keys)), pushes
-    final = [r for r in _records(tmp_path / "mh.jsonl") if r["state"] == "done"]
+    final = [r for r in read_jsonl(tmp_path / "mh.jsonl") if r["state"] == "done"]
     assert len(final) == 1 and final[0]["step"] == 24 and final[0]["version"] >= 1, final
     # Both processes adopted the same fragments: the same held-out loss to the last digit.
     assert _final_eval(logs[0]) == _final_eval(logs[1]), logs
@@ -104,19 +163,49 @@ def test_a_two_process_learner_syncs_with_a_real_shard(tmp_path):
 
 def test_a_two_process_learner_resumes_its_checkpoint_and_joins_a_moved_on_shard(tmp_path):
     with syncer_processes(tmp_path) as start:
-        shard = start(tmp_path / "s0", "--shard-index", "0", "--num-shards", "1", "--quorum", "1",
-                      "--grace-factor", "1", "--lease-seconds", "5")
-        flags = ["--shards", f"127.0.0.1:{shard.port}", "--period", "8", "--overlap", "1", "--fragments", "2",
-                 "--eval-every", "0", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "8"]
+        shard = start(
+            tmp_path / "s0",
+            "--shard-index",
+            "0",
+            "--num-shards",
+            "1",
+            "--quorum",
+            "1",
+            "--grace-factor",
+            "1",
+            "--lease-seconds",
+            "5",
+        )
+        flags = [
+            "--shards",
+            f"127.0.0.1:{shard.port}",
+            "--period",
+            "8",
+            "--overlap",
+            "1",
+            "--fragments",
+            "2",
+            "--eval-every",
+            "0",
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+            "--checkpoint-every",
+            "8",
+        ]
         # a one-process learner moves the shard's versions on first
-        _run(tmp_path, "solo", 1, [*flags, "--steps", "24", "--learner-index", "0", "--num-learners", "2"])
+        _run(
+            tmp_path,
+            "solo",
+            1,
+            [*flags, "--steps", "24", "--learner-index", "0", "--num-learners", "2"],
+        )
         mh = [*flags, "--learner-index", "1", "--num-learners", "2"]
         _run(tmp_path, "mh", 2, [*mh, "--steps", "16"])
         saved = checkpoint.read(checkpoint.path_for(tmp_path / "ck", "mh"))
         assert saved is not None and saved.step == 16  # process 0 wrote it
         logs = _run(tmp_path, "mh", 2, [*mh, "--steps", "32"])  # the same learner, given more steps
-    records = _records(tmp_path / "mh.jsonl")
-    second = records[next(i for i, r in enumerate(records) if r["state"] == "joining" and i > 0):]
+    records = read_jsonl(tmp_path / "mh.jsonl")
+    second = records[next(i for i, r in enumerate(records) if r["state"] == "joining" and i > 0) :]
     training = [r for r in second if r["state"] == "training"]
     assert training[0]["step"] == 17 and second[-1]["state"] == "done" and second[-1]["step"] == 32
     assert "resumed its checkpoint at step 16" in logs[0]

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import urllib.request
-
 import grpc
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from server.config import ShardConfig
-from server.service import SyncerServer
-from wire import codec
-from wire import syncer_pb2 as pb
-from wire import syncer_pb2_grpc as pb_grpc
-from wire.plan import FragmentPlan, TensorSpec
+from atoll.server.config import ShardConfig
+from atoll.server.service import SyncerServer
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
+from atoll.wire import syncer_pb2_grpc as pb_grpc
+from atoll.wire.metrics import read_metrics
+from atoll.wire.plan import FragmentPlan, TensorSpec
 
 PLAN = FragmentPlan.build([TensorSpec("embed", (32, 8)), TensorSpec("w", (8, 40))], 2)
 
@@ -24,16 +22,25 @@ def _send(stub_call, header_msg, frame, request_type):
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for s in read_metrics(f"127.0.0.1:{port}", timeout=10)
+    }
 
 
 @pytest.fixture
 def server(tmp_path):
-    s = SyncerServer(ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path, listen="127.0.0.1:0",
-                                 quorum=2, grace_factor=0.0, metrics_port=0))
+    s = SyncerServer(
+        ShardConfig(
+            shard_index=0,
+            num_shards=1,
+            data_dir=tmp_path,
+            listen="127.0.0.1:0",
+            quorum=2,
+            grace_factor=0.0,
+            metrics_port=0,
+        )
+    )
     s.start()
     yield s
     s.stop()
@@ -44,36 +51,97 @@ def test_metrics_follow_pushes_rounds_and_refusals(server):
     stub = pb_grpc.SyncerStub(channel)
     size = PLAN.fragment_sizes[0]
     init = codec.encode(np.zeros(size, np.float32), codec.Codec.FP32)
-    _send(stub.Init, pb.InitHeader(learner_id="a", fragment=0, plan_fingerprint=PLAN.fingerprint,
-                                   plan_json=PLAN.to_json(), codec=pb.CODEC_FP32, num_params=size,
-                                   frame_bytes=len(init)), init, pb.InitRequest)
+    _send(
+        stub.Init,
+        pb.InitHeader(
+            learner_id="a",
+            fragment=0,
+            plan_fingerprint=PLAN.fingerprint,
+            plan_json=PLAN.to_json(),
+            codec=pb.CODEC_FP32,
+            num_params=size,
+            frame_bytes=len(init),
+        ),
+        init,
+        pb.InitRequest,
+    )
     sent = len(init)
     # b says hello too (and learns the fragment exists), so both hold leases before pushing
-    _send(stub.Init, pb.InitHeader(learner_id="b", fragment=0, plan_fingerprint=PLAN.fingerprint,
-                                   plan_json=PLAN.to_json(), codec=pb.CODEC_FP32, num_params=size,
-                                   frame_bytes=len(init)), init, pb.InitRequest)
+    _send(
+        stub.Init,
+        pb.InitHeader(
+            learner_id="b",
+            fragment=0,
+            plan_fingerprint=PLAN.fingerprint,
+            plan_json=PLAN.to_json(),
+            codec=pb.CODEC_FP32,
+            num_params=size,
+            frame_bytes=len(init),
+        ),
+        init,
+        pb.InitRequest,
+    )
     sent += len(init)
     for learner in ("a", "b"):
         frame = codec.encode(np.full(size, 0.01, np.float32))
         sent += len(frame)
-        ack = _send(stub.Push, pb.PushHeader(learner_id=learner, fragment=0, base_version=0, seq=1,
-                                             inner_steps=4, tokens=400, codec=pb.CODEC_INT4, num_params=size,
-                                             plan_fingerprint=PLAN.fingerprint, frame_bytes=len(frame),
-                                             step_seconds=0.5),
-                    frame, pb.PushRequest)
+        ack = _send(
+            stub.Push,
+            pb.PushHeader(
+                learner_id=learner,
+                fragment=0,
+                base_version=0,
+                seq=1,
+                inner_steps=4,
+                tokens=400,
+                codec=pb.CODEC_INT4,
+                num_params=size,
+                plan_fingerprint=PLAN.fingerprint,
+                frame_bytes=len(frame),
+                step_seconds=0.5,
+            ),
+            frame,
+            pb.PushRequest,
+        )
         assert ack.accepted
     # the same push again: a duplicate, answered and counted as one
-    ack = _send(stub.Push, pb.PushHeader(learner_id="b", fragment=0, base_version=0, seq=1, inner_steps=4,
-                                         tokens=400, codec=pb.CODEC_INT4, num_params=size,
-                                         plan_fingerprint=PLAN.fingerprint, frame_bytes=len(frame)),
-                frame, pb.PushRequest)
+    ack = _send(
+        stub.Push,
+        pb.PushHeader(
+            learner_id="b",
+            fragment=0,
+            base_version=0,
+            seq=1,
+            inner_steps=4,
+            tokens=400,
+            codec=pb.CODEC_INT4,
+            num_params=size,
+            plan_fingerprint=PLAN.fingerprint,
+            frame_bytes=len(frame),
+        ),
+        frame,
+        pb.PushRequest,
+    )
     sent += len(frame)
     assert ack.reason == pb.PUSH_REASON_DUPLICATE
     with pytest.raises(grpc.RpcError) as refused:
-        _send(stub.Push, pb.PushHeader(learner_id="c", fragment=5, base_version=0, seq=1, inner_steps=4,
-                                       tokens=400, codec=pb.CODEC_INT4, num_params=size,
-                                       plan_fingerprint=PLAN.fingerprint, frame_bytes=len(frame)),
-              frame, pb.PushRequest)
+        _send(
+            stub.Push,
+            pb.PushHeader(
+                learner_id="c",
+                fragment=5,
+                base_version=0,
+                seq=1,
+                inner_steps=4,
+                tokens=400,
+                codec=pb.CODEC_INT4,
+                num_params=size,
+                plan_fingerprint=PLAN.fingerprint,
+                frame_bytes=len(frame),
+            ),
+            frame,
+            pb.PushRequest,
+        )
     sent += len(frame)
     assert refused.value.code() == grpc.StatusCode.NOT_FOUND
     channel.close()
@@ -89,7 +157,9 @@ def test_metrics_follow_pushes_rounds_and_refusals(server):
     assert m[("atoll_received_bytes_total", ())] == sent
     assert m[("atoll_push_staleness_count", ())] == 2
     # two accepted pushes of 4 steps at 0.5 s, over the plan's fragments; the duplicate adds nothing
-    assert m[("atoll_accepted_compute_seconds_total", ())] == pytest.approx(2 * 4 * 0.5 / PLAN.num_fragments)
+    assert m[("atoll_accepted_compute_seconds_total", ())] == pytest.approx(
+        2 * 4 * 0.5 / PLAN.num_fragments
+    )
     # one fsync for the plan with its first fragment, one for the first push; the push that
     # closes the round is written with its close and both share the close's fsync
     assert m[("atoll_wal_fsync_seconds_count", ())] == 3

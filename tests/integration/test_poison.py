@@ -10,17 +10,28 @@ import subprocess
 import sys
 
 import grpc
-from grpc_health.v1 import health_pb2
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2
+from syncer_helpers import (
+    PLAN,
+    REPO,
+    connect,
+    health_status,
+    init,
+    pull,
+    push,
+    push_requests,
+    shard_state,
+    status_of,
+    syncer_processes,
+)
 
-from server import storage
-from server.rules import MAX_SEQ_JUMP
-from server.shard import PUSH, _record
-from syncer_helpers import (PLAN, REPO, connect, health_status, init, pull, push, push_requests, shard_state,
-                            status_of, syncer_processes)
-from wire import codec
-from wire import syncer_pb2 as pb
+from atoll.server import storage
+from atoll.server.rules import MAX_SEQ_JUMP
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
+from atoll.wire.records import LOG_PUSH, log_record
 
 U64 = (1 << 64) - 1
 SIZE0 = PLAN.fragment_sizes[0]
@@ -38,28 +49,48 @@ def shard(tmp_path):
 
 
 def _raw_push(stub, frame: bytes, codec_id: int, **header):
-    msgs = push_requests(PLAN, 0, header.pop("learner", "l0"), header.pop("seq", 1), 0, frame, SIZE0,
-                         codec_id=codec_id, **header)
+    msgs = push_requests(
+        PLAN,
+        0,
+        header.pop("learner", "l0"),
+        header.pop("seq", 1),
+        0,
+        frame,
+        SIZE0,
+        codec_id=codec_id,
+        **header,
+    )
     return stub.Push(iter(msgs), timeout=10)
 
 
 HUGE = np.full(SIZE0, 3e38, np.float32)
 POISON = {
-    "int4 frame at the largest scale": lambda stub: _raw_push(stub, codec.encode(HUGE, codec.Codec.INT4),
-                                                              pb.CODEC_INT4),
-    "fp32 frame of 3e38": lambda stub: _raw_push(stub, codec.encode(HUGE, codec.Codec.FP32), pb.CODEC_FP32),
+    "int4 frame at the largest scale": lambda stub: _raw_push(
+        stub, codec.encode(HUGE, codec.Codec.INT4), pb.CODEC_INT4
+    ),
+    "fp32 frame of 3e38": lambda stub: _raw_push(
+        stub, codec.encode(HUGE, codec.Codec.FP32), pb.CODEC_FP32
+    ),
     "fp32 frame beyond 1e9": lambda stub: _raw_push(
-        stub, codec.encode(np.full(SIZE0, 2e9, np.float32), codec.Codec.FP32), pb.CODEC_FP32),
-    "tokens 2^64-1 in one step": lambda stub: push(stub, PLAN, 0, "l0", 1, 0, np.ones(SIZE0), tokens=U64,
-                                                    inner_steps=1),
-    "step_seconds 1e308": lambda stub: push(stub, PLAN, 0, "l0", 1, 0, np.ones(SIZE0), step_seconds=1e308,
-                                            overlap_steps=2),
-    "step_seconds inf": lambda stub: push(stub, PLAN, 0, "l0", 1, 0, np.ones(SIZE0), step_seconds=math.inf),
-    "overlap 2^32-1": lambda stub: push(stub, PLAN, 0, "l0", 1, 0, np.ones(SIZE0), overlap_steps=(1 << 32) - 1),
+        stub, codec.encode(np.full(SIZE0, 2e9, np.float32), codec.Codec.FP32), pb.CODEC_FP32
+    ),
+    "tokens 2^64-1 in one step": lambda stub: push(
+        stub, PLAN, 0, "l0", 1, 0, np.ones(SIZE0), tokens=U64, inner_steps=1
+    ),
+    "step_seconds 1e308": lambda stub: push(
+        stub, PLAN, 0, "l0", 1, 0, np.ones(SIZE0), step_seconds=1e308, overlap_steps=2
+    ),
+    "step_seconds inf": lambda stub: push(
+        stub, PLAN, 0, "l0", 1, 0, np.ones(SIZE0), step_seconds=math.inf
+    ),
+    "overlap 2^32-1": lambda stub: push(
+        stub, PLAN, 0, "l0", 1, 0, np.ones(SIZE0), overlap_steps=(1 << 32) - 1
+    ),
     "seq 2^64-1": lambda stub: push(stub, PLAN, 0, "l0", U64, 0, np.ones(SIZE0)),
     "seq far ahead": lambda stub: push(stub, PLAN, 0, "l0", MAX_SEQ_JUMP + 1, 0, np.ones(SIZE0)),
-    "fewer tokens than steps": lambda stub: push(stub, PLAN, 0, "l0", 1, 0, np.ones(SIZE0), tokens=5,
-                                                 inner_steps=10),
+    "fewer tokens than steps": lambda stub: push(
+        stub, PLAN, 0, "l0", 1, 0, np.ones(SIZE0), tokens=5, inner_steps=10
+    ),
 }
 
 
@@ -95,7 +126,11 @@ def test_a_retried_refusal_gets_its_first_answer(shard):
     assert (again.accepted, again.reason) == (False, pb.PUSH_REASON_ALREADY_IN_ROUND)
     assert push(stub, PLAN, 0, "b", 3, 2, delta).accepted  # closes: version 3
     retry = push(stub, PLAN, 0, "a", 4, 2, delta)  # the same push again, now that the round closed
-    assert (retry.accepted, retry.reason, retry.version) == (False, pb.PUSH_REASON_ALREADY_IN_ROUND, 2)
+    assert (retry.accepted, retry.reason, retry.version) == (
+        False,
+        pb.PUSH_REASON_ALREADY_IN_ROUND,
+        2,
+    )
     header, _ = pull(stub, 0, learner="a")
     assert header.last_seq == 4
 
@@ -113,23 +148,52 @@ def test_a_log_record_that_cannot_be_applied_is_named_and_can_be_set_aside(tmp_p
         assert push(stub, PLAN, 0, "good", 1, 0, np.full(SIZE0, 0.01, np.float32)).accepted
         channel.close()
         proc.kill()
-        answer = {"seq": 1, "accepted": True, "reason": "fresh", "detail": "", "version": 0,
-                  "staleness": 0, "weight": 1.0}
+        answer = {
+            "seq": 1,
+            "accepted": True,
+            "reason": "fresh",
+            "detail": "",
+            "version": 0,
+            "staleness": 0,
+            "weight": 1.0,
+        }
         wal = storage.WriteAheadLog(data / "wal")
-        [bad] = wal.append_many([_record(PUSH, {"fragment": 0, "learner": "old-build", "answer": answer},
-                                         codec.encode(HUGE, codec.Codec.FP32))])
+        [bad] = wal.append_many(
+            [
+                log_record(
+                    LOG_PUSH,
+                    {"fragment": 0, "learner": "old-build", "answer": answer},
+                    codec.encode(HUGE, codec.Codec.FP32),
+                )
+            ]
+        )
         wal.close()
 
-        stuck = subprocess.Popen([sys.executable, "-m", "atoll.cli", "syncer", "--data-dir", str(data),
-                                  "--listen", "127.0.0.1:0"], cwd=REPO, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True)
+        stuck = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "atoll.cli",
+                "syncer",
+                "--data-dir",
+                str(data),
+                "--listen",
+                "127.0.0.1:0",
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             lines = []
             for line in stuck.stdout:
                 lines.append(line)
                 if m := re.search(r"did not recover and serves nothing \(port (\d+)\)", line):
                     break
-                if "serving on port" in line:  # recovered: the record was applied, which it must not be
+                if (
+                    "serving on port" in line
+                ):  # recovered: the record was applied, which it must not be
                     break
             assert m, "".join(lines)
             assert f"--quarantine-record {bad}" in line and f"log record {bad}" in line
@@ -137,7 +201,10 @@ def test_a_log_record_that_cannot_be_applied_is_named_and_can_be_set_aside(tmp_p
             assert health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(grpc.RpcError) as e:
                 push(stub, PLAN, 0, "good", 2, 0, np.full(SIZE0, 0.01, np.float32))
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and f"log record {bad}" in e.value.details()
+            assert (
+                e.value.code() == grpc.StatusCode.UNAVAILABLE
+                and f"log record {bad}" in e.value.details()
+            )
             assert stuck.poll() is None  # up and saying why, not exiting into a restart loop
             channel.close()
         finally:

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from server.storage import SnapshotStore, WriteAheadLog
+from atoll.server.storage import SnapshotStore, WriteAheadLog
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEGMENT_BYTES = 24 << 20  # small, so segments rotate during the run
@@ -37,12 +37,14 @@ def make_tagged(thread, item):
         (64, 300_000)[item % 2])
 """
 
-CHILD_LOG = RECORDS + """
+CHILD_LOG = (
+    RECORDS
+    + """
 import sys, threading
-from server.storage import WriteAheadLog
+from atoll.server.storage import WriteAheadLog
 
 directory, mode, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
-wal = WriteAheadLog(directory, segment_bytes=%d)
+wal = WriteAheadLog(directory, segment_bytes=SEGMENT_BYTES)
 if mode == "single":
     for _ in range(limit):
         lsn = wal.last_lsn + 1  # one appender: the next LSN is known in advance
@@ -59,12 +61,13 @@ else:
     pool = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
     for th in pool: th.start()
     for th in pool: th.join()
-""" % SEGMENT_BYTES
+""".replace("SEGMENT_BYTES", str(SEGMENT_BYTES))
+)
 
 CHILD_SNAPSHOTS = """
 import sys
 import numpy as np
-from server.storage import SnapshotStore
+from atoll.server.storage import SnapshotStore
 
 store = SnapshotStore(sys.argv[1])
 start = (store.lsns() or [0])[-1] + 1
@@ -81,8 +84,14 @@ def kill_after(tmp_path, program, args, acks_wanted, delay):
     """Runs the child until it printed `acks_wanted` acks, SIGKILLs it, returns every ack."""
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(tmp_path / "child.err", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", program, *map(str, args)], cwd=REPO,
-                                env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", program, *map(str, args)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     acks = []
     try:
         for line in proc.stdout:
@@ -118,8 +127,9 @@ def test_sigkill_mid_append_loses_no_acknowledged_record(tmp_path, caplog):
     wal_dir, torn, acked = tmp_path / "wal", 0, set()
     rounds = [(1, 0), (6, 0.015), (23, 0.02), (9, 0.005), (40, 0.025), (3, 0.03)]
     for acks_wanted, delay in rounds:
-        acks = kill_after(tmp_path, CHILD_LOG, [wal_dir, "single", acks_wanted + 400],
-                          acks_wanted, delay)
+        acks = kill_after(
+            tmp_path, CHILD_LOG, [wal_dir, "single", acks_wanted + 400], acks_wanted, delay
+        )
         acked |= {int(lsn) for (lsn,) in acks}
         got, cut = recovered(wal_dir, caplog)
         torn += cut
@@ -134,8 +144,9 @@ def test_sigkill_mid_append_loses_no_acknowledged_record(tmp_path, caplog):
 def test_sigkill_with_concurrent_appenders_loses_no_acknowledged_record(tmp_path, caplog):
     wal_dir = tmp_path / "wal"
     for acks_wanted, delay in [(10, 0), (31, 0.001), (5, 0.0003)]:
-        acks = kill_after(tmp_path, CHILD_LOG, [wal_dir, "threads", acks_wanted + 300],
-                          acks_wanted, delay)
+        acks = kill_after(
+            tmp_path, CHILD_LOG, [wal_dir, "threads", acks_wanted + 300], acks_wanted, delay
+        )
         got, _ = recovered(wal_dir, caplog)
         for lsn, thread, item in acks:
             assert got.get(int(lsn)) == records["make_tagged"](int(thread), int(item)), lsn
@@ -148,8 +159,7 @@ def test_sigkill_with_concurrent_appenders_loses_no_acknowledged_record(tmp_path
 @pytest.mark.parametrize("acks_wanted, delay", [(1, 0), (4, 0.003), (7, 0.001)])
 def test_sigkill_mid_snapshot_keeps_the_last_acknowledged_one(tmp_path, acks_wanted, delay):
     snap_dir = tmp_path / "snapshots"
-    acks = kill_after(tmp_path, CHILD_SNAPSHOTS, [snap_dir, acks_wanted + 200], acks_wanted,
-                      delay)
+    acks = kill_after(tmp_path, CHILD_SNAPSHOTS, [snap_dir, acks_wanted + 200], acks_wanted, delay)
     with SnapshotStore(snap_dir) as store:
         assert not [p for p in snap_dir.iterdir() if ".tmp-" in p.name]  # cleaned on open
         snap = store.latest()

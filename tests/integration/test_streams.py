@@ -17,21 +17,37 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from syncer_helpers import (
+    DEADLINE,
+    PLAN,
+    REPO,
+    SERVICE,
+    connect,
+    describe,
+    init,
+    pull,
+    push,
+    push_requests,
+    status_of,
+)
 
-from server.config import ShardConfig
-from server.service import LEARNER_ID, TICK_FAILURES_UNHEALTHY, SyncerServer
-from syncer_helpers import (DEADLINE, PLAN, REPO, SERVICE, connect, describe, init, pull, push, push_requests,
-                            status_of)
-from wire import codec
-from wire import syncer_pb2 as pb
-from wire import syncer_pb2_grpc as pb_grpc
-from wire.plan import FragmentPlan, TensorSpec
+from atoll.server.config import ShardConfig
+from atoll.server.service import LEARNER_ID, TICK_FAILURES_UNHEALTHY, SyncerServer
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
+from atoll.wire import syncer_pb2_grpc as pb_grpc
+from atoll.wire.plan import FragmentPlan, TensorSpec
 
-SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING, NOT_SERVING = (
+    health_pb2.HealthCheckResponse.SERVING,
+    health_pb2.HealthCheckResponse.NOT_SERVING,
+)
 SIZE = PLAN.fragment_sizes[0]
 # A fragment big enough that one FP32 frame can declare most of a MiB.
 BIG = FragmentPlan.build([TensorSpec("embed", (1024, 160))], 1)
-BIG_FRAME = 600_000  # bytes declared by each held push below; BIG's FP32 frames may need up to ~660 kB
+BIG_FRAME = (
+    600_000  # bytes declared by each held push below; BIG's FP32 frames may need up to ~660 kB
+)
 
 
 @pytest.fixture
@@ -68,8 +84,11 @@ def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> Non
 
 
 def health(channel: grpc.Channel, service: str = "") -> int:
-    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                     timeout=DEADLINE).status
+    return (
+        health_pb2_grpc.HealthStub(channel)
+        .Check(health_pb2.HealthCheckRequest(service=service), timeout=DEADLINE)
+        .status
+    )
 
 
 class Held:
@@ -95,11 +114,26 @@ class Held:
             call.cancel()
 
 
-def header(plan: FragmentPlan, p: int, learner: str, frame_bytes: int, codec_id: int = pb.CODEC_INT4,
-           num_params: int | None = None) -> pb.PushHeader:
-    return pb.PushHeader(learner_id=learner, fragment=p, base_version=0, seq=1, inner_steps=10, tokens=1000,
-                         codec=codec_id, num_params=plan.fragment_sizes[p] if num_params is None else num_params,
-                         plan_fingerprint=plan.fingerprint, frame_bytes=frame_bytes)
+def header(
+    plan: FragmentPlan,
+    p: int,
+    learner: str,
+    frame_bytes: int,
+    codec_id: int = pb.CODEC_INT4,
+    num_params: int | None = None,
+) -> pb.PushHeader:
+    return pb.PushHeader(
+        learner_id=learner,
+        fragment=p,
+        base_version=0,
+        seq=1,
+        inner_steps=10,
+        tokens=1000,
+        codec=codec_id,
+        num_params=plan.fragment_sizes[p] if num_params is None else num_params,
+        plan_fingerprint=plan.fingerprint,
+        frame_bytes=frame_bytes,
+    )
 
 
 def test_a_crowd_of_watches_and_stalled_pushes_leaves_health_and_pushes_answered(serve):
@@ -122,7 +156,10 @@ def test_a_crowd_of_watches_and_stalled_pushes_leaves_health_and_pushes_answered
     try:
         for i in range(50):
             held.open(channels[i % 8][1], header(PLAN, 0, f"s{i}", len(frame)))
-        wait_until(lambda: gauge(server, "atoll_inflight_frame_bytes") == 50 * len(frame), what="50 held headers")
+        wait_until(
+            lambda: gauge(server, "atoll_inflight_frame_bytes") == 50 * len(frame),
+            what="50 held headers",
+        )
         assert gauge(server, "atoll_open_calls", method="Watch") == 300
         assert gauge(server, "atoll_open_calls", method="Push") == 50
 
@@ -141,7 +178,9 @@ def test_a_crowd_of_watches_and_stalled_pushes_leaves_health_and_pushes_answered
         held.close()
         for call in watches:
             call.cancel()
-    wait_until(lambda: gauge(server, "atoll_open_calls", method="Watch") == 0, what="watches closed")
+    wait_until(
+        lambda: gauge(server, "atoll_open_calls", method="Watch") == 0, what="watches closed"
+    )
     wait_until(lambda: gauge(server, "atoll_inflight_frame_bytes") == 0, what="budget given back")
     for channel, _ in channels:
         channel.close()
@@ -155,16 +194,22 @@ def test_a_declared_frame_larger_than_its_fragment_can_need_is_refused_before_an
     held = Held()
     try:
         need = codec.max_frame_bytes(SIZE, codec.Codec.INT4)
-        call = held.open(stub, header(PLAN, 0, "x", need + 1))  # the stream stays open, sends no chunk
+        call = held.open(
+            stub, header(PLAN, 0, "x", need + 1)
+        )  # the stream stays open, sends no chunk
         with pytest.raises(grpc.RpcError) as e:
             call.result(timeout=5)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "can need" in e.value.details()
+        assert (
+            e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "can need" in e.value.details()
+        )
         # a count that is not the fragment's cannot raise the cap either
         call = held.open(stub, header(PLAN, 0, "x", need + 1, num_params=100 * SIZE))
         assert call.exception(timeout=5).code() == grpc.StatusCode.INVALID_ARGUMENT
         # nor can an unknown fragment: it is capped at the plan's largest
         largest = codec.max_frame_bytes(max(PLAN.fragment_sizes), codec.Codec.INT4)
-        call = held.open(stub, pb.PushHeader(**{**_fields(header(PLAN, 0, "x", largest + 1)), "fragment": 9}))
+        call = held.open(
+            stub, pb.PushHeader(**{**_fields(header(PLAN, 0, "x", largest + 1)), "fragment": 9})
+        )
         assert call.exception(timeout=5).code() == grpc.StatusCode.INVALID_ARGUMENT
         assert gauge(server, "atoll_inflight_frame_bytes") == 0
     finally:
@@ -190,18 +235,26 @@ def test_in_flight_frame_bytes_are_limited_per_connection_and_in_all(serve):
         held.open(stub, h)
         wait_until(lambda: gauge(server, "atoll_inflight_frame_bytes") == BIG_FRAME)
         refused = held.open(stub, h).exception(timeout=5)  # same connection: 1.2 MB > 1 MiB
-        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "connection" in refused.details()
+        assert (
+            refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "connection" in refused.details()
+        )
         held.open(other, h)  # another connection has its own budget
         wait_until(lambda: gauge(server, "atoll_inflight_frame_bytes") == 2 * BIG_FRAME)
         refused = held.open(more, h).exception(timeout=5)  # but all of them share 1.5 MiB
-        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in refused.details()
+        assert (
+            refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "in flight" in refused.details()
+        )
     finally:
         held.close()
     wait_until(lambda: gauge(server, "atoll_inflight_frame_bytes") == 0, what="budget given back")
     # once given back, a whole push goes through
     frame = codec.encode(np.full(values.size, 0.01, np.float32), codec.Codec.FP32)
-    ack = stub.Push(iter(push_requests(BIG, 0, "a", 1, 0, frame, values.size, codec_id=pb.CODEC_FP32)),
-                    timeout=DEADLINE)
+    ack = stub.Push(
+        iter(push_requests(BIG, 0, "a", 1, 0, frame, values.size, codec_id=pb.CODEC_FP32)),
+        timeout=DEADLINE,
+    )
     assert ack.accepted
     for channel in (first, second, third):
         channel.close()
@@ -217,10 +270,14 @@ def test_a_stalled_push_times_out_and_gives_its_budget_back(serve):
         started = time.monotonic()
         call = held.open(stub, header(PLAN, 0, "slow", len(frame)), chunks=[frame])
         error = call.exception(timeout=10)
-        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "sent nothing" in error.details()
+        assert (
+            error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "sent nothing" in error.details()
+        )
         assert time.monotonic() - started < 5
         assert gauge(server, "atoll_inflight_frame_bytes") == 0
-        assert gauge(server, "atoll_refused_calls_total", method="Push", code="DEADLINE_EXCEEDED") == 1
+        assert (
+            gauge(server, "atoll_refused_calls_total", method="Push", code="DEADLINE_EXCEEDED") == 1
+        )
     finally:
         held.close()
     assert describe(stub).fragments[0].round_size == 0  # nothing of it arrived
@@ -237,13 +294,18 @@ def test_learner_ids_out_of_shape_are_refused_on_every_call(serve, learner):
     init(stub, PLAN, 0, values)
     assert status_of(lambda: push(stub, PLAN, 0, learner, 1, 0, values)) == invalid
     assert status_of(lambda: pull(stub, 0, learner=learner)) == invalid
-    assert status_of(lambda: next(stub.Watch(pb.WatchRequest(learner_id=learner), timeout=DEADLINE))) == invalid
+    assert (
+        status_of(lambda: next(stub.Watch(pb.WatchRequest(learner_id=learner), timeout=DEADLINE)))
+        == invalid
+    )
     assert describe(stub).live_learners == ["a"]  # none of them took a lease
     assert LEARNER_ID.fullmatch("x" * 128) and LEARNER_ID.fullmatch("pod-7.zone:a_b")
     channel.close()
 
 
-def test_a_failing_round_timer_turns_health_not_serving_until_it_recovers(serve, monkeypatch, caplog):
+def test_a_failing_round_timer_turns_health_not_serving_until_it_recovers(
+    serve, monkeypatch, caplog
+):
     server = serve(health_port=0)
     channel, _ = connect(server.port)
     probe = grpc.insecure_channel(f"127.0.0.1:{server.health_port}")  # the plaintext health port
@@ -268,18 +330,24 @@ def test_a_failing_round_timer_turns_health_not_serving_until_it_recovers(serve,
     channel.close()
 
 
-def test_the_health_port_answers_in_plaintext_beside_a_tls_port_and_serves_only_health(serve, tmp_path):
+def test_the_health_port_answers_in_plaintext_beside_a_tls_port_and_serves_only_health(
+    serve, tmp_path
+):
     from test_syncer_security import _cert, _key, _write
 
     key = _key()
-    cert, key_path = _write(tmp_path, "server", _cert("syncer", key, "syncer", key, server=True), key)
+    cert, key_path = _write(
+        tmp_path, "server", _cert("syncer", key, "syncer", key, server=True), key
+    )
     server = serve(tls_cert=cert, tls_key=key_path, health_port=0)
     probe = grpc.insecure_channel(f"127.0.0.1:{server.health_port}")
     assert health(probe) == health(probe, SERVICE) == SERVING
     stub = pb_grpc.SyncerStub(probe)
     assert status_of(lambda: describe(stub)) == grpc.StatusCode.UNIMPLEMENTED
     plain, plain_stub = connect(server.port)
-    assert status_of(lambda: describe(plain_stub)) == grpc.StatusCode.UNAVAILABLE  # the main port is TLS
+    assert (
+        status_of(lambda: describe(plain_stub)) == grpc.StatusCode.UNAVAILABLE
+    )  # the main port is TLS
     plain.close()
     server.stop(grace=0)
     with pytest.raises(grpc.RpcError):
@@ -288,28 +356,68 @@ def test_the_health_port_answers_in_plaintext_beside_a_tls_port_and_serves_only_
 
 
 def test_a_port_out_of_range_is_refused_with_a_readable_message(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "atoll.cli", "syncer", "--data-dir", str(tmp_path),
-                          "--listen", "127.0.0.1:99999"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "atoll.cli",
+            "syncer",
+            "--data-dir",
+            str(tmp_path),
+            "--listen",
+            "127.0.0.1:99999",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2, out
-    assert "--listen port must be in 1-65535 (0 picks a free one), got '127.0.0.1:99999'" in out.stderr
+    assert (
+        "--listen port must be in 1-65535 (0 picks a free one), got '127.0.0.1:99999'" in out.stderr
+    )
     assert "Traceback" not in out.stderr, out.stderr
     assert not any(tmp_path.iterdir())  # nothing was started
 
 
-@pytest.mark.parametrize("args, message", [
-    (["syncer", "--metrics-port", "70000"], "--metrics-port must be in 1-65535 (0 picks a free one), got 70000"),
-    (["syncer", "--health-port", "-1"], "--health-port must be in 1-65535"),
-    (["syncer", "--listen", "127.0.0.1:7070", "--health-port", "7070"], "--health-port 7070 is the --listen port"),
-    (["syncer", "--stream-idle-seconds", "0"], "--stream-idle-seconds must be a number > 0"),
-    (["syncer", "--max-inflight-bytes", "1000"], "--max-inflight-bytes (1000) must be at least"),
-    (["up", "--learners", "4", "--slowdown", "1,2"], "--slowdown lists 2 factors for 4 learners: give one factor "
-                                                     "for all of them or exactly 4, one per learner"),
-    (["up", "--slowdown", "1,,2"], "expected one factor (2) or one per learner (1,1,2,2), got '1,,2'"),
-])
-def test_flags_that_cannot_work_are_refused_with_a_readable_message(tmp_path, capsys, args, message):
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["syncer", "--metrics-port", "70000"],
+            "--metrics-port must be in 1-65535 (0 picks a free one), got 70000",
+        ),
+        (["syncer", "--health-port", "-1"], "--health-port must be in 1-65535"),
+        (
+            ["syncer", "--listen", "127.0.0.1:7070", "--health-port", "7070"],
+            "--health-port 7070 is the --listen port",
+        ),
+        (["syncer", "--stream-idle-seconds", "0"], "--stream-idle-seconds must be a number > 0"),
+        (
+            ["syncer", "--max-inflight-bytes", "1000"],
+            "--max-inflight-bytes (1000) must be at least",
+        ),
+        (
+            ["up", "--learners", "4", "--slowdown", "1,2"],
+            "--slowdown lists 2 factors for 4 learners: give one factor "
+            "for all of them or exactly 4, one per learner",
+        ),
+        (
+            ["up", "--slowdown", "1,,2"],
+            "expected one factor (2) or one per learner (1,1,2,2), got '1,,2'",
+        ),
+    ],
+)
+def test_flags_that_cannot_work_are_refused_with_a_readable_message(
+    tmp_path, capsys, args, message
+):
     from atoll.cli import main
 
-    where = ["--data-dir", str(tmp_path / "data")] if args[0] == "syncer" else ["--run-dir", str(tmp_path / "run")]
+    where = (
+        ["--data-dir", str(tmp_path / "data")]
+        if args[0] == "syncer"
+        else ["--run-dir", str(tmp_path / "run")]
+    )
     with pytest.raises(SystemExit) as e:
         main([*args, *where])
     assert e.value.code == 2

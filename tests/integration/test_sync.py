@@ -8,18 +8,22 @@ import time
 import numpy as np
 import pytest
 
-from learner.client import ShardClient
-from learner.sync import SyncConfig, SyncError, Synchronizer, offsets
-from server.config import ShardConfig
-from server.service import SyncerServer
-from wire import codec
-from wire.plan import FragmentPlan
+from atoll.learner.sync import SyncConfig, SyncError, Synchronizer, offsets
+from atoll.server.config import ShardConfig
+from atoll.server.service import SyncerServer
+from atoll.wire import codec
+from atoll.wire.client import ShardClient
+from atoll.wire.plan import FragmentPlan
 
 RNG = np.random.default_rng(0)
-START = {"embed": RNG.standard_normal((64, 32)).astype(np.float32),
-         "block": {"w1": RNG.standard_normal((32, 96)).astype(np.float32),
-                   "w2": RNG.standard_normal((96, 32)).astype(np.float32)},
-         "norm": np.ones(32, np.float32)}
+START = {
+    "embed": RNG.standard_normal((64, 32)).astype(np.float32),
+    "block": {
+        "w1": RNG.standard_normal((32, 96)).astype(np.float32),
+        "w2": RNG.standard_normal((96, 32)).astype(np.float32),
+    },
+    "norm": np.ones(32, np.float32),
+}
 PLAN = FragmentPlan.build(START, 4)
 
 
@@ -32,15 +36,28 @@ def _zeros(tree):
 
 
 def _toward(tree, target, rate):
-    return {k: _toward(v, target[k], rate) if isinstance(v, dict) else v - rate * (v - target[k])
-            for k, v in tree.items()}
+    return {
+        k: _toward(v, target[k], rate) if isinstance(v, dict) else v - rate * (v - target[k])
+        for k, v in tree.items()
+    }
 
 
 @pytest.fixture
 def shards(tmp_path):
-    servers = [SyncerServer(ShardConfig(shard_index=i, num_shards=2, data_dir=tmp_path / str(i),
-                                        listen="127.0.0.1:0", quorum=2, grace_factor=1.0, lease_seconds=5))
-               for i in range(2)]
+    servers = [
+        SyncerServer(
+            ShardConfig(
+                shard_index=i,
+                num_shards=2,
+                data_dir=tmp_path / str(i),
+                listen="127.0.0.1:0",
+                quorum=2,
+                grace_factor=1.0,
+                lease_seconds=5,
+            )
+        )
+        for i in range(2)
+    ]
     for s in servers:
         s.start()
     yield servers
@@ -76,7 +93,12 @@ def test_two_learners_train_toward_a_target_and_hold_the_published_copy(shards):
             now = time.perf_counter()  # the step's real seconds, as the training loop reports them
             params = sync.apply(params, sync.after_step(step, params, now - last, 128))
             last = now
-        results[i] = (dict(sync.stats), sync.versions(), [f.base.copy() for f in sync.frags], params)
+        results[i] = (
+            dict(sync.stats),
+            sync.versions(),
+            [f.base.copy() for f in sync.frags],
+            params,
+        )
         sync.close()
 
     threads = [threading.Thread(target=learner, args=(i,)) for i in range(2)]
@@ -86,14 +108,16 @@ def test_two_learners_train_toward_a_target_and_hold_the_published_copy(shards):
         t.join(60)
     assert len(results) == 2
 
-    for i, (stats, versions, bases, params) in results.items():
+    for stats, versions, _bases, params in results.values():
         # 64 steps, H=8: a fragment pushes once per cadence (H steps, give or take the one
         # nearest the due time: at most 1 + 64/7 per fragment), and its rounds merge both learners
         assert 4 * 3 <= stats["pushes"] <= 4 * 10 and stats["refused"] == 0
         assert stats["adopted"] >= stats["pushes"] - 4
         assert all(adopted >= 3 for adopted, _ in versions.values())
         # 4-bit frames: a push is at most ~4.5 bits per parameter plus a 16-byte header
-        assert stats["bytes_sent"] - 4 * PLAN.num_params <= stats["pushes"] * (PLAN.num_params / 4 * 4.5 / 8 + 64)
+        assert stats["bytes_sent"] - 4 * PLAN.num_params <= stats["pushes"] * (
+            PLAN.num_params / 4 * 4.5 / 8 + 64
+        )
         # the model moved toward the targets (all zeros) from |N(0,1)| ≈ 0.8
         assert float(np.abs(params["block"]["w1"]).mean()) < 0.4
 
@@ -156,7 +180,9 @@ def test_at_the_end_every_step_reaches_the_shards(shards):
         sync = Synchronizer(cfg, PLAN, _clients(shards, f"l{i}"), on_push=pushes[i].append)
         params = sync.join(_copy(START))
         last = time.perf_counter()
-        for step in range(1, 21):  # 20 steps, H = 8: a schedule alone leaves some of each fragment's steps
+        for step in range(
+            1, 21
+        ):  # 20 steps, H = 8: a schedule alone leaves some of each fragment's steps
             time.sleep(0.005)
             params = _toward(params, zeros, 0.05)
             now = time.perf_counter()
@@ -179,5 +205,7 @@ def test_at_the_end_every_step_reaches_the_shards(shards):
             assert sum(r["steps"] for r in mine) == 20, (i, p, mine)  # every step, once
         # the round holding each last push closed (the other learner's last push is not
         # waited for) and the learner adopted it before finish() returned
-        assert all(adopted >= max(r["merged_in"] for r in log if r["fragment"] == p)
-                   for p, (adopted, _) in done[i].items())
+        assert all(
+            adopted >= max(r["merged_in"] for r in log if r["fragment"] == p)
+            for p, (adopted, _) in done[i].items()
+        )

@@ -7,17 +7,24 @@ import concurrent.futures
 import grpc
 import numpy as np
 import pytest
+from syncer_helpers import connect, describe, push_requests
+from syncer_helpers import init as _init
+from syncer_helpers import pull as _pull
+from syncer_helpers import push as _push
+from syncer_helpers import status_of as status
 
-from server.config import ShardConfig
-from server.service import SyncerServer
-from syncer_helpers import (connect, describe, init as _init, pull as _pull, push as _push, push_requests,
-                            status_of as status)
-from wire import codec
-from wire import syncer_pb2 as pb
-from wire.plan import FragmentPlan, TensorSpec
+from atoll.server.config import ShardConfig
+from atoll.server.service import SyncerServer
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
+from atoll.wire.plan import FragmentPlan, TensorSpec
 
-SPECS = [TensorSpec("embed", (64, 16)), TensorSpec("w1", (16, 48)), TensorSpec("w2", (48, 16)),
-         TensorSpec("norm", (16,))]
+SPECS = [
+    TensorSpec("embed", (64, 16)),
+    TensorSpec("w1", (16, 48)),
+    TensorSpec("w2", (48, 16)),
+    TensorSpec("norm", (16,)),
+]
 
 
 @pytest.fixture
@@ -27,8 +34,17 @@ def plan():
 
 @pytest.fixture
 def shard(tmp_path):
-    server = SyncerServer(ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path, listen="127.0.0.1:0",
-                                      quorum=2, grace_factor=0.0, snapshot_every=3))
+    server = SyncerServer(
+        ShardConfig(
+            shard_index=0,
+            num_shards=1,
+            data_dir=tmp_path,
+            listen="127.0.0.1:0",
+            quorum=2,
+            grace_factor=0.0,
+            snapshot_every=3,
+        )
+    )
     server.start()
     yield server
     server.stop()
@@ -49,7 +65,11 @@ def test_rounds_close_at_quorum_and_pulls_are_bit_exact(shard, plan):
     for round_ in range(4):
         deltas = [rng.standard_normal(size).astype(np.float32) * 0.01 for _ in range(2)]
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            acks = list(pool.map(lambda i: _push(stub, plan, 0, f"l{i}", round_, round_, deltas[i]), range(2)))
+            acks = list(
+                pool.map(
+                    lambda i: _push(stub, plan, 0, f"l{i}", round_, round_, deltas[i]), range(2)
+                )
+            )
         assert all(a.accepted for a in acks)
         assert max(a.version for a in acks) == round_ + 1  # the second push closed the round
         # deltas from what we hold reproduce the shard's published copy exactly
@@ -72,20 +92,34 @@ def test_bad_pushes_get_precise_statuses(shard, plan):
     _init(stub, plan, 0, np.zeros(size, np.float32))
     good = np.ones(size, np.float32) * 0.01
 
-    assert status(lambda: _push(stub, plan, 0, "x", 1, 5, good)) == grpc.StatusCode.INVALID_ARGUMENT  # future
-    assert status(lambda: _push(stub, plan, 0, "x", 1, 0, np.ones(size + 1, np.float32))) == \
-        grpc.StatusCode.INVALID_ARGUMENT  # wrong shape
+    assert (
+        status(lambda: _push(stub, plan, 0, "x", 1, 5, good)) == grpc.StatusCode.INVALID_ARGUMENT
+    )  # future
+    assert (
+        status(lambda: _push(stub, plan, 0, "x", 1, 0, np.ones(size + 1, np.float32)))
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )  # wrong shape
     assert status(lambda: _push(stub, plan, 7, "x", 1, 0, good)) == grpc.StatusCode.NOT_FOUND
     frame = codec.encode(good)
     msgs = push_requests(plan, 0, "x", 1, 0, frame, size, chunks=1, inner_steps=1, tokens=1)
     header = msgs[0].header
     truncated = [msgs[0], pb.PushRequest(chunk=frame[:-3])]
-    assert status(lambda: stub.Push(iter(truncated), timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        status(lambda: stub.Push(iter(truncated), timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+    )
     nan = np.full(size, np.nan, np.float32)
-    fp32 = codec._HEADER.pack(codec.MAGIC, 1, 1, 1, size) + codec._compressor(None).compress(nan.tobytes())
+    fp32 = codec._HEADER.pack(codec.MAGIC, 1, 1, 1, size) + codec._compressor(None).compress(
+        nan.tobytes()
+    )
     header.codec, header.frame_bytes = pb.CODEC_FP32, len(fp32)
-    assert status(lambda: stub.Push(iter([pb.PushRequest(header=header), pb.PushRequest(chunk=fp32)]),
-                                    timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        status(
+            lambda: stub.Push(
+                iter([pb.PushRequest(header=header), pb.PushRequest(chunk=fp32)]), timeout=10
+            )
+        )
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
     d = describe(stub)
     assert d.fragments[0].version == 0 and d.fragments[0].round_size == 0  # nothing changed
     channel.close()

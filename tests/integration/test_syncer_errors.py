@@ -17,30 +17,58 @@ import grpc
 import numpy as np
 import pytest
 import zstandard
+from syncer_helpers import (
+    DEADLINE,
+    PLAN,
+    connect,
+    describe,
+    init,
+    init_requests,
+    pull,
+    push,
+    push_requests,
+    shard_state,
+    status_of,
+)
 
-from server.config import ShardConfig
-from server.service import SyncerServer
-from syncer_helpers import (DEADLINE, PLAN, connect, describe, init, init_requests, pull, push, push_requests,
-                            shard_state, status_of)
-from wire import codec
-from wire import syncer_pb2 as pb
+from atoll.server.config import ShardConfig
+from atoll.server.service import SyncerServer
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
 
 # Shard 0 of 2 owns fragments 0 and 2; fragment 1 lives on shard 1; the plan has 4.
-CONFIG = dict(shard_index=0, num_shards=2, quorum=2, grace_factor=0.0, max_staleness=2,
-              staleness_discount=1.0, max_message_bytes=1 << 20)
+CONFIG = dict(
+    shard_index=0,
+    num_shards=2,
+    quorum=2,
+    grace_factor=0.0,
+    max_staleness=2,
+    staleness_discount=1.0,
+    max_message_bytes=1 << 20,
+)
 FRAME_LIMIT = CONFIG["max_message_bytes"] * 64  # what the servicer allows one frame
 P, OTHER_SHARDS, UNKNOWN = 0, 1, 9
 SIZE = PLAN.fragment_sizes[P]
 # (learner, seq, base) of the pushes that bring fragment 0 to version 3 with l0 alone in
 # round 4; FINISH completes that round. l1's seq 3 is stale by one (discounted).
-SETUP = [("l0", 1, 0), ("l1", 1, 0), ("l0", 2, 1), ("l1", 2, 1), ("l0", 3, 2), ("l1", 3, 1), ("l0", 4, 3)]
+SETUP = [
+    ("l0", 1, 0),
+    ("l1", 1, 0),
+    ("l0", 2, 1),
+    ("l1", 2, 1),
+    ("l0", 3, 2),
+    ("l1", 3, 1),
+    ("l0", 4, 3),
+]
 FINISH = ("l1", 4, 3)
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 PRECONDITION, EXHAUSTED = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def delta(learner: str, seq: int, size: int = SIZE) -> np.ndarray:
-    return (np.random.default_rng([int(learner[1:]), seq]).standard_normal(size) * 0.01).astype(np.float32)
+    return (np.random.default_rng([int(learner[1:]), seq]).standard_normal(size) * 0.01).astype(
+        np.float32
+    )
 
 
 def good_push(stub, learner: str, seq: int, base: int) -> pb.PushResponse:
@@ -55,9 +83,15 @@ class Running:
         self.server.start()
         self.channel, self.stub = connect(self.server.port)
         for p in (0, 2):  # as learner "a": its lease keeps a lone contributor's round open
-            init(self.stub, PLAN, p, np.random.default_rng(p).standard_normal(PLAN.fragment_sizes[p])
-                 .astype(np.float32))
-        self.acks = {(learner, seq): good_push(self.stub, learner, seq, base) for learner, seq, base in SETUP}
+            init(
+                self.stub,
+                PLAN,
+                p,
+                np.random.default_rng(p).standard_normal(PLAN.fragment_sizes[p]).astype(np.float32),
+            )
+        self.acks = {
+            (learner, seq): good_push(self.stub, learner, seq, base) for learner, seq, base in SETUP
+        }
         assert all(a.accepted for a in self.acks.values())
         assert self.version() == 3 and describe(self.stub).fragments[0].round_size == 1
 
@@ -96,7 +130,9 @@ def shard(tmp_path):
 
 
 def _recompress(frame: bytes, body: bytes) -> bytes:
-    return frame[:codec.HEADER_BYTES] + zstandard.ZstdCompressor(write_content_size=True).compress(body)
+    return frame[: codec.HEADER_BYTES] + zstandard.ZstdCompressor(write_content_size=True).compress(
+        body
+    )
 
 
 def fp32_frame_holding(values: np.ndarray) -> bytes:
@@ -108,14 +144,25 @@ def fp32_frame_holding(values: np.ndarray) -> bytes:
 def int4_frame_with_scale(bits: int) -> bytes:
     """An INT4 frame whose first block's bfloat16 scale is `bits` (0x7f80: +Inf)."""
     frame = codec.encode(delta("l9", 1))
-    body = bytearray(zstandard.ZstdDecompressor().decompress(frame[codec.HEADER_BYTES:]))
+    body = bytearray(zstandard.ZstdDecompressor().decompress(frame[codec.HEADER_BYTES :]))
     body[0:2] = struct.pack("<H", bits)  # scales come first in the body
     return _recompress(frame, bytes(body))
 
 
-def raw_push(stub, frame: bytes, *, num_params: int = SIZE, codec_id: int = pb.CODEC_INT4, **header):
-    msgs = push_requests(PLAN, header.pop("fragment", P), header.pop("learner", "x"), header.pop("seq", 1),
-                         header.pop("base", 3), frame, num_params, codec_id=codec_id, **header)
+def raw_push(
+    stub, frame: bytes, *, num_params: int = SIZE, codec_id: int = pb.CODEC_INT4, **header
+):
+    msgs = push_requests(
+        PLAN,
+        header.pop("fragment", P),
+        header.pop("learner", "x"),
+        header.pop("seq", 1),
+        header.pop("base", 3),
+        frame,
+        num_params,
+        codec_id=codec_id,
+        **header,
+    )
     return stub.Push(iter(msgs), timeout=DEADLINE)
 
 
@@ -134,60 +181,159 @@ HEADER = push_requests(PLAN, P, "x", 1, 3, GOOD, SIZE)[0]
 MALFORMED = {
     "wrong num_params": (lambda s: push(s, PLAN, P, "x", 1, 3, delta("l9", 1, SIZE + 1)), INVALID),
     "frame size differs from num_params": (
-        lambda s: raw_push(s, codec.encode(delta("l9", 1, SIZE - 32))), INVALID),
-    "NaN in an FP32 frame": (lambda s: raw_push(s, fp32_frame_holding(np.full(SIZE, np.nan)),
-                                                codec_id=pb.CODEC_FP32), INVALID),
-    "one Inf in an FP32 frame": (lambda s: raw_push(s, fp32_frame_holding(
-        np.where(np.arange(SIZE) == 7, np.inf, 0.01)), codec_id=pb.CODEC_FP32), INVALID),
+        lambda s: raw_push(s, codec.encode(delta("l9", 1, SIZE - 32))),
+        INVALID,
+    ),
+    "NaN in an FP32 frame": (
+        lambda s: raw_push(s, fp32_frame_holding(np.full(SIZE, np.nan)), codec_id=pb.CODEC_FP32),
+        INVALID,
+    ),
+    "one Inf in an FP32 frame": (
+        lambda s: raw_push(
+            s,
+            fp32_frame_holding(np.where(np.arange(SIZE) == 7, np.inf, 0.01)),
+            codec_id=pb.CODEC_FP32,
+        ),
+        INVALID,
+    ),
     "Inf scale in an INT4 frame": (lambda s: raw_push(s, int4_frame_with_scale(0x7F80)), INVALID),
     "NaN scale in an INT4 frame": (lambda s: raw_push(s, int4_frame_with_scale(0x7FC0)), INVALID),
-    "corrupt frame bytes": (lambda s: raw_push(s, GOOD[:codec.HEADER_BYTES] + b"\x00" * 40), INVALID),
-    "truncated stream": (lambda s: push_messages(s, [HEADER, pb.PushRequest(chunk=GOOD[:-5])]), INVALID),
-    "chunks beyond frame_bytes": (lambda s: push_messages(s, [HEADER, pb.PushRequest(chunk=GOOD),
-                                                              pb.PushRequest(chunk=b"x")]), INVALID),
-    "chunk before the header": (lambda s: push_messages(s, [pb.PushRequest(chunk=GOOD), HEADER]), INVALID),
-    "two headers": (lambda s: push_messages(s, [HEADER, HEADER, pb.PushRequest(chunk=GOOD)]), INVALID),
+    "corrupt frame bytes": (
+        lambda s: raw_push(s, GOOD[: codec.HEADER_BYTES] + b"\x00" * 40),
+        INVALID,
+    ),
+    "truncated stream": (
+        lambda s: push_messages(s, [HEADER, pb.PushRequest(chunk=GOOD[:-5])]),
+        INVALID,
+    ),
+    "chunks beyond frame_bytes": (
+        lambda s: push_messages(
+            s, [HEADER, pb.PushRequest(chunk=GOOD), pb.PushRequest(chunk=b"x")]
+        ),
+        INVALID,
+    ),
+    "chunk before the header": (
+        lambda s: push_messages(s, [pb.PushRequest(chunk=GOOD), HEADER]),
+        INVALID,
+    ),
+    "two headers": (
+        lambda s: push_messages(s, [HEADER, HEADER, pb.PushRequest(chunk=GOOD)]),
+        INVALID,
+    ),
     "empty push stream": (lambda s: push_messages(s, []), INVALID),
-    "frame_bytes over the shard's limit": (lambda s: push_messages(s, [pb.PushRequest(
-        header=pb.PushHeader(**{**_fields(HEADER.header), "frame_bytes": FRAME_LIMIT + 1}))]), EXHAUSTED),
-    "one message over max_message_bytes": (lambda s: push_messages(s, [HEADER, pb.PushRequest(
-        chunk=bytes((1 << 20) + 1))]), EXHAUSTED),
-    "frame_bytes over what the fragment can need": (lambda s: push_messages(s, [pb.PushRequest(
-        header=pb.PushHeader(**{**_fields(HEADER.header), "frame_bytes": codec.max_frame_bytes(SIZE, codec.Codec.INT4)
-                                + 1}))]), INVALID),
+    "frame_bytes over the shard's limit": (
+        lambda s: push_messages(
+            s,
+            [
+                pb.PushRequest(
+                    header=pb.PushHeader(
+                        **{**_fields(HEADER.header), "frame_bytes": FRAME_LIMIT + 1}
+                    )
+                )
+            ],
+        ),
+        EXHAUSTED,
+    ),
+    "one message over max_message_bytes": (
+        lambda s: push_messages(s, [HEADER, pb.PushRequest(chunk=bytes((1 << 20) + 1))]),
+        EXHAUSTED,
+    ),
+    "frame_bytes over what the fragment can need": (
+        lambda s: push_messages(
+            s,
+            [
+                pb.PushRequest(
+                    header=pb.PushHeader(
+                        **{
+                            **_fields(HEADER.header),
+                            "frame_bytes": codec.max_frame_bytes(SIZE, codec.Codec.INT4) + 1,
+                        }
+                    )
+                )
+            ],
+        ),
+        INVALID,
+    ),
     "learner_id too long": (lambda s: raw_push(s, GOOD, learner="l" * 129), INVALID),
     "learner_id with a space": (lambda s: raw_push(s, GOOD, learner="l 0"), INVALID),
-    "base_version from the future": (lambda s: push(s, PLAN, P, "x", 1, 4, delta("l9", 1)), INVALID),
+    "base_version from the future": (
+        lambda s: push(s, PLAN, P, "x", 1, 4, delta("l9", 1)),
+        INVALID,
+    ),
     "unknown fragment": (lambda s: push(s, PLAN, UNKNOWN, "x", 1, 0, delta("l9", 1)), NOT_FOUND),
-    "fragment of another shard": (lambda s: push(s, PLAN, OTHER_SHARDS, "x", 1, 0,
-                                                 delta("l9", 1, PLAN.fragment_sizes[OTHER_SHARDS])), PRECONDITION),
-    "wrong plan fingerprint": (lambda s: raw_push(s, GOOD, plan_fingerprint="0123456789abcdef"), PRECONDITION),
+    "fragment of another shard": (
+        lambda s: push(
+            s, PLAN, OTHER_SHARDS, "x", 1, 0, delta("l9", 1, PLAN.fragment_sizes[OTHER_SHARDS])
+        ),
+        PRECONDITION,
+    ),
+    "wrong plan fingerprint": (
+        lambda s: raw_push(s, GOOD, plan_fingerprint="0123456789abcdef"),
+        PRECONDITION,
+    ),
     "unknown codec id": (lambda s: raw_push(s, GOOD, codec_id=9), INVALID),
     "unspecified codec": (lambda s: raw_push(s, GOOD, codec_id=pb.CODEC_UNSPECIFIED), INVALID),
-    "header codec differs from the frame's": (lambda s: raw_push(s, codec.encode(delta("l9", 1), codec.Codec.MXFP4)),
-                                              INVALID),
+    "header codec differs from the frame's": (
+        lambda s: raw_push(s, codec.encode(delta("l9", 1), codec.Codec.MXFP4)),
+        INVALID,
+    ),
     "empty learner_id": (lambda s: raw_push(s, GOOD, learner=""), INVALID),
     "zero tokens": (lambda s: raw_push(s, GOOD, tokens=0), INVALID),
     "zero inner_steps": (lambda s: raw_push(s, GOOD, inner_steps=0), INVALID),
     "Pull: have_version ahead": (lambda s: pull(s, P, have=4), INVALID),
     "Pull: unknown fragment": (lambda s: pull(s, UNKNOWN), NOT_FOUND),
     "Pull: fragment of another shard": (lambda s: pull(s, OTHER_SHARDS), PRECONDITION),
-    "Init: fragment of another shard": (lambda s: init(s, PLAN, OTHER_SHARDS,
-                                                       np.zeros(PLAN.fragment_sizes[OTHER_SHARDS], np.float32)),
-                                        PRECONDITION),
-    "Init: wrong plan fingerprint": (lambda s: s.Init(iter(init_requests(
-        PLAN, 2, np.zeros(PLAN.fragment_sizes[2], np.float32), plan_fingerprint="0123456789abcdef")),
-        timeout=DEADLINE), PRECONDITION),
-    "Init: one message over max_message_bytes": (lambda s: s.Init(iter([
-        init_requests(PLAN, 2, np.zeros(PLAN.fragment_sizes[2], np.float32))[0],
-        pb.InitRequest(chunk=bytes((1 << 20) + 1))]), timeout=DEADLINE), EXHAUSTED),
-    "Init: frame_bytes over what the fragment can need": (lambda s: s.Init(iter(init_requests(
-        PLAN, 2, np.zeros(PLAN.fragment_sizes[2], np.float32),
-        frame_bytes=codec.max_frame_bytes(PLAN.fragment_sizes[2], codec.Codec.FP32) + 1)[:1]),
-        timeout=DEADLINE), INVALID),
+    "Init: fragment of another shard": (
+        lambda s: init(
+            s, PLAN, OTHER_SHARDS, np.zeros(PLAN.fragment_sizes[OTHER_SHARDS], np.float32)
+        ),
+        PRECONDITION,
+    ),
+    "Init: wrong plan fingerprint": (
+        lambda s: s.Init(
+            iter(
+                init_requests(
+                    PLAN,
+                    2,
+                    np.zeros(PLAN.fragment_sizes[2], np.float32),
+                    plan_fingerprint="0123456789abcdef",
+                )
+            ),
+            timeout=DEADLINE,
+        ),
+        PRECONDITION,
+    ),
+    "Init: one message over max_message_bytes": (
+        lambda s: s.Init(
+            iter(
+                [
+                    init_requests(PLAN, 2, np.zeros(PLAN.fragment_sizes[2], np.float32))[0],
+                    pb.InitRequest(chunk=bytes((1 << 20) + 1)),
+                ]
+            ),
+            timeout=DEADLINE,
+        ),
+        EXHAUSTED,
+    ),
+    "Init: frame_bytes over what the fragment can need": (
+        lambda s: s.Init(
+            iter(
+                init_requests(
+                    PLAN,
+                    2,
+                    np.zeros(PLAN.fragment_sizes[2], np.float32),
+                    frame_bytes=codec.max_frame_bytes(PLAN.fragment_sizes[2], codec.Codec.FP32) + 1,
+                )[:1]
+            ),
+            timeout=DEADLINE,
+        ),
+        INVALID,
+    ),
     "Init: empty stream": (lambda s: s.Init(iter([]), timeout=DEADLINE), INVALID),
-    "Watch: unknown fragment": (lambda s: next(s.Watch(pb.WatchRequest(fragments=[UNKNOWN]), timeout=DEADLINE)),
-                                NOT_FOUND),
+    "Watch: unknown fragment": (
+        lambda s: next(s.Watch(pb.WatchRequest(fragments=[UNKNOWN]), timeout=DEADLINE)),
+        NOT_FOUND,
+    ),
 }
 
 
@@ -242,7 +388,11 @@ def test_duplicate_push_is_answered_as_the_first_and_counted_once(shard, golden)
         first = shard.acks[(learner, seq)]
         retry = good_push(shard.stub, learner, seq, base)
         assert retry.reason == pb.PUSH_REASON_DUPLICATE and retry.accepted
-        assert (retry.version, retry.staleness, retry.weight) == (first.version, first.staleness, first.weight)
+        assert (retry.version, retry.staleness, retry.weight) == (
+            first.version,
+            first.staleness,
+            first.weight,
+        )
     assert shard_state(shard.stub) == before  # round 4 still holds l0 once
     assert shard.finish() == golden
 
@@ -288,8 +438,9 @@ class Watcher:
 @pytest.fixture
 def watch_server(tmp_path):
     """Quorum 2 and a grace window, so a round waits for every live learner it can."""
-    server = SyncerServer(ShardConfig(data_dir=tmp_path, listen="127.0.0.1:0",
-                                      **{**CONFIG, "grace_factor": 1.0}))
+    server = SyncerServer(
+        ShardConfig(data_dir=tmp_path, listen="127.0.0.1:0", **{**CONFIG, "grace_factor": 1.0})
+    )
     server.start()
     channel, stub = connect(server.port)
     yield server, stub
@@ -383,20 +534,49 @@ def _init_with(stub, p: int, frame: bytes, **header):
 
 SIZE2 = PLAN.fragment_sizes[2]
 BAD_INITS = {
-    "NaN in the frame": (lambda s: _init_with(s, 2, fp32_frame_holding(np.full(SIZE2, np.nan))), INVALID),
-    "frame of the wrong size": (lambda s: _init_with(s, 2, codec.encode(np.zeros(SIZE2 + 1, np.float32),
-                                                                        codec.Codec.FP32),
-                                                     num_params=SIZE2 + 1), INVALID),
-    "num_params differs from the fragment's": (lambda s: _init_with(
-        s, 2, codec.encode(np.zeros(SIZE2, np.float32), codec.Codec.FP32), num_params=SIZE2 + 1), INVALID),
-    "header codec differs from the frame's": (lambda s: _init_with(
-        s, 2, codec.encode(np.zeros(SIZE2, np.float32), codec.Codec.FP32), codec=pb.CODEC_INT4), INVALID),
-    "truncated stream": (lambda s: s.Init(iter([init_requests(PLAN, 2, np.zeros(SIZE2, np.float32))[0]]),
-                                          timeout=DEADLINE), INVALID),
-    "chunk before the header": (lambda s: s.Init(iter(init_requests(PLAN, 2, np.zeros(SIZE2, np.float32))[::-1]),
-                                                 timeout=DEADLINE), INVALID),
-    "unknown fragment": (lambda s: s.Init(iter(init_requests(PLAN, UNKNOWN, np.zeros(SIZE2, np.float32))),
-                                          timeout=DEADLINE), NOT_FOUND),
+    "NaN in the frame": (
+        lambda s: _init_with(s, 2, fp32_frame_holding(np.full(SIZE2, np.nan))),
+        INVALID,
+    ),
+    "frame of the wrong size": (
+        lambda s: _init_with(
+            s,
+            2,
+            codec.encode(np.zeros(SIZE2 + 1, np.float32), codec.Codec.FP32),
+            num_params=SIZE2 + 1,
+        ),
+        INVALID,
+    ),
+    "num_params differs from the fragment's": (
+        lambda s: _init_with(
+            s, 2, codec.encode(np.zeros(SIZE2, np.float32), codec.Codec.FP32), num_params=SIZE2 + 1
+        ),
+        INVALID,
+    ),
+    "header codec differs from the frame's": (
+        lambda s: _init_with(
+            s, 2, codec.encode(np.zeros(SIZE2, np.float32), codec.Codec.FP32), codec=pb.CODEC_INT4
+        ),
+        INVALID,
+    ),
+    "truncated stream": (
+        lambda s: s.Init(
+            iter([init_requests(PLAN, 2, np.zeros(SIZE2, np.float32))[0]]), timeout=DEADLINE
+        ),
+        INVALID,
+    ),
+    "chunk before the header": (
+        lambda s: s.Init(
+            iter(init_requests(PLAN, 2, np.zeros(SIZE2, np.float32))[::-1]), timeout=DEADLINE
+        ),
+        INVALID,
+    ),
+    "unknown fragment": (
+        lambda s: s.Init(
+            iter(init_requests(PLAN, UNKNOWN, np.zeros(SIZE2, np.float32))), timeout=DEADLINE
+        ),
+        NOT_FOUND,
+    ),
 }
 
 
@@ -424,6 +604,14 @@ def test_a_refused_first_init_leaves_no_plan_behind(fresh, case):
 
 def test_first_init_with_a_bad_plan_is_refused(fresh):
     values = np.zeros(SIZE, np.float32)
-    for header, code in ((dict(plan_json="{not json"), INVALID), (dict(plan_fingerprint="0123456789abcdef"), INVALID)):
-        assert status_of(lambda: fresh.Init(iter(init_requests(PLAN, 0, values, **header)), timeout=DEADLINE)) == code
+    for header, code in (
+        (dict(plan_json="{not json"), INVALID),
+        (dict(plan_fingerprint="0123456789abcdef"), INVALID),
+    ):
+        assert (
+            status_of(
+                lambda: fresh.Init(iter(init_requests(PLAN, 0, values, **header)), timeout=DEADLINE)
+            )
+            == code
+        )
     assert describe(fresh).num_fragments == 0

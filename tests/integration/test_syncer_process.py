@@ -15,21 +15,36 @@ import time
 import grpc
 import numpy as np
 import pytest
+from syncer_helpers import (
+    PLAN,
+    SERVICE,
+    connect,
+    describe,
+    init,
+    pull,
+    push_requests,
+    shard_state,
+    syncer_processes,
+)
 
-from server.config import ShardConfig
-from server.service import SyncerServer
-from server.shard import PushHeader, Shard
-from server.storage import SnapshotStore
-from syncer_helpers import (PLAN, SERVICE, connect, describe, init, pull, push_requests, shard_state,
-                            syncer_processes)
-from wire import codec
-from wire import syncer_pb2 as pb
+from atoll.server.config import ShardConfig
+from atoll.server.service import SyncerServer
+from atoll.server.shard import PushHeader, Shard
+from atoll.server.storage import SnapshotStore
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
 
 # Both the child process and the in-process reference run these settings. Grace 0 and
 # long leases make a round close exactly when its quorum-th push lands, whatever the
 # wall clock does; snapshot-every 3 makes recovery load a snapshot and replay a log tail.
-SETTINGS = dict(quorum=2, grace_factor=0.0, snapshot_every=3, staleness_discount=0.5,
-                max_staleness=4, lease_seconds=600.0)
+SETTINGS = dict(
+    quorum=2,
+    grace_factor=0.0,
+    snapshot_every=3,
+    staleness_discount=0.5,
+    max_staleness=4,
+    lease_seconds=600.0,
+)
 FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in SETTINGS.items()]
 LEARNERS = ("l0", "l1", "l2")
 PUSHED = (0, 1)  # fragments that get a push stream; 2 and 3 are seeded and left alone
@@ -87,16 +102,36 @@ class Planned:
     @property
     def frame(self) -> bytes:
         rng = np.random.default_rng([self.fragment, self.index])
-        return codec.encode(rng.standard_normal(PLAN.fragment_sizes[self.fragment]).astype(np.float32) * 0.01)
+        return codec.encode(
+            rng.standard_normal(PLAN.fragment_sizes[self.fragment]).astype(np.float32) * 0.01
+        )
 
     def requests(self) -> list[pb.PushRequest]:
-        return push_requests(PLAN, self.fragment, self.learner, self.seq, self.base, self.frame,
-                             PLAN.fragment_sizes[self.fragment])
+        return push_requests(
+            PLAN,
+            self.fragment,
+            self.learner,
+            self.seq,
+            self.base,
+            self.frame,
+            PLAN.fragment_sizes[self.fragment],
+        )
 
     def header(self) -> PushHeader:
         h = self.requests()[0].header
-        return PushHeader(h.learner_id, h.fragment, h.base_version, h.seq, h.inner_steps, h.tokens, h.codec,
-                          h.num_params, h.plan_fingerprint, h.step_seconds, h.overlap_steps)
+        return PushHeader(
+            h.learner_id,
+            h.fragment,
+            h.base_version,
+            h.seq,
+            h.inner_steps,
+            h.tokens,
+            h.codec,
+            h.num_params,
+            h.plan_fingerprint,
+            h.step_seconds,
+            h.overlap_steps,
+        )
 
 
 def seed(stub) -> None:
@@ -114,7 +149,9 @@ class Reference:
     recovered process's is."""
 
     def __init__(self, directory):
-        cfg = ShardConfig(shard_index=0, num_shards=1, data_dir=directory, listen="127.0.0.1:0", **SETTINGS)
+        cfg = ShardConfig(
+            shard_index=0, num_shards=1, data_dir=directory, listen="127.0.0.1:0", **SETTINGS
+        )
         self.shard = Shard(cfg, clock=lambda: 1000.0)
         self.server = SyncerServer(cfg, self.shard)
         self.server.start()
@@ -123,8 +160,14 @@ class Reference:
 
     def push(self, planned: Planned) -> pb.PushResponse:
         a = self.shard.push(planned.header(), planned.frame)
-        return pb.PushResponse(accepted=a.accepted, reason=pb.PushReason.Value(f"PUSH_REASON_{a.reason.upper()}"),
-                               detail=a.detail, version=a.version, staleness=a.staleness, weight=a.weight)
+        return pb.PushResponse(
+            accepted=a.accepted,
+            reason=pb.PushReason.Value(f"PUSH_REASON_{a.reason.upper()}"),
+            detail=a.detail,
+            version=a.version,
+            staleness=a.staleness,
+            weight=a.weight,
+        )
 
     def close(self) -> None:
         self.channel.close()
@@ -140,7 +183,9 @@ def settle(stub, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def test_sigkill_mid_push_stream_keeps_exactly_the_acknowledged_pushes(tmp_path, processes, references):
+def test_sigkill_mid_push_stream_keeps_exactly_the_acknowledged_pushes(
+    tmp_path, processes, references
+):
     data = tmp_path / "shard"
     shard = processes(data, *FLAGS)
     channel, stub = connect(shard.port)
@@ -179,13 +224,19 @@ def test_sigkill_mid_push_stream_keeps_exactly_the_acknowledged_pushes(tmp_path,
                 ack = stub.Push(iter(planned.requests()), timeout=10)
             except grpc.RpcError as e:
                 if kill:
-                    cut["code"], cut["exit"] = e.code(), victim.kill()  # kill() waits: the exit status
+                    cut["code"], cut["exit"] = (
+                        e.code(),
+                        victim.kill(),
+                    )  # kill() waits: the exit status
                 else:
                     in_flight[p] = planned
                 return
             assert ack.accepted, ack
             closing = i % 2 == 1
-            assert ack.version == i // 2 + closing, (planned, ack)  # the round closed exactly at quorum
+            assert ack.version == i // 2 + closing, (
+                planned,
+                ack,
+            )  # the round closed exactly at quorum
             with lock:
                 acked.append((planned, ack))
                 closes[p] += closing
@@ -195,8 +246,13 @@ def test_sigkill_mid_push_stream_keeps_exactly_the_acknowledged_pushes(tmp_path,
                 # snapshot exists and the close just acked sits in the log after it; the
                 # other stream may add at most one more close, never a third), stop the
                 # other stream and cut this stream's next push mid-stream with SIGKILL.
-                if (closing and "by" not in cut and len(acked) >= 12 and min(closes.values()) >= 2
-                        and total % SETTINGS["snapshot_every"] == 1):
+                if (
+                    closing
+                    and "by" not in cut
+                    and len(acked) >= 12
+                    and min(closes.values()) >= 2
+                    and total % SETTINGS["snapshot_every"] == 1
+                ):
                     cut["by"] = p
                     stop.set()
         raise AssertionError("the kill never fired")
@@ -246,15 +302,18 @@ def test_sigkill_mid_push_stream_keeps_exactly_the_acknowledged_pushes(tmp_path,
     # push); nothing else. The killer's own push never is: its stream was cut.
     alternative = {}
     if in_flight:
-        (p, planned), = in_flight.items()
+        ((p, planned),) = in_flight.items()
         expected_plus = references([done for done, _ in acked] + [planned])
         alternative[p] = shard_state(expected_plus.stub)[p]
     landed = {p for p in alternative if recovered[p] == alternative[p] and recovered[p] != want[p]}
     for p in range(PLAN.num_fragments):
         assert recovered[p] == want[p] or p in landed, (
             f"fragment {p}: recovered state is neither the acked pushes"
-            f"{' nor the acked pushes plus the one in flight' if p in alternative else ''}")
-    print(f"killed after {len(acked)} acks; in flight at the kill: {in_flight}; landed anyway: {landed}")
+            f"{' nor the acked pushes plus the one in flight' if p in alternative else ''}"
+        )
+    print(
+        f"killed after {len(acked)} acks; in flight at the kill: {in_flight}; landed anyway: {landed}"
+    )
 
     # Idempotency across the restart: the newest acked push of a stream, retried, is
     # answered DUPLICATE with the first answer (version, weight, staleness).
@@ -264,7 +323,11 @@ def test_sigkill_mid_push_stream_keeps_exactly_the_acknowledged_pushes(tmp_path,
         planned, ack = [(x, a) for x, a in acked if x.fragment == p][-1]
         retry = stub.Push(iter(planned.requests()), timeout=10)
         assert retry.reason == pb.PUSH_REASON_DUPLICATE and retry.accepted
-        assert (retry.version, retry.weight, retry.staleness) == (ack.version, ack.weight, ack.staleness)
+        assert (retry.version, retry.weight, retry.staleness) == (
+            ack.version,
+            ack.weight,
+            ack.staleness,
+        )
 
     # Recovery rebuilt what no pull shows (params, optimiser state, the open round's
     # accumulator): a round more on each stream gives the same answers and bytes.
@@ -292,7 +355,8 @@ def _grpcurl() -> str:
     except OSError as e:
         pytest.fail(f"the grpcurl binary at {path} cannot run here: {e}")
     assert out.returncode == 0 and "grpcurl" in out.stdout + out.stderr, (
-        f"the grpcurl binary at {path} does not work: {out}")
+        f"the grpcurl binary at {path} does not work: {out}"
+    )
     return path
 
 
@@ -302,8 +366,12 @@ def test_grpcurl_lists_checks_health_and_describes_with_no_proto_files(tmp_path,
     address = f"127.0.0.1:{shard.port}"
 
     def run(*args: str) -> str:
-        out = subprocess.run([grpcurl, "-plaintext", "-max-time", "10", *args], capture_output=True,
-                             text=True, timeout=30)
+        out = subprocess.run(
+            [grpcurl, "-plaintext", "-max-time", "10", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert out.returncode == 0, f"grpcurl {' '.join(args)}: {out.stderr}"
         return out.stdout
 
@@ -312,8 +380,9 @@ def test_grpcurl_lists_checks_health_and_describes_with_no_proto_files(tmp_path,
     assert any(s.startswith("grpc.reflection.") for s in services), services
     # grpcurl exits 0 whatever the status says: read the answer itself
     assert json.loads(run(address, "grpc.health.v1.Health/Check")) == {"status": "SERVING"}
-    assert json.loads(run("-d", json.dumps({"service": SERVICE}), address,
-                          "grpc.health.v1.Health/Check")) == {"status": "SERVING"}
+    assert json.loads(
+        run("-d", json.dumps({"service": SERVICE}), address, "grpc.health.v1.Health/Check")
+    ) == {"status": "SERVING"}
     described = run(address, "describe", SERVICE)
     assert f"{SERVICE} is a service" in described
     for rpc in ("Init", "Push", "Pull", "Watch", "Describe"):

@@ -21,12 +21,23 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from syncer_helpers import (
+    DEADLINE,
+    PLAN,
+    SERVICE,
+    bearer,
+    connect,
+    describe,
+    health_status,
+    init,
+    pull,
+    push,
+    status_of,
+)
 
-from server.config import ShardConfig
-from server.service import SyncerServer
-from syncer_helpers import (DEADLINE, PLAN, SERVICE, bearer, connect, describe, health_status, init, pull,
-                            push, status_of)
-from wire import syncer_pb2 as pb
+from atoll.server.config import ShardConfig
+from atoll.server.service import SyncerServer
+from atoll.wire import syncer_pb2 as pb
 
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
@@ -37,8 +48,15 @@ def serve(tmp_path):
     servers = []
 
     def start(**fields) -> SyncerServer:
-        server = SyncerServer(ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path / f"s{len(servers)}",
-                                          listen="127.0.0.1:0", **fields))
+        server = SyncerServer(
+            ShardConfig(
+                shard_index=0,
+                num_shards=1,
+                data_dir=tmp_path / f"s{len(servers)}",
+                listen="127.0.0.1:0",
+                **fields,
+            )
+        )
         servers.append(server)
         server.start()
         return server
@@ -66,22 +84,42 @@ def _calls(stub, metadata):
     """One call of each Syncer RPC, as `metadata` (Watch: its first message)."""
     size = PLAN.fragment_sizes[0]
     return {
-        "Init": lambda: init(stub, PLAN, 0, np.zeros(size, np.float32), learner="learner-a", metadata=metadata),
-        "Push": lambda: push(stub, PLAN, 0, "learner-a", 1, 0, np.full(size, 0.01, np.float32),
-                             metadata=metadata),
+        "Init": lambda: init(
+            stub, PLAN, 0, np.zeros(size, np.float32), learner="learner-a", metadata=metadata
+        ),
+        "Push": lambda: push(
+            stub, PLAN, 0, "learner-a", 1, 0, np.full(size, 0.01, np.float32), metadata=metadata
+        ),
         "Pull": lambda: pull(stub, 0, metadata=metadata),
         "Describe": lambda: describe(stub, metadata=metadata),
-        "Watch": lambda: next(stub.Watch(pb.WatchRequest(fragments=[0]), timeout=DEADLINE, metadata=metadata)),
+        "Watch": lambda: next(
+            stub.Watch(pb.WatchRequest(fragments=[0]), timeout=DEADLINE, metadata=metadata)
+        ),
     }
 
 
-@pytest.mark.parametrize("metadata", [None, bearer("wrong"), bearer(""), [("authorization", SECRET_A)],
-                                      [("authorization", f"Basic {SECRET_A}")]],
-                         ids=["none", "wrong", "empty", "no-scheme", "basic"])
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        None,
+        bearer("wrong"),
+        bearer(""),
+        [("authorization", SECRET_A)],
+        [("authorization", f"Basic {SECRET_A}")],
+    ],
+    ids=["none", "wrong", "empty", "no-scheme", "basic"],
+)
 def test_calls_without_a_known_bearer_token_are_unauthenticated(token_server, metadata):
     channel, stub = connect(token_server.port)
     good = bearer(SECRET_A)
-    assert init(stub, PLAN, 0, np.zeros(PLAN.fragment_sizes[0], np.float32), learner="learner-a", metadata=good).created
+    assert init(
+        stub,
+        PLAN,
+        0,
+        np.zeros(PLAN.fragment_sizes[0], np.float32),
+        learner="learner-a",
+        metadata=good,
+    ).created
     before = describe(stub, metadata=good)
     for method, call in _calls(stub, metadata).items():
         assert status_of(call) == UNAUTHENTICATED, method
@@ -106,8 +144,9 @@ def test_health_and_reflection_need_no_token(token_server):
     assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
     assert health_status(channel, SERVICE) == health_pb2.HealthCheckResponse.SERVING
     reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
-    answers = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                           timeout=DEADLINE)
+    answers = reflect.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=DEADLINE
+    )
     services = {s.name for s in next(answers).list_services_response.service}
     assert {SERVICE, "grpc.health.v1.Health"} <= services
     channel.close()
@@ -120,8 +159,11 @@ def test_a_learner_bound_token_cannot_push_as_another_learner(token_server):
     size = PLAN.fragment_sizes[0]
     good = bearer(SECRET_A)
     init(stub, PLAN, 0, np.zeros(size, np.float32), learner="learner-a", metadata=good)
-    code = status_of(lambda: push(stub, PLAN, 0, "learner-b", 1, 0, np.full(size, 0.01, np.float32),
-                                  metadata=good))
+    code = status_of(
+        lambda: push(
+            stub, PLAN, 0, "learner-b", 1, 0, np.full(size, 0.01, np.float32), metadata=good
+        )
+    )
     assert code in (grpc.StatusCode.PERMISSION_DENIED, UNAUTHENTICATED), code
     assert describe(stub, metadata=good).fragments[0].round_size == 0
     channel.close()
@@ -146,37 +188,72 @@ def _key():
     return ec.generate_private_key(ec.SECP256R1())
 
 
-def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool = False, server: bool = False,
-          client: bool = False) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder()
-               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-               .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-               .public_key(key.public_key())
-               .serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+def _cert(
+    subject: str,
+    key,
+    issuer: str,
+    issuer_key,
+    *,
+    ca: bool = False,
+    server: bool = False,
+    client: bool = False,
+) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if ca:
         builder = builder.add_extension(
-            x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                          key_encipherment=False, data_encipherment=False, key_agreement=False,
-                          encipher_only=False, decipher_only=False), critical=True)
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
     if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        builder = builder.add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
+        )
     if client:
-        builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        builder = builder.add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def _write(directory: pathlib.Path, name: str, cert: x509.Certificate, key=None) -> tuple[pathlib.Path, pathlib.Path]:
+def _write(
+    directory: pathlib.Path, name: str, cert: x509.Certificate, key=None
+) -> tuple[pathlib.Path, pathlib.Path]:
     cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     if key is not None:
-        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
+        key_path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
     return cert_path, key_path
 
 
@@ -189,21 +266,41 @@ def pki(tmp_path_factory) -> Pki:
     server_key, client_key, impostor_key = _key(), _key(), _key()
     ca_path, _ = _write(d, "ca", ca)
     stranger_path, _ = _write(d, "stranger-ca", stranger)
-    server_cert, server_key_path = _write(d, "server", _cert("syncer", server_key, "atoll test CA", ca_key,
-                                                             server=True), server_key)
-    client_cert, client_key_path = _write(d, "client", _cert("learner-a", client_key, "atoll test CA", ca_key,
-                                                             client=True), client_key)
-    impostor_cert, impostor_key_path = _write(d, "impostor", _cert("learner-a", impostor_key, "stranger CA",
-                                                                   stranger_key, client=True), impostor_key)
-    return Pki(ca_path, server_cert, server_key_path, client_cert, client_key_path, stranger_path,
-               impostor_cert, impostor_key_path)
+    server_cert, server_key_path = _write(
+        d, "server", _cert("syncer", server_key, "atoll test CA", ca_key, server=True), server_key
+    )
+    client_cert, client_key_path = _write(
+        d,
+        "client",
+        _cert("learner-a", client_key, "atoll test CA", ca_key, client=True),
+        client_key,
+    )
+    impostor_cert, impostor_key_path = _write(
+        d,
+        "impostor",
+        _cert("learner-a", impostor_key, "stranger CA", stranger_key, client=True),
+        impostor_key,
+    )
+    return Pki(
+        ca_path,
+        server_cert,
+        server_key_path,
+        client_cert,
+        client_key_path,
+        stranger_path,
+        impostor_cert,
+        impostor_key_path,
+    )
 
 
-def _credentials(root: pathlib.Path, cert: pathlib.Path | None = None,
-                 key: pathlib.Path | None = None) -> grpc.ChannelCredentials:
-    return grpc.ssl_channel_credentials(root_certificates=root.read_bytes(),
-                                        private_key=key.read_bytes() if key else None,
-                                        certificate_chain=cert.read_bytes() if cert else None)
+def _credentials(
+    root: pathlib.Path, cert: pathlib.Path | None = None, key: pathlib.Path | None = None
+) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=root.read_bytes(),
+        private_key=key.read_bytes() if key else None,
+        certificate_chain=cert.read_bytes() if cert else None,
+    )
 
 
 def _describe_status(port: int, credentials: grpc.ChannelCredentials | None) -> grpc.StatusCode:
@@ -222,7 +319,9 @@ def test_tls_serves_clients_that_trust_its_ca_only(serve, pki):
     server = serve(tls_cert=pki.server_cert, tls_key=pki.server_key)
     assert _describe_status(server.port, _credentials(pki.ca)) == grpc.StatusCode.OK
     channel, stub = connect(server.port, _credentials(pki.ca))
-    assert init(stub, PLAN, 0, np.zeros(PLAN.fragment_sizes[0], np.float32)).created  # streams work too
+    assert init(
+        stub, PLAN, 0, np.zeros(PLAN.fragment_sizes[0], np.float32)
+    ).created  # streams work too
     assert pull(stub, 0)[0].snapshot
     assert health_status(channel, SERVICE) == health_pb2.HealthCheckResponse.SERVING
     channel.close()
@@ -231,23 +330,33 @@ def test_tls_serves_clients_that_trust_its_ca_only(serve, pki):
     assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
     channel.close()
     assert _describe_status(server.port, None) == grpc.StatusCode.UNAVAILABLE  # plaintext
-    assert _describe_status(server.port, _credentials(pki.stranger_ca)) == grpc.StatusCode.UNAVAILABLE
+    assert (
+        _describe_status(server.port, _credentials(pki.stranger_ca)) == grpc.StatusCode.UNAVAILABLE
+    )
 
 
 def test_mutual_tls_requires_a_client_certificate_from_its_ca(serve, pki):
     server = serve(tls_cert=pki.server_cert, tls_key=pki.server_key, tls_client_ca=pki.ca)
-    assert _describe_status(server.port, _credentials(pki.ca, pki.client_cert, pki.client_key)) == \
-        grpc.StatusCode.OK
-    assert _describe_status(server.port, _credentials(pki.ca)) == grpc.StatusCode.UNAVAILABLE  # no cert
-    assert _describe_status(server.port, _credentials(pki.ca, pki.stranger_cert, pki.stranger_key)) == \
-        grpc.StatusCode.UNAVAILABLE  # a certificate the shard's CA never signed
+    assert (
+        _describe_status(server.port, _credentials(pki.ca, pki.client_cert, pki.client_key))
+        == grpc.StatusCode.OK
+    )
+    assert (
+        _describe_status(server.port, _credentials(pki.ca)) == grpc.StatusCode.UNAVAILABLE
+    )  # no cert
+    assert (
+        _describe_status(server.port, _credentials(pki.ca, pki.stranger_cert, pki.stranger_key))
+        == grpc.StatusCode.UNAVAILABLE
+    )  # a certificate the shard's CA never signed
     assert _describe_status(server.port, None) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_tokens_and_mutual_tls_together(tmp_path, serve, pki):
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{SHARED}\n")
-    server = serve(tls_cert=pki.server_cert, tls_key=pki.server_key, tls_client_ca=pki.ca, token_file=tokens)
+    server = serve(
+        tls_cert=pki.server_cert, tls_key=pki.server_key, tls_client_ca=pki.ca, token_file=tokens
+    )
     channel, stub = connect(server.port, _credentials(pki.ca, pki.client_cert, pki.client_key))
     assert describe(stub, metadata=bearer(SHARED)).num_shards == 1
     assert status_of(lambda: describe(stub)) == UNAUTHENTICATED  # a certificate is not a token

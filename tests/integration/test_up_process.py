@@ -12,11 +12,26 @@ import sys
 import time
 
 import pytest
-
 from syncer_helpers import REPO
 
+from atoll.wire.records import read_jsonl
+
+pytestmark = pytest.mark.e2e  # a whole run: `make test-fast` skips it
+
 # tiny model, short run: 2 shards, a full-speed learner and one 2x slower (half the steps)
-FLAGS = ["--preset", "tiny", "--shards", "2", "--learners", "2", "--period", "8", "--evals", "2", "--no-table"]
+FLAGS = [
+    "--preset",
+    "tiny",
+    "--shards",
+    "2",
+    "--learners",
+    "2",
+    "--period",
+    "8",
+    "--evals",
+    "2",
+    "--no-table",
+]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -35,8 +50,14 @@ class Up:
         self.log = run_dir.parent / f"{run_dir.name}-up.log"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         with open(self.log, "a") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "atoll.cli", "up", "--run-dir", str(run_dir), *flags],
-                                         cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "atoll.cli", "up", "--run-dir", str(run_dir), *flags],
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
 
     def wait(self, timeout: float = 150.0) -> int:
         try:
@@ -71,16 +92,17 @@ def ups():
         up.kill_everything()
 
 
-def _records(path: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _wait_for_step(up: Up, learner: str, step: int, timeout: float = 120.0) -> None:
     status = up.run_dir / "learners" / f"{learner}.jsonl"
     deadline = time.monotonic() + timeout
-    while not (status.exists() and any(r["state"] == "training" and r["step"] >= step for r in _records(status))):
+    while not (
+        status.exists()
+        and any(r["state"] == "training" and r["step"] >= step for r in read_jsonl(status))
+    ):
         assert up.proc.poll() is None, up.output()
-        assert time.monotonic() < deadline, f"{learner} not at step {step} after {timeout} s:\n{up.output()}"
+        assert time.monotonic() < deadline, (
+            f"{learner} not at step {step} after {timeout} s:\n{up.output()}"
+        )
         time.sleep(0.05)
 
 
@@ -99,11 +121,21 @@ def test_up_runs_to_a_report_with_plots_through_a_shard_kill(tmp_path, ups):
     learners = report["learners"]
     assert set(learners) == {"learner-0", "learner-1"}
     assert [learners[n]["steps"] for n in sorted(learners)] == [60, 30]  # 2x slower: half the steps
-    for figure in ("eval_loss", "tokens", "goodput", "push_bits_per_param", "pull_bits_per_param",
-                   "bytes_sent", "bytes_received"):
+    for figure in (
+        "eval_loss",
+        "tokens",
+        "goodput",
+        "push_bits_per_param",
+        "pull_bits_per_param",
+        "bytes_sent",
+        "bytes_received",
+    ):
         assert g[figure] is not None, figure
     first_loss = min(l["first_train_loss"] for l in learners.values())
-    assert g["eval_loss"] < first_loss - 1.0, (first_loss, g["eval_loss"])  # the global model learned
+    assert g["eval_loss"] < first_loss - 1.0, (
+        first_loss,
+        g["eval_loss"],
+    )  # the global model learned
     assert all(l["final_eval_loss"] < first_loss - 1.0 for l in learners.values())
     assert 3.0 < g["push_bits_per_param"] <= 4.6 and 3.0 < g["pull_bits_per_param"] <= 4.6
     assert 0 < g["goodput"] <= 1 and report["wall_seconds"] > 0
@@ -114,11 +146,21 @@ def test_up_runs_to_a_report_with_plots_through_a_shard_kill(tmp_path, ups):
     assert report["plots"] == ["loss.png", "wire.png", "lag.png"]
     assert "finished in" in up.output() and "report.json" in up.output()
     # the shard came back from its data directory and the run went on
-    assert any("shard 1 exited with status -9; restarting it" in e for e in report["events"]), report["events"]
+    assert any("shard 1 exited with status -9; restarting it" in e for e in report["events"]), (
+        report["events"]
+    )
     assert report["shards"]["1"]["restarts_this_session"] == 1
-    assert (run / "logs" / "shard-1.log").read_text().count("recovered (") == 2  # started, restarted
+    assert (run / "logs" / "shard-1.log").read_text().count(
+        "recovered ("
+    ) == 2  # started, restarted
     children = up.children()
-    assert sorted(c["name"] for c in children) == ["learner-0", "learner-1", "shard-0", "shard-1", "shard-1"]
+    assert sorted(c["name"] for c in children) == [
+        "learner-0",
+        "learner-1",
+        "shard-0",
+        "shard-1",
+        "shard-1",
+    ]
     assert not [c for c in children if _pid_alive(c["pid"])]
 
 
@@ -142,19 +184,32 @@ def test_ctrl_c_stops_every_child_and_the_run_resumes(tmp_path, ups):
     assert (run / "shards" / "0").is_dir() and any((run / "shards" / "0").iterdir())  # data kept
 
     # a resume that asks for other settings is refused, and says why
-    refused = subprocess.run([sys.executable, "-m", "atoll.cli", "up", "--run-dir", str(run), "--steps", "99"],
-                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                             timeout=60)
-    assert refused.returncode == 2 and "--steps 99 (the run has 60)" in refused.stderr, refused.stderr
+    refused = subprocess.run(
+        [sys.executable, "-m", "atoll.cli", "up", "--run-dir", str(run), "--steps", "99"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "--steps 99 (the run has 60)" in refused.stderr, (
+        refused.stderr
+    )
 
     ups.append(resumed := Up(run, "--no-table"))
     assert resumed.wait() == 0, resumed.output()
     report = resumed.report()
     assert report["complete"] and report["interrupted"] is None
     assert [s["outcome"] for s in report["sessions"]] == ["interrupted", "finished"]
-    assert report["learners"]["learner-0"]["steps"] == 60 and report["learners"]["learner-0"]["restarts"] == 1
-    records = _records(status)
+    assert (
+        report["learners"]["learner-0"]["steps"] == 60
+        and report["learners"]["learner-0"]["restarts"] == 1
+    )
+    records = read_jsonl(status)
     rejoin = max(i for i, r in enumerate(records) if r["state"] == "joining")
-    assert next(r for r in records[rejoin:] if r["state"] == "training")["step"] == records[rejoin]["step"] + 1
+    assert (
+        next(r for r in records[rejoin:] if r["state"] == "training")["step"]
+        == records[rejoin]["step"] + 1
+    )
     assert report["global"]["eval_loss"] is not None
     assert not [c for c in resumed.children() if _pid_alive(c["pid"])]

@@ -18,9 +18,9 @@ import threading
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-from atoll.wan import Wan, WanConfig, WanError, available, sweep_stale
 from syncer_helpers import REPO
+
+from atoll.faults.wan import Wan, WanConfig, WanError, available, sweep_stale
 
 pytestmark = pytest.mark.timeout(90)
 needs_wan = pytest.mark.skipif(available() is not None, reason=str(available()))
@@ -115,8 +115,13 @@ def _namespaces() -> str:
 
 
 def _in_region(wan: Wan, region: int, script: str, *args: str) -> dict:
-    done = subprocess.run(wan.command_prefix(region) + [sys.executable, "-c", script, *args],
-                          capture_output=True, text=True, timeout=40, env=ENV)
+    done = subprocess.run(
+        wan.command_prefix(region) + [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=40,
+        env=ENV,
+    )
     assert done.returncode == 0, f"client in region {region} failed:\n{done.stderr}"
     return json.loads(done.stdout)
 
@@ -137,8 +142,14 @@ def grpc_server():
     servicer = health.HealthServicer()
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "atoll.test.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request)})])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "atoll.test.Echo",
+                {"Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request)},
+            )
+        ]
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield port
@@ -161,8 +172,12 @@ def test_region_sees_latency_and_rate_and_grpc_works(tcp_server, grpc_server):
         unused.bind(("127.0.0.1", 0))
         dead_port = unused.getsockname()[1]  # bound, never listening: connections are refused
         with Wan(cfg, [tcp_server, grpc_server, dead_port]) as wan:
-            assert wan.shard_addresses(0)[0].split(":")[0] != wan.shard_addresses(1)[0].split(":")[0]
-            tcp = _in_region(wan, 0, _TCP_CLIENT, wan.shard_addresses(0)[0], str(BULK), wan.shard_addresses(0)[2])
+            assert (
+                wan.shard_addresses(0)[0].split(":")[0] != wan.shard_addresses(1)[0].split(":")[0]
+            )
+            tcp = _in_region(
+                wan, 0, _TCP_CLIENT, wan.shard_addresses(0)[0], str(BULK), wan.shard_addresses(0)[2]
+            )
             rpc = _in_region(wan, 1, _GRPC_CLIENT, wan.shard_addresses(1)[1])
             stats = wan.stats()
 
@@ -170,12 +185,18 @@ def test_region_sees_latency_and_rate_and_grpc_works(tcp_server, grpc_server):
     # one round trip is in each timing (request up, first byte down); the rest is the rate
     down_mbit = BULK * 8 / (tcp["down_s"] - rtt) / 1e6
     up_mbit = BULK * 8 / (tcp["up_s"] - rtt) / 1e6
-    print(f"median RTT {rtt * 1e3:.1f} ms (min {min(tcp['rtt_s']) * 1e3:.1f}), "
-          f"down {down_mbit:.1f} Mbit/s, up {up_mbit:.1f} Mbit/s, 2 MiB gRPC echo {rpc['echo_s']:.2f} s")
+    print(
+        f"median RTT {rtt * 1e3:.1f} ms (min {min(tcp['rtt_s']) * 1e3:.1f}), "
+        f"down {down_mbit:.1f} Mbit/s, up {up_mbit:.1f} Mbit/s, 2 MiB gRPC echo {rpc['echo_s']:.2f} s"
+    )
     # measured 80.9 ms median on an idle 2-core host; the slack is for a busy one
-    assert 2 * LATENCY_MS / 1e3 <= min(tcp["rtt_s"]) and rtt < 2 * LATENCY_MS / 1e3 + 0.04, tcp["rtt_s"]
+    assert 2 * LATENCY_MS / 1e3 <= min(tcp["rtt_s"]) and rtt < 2 * LATENCY_MS / 1e3 + 0.04, tcp[
+        "rtt_s"
+    ]
     for name, mbit in (("down", down_mbit), ("up", up_mbit)):
-        assert 0.5 * RATE_MBIT <= mbit <= 1.1 * RATE_MBIT, f"{name}link {mbit:.1f} Mbit/s, configured {RATE_MBIT}"
+        assert 0.5 * RATE_MBIT <= mbit <= 1.1 * RATE_MBIT, (
+            f"{name}link {mbit:.1f} Mbit/s, configured {RATE_MBIT}"
+        )
     assert tcp["half_close"] == "hello"  # EOF went through one way, the reply came back the other
     # a shard that is down: a reset after a round trip, when a refusal would have come back
     assert tcp["dead"] == "ConnectionResetError" and tcp["dead_s"] >= 2 * LATENCY_MS / 1e3, tcp
@@ -204,7 +225,7 @@ def test_teardown_after_exception_and_concurrent_instances_do_not_clash(tcp_serv
 
 _OWNER = r"""
 import sys, time
-from atoll.wan import Wan, WanConfig
+from atoll.faults.wan import Wan, WanConfig
 wan = Wan(WanConfig(regions=1, rate_mbit=10, latency_ms=5), [1]).__enter__()
 print(wan.namespace(0), flush=True)
 time.sleep(60)
@@ -214,7 +235,9 @@ time.sleep(60)
 @needs_wan
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_owner_killed_leaves_nothing_behind(sig):
-    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True, env=ENV)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True, env=ENV
+    )
     try:
         ns = owner.stdout.readline().strip()
         assert ns and ns in _namespaces()

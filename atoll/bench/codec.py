@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from wire import codec
+from atoll.wire import codec
 
-# `atoll bench codec` targets (DESIGN.md §6), INT4 frames on all cores, M params/s.
+# `atoll bench codec` targets (docs/design.md §6), INT4 frames on all cores, M params/s.
 ENCODE_TARGET = 1000.0
 DECODE_ACCUMULATE_TARGET = 1500.0
 
@@ -29,7 +29,9 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def _measure(fn: Callable[[], object], anchor: Callable[[], object], repeats: int) -> tuple[float, float, float]:
+def _measure(
+    fn: Callable[[], object], anchor: Callable[[], object], repeats: int
+) -> tuple[float, float, float]:
     """(wall, cpu, anchor wall): best-of-N seconds of fn, its CPU seconds over all the
     process's threads, and the anchor's seconds, the two run in turns so that other work
     on the machine slows both alike."""
@@ -40,14 +42,17 @@ def _measure(fn: Callable[[], object], anchor: Callable[[], object], repeats: in
         base = min(base, time.perf_counter() - start)
         start, start_cpu = time.perf_counter(), time.process_time()
         fn()
-        wall, cpu = min(wall, time.perf_counter() - start), min(cpu, time.process_time() - start_cpu)
+        wall, cpu = (
+            min(wall, time.perf_counter() - start),
+            min(cpu, time.process_time() - start_cpu),
+        )
     return wall, cpu, base
 
 
 def outer_gradient_like(num_params: int, seed: int = 0) -> np.ndarray:
     """Gaussian values at a typical outer-gradient magnitude (float32, flat)."""
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal(num_params, dtype=np.float32) * np.float32(1e-3))
+    return rng.standard_normal(num_params, dtype=np.float32) * np.float32(1e-3)
 
 
 def transformer_like_sizes(num_params: int) -> list[int]:
@@ -78,7 +83,7 @@ def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> 
         (`RoundAccumulator.add_frame`: per-tensor norms, then acc += w/‖Δ_t‖·Δ_t) over
         a transformer-like tensor layout.
     """
-    from server.merge import RoundAccumulator, Segments
+    from atoll.server.merge import RoundAccumulator, Segments
 
     cores = codec.get_threads()
     x = outer_gradient_like(num_params, seed)
@@ -124,10 +129,13 @@ def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> 
             for path, (wall, cpu, base) in times.items():
                 figures[name][f"{path}_mparams_per_s"] = round(num_params / wall / 1e6, 1)
                 figures[name][f"{path}_vs_memcpy"] = round(base / wall, 3)
-                figures[name][f"{path}_mparams_per_cpu_s"] = round(num_params / max(cpu, 1e-9) / 1e6, 1)
+                figures[name][f"{path}_mparams_per_cpu_s"] = round(
+                    num_params / max(cpu, 1e-9) / 1e6, 1
+                )
         decoded = codec.decode(frame)
-        rel_error = float(np.linalg.norm((decoded - x).astype(np.float64)) /
-                          np.linalg.norm(x.astype(np.float64)))
+        rel_error = float(
+            np.linalg.norm((decoded - x).astype(np.float64)) / np.linalg.norm(x.astype(np.float64))
+        )
         result["codecs"][c.name.lower()] = {
             **figures,
             "bits_per_param": round(len(frame) * 8 / num_params, 4),
@@ -137,8 +145,10 @@ def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> 
     result["targets"] = {
         "int4_encode_mparams_per_s": ENCODE_TARGET,
         "int4_decode_accumulate_mparams_per_s": DECODE_ACCUMULATE_TARGET,
-        "met": bool(int4["encode_mparams_per_s"] >= ENCODE_TARGET
-                    and int4["decode_accumulate_mparams_per_s"] >= DECODE_ACCUMULATE_TARGET),
+        "met": bool(
+            int4["encode_mparams_per_s"] >= ENCODE_TARGET
+            and int4["decode_accumulate_mparams_per_s"] >= DECODE_ACCUMULATE_TARGET
+        ),
     }
     # Other work on a shared machine slows every figure of a run alike; the ratios to
     # memcpy of the same run hold better than the rates. The load says how busy it was.

@@ -1,11 +1,19 @@
-"""Tests for atoll/planner.py: the published goodput table, sanity limits, config errors, CLI."""
+"""Tests for atoll/goodput.py (the goodput simulator behind `atoll plan`): the published goodput table, sanity limits, config errors, CLI."""
 
 import argparse
 import dataclasses
 
 import pytest
 
-from atoll.planner import REFERENCE, PlanConfig, PlanConfigError, add_arguments, main, simulate, table
+from atoll.goodput import (
+    REFERENCE,
+    PlanConfig,
+    PlanConfigError,
+    add_arguments,
+    main,
+    simulate,
+    table,
+)
 
 CHIPS = list(REFERENCE)
 # The published data-parallel row is not reproducible within 3 points by a restart model with
@@ -25,7 +33,11 @@ def test_published_rows_at_defaults(rows):
     for r in rows:
         ref = r["reference"]
         assert abs(100 * (r["dp"] - ref["dp"])) <= DP_TOLERANCE, (r["chips"], r["dp"], ref["dp"])
-        assert abs(100 * (r["atoll"] - ref["atoll"])) <= ATOLL_TOLERANCE, (r["chips"], r["atoll"], ref["atoll"])
+        assert abs(100 * (r["atoll"] - ref["atoll"])) <= ATOLL_TOLERANCE, (
+            r["chips"],
+            r["atoll"],
+            ref["atoll"],
+        )
 
 
 def test_strategies_rank_as_published(rows):
@@ -51,8 +63,17 @@ def test_more_chips_lower_dp_goodput(rows):
 
 def test_single_learner_is_a_single_job():
     # one learner that syncs every S s with nothing stalled, vs a job checkpointing every S s for free
-    cfg = PlanConfig(chips=300_000, learners=1, fragments=1, sync_steps=20, step_s=0.5,
-                     rejoin_s=30.0, restart_s=30.0, checkpoint_cost_s=0.0, checkpoint_interval_s=10.0)
+    cfg = PlanConfig(
+        chips=300_000,
+        learners=1,
+        fragments=1,
+        sync_steps=20,
+        step_s=0.5,
+        rejoin_s=30.0,
+        restart_s=30.0,
+        checkpoint_cost_s=0.0,
+        checkpoint_interval_s=10.0,
+    )
     one, job = simulate(cfg, "atoll")["goodput"], simulate(cfg, "dp")["goodput"]
     assert one == pytest.approx(job, abs=0.01)
     assert one < simulate(dataclasses.replace(cfg, learners=8), "atoll")["goodput"] - 0.2
@@ -65,14 +86,17 @@ def test_deterministic_for_a_seed():
     assert simulate(cfg, "dp") != simulate(dataclasses.replace(cfg, seed=1), "dp")
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"chips": 0}, "--chips"),
-    ({"learners": 9, "chips": 8}, "--learners must be in [1, chips=8]"),
-    ({"mtbi_years": -1.0}, "--mtbi-years"),
-    ({"restart_s": float("nan")}, "--restart-s"),
-    ({"step_cv": 2.0}, "--step-cv"),
-    ({"slice_chips": 10, "chips": 8}, "--slice-chips"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"chips": 0}, "--chips"),
+        ({"learners": 9, "chips": 8}, "--learners must be in [1, chips=8]"),
+        ({"mtbi_years": -1.0}, "--mtbi-years"),
+        ({"restart_s": float("nan")}, "--restart-s"),
+        ({"step_cv": 2.0}, "--step-cv"),
+        ({"slice_chips": 10, "chips": 8}, "--slice-chips"),
+    ],
+)
 def test_bad_config_says_how_to_fix(change, words):
     with pytest.raises(PlanConfigError) as e:
         PlanConfig(**change)
@@ -85,8 +109,9 @@ def _parser():
     return parser
 
 
-@pytest.mark.parametrize("argv", [["--learners", "0"], ["--chips", "many"], ["--mtbi-years", "0"],
-                                  ["--no-such-flag"]])
+@pytest.mark.parametrize(
+    "argv", [["--learners", "0"], ["--chips", "many"], ["--mtbi-years", "0"], ["--no-such-flag"]]
+)
 def test_bad_flag_exits_with_a_message(argv, capsys):
     parser = _parser()
     with pytest.raises(SystemExit) as e:
@@ -101,7 +126,9 @@ def test_main_json_and_plot(tmp_path, capsys):
 
     parser = _parser()
     png = tmp_path / "g.png"
-    args = parser.parse_args(["--chips", "150000,300000", "--duration-days", "1", "--json", "--plot", str(png)])
+    args = parser.parse_args(
+        ["--chips", "150000,300000", "--duration-days", "1", "--json", "--plot", str(png)]
+    )
     assert main(args, parser) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["chips"] for r in out["rows"]] == [150_000, 300_000]

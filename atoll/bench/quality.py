@@ -24,8 +24,8 @@ import pathlib
 import sys
 import tempfile
 
-from atoll.session import Session
-from atoll.up import UpConfig, prepare_run_dir
+from atoll.local.config import UpConfig, prepare_run_dir
+from atoll.local.session import Session
 
 TARGET_GAP_PCT = 1.0
 TARGET_REDUCTION = 400.0
@@ -36,7 +36,9 @@ def _run(cfg: UpConfig, run_dir: pathlib.Path) -> dict:
     cfg, _ = prepare_run_dir(run_dir, dataclasses.asdict(cfg) | {"slowdown": list(cfg.slowdown)})
     report = Session(cfg, run_dir, sys.stderr, live=False).run()
     if not report.get("complete"):
-        raise RuntimeError(f"the run in {run_dir} did not finish: {report.get('failure') or report.get('interrupted')}")
+        raise RuntimeError(
+            f"the run in {run_dir} did not finish: {report.get('failure') or report.get('interrupted')}"
+        )
     return report
 
 
@@ -47,8 +49,10 @@ def bench_quality(cfg: UpConfig, work_dir: pathlib.Path | None = None) -> dict:
     fp32 = _run(dataclasses.replace(cfg, codec="fp32", baseline=False), base / "fp32")
     m = cfg.learners
     slow = tuple(1.0 if i < m - m // 2 else MIXED_SLOWDOWN for i in range(m))
-    mixed = _run(dataclasses.replace(cfg, codec="int4", baseline=False, slowdown=slow, same_time=False),
-                 base / "mixed")
+    mixed = _run(
+        dataclasses.replace(cfg, codec="int4", baseline=False, slowdown=slow, same_time=False),
+        base / "mixed",
+    )
     learners = four["learners"].values()
     params = next(iter(learners))["params"]
     steps = sum(r["steps"] for r in learners)
@@ -62,14 +66,29 @@ def bench_quality(cfg: UpConfig, work_dir: pathlib.Path | None = None) -> dict:
     mixed_gap = 100 * (loss_mixed / baseline_loss - 1)
     reduction = bytes_dp / sent
     return {
-        "budget": {"preset": cfg.preset, "params": params, "learners": cfg.learners,
-                   "tokens": four["global"]["tokens"], "baseline_tokens": four["baseline"]["tokens"],
-                   "inner_steps_per_learner": cfg.steps, "batch_size": cfg.batch_size,
-                   "period": cfg.period, "overlap": cfg.overlap, "fragments": cfg.fragments,
-                   "mixed_tokens": mixed["global"]["tokens"], "mixed_slowdown": list(slow)},
-        "config": {"outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum,
-                   "momentum_delay": cfg.momentum_delay, "quorum": cfg.quorum,
-                   "learners": cfg.learners, "grace_factor": cfg.grace_factor, "seed": cfg.seed},
+        "budget": {
+            "preset": cfg.preset,
+            "params": params,
+            "learners": cfg.learners,
+            "tokens": four["global"]["tokens"],
+            "baseline_tokens": four["baseline"]["tokens"],
+            "inner_steps_per_learner": cfg.steps,
+            "batch_size": cfg.batch_size,
+            "period": cfg.period,
+            "overlap": cfg.overlap,
+            "fragments": cfg.fragments,
+            "mixed_tokens": mixed["global"]["tokens"],
+            "mixed_slowdown": list(slow),
+        },
+        "config": {
+            "outer_lr": cfg.outer_lr,
+            "outer_momentum": cfg.outer_momentum,
+            "momentum_delay": cfg.momentum_delay,
+            "quorum": cfg.quorum,
+            "learners": cfg.learners,
+            "grace_factor": cfg.grace_factor,
+            "seed": cfg.seed,
+        },
         "baseline_eval_loss": baseline_loss,
         "atoll_4bit_eval_loss": loss4,
         "atoll_fp32_eval_loss": loss32,
@@ -83,16 +102,35 @@ def bench_quality(cfg: UpConfig, work_dir: pathlib.Path | None = None) -> dict:
         "bytes_atoll_fp32": sum(r["bytes_sent"] for r in fp32["learners"].values()),
         "bandwidth_reduction": round(reduction, 1),
         "bandwidth_reduction_both_ways": round(2 * bytes_dp / (sent + received), 1),
-        "outer_steps_per_period": {"int4": four["global"].get("outer_steps_per_period"),
-                                   "mixed": mixed["global"].get("outer_steps_per_period")},
-        "wall_seconds": {"int4_and_baseline": four["wall_seconds"], "fp32": fp32["wall_seconds"],
-                         "mixed": mixed["wall_seconds"]},
-        "run_dirs": {"int4": str(base / "int4"), "fp32": str(base / "fp32"), "mixed": str(base / "mixed")},
+        "outer_steps_per_period": {
+            "int4": four["global"].get("outer_steps_per_period"),
+            "mixed": mixed["global"].get("outer_steps_per_period"),
+        },
+        "wall_seconds": {
+            "int4_and_baseline": four["wall_seconds"],
+            "fp32": fp32["wall_seconds"],
+            "mixed": mixed["wall_seconds"],
+        },
+        "run_dirs": {
+            "int4": str(base / "int4"),
+            "fp32": str(base / "fp32"),
+            "mixed": str(base / "mixed"),
+        },
         "targets": {
-            "gap_pct": {"want": f"<= {TARGET_GAP_PCT}", "got": round(gap, 3), "met": gap <= TARGET_GAP_PCT},
-            "mixed_speed_gap_pct": {"want": f"<= {TARGET_GAP_PCT}", "got": round(mixed_gap, 3),
-                                    "met": mixed_gap <= TARGET_GAP_PCT},
-            "bandwidth_reduction": {"want": f">= {TARGET_REDUCTION:g}", "got": round(reduction, 1),
-                                    "met": reduction >= TARGET_REDUCTION},
+            "gap_pct": {
+                "want": f"<= {TARGET_GAP_PCT}",
+                "got": round(gap, 3),
+                "met": gap <= TARGET_GAP_PCT,
+            },
+            "mixed_speed_gap_pct": {
+                "want": f"<= {TARGET_GAP_PCT}",
+                "got": round(mixed_gap, 3),
+                "met": mixed_gap <= TARGET_GAP_PCT,
+            },
+            "bandwidth_reduction": {
+                "want": f">= {TARGET_REDUCTION:g}",
+                "got": round(reduction, 1),
+                "met": reduction >= TARGET_REDUCTION,
+            },
         },
     }

@@ -9,54 +9,17 @@ compact line every few seconds elsewhere.
 
 from __future__ import annotations
 
-import json
-import pathlib
 import time
-import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
+from atoll.wire.metrics import read_metrics
+from atoll.wire.records import JsonLines, read_jsonl
 
 REFUSED_REASONS = ("too_stale", "already_in_round")  # push reasons that mean "not merged"
 SCRAPE_TIMEOUT = 0.5  # seconds per /metrics request; a busy shard is skipped, not waited for
 
 
-class StatusFile:
-    """A learner's JSON-lines status file, read incrementally; `records` holds every one."""
-
-    def __init__(self, path: pathlib.Path):
-        self.path = path
-        self.records: list[dict] = []
-        self._offset = 0
-
-    def poll(self) -> list[dict]:
-        """Records appended since the last poll (a half-written last line waits for the next)."""
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n") + 1
-        self._offset += end
-        new = []
-        for line in data[:end].splitlines():
-            try:
-                new.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a kill -9, then appended to by the restart
-        self.records += new
-        return new
-
-    @property
-    def last(self) -> dict | None:
-        return self.records[-1] if self.records else None
-
-
-def read_status(path: pathlib.Path) -> list[dict]:
-    """Every whole record of a status file ([] when there is none)."""
-    status = StatusFile(path)
-    status.poll()
-    return status.records
+StatusFile = JsonLines  # a learner's status file: one JSON record per step
+read_status = read_jsonl  # every whole record of a status file ([] when there is none)
 
 
 def scrape(port: int | None, timeout: float = SCRAPE_TIMEOUT) -> dict | None:
@@ -65,34 +28,42 @@ def scrape(port: int | None, timeout: float = SCRAPE_TIMEOUT) -> dict | None:
     if port is None:
         return None
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
-            text = r.read().decode()
+        samples = read_metrics(f"127.0.0.1:{port}", timeout)
     except (OSError, ValueError):
         return None
-    out = {"versions": {}, "outer_steps_per_period": {}, "cadence_seconds": None, "rounds": 0, "pushes": 0, "refused": 0, "refused_calls": 0, "live": 0,
-           "received_bytes": 0, "sent_bytes": 0}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "atoll_fragment_version":
-                out["versions"][int(s.labels["fragment"])] = int(s.value)
-            elif s.name == "atoll_outer_steps_per_period":
-                out["outer_steps_per_period"][int(s.labels["fragment"])] = s.value
-            elif s.name == "atoll_cadence_seconds":
-                out["cadence_seconds"] = s.value
-            elif s.name == "atoll_rounds_total":
-                out["rounds"] = int(s.value)
-            elif s.name == "atoll_pushes_total":
-                out["pushes"] += int(s.value)
-                if s.labels.get("reason") in REFUSED_REASONS:
-                    out["refused"] += int(s.value)
-            elif s.name == "atoll_refused_calls_total":
-                out["refused_calls"] += int(s.value)
-            elif s.name == "atoll_live_learners":
-                out["live"] = int(s.value)
-            elif s.name == "atoll_received_bytes_total":
-                out["received_bytes"] = int(s.value)
-            elif s.name == "atoll_sent_bytes_total":
-                out["sent_bytes"] = int(s.value)
+    out = {
+        "versions": {},
+        "outer_steps_per_period": {},
+        "cadence_seconds": None,
+        "rounds": 0,
+        "pushes": 0,
+        "refused": 0,
+        "refused_calls": 0,
+        "live": 0,
+        "received_bytes": 0,
+        "sent_bytes": 0,
+    }
+    for s in samples:
+        if s.name == "atoll_fragment_version":
+            out["versions"][int(s.labels["fragment"])] = int(s.value)
+        elif s.name == "atoll_outer_steps_per_period":
+            out["outer_steps_per_period"][int(s.labels["fragment"])] = s.value
+        elif s.name == "atoll_cadence_seconds":
+            out["cadence_seconds"] = s.value
+        elif s.name == "atoll_rounds_total":
+            out["rounds"] = int(s.value)
+        elif s.name == "atoll_pushes_total":
+            out["pushes"] += int(s.value)
+            if s.labels.get("reason") in REFUSED_REASONS:
+                out["refused"] += int(s.value)
+        elif s.name == "atoll_refused_calls_total":
+            out["refused_calls"] += int(s.value)
+        elif s.name == "atoll_live_learners":
+            out["live"] = int(s.value)
+        elif s.name == "atoll_received_bytes_total":
+            out["received_bytes"] = int(s.value)
+        elif s.name == "atoll_sent_bytes_total":
+            out["sent_bytes"] = int(s.value)
     return out
 
 
@@ -108,8 +79,9 @@ def _num(value, fmt: str, missing: str = "-") -> str:
     return missing if value is None else format(value, fmt)
 
 
-def table(title: str, elapsed: float, learners: list[dict], shards: list[dict],
-          events: list[str]) -> list[str]:
+def table(
+    title: str, elapsed: float, learners: list[dict], shards: list[dict], events: list[str]
+) -> list[str]:
     """The live table's lines.
 
     learners: {name, state (ours: starting/running/exited/crashed, or the record's),
@@ -117,8 +89,10 @@ def table(title: str, elapsed: float, learners: list[dict], shards: list[dict],
     restarts, metrics (scrape() or None)}; events: recent one-line messages.
     """
     lines = [f"{title}   elapsed {clock(elapsed)}", ""]
-    lines.append(f"{'learner':<12} {'state':<9} {'step':>11} {'tok/s':>7} {'loss':>6} {'eval':>6} "
-                 f"{'ver':>5} {'lag':>4} {'sent MB':>8} {'recv MB':>8} {'blocked':>7} {'refused':>7}")
+    lines.append(
+        f"{'learner':<12} {'state':<9} {'step':>11} {'tok/s':>7} {'loss':>6} {'eval':>6} "
+        f"{'ver':>5} {'lag':>4} {'sent MB':>8} {'recv MB':>8} {'blocked':>7} {'refused':>7}"
+    )
     for row in learners:
         r = row["record"] or {}
         step = f"{r.get('step', 0)}/{row['steps']}"
@@ -132,10 +106,13 @@ def table(title: str, elapsed: float, learners: list[dict], shards: list[dict],
             f"{_num(r.get('bytes_sent') and r['bytes_sent'] / 1e6, '.2f'):>8} "
             f"{_num(r.get('bytes_received') and r['bytes_received'] / 1e6, '.2f'):>8} "
             f"{_num(blocked, '.1f') + ('%' if blocked is not None else ''):>7} "
-            f"{_num(r.get('refused'), 'd'):>7}")
+            f"{_num(r.get('refused'), 'd'):>7}"
+        )
     lines.append("")
-    lines.append(f"{'shard':<6} {'state':<9} {'port':>6} {'versions':<24} {'rounds':>7} {'pushes':>7} "
-                 f"{'refused':>7} {'live':>5} {'in MB':>8} {'out MB':>8}")
+    lines.append(
+        f"{'shard':<6} {'state':<9} {'port':>6} {'versions':<24} {'rounds':>7} {'pushes':>7} "
+        f"{'refused':>7} {'live':>5} {'in MB':>8} {'out MB':>8}"
+    )
     for row in shards:
         m = row["metrics"] or {}
         versions = " ".join(f"{p}:v{v}" for p, v in sorted(m.get("versions", {}).items())) or "-"
@@ -145,7 +122,8 @@ def table(title: str, elapsed: float, learners: list[dict], shards: list[dict],
             f"{row['index']:<6} {state:<9} {_num(row['port'], 'd'):>6} {versions[:24]:<24} "
             f"{_num(m.get('rounds'), 'd'):>7} {_num(m.get('pushes'), 'd'):>7} {_num(refused, 'd'):>7} "
             f"{_num(m.get('live'), 'd'):>5} {_num(m.get('received_bytes') and m['received_bytes'] / 1e6, '.2f'):>8} "
-            f"{_num(m.get('sent_bytes') and m['sent_bytes'] / 1e6, '.2f'):>8}")
+            f"{_num(m.get('sent_bytes') and m['sent_bytes'] / 1e6, '.2f'):>8}"
+        )
     if events:
         lines += [""] + [text for event in events for text in event.splitlines()][-8:]
     return lines
@@ -161,8 +139,14 @@ def line(elapsed: float, learners: list[dict], shards: list[dict]) -> str:
         parts.append(f"{row['name']} {row['state']} {r.get('step', 0)}/{row['steps']}{loss}{lag}")
     rounds = sum((s["metrics"] or {}).get("rounds", 0) for s in shards)
     refused = sum((s["metrics"] or {}).get("refused", 0) for s in shards)
-    down = [f"{s['index']} {s['state']}" for s in shards if s["state"] in ("starting", "restarting", "failed")]
-    shard_part = f"shards: {rounds} rounds, {refused} refused" + (f" ({', '.join(down)})" if down else "")
+    down = [
+        f"{s['index']} {s['state']}"
+        for s in shards
+        if s["state"] in ("starting", "restarting", "failed")
+    ]
+    shard_part = f"shards: {rounds} rounds, {refused} refused" + (
+        f" ({', '.join(down)})" if down else ""
+    )
     return f"[{clock(elapsed)}] " + " | ".join(parts + [shard_part])
 
 

@@ -12,15 +12,15 @@ import datetime
 import json
 import os
 import pathlib
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 
-from atoll import progress
-from atoll.up import LearnerSpec, UpConfig
+from atoll.local import progress
+from atoll.local.config import LearnerSpec, UpConfig
+from atoll.wire.records import parse_serving
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # 4 learners and 2 shards share 2 cores: one compute thread per child, not XLA's and
@@ -28,7 +28,6 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # step either way (20.0 vs 20.1 user-s for 20 steps), so one thread costs nothing.
 CHILD_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 XLA_SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false"
-_SERVING = re.compile(r"syncer shard \d+/\d+ serving on port (\d+)(?:, metrics on port (\d+))?")
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -42,7 +41,9 @@ def _die_with_parent() -> None:
 
 def child_env(single_thread: bool) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
     env["PYTHONUNBUFFERED"] = "1"
     if single_thread:
         for k, v in CHILD_THREAD_ENV.items():
@@ -55,10 +56,19 @@ def child_env(single_thread: bool) -> dict[str, str]:
 class Child:
     """One `atoll …` child process with its own log file."""
 
-    def __init__(self, name: str, kind: str, args: list[str], log_path: pathlib.Path, single_thread: bool = True):
+    def __init__(
+        self,
+        name: str,
+        kind: str,
+        args: list[str],
+        log_path: pathlib.Path,
+        single_thread: bool = True,
+    ):
         self.name, self.kind, self.args, self.log_path = name, kind, args, log_path
         self.single_thread = single_thread
-        self.prefix: list[str] = []  # a command that runs the child elsewhere, e.g. `ip netns exec NS`
+        self.prefix: list[
+            str
+        ] = []  # a command that runs the child elsewhere, e.g. `ip netns exec NS`
         self.proc: subprocess.Popen | None = None
         self.log_offset = 0  # where this start's output begins in the log
 
@@ -66,12 +76,20 @@ class Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.log_offset = log.tell()
-            log.write(f"--- {datetime.datetime.now().isoformat(timespec='seconds')} atoll up starts: "
-                      f"{' '.join(self.args[2:])}\n".encode())
+            log.write(
+                f"--- {datetime.datetime.now().isoformat(timespec='seconds')} atoll up starts: "
+                f"{' '.join(self.args[2:])}\n".encode()
+            )
             log.flush()
-            self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "atoll.cli", *self.args], stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT, env=child_env(self.single_thread),
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(
+                [*self.prefix, sys.executable, "-m", "atoll.cli", *self.args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env(self.single_thread),
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         pids.add(self)
 
     def alive(self) -> bool:
@@ -94,7 +112,9 @@ class Child:
         return "\n".join("    " + t for t in self.output().splitlines()[-lines:])
 
 
-def stop_children(children: list[Child], seconds: float, hurry: threading.Event | None = None) -> None:
+def stop_children(
+    children: list[Child], seconds: float, hurry: threading.Event | None = None
+) -> None:
     """SIGTERM, wait up to `seconds` (or until `hurry`), SIGKILL the stragglers, reap all."""
     live = [c for c in children if c.alive()]
     for c in live:
@@ -103,7 +123,11 @@ def stop_children(children: list[Child], seconds: float, hurry: threading.Event 
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + seconds
-    while any(c.alive() for c in live) and time.monotonic() < deadline and not (hurry and hurry.is_set()):
+    while (
+        any(c.alive() for c in live)
+        and time.monotonic() < deadline
+        and not (hurry and hurry.is_set())
+    ):
         time.sleep(0.05)
     for c in live:
         if c.alive():
@@ -141,17 +165,13 @@ class Shard(Child):
         self.metrics_port: int | None = None
         self.restarts = 0
         self.state = "starting"  # starting, serving, restarting, stopped, failed
-        super().__init__(f"shard-{index}", "shard", self._args(0), run_dir / "logs" / f"shard-{index}.log")
+        super().__init__(
+            f"shard-{index}", "shard", self._args(0), run_dir / "logs" / f"shard-{index}.log"
+        )
 
     def _args(self, port: int) -> list[str]:
-        c = self.cfg
-        return ["syncer", "--shard-index", str(self.index), "--num-shards", str(c.shards),
-                "--data-dir", str(self.run_dir / "shards" / str(self.index)), "--listen", f"127.0.0.1:{port}",
-                "--metrics-port", "0", "--quorum", str(c.quorum), "--grace-factor", str(c.grace_factor),
-                "--lease-seconds", str(c.lease_seconds), "--max-staleness", str(c.max_staleness),
-                "--outer-lr", str(c.outer_lr), "--outer-momentum", str(c.outer_momentum),
-                "--momentum-delay", str(c.momentum_delay),
-                "--publish-codec", c.codec]
+        shard = self.cfg.shard_config(self.index, self.run_dir / "shards" / str(self.index), port)
+        return ["syncer", *shard.to_args()]
 
     def restart(self, pids: PidFile) -> None:
         """On the same port, from the same data directory (it recovers from disk)."""
@@ -163,10 +183,9 @@ class Shard(Child):
     def check_serving(self) -> bool:
         """True once this start printed its serving line (ports read from it)."""
         if self.state in ("starting", "restarting"):
-            m = _SERVING.search(self.output())
-            if m:
-                self.port = int(m.group(1))
-                self.metrics_port = int(m.group(2)) if m.group(2) else None
+            ports = parse_serving(self.output())
+            if ports:
+                self.port, self.metrics_port = ports
                 self.state = "serving"
         return self.state == "serving"
 
@@ -176,24 +195,70 @@ def checkpoint_dir(run_dir: pathlib.Path) -> pathlib.Path:
     return run_dir / "checkpoints"
 
 
-def learner_args(spec: LearnerSpec, cfg: UpConfig, run_dir: pathlib.Path, addresses: list[str], learner_id: str,
-                 status: pathlib.Path, push_log: pathlib.Path) -> list[str]:
+def learner_args(
+    spec: LearnerSpec,
+    cfg: UpConfig,
+    run_dir: pathlib.Path,
+    addresses: list[str],
+    learner_id: str,
+    status: pathlib.Path,
+    push_log: pathlib.Path,
+) -> list[str]:
     """The `atoll learner` command line of `spec` (a standby's: learner_id its own, {id} in the paths)."""
     baseline = spec.index < 0
-    args = ["learner", "--learner-id", learner_id, "--num-learners", str(cfg.learners), "--preset", cfg.preset,
-            "--batch-size", str(spec.batch_size), "--steps", str(spec.steps), "--seed", str(cfg.seed),
-            "--eval-every", str(spec.eval_every), "--eval-batches", str(spec.eval_batches),
-            "--slowdown", str(spec.slowdown), "--status-file", str(status)]
+    args = [
+        "learner",
+        "--learner-id",
+        learner_id,
+        "--num-learners",
+        str(cfg.learners),
+        "--preset",
+        cfg.preset,
+        "--batch-size",
+        str(spec.batch_size),
+        "--steps",
+        str(spec.steps),
+        "--seed",
+        str(cfg.seed),
+        "--eval-every",
+        str(spec.eval_every),
+        "--eval-batches",
+        str(spec.eval_batches),
+        "--slowdown",
+        str(spec.slowdown),
+        "--status-file",
+        str(status),
+    ]
     if baseline:
         args += ["--baseline"]
     else:
-        args += ["--learner-index", str(spec.index), "--shards", ",".join(addresses), "--period", str(cfg.period),
-                 "--overlap", str(cfg.overlap), "--fragments", str(cfg.fragments), "--codec", cfg.codec,
-                 "--push-log", str(push_log), "--sync-patience", str(cfg.sync_patience)]
+        args += [
+            "--learner-index",
+            str(spec.index),
+            "--shards",
+            ",".join(addresses),
+            "--period",
+            str(cfg.period),
+            "--overlap",
+            str(cfg.overlap),
+            "--fragments",
+            str(cfg.fragments),
+            "--codec",
+            cfg.codec,
+            "--push-log",
+            str(push_log),
+            "--sync-patience",
+            str(cfg.sync_patience),
+        ]
         if cfg.wait_for_rounds:
             args += ["--wait-for-rounds"]
         if cfg.checkpoint_every > 0:
-            args += ["--checkpoint-dir", str(checkpoint_dir(run_dir)), "--checkpoint-every", str(cfg.checkpoint_every)]
+            args += [
+                "--checkpoint-dir",
+                str(checkpoint_dir(run_dir)),
+                "--checkpoint-every",
+                str(cfg.checkpoint_every),
+            ]
     args += ["--compile-cache", str(run_dir / "compile-cache")]  # restarts load, not compile
     return args
 
@@ -201,7 +266,9 @@ def learner_args(spec: LearnerSpec, cfg: UpConfig, run_dir: pathlib.Path, addres
 class Learner(Child):
     """`atoll learner` (or the data-parallel baseline) and its status file."""
 
-    def __init__(self, spec: LearnerSpec, cfg: UpConfig, run_dir: pathlib.Path, addresses: list[str]):
+    def __init__(
+        self, spec: LearnerSpec, cfg: UpConfig, run_dir: pathlib.Path, addresses: list[str]
+    ):
         self.spec = spec
         self.status = progress.StatusFile(run_dir / "learners" / f"{spec.name}.jsonl")
         self.push_log = run_dir / "learners" / f"{spec.name}.pushes.jsonl"
@@ -210,20 +277,35 @@ class Learner(Child):
         self.eval_loss: float | None = None
         self.life_start: float | None = None
         baseline = spec.index < 0
-        args = learner_args(spec, cfg, run_dir, addresses, spec.name, self.status.path, self.push_log)
+        args = learner_args(
+            spec, cfg, run_dir, addresses, spec.name, self.status.path, self.push_log
+        )
         # the baseline runs alone, after the learners: let it use every core
-        super().__init__(spec.name, "baseline" if baseline else "learner", args,
-                         run_dir / "logs" / f"{spec.name}.log", single_thread=not baseline)
+        super().__init__(
+            spec.name,
+            "baseline" if baseline else "learner",
+            args,
+            run_dir / "logs" / f"{spec.name}.log",
+            single_thread=not baseline,
+        )
 
     def take_over(self, standby: Standby) -> None:
         """From now on this learner is the process of `standby`, which took over its id."""
-        self.proc, self.log_path, self.log_offset = standby.proc, standby.log_path, standby.log_offset
+        self.proc, self.log_path, self.log_offset = (
+            standby.proc,
+            standby.log_path,
+            standby.log_offset,
+        )
         self.state = "starting"
 
     @property
     def finished(self) -> bool:
         last = self.status.last
-        return last is not None and last.get("state") == "done" and last.get("step", 0) >= self.spec.steps
+        return (
+            last is not None
+            and last.get("state") == "done"
+            and last.get("step", 0) >= self.spec.steps
+        )
 
     def update(self) -> None:
         for r in self.status.poll():
@@ -237,8 +319,14 @@ class Learner(Child):
     def row(self) -> dict:
         r = self.status.last
         training = (r["time"] - self.life_start) if r and self.life_start else None
-        return {"name": self.name, "state": self.state, "steps": self.spec.steps, "record": r,
-                "eval_loss": self.eval_loss, "training_seconds": training}
+        return {
+            "name": self.name,
+            "state": self.state,
+            "steps": self.spec.steps,
+            "record": r,
+            "eval_loss": self.eval_loss,
+            "training_seconds": training,
+        }
 
 
 class Standby(Child):
@@ -246,7 +334,14 @@ class Standby(Child):
 
     READY = "ready (compiled"  # the standby's log line once it waits
 
-    def __init__(self, name: str, spec: LearnerSpec, cfg: UpConfig, run_dir: pathlib.Path, addresses: list[str]):
+    def __init__(
+        self,
+        name: str,
+        spec: LearnerSpec,
+        cfg: UpConfig,
+        run_dir: pathlib.Path,
+        addresses: list[str],
+    ):
         status = run_dir / "learners" / "{id}.jsonl"
         push_log = run_dir / "learners" / "{id}.pushes.jsonl"
         args = learner_args(spec, cfg, run_dir, addresses, name, status, push_log) + ["--standby"]

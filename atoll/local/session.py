@@ -16,10 +16,10 @@ import signal
 import threading
 import time
 
-from atoll import progress
-from atoll.processes import Child, Learner, PidFile, Shard, stop_children
-from atoll.report import write_report
-from atoll.up import UpConfig, baseline_spec, learner_specs
+from atoll.local import progress
+from atoll.local.config import UpConfig, baseline_spec, learner_specs
+from atoll.local.processes import Child, Learner, PidFile, Shard, stop_children
+from atoll.local.report import write_report
 
 TICK = 1.0  # seconds between table redraws and child checks
 STALL_SECONDS = 60.0  # no learner step for this long while all train: say so
@@ -91,7 +91,9 @@ class Session:
             if self._running() and self.baseline is not None:
                 self._watch(lambda: self.baseline.alive())
         finally:
-            self._stop(self.learners + ([self.baseline] if self.baseline else []), LEARNER_STOP_SECONDS)
+            self._stop(
+                self.learners + ([self.baseline] if self.baseline else []), LEARNER_STOP_SECONDS
+            )
             self._stop(self.shards, SHARD_STOP_SECONDS)
             for s, h in handlers.items():
                 signal.signal(s, h)
@@ -108,7 +110,9 @@ class Session:
         while self._running() and not all(s.check_serving() for s in self.shards):
             for s in self.shards:
                 if not s.alive() and s.state != "serving":
-                    self.failure = f"shard {s.index} exited with status {s.returncode} before serving"
+                    self.failure = (
+                        f"shard {s.index} exited with status {s.returncode} before serving"
+                    )
                     self.say(self.failure, s.tail())
             if time.monotonic() > deadline:
                 self.failure = f"shards did not start within {SHARD_START_SECONDS:.0f} s"
@@ -129,8 +133,10 @@ class Session:
         return []
 
     def _start_learners(self) -> None:
-        self.learners = [Learner(spec, self.cfg, self.run_dir, self._addresses_for(spec))
-                         for spec in learner_specs(self.cfg)]
+        self.learners = [
+            Learner(spec, self.cfg, self.run_dir, self._addresses_for(spec))
+            for spec in learner_specs(self.cfg)
+        ]
         for l in self.learners:
             l.prefix = self._prefix_for(spec=l.spec)
             if l.finished:
@@ -148,8 +154,10 @@ class Session:
         if self.baseline.finished:
             self.baseline.state = "done"
             return
-        self.say(f"training the data-parallel baseline ({self.baseline.spec.steps} steps of "
-                 f"{self.cfg.learners}x{self.cfg.batch_size} sequences) for the loss plot")
+        self.say(
+            f"training the data-parallel baseline ({self.baseline.spec.steps} steps of "
+            f"{self.cfg.learners}x{self.cfg.batch_size} sequences) for the loss plot"
+        )
         self.baseline.start(self.pids)
         self.baseline.state = "starting"
 
@@ -173,7 +181,11 @@ class Session:
                 self._learner_exited(l)
         for s in self.shards:
             s.check_serving()
-            if s.state in ("serving", "restarting", "starting") and not s.alive() and self._running():
+            if (
+                s.state in ("serving", "restarting", "starting")
+                and not s.alive()
+                and self._running()
+            ):
                 self._shard_exited(s)
             if s.state == "serving":
                 m = progress.scrape(s.metrics_port)
@@ -184,53 +196,79 @@ class Session:
             with open(self.run_dir / "shards.jsonl", "a") as f:
                 now = time.time()
                 for i, m in self._metrics.items():
-                    f.write(json.dumps({"time": now, "shard": i, **m}, separators=(",", ":")) + "\n")
+                    f.write(
+                        json.dumps({"time": now, "shard": i, **m}, separators=(",", ":")) + "\n"
+                    )
         if draw:
             self._draw()
 
     def _learner_exited(self, l: Learner) -> None:
         """A learner died: the others go on without it."""
         l.state = "crashed"
-        self.say(f"{l.name} exited with status {l.returncode} at step "
-                 f"{(l.status.last or {}).get('step', 0)}; the others go on. Its log "
-                 f"({l.log_path}) ends:", l.tail())
+        self.say(
+            f"{l.name} exited with status {l.returncode} at step "
+            f"{(l.status.last or {}).get('step', 0)}; the others go on. Its log "
+            f"({l.log_path}) ends:",
+            l.tail(),
+        )
 
     def _shard_exited(self, s: Shard) -> None:
         """A shard died: restarted once on its port (it recovers from disk); twice ends the run."""
         if s.restarts == 0 and s.port is not None:
-            self.say(f"shard {s.index} exited with status {s.returncode}; restarting it on port {s.port} "
-                     f"(it recovers from {self.run_dir / 'shards' / str(s.index)}). Its log ends:", s.tail())
+            self.say(
+                f"shard {s.index} exited with status {s.returncode}; restarting it on port {s.port} "
+                f"(it recovers from {self.run_dir / 'shards' / str(s.index)}). Its log ends:",
+                s.tail(),
+            )
             s.restart(self.pids)
         else:
             s.state = "failed"
-            self.failure = f"shard {s.index} exited with status {s.returncode} again; stopping the run"
+            self.failure = (
+                f"shard {s.index} exited with status {s.returncode} again; stopping the run"
+            )
             self.say(self.failure, s.tail())
 
     def _check_stall(self, steps: int) -> None:
         """Says so (once per stall) when training learners have taken no step for STALL_SECONDS."""
         now = time.monotonic()
-        if steps != self._steps_seen or not any(l.alive() and l.state == "training" for l in self.learners):
+        if steps != self._steps_seen or not any(
+            l.alive() and l.state == "training" for l in self.learners
+        ):
             self._steps_seen, self._progress_at, self._stall_said = steps, now, False
         elif now - self._progress_at > STALL_SECONDS and not self._stall_said:
             self._stall_said = True
-            rounds = ", ".join(f"shard {i}: " + " ".join(f"{p}:v{v}" for p, v in sorted(m["versions"].items()))
-                               for i, m in sorted(self._metrics.items()))
-            self.say(f"no learner has taken a step in {STALL_SECONDS:.0f} s: they are blocked on rounds that "
-                     f"have not closed ({rounds}); Ctrl-C stops the run, `atoll up --run-dir {self.run_dir}` "
-                     "resumes it")
+            rounds = ", ".join(
+                f"shard {i}: " + " ".join(f"{p}:v{v}" for p, v in sorted(m["versions"].items()))
+                for i, m in sorted(self._metrics.items())
+            )
+            self.say(
+                f"no learner has taken a step in {STALL_SECONDS:.0f} s: they are blocked on rounds that "
+                f"have not closed ({rounds}); Ctrl-C stops the run, `atoll up --run-dir {self.run_dir}` "
+                "resumes it"
+            )
 
     def _rows(self) -> tuple[list[dict], list[dict]]:
         learners = [l.row() for l in self.learners + ([self.baseline] if self.baseline else [])]
-        shards = [{"index": s.index, "port": s.port, "state": s.state, "restarts": s.restarts,
-                   "metrics": self._metrics.get(s.index)} for s in self.shards]
+        shards = [
+            {
+                "index": s.index,
+                "port": s.port,
+                "state": s.state,
+                "restarts": s.restarts,
+                "metrics": self._metrics.get(s.index),
+            }
+            for s in self.shards
+        ]
         return learners, shards
 
     def _draw(self, final: bool = False) -> None:
         learners, shards = self._rows()
         elapsed = time.time() - self.started
         if self.live:
-            title = (f"atoll up  {self.run_dir}  |  {self.cfg.shards} shards, {self.cfg.learners} learners, "
-                     f"{self.cfg.preset}  |  Ctrl-C stops (data kept)")
+            title = (
+                f"atoll up  {self.run_dir}  |  {self.cfg.shards} shards, {self.cfg.learners} learners, "
+                f"{self.cfg.preset}  |  Ctrl-C stops (data kept)"
+            )
             self.screen.draw(progress.table(title, elapsed, learners, shards, self.events))
         elif final or self._line():
             print(progress.line(elapsed, learners, shards), file=self.out, flush=True)
@@ -264,41 +302,58 @@ class Session:
         ended = time.time()
         interrupted = self.stop_signal is not None
         outcome = "interrupted" if interrupted else "failed" if self.failure else "finished"
-        session = {"start": self.started, "end": ended, "outcome": outcome,
-                   "learners_start": self.learners_started, "learners_end": self.learners_ended or ended}
+        session = {
+            "start": self.started,
+            "end": ended,
+            "outcome": outcome,
+            "learners_start": self.learners_started,
+            "learners_end": self.learners_ended or ended,
+        }
         if interrupted:
             session["signal"] = signal.Signals(self.stop_signal).name
         with open(self.run_dir / "sessions.jsonl", "a") as f:
             f.write(json.dumps(session) + "\n")
-        report = write_report(self.run_dir, self.cfg, learner_specs(self.cfg),
-                              baseline_spec(self.cfg) if self.cfg.baseline else None,
-                              global_eval=global_eval, events=self.events, failure=self.failure,
-                              interrupted=session.get("signal"),
-                              states={l.name: l.state for l in self.learners},
-                              shard_restarts={s.index: s.restarts for s in self.shards})
+        report = write_report(
+            self.run_dir,
+            self.cfg,
+            learner_specs(self.cfg),
+            baseline_spec(self.cfg) if self.cfg.baseline else None,
+            global_eval=global_eval,
+            events=self.events,
+            failure=self.failure,
+            interrupted=session.get("signal"),
+            states={l.name: l.state for l in self.learners},
+            shard_restarts={s.index: s.restarts for s in self.shards},
+        )
         return report
 
 
-OPEN_ROUND_MARGIN_SECONDS = 5.0  # past a lease, what a shard's round timer may take to close a round
+OPEN_ROUND_MARGIN_SECONDS = (
+    5.0  # past a lease, what a shard's round timer may take to close a round
+)
 
 
 def evaluate_global(cfg: UpConfig, addresses: list[str]) -> dict:
     """The global model, pulled fragment by fragment (FP32 snapshots), on the learners' held-out batches."""
-    from learner.client import ShardClient
-    from learner.data import eval_batches, load_corpus
-    from learner.model import init_params, preset
-    from learner.train import evaluate
-    from wire import codec
-    from wire.plan import FragmentPlan
+    from atoll.learner.data import eval_batches, load_corpus
+    from atoll.learner.model import init_params, preset
+    from atoll.learner.train import evaluate
+    from atoll.wire import codec
+    from atoll.wire.client import ShardClient
+    from atoll.wire.plan import FragmentPlan
 
     model_cfg = preset(cfg.preset)
     plan = FragmentPlan.build(init_params(model_cfg, cfg.seed), cfg.fragments)
-    clients = [ShardClient(a, "", deadline=60.0) for a in addresses]  # anonymous: no lease, no round waits
+    clients = [
+        ShardClient(a, "", deadline=60.0) for a in addresses
+    ]  # anonymous: no lease, no round waits
     try:
         # The learners' last pushes may sit in rounds that close once the leases of the
         # learners that left before them lapse: the global model is read after those close.
         deadline = time.monotonic() + cfg.lease_seconds + OPEN_ROUND_MARGIN_SECONDS
-        while time.monotonic() < deadline and any(f.round_size for c in clients for f in c.describe().fragments):
+        while time.monotonic() < deadline and any(
+            f.round_size for c in clients for f in c.describe().fragments
+        ):
             time.sleep(0.2)
         vectors, versions = [], {}
         for p in range(cfg.fragments):
@@ -311,7 +366,15 @@ def evaluate_global(cfg: UpConfig, addresses: list[str]) -> dict:
         for c in clients:
             c.close()
     corpus = load_corpus(None, vocab=model_cfg.vocab)
-    batches = eval_batches(corpus.heldout, context=model_cfg.context, batch_size=cfg.batch_size,
-                           num_batches=cfg.eval_batches)
+    batches = eval_batches(
+        corpus.heldout,
+        context=model_cfg.context,
+        batch_size=cfg.batch_size,
+        num_batches=cfg.eval_batches,
+    )
     result = evaluate(plan.unflatten(vectors), batches, model_cfg)
-    return {"eval_loss": result["loss"], "eval_bits_per_byte": result["bits_per_byte"], "versions": versions}
+    return {
+        "eval_loss": result["loss"],
+        "eval_bits_per_byte": result["bits_per_byte"],
+        "versions": versions,
+    }

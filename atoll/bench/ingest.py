@@ -20,7 +20,6 @@ import math
 import multiprocessing as mp
 import os
 import pathlib
-import re
 import shutil
 import signal
 import subprocess
@@ -28,25 +27,25 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from concurrent import futures
 
 import grpc
 import numpy as np
 
-from learner.client import CHUNK_BYTES, ShardClient
-from wire import codec
-from wire import syncer_pb2 as pb
-from wire import syncer_pb2_grpc as pb_grpc
-from wire.plan import FragmentPlan, TensorSpec
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
+from atoll.wire import syncer_pb2_grpc as pb_grpc
+from atoll.wire.client import CHUNK_BYTES, ShardClient
+from atoll.wire.metrics import read_metrics
+from atoll.wire.plan import FragmentPlan, TensorSpec
+from atoll.wire.records import parse_serving
 
 DEFAULT_PARAMS = 100_000_000
-TARGET_RATIO = 0.5  # ingest wire rate / raw gRPC rate (DESIGN.md §6)
-TARGET_RSS_BYTES_PER_PARAM = 16.0  # DESIGN.md §6, with the delta ring full
+TARGET_RATIO = 0.5  # ingest wire rate / raw gRPC rate (docs/design.md §6)
+TARGET_RSS_BYTES_PER_PARAM = 16.0  # docs/design.md §6, with the delta ring full
 DELTA_STD = 1e-3  # scale of the synthetic outer gradients
 INNER_STEPS, TOKENS = 100, 100 * 8192  # what each push claims; sets the merge weight only
 _RAW_METHOD = "/atoll.bench.Raw/Drain"
-_SERVING = re.compile(r"serving on port (\d+), metrics on port (\d+)")
 
 
 def transformer_specs(num_params: int) -> list[TensorSpec]:
@@ -57,14 +56,25 @@ def transformer_specs(num_params: int) -> list[TensorSpec]:
     """
     d = max(64, 64 * round(math.sqrt(num_params / 160) / 64))
     vocab = 16 * d
-    specs = [TensorSpec("embed", (vocab, d)), TensorSpec("head/w", (d, vocab)),
-             TensorSpec("final_norm", (d,))]
+    specs = [
+        TensorSpec("embed", (vocab, d)),
+        TensorSpec("head/w", (d, vocab)),
+        TensorSpec("final_norm", (d,)),
+    ]
     block = 12 * d * d + 2 * d
     layers = max(1, -(-(num_params - sum(s.size for s in specs)) // block))
     for i in range(layers):
-        specs += [TensorSpec(f"blocks/{i:03d}/{name}", shape) for name, shape in (
-            ("attn/wqkv", (d, 3 * d)), ("attn/wo", (d, d)), ("mlp/w_in", (d, 4 * d)),
-            ("mlp/w_out", (4 * d, d)), ("norm1", (d,)), ("norm2", (d,)))]
+        specs += [
+            TensorSpec(f"blocks/{i:03d}/{name}", shape)
+            for name, shape in (
+                ("attn/wqkv", (d, 3 * d)),
+                ("attn/wo", (d, d)),
+                ("mlp/w_in", (d, 4 * d)),
+                ("mlp/w_out", (4 * d, d)),
+                ("norm1", (d,)),
+                ("norm2", (d,)),
+            )
+        ]
     return specs
 
 
@@ -75,19 +85,27 @@ def _chunked(header: pb.PushHeader, frame: bytes, chunk_bytes: int):
     """The messages of one push, exactly as ShardClient.push sends them."""
     yield pb.PushRequest(header=header)
     for start in range(0, len(frame), chunk_bytes):
-        yield pb.PushRequest(chunk=frame[start:start + chunk_bytes])
+        yield pb.PushRequest(chunk=frame[start : start + chunk_bytes])
 
 
 def _serve_raw(conn) -> None:
     """A no-op client-streaming gRPC server: drains each stream, acks its byte count."""
+
     def drain(requests, context):
         return str(sum(len(r) for r in requests)).encode()
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=[
-        ("grpc.max_receive_message_length", 8 << 20), ("grpc.max_concurrent_streams", 64)])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=64),
+        options=[("grpc.max_receive_message_length", 8 << 20), ("grpc.max_concurrent_streams", 64)],
+    )
     service, method = _RAW_METHOD.strip("/").split("/")
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {
-        method: grpc.stream_unary_rpc_method_handler(drain)})])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                service, {method: grpc.stream_unary_rpc_method_handler(drain)}
+            )
+        ]
+    )
     conn.send(server.add_insecure_port("127.0.0.1:0"))
     server.start()
     conn.recv()  # any message, or the parent going away, stops it
@@ -124,12 +142,19 @@ def _follow(watch, versions: _Versions) -> None:
 
 def _channel(address: str) -> grpc.Channel:
     """A channel on a TCP connection of its own (gRPC otherwise shares one per process and address)."""
-    return grpc.insecure_channel(address, [("grpc.use_local_subchannel_pool", 1),
-                                           ("grpc.max_send_message_length", 8 << 20),
-                                           ("grpc.max_receive_message_length", 8 << 20)])
+    return grpc.insecure_channel(
+        address,
+        [
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.max_send_message_length", 8 << 20),
+            ("grpc.max_receive_message_length", 8 << 20),
+        ],
+    )
 
 
-def _learner(conn, index: int, shard_address: str, raw_address: str, plan_json: str, connections: int) -> None:
+def _learner(
+    conn, index: int, shard_address: str, raw_address: str, plan_json: str, connections: int
+) -> None:
     """One simulated learner: encodes its frames once, then runs the phases it is sent.
 
     Its pushes go over `connections` connections of its own, one thread each, fragment p
@@ -139,7 +164,9 @@ def _learner(conn, index: int, shard_address: str, raw_address: str, plan_json: 
     frames = []
     for p in range(P):
         rng = np.random.default_rng([index, p])
-        delta = rng.standard_normal(plan.fragment_sizes[p], dtype=np.float32) * np.float32(DELTA_STD)
+        delta = rng.standard_normal(plan.fragment_sizes[p], dtype=np.float32) * np.float32(
+            DELTA_STD
+        )
         frames.append(codec.encode(delta, codec.Codec.INT4))
     del delta
     conn.send([len(f) for f in frames])
@@ -147,15 +174,26 @@ def _learner(conn, index: int, shard_address: str, raw_address: str, plan_json: 
     shard = ShardClient(shard_address, learner_id)  # its Watch stream
     channels = [(_channel(shard_address), _channel(raw_address)) for _ in range(connections)]
     pushes = [pb_grpc.SyncerStub(c).Push for c, _ in channels]
-    drains = [r.stream_unary(_RAW_METHOD, request_serializer=pb.PushRequest.SerializeToString) for _, r in channels]
+    drains = [
+        r.stream_unary(_RAW_METHOD, request_serializer=pb.PushRequest.SerializeToString)
+        for _, r in channels
+    ]
     versions, watch = _Versions(), None
     joined = 0  # ingest rounds so far; also this learner's push sequence number
 
     def header(p: int, base: int) -> pb.PushHeader:
-        return pb.PushHeader(learner_id=learner_id, fragment=p, base_version=base, seq=joined,
-                             inner_steps=INNER_STEPS, tokens=TOKENS, codec=pb.CODEC_INT4,
-                             num_params=plan.fragment_sizes[p], plan_fingerprint=plan.fingerprint,
-                             frame_bytes=len(frames[p]))
+        return pb.PushHeader(
+            learner_id=learner_id,
+            fragment=p,
+            base_version=base,
+            seq=joined,
+            inner_steps=INNER_STEPS,
+            tokens=TOKENS,
+            codec=pb.CODEC_INT4,
+            num_params=plan.fragment_sizes[p],
+            plan_fingerprint=plan.fingerprint,
+            frame_bytes=len(frames[p]),
+        )
 
     def run(phase: str, c: int) -> dict:
         out = {"bytes": 0, "accepted": 0, "accepted_params": 0, "refused": {}, "latency": []}
@@ -200,8 +238,14 @@ def _learner(conn, index: int, shard_address: str, raw_address: str, plan_json: 
                 total["latency"] += part["latency"]
                 for k, v in part["refused"].items():
                     total["refused"][k] = total["refused"].get(k, 0) + v
-        conn.send({"started": started, "ended": time.monotonic(), **total,
-                   "cpu_seconds": time.process_time() - cpu0})
+        conn.send(
+            {
+                "started": started,
+                "ended": time.monotonic(),
+                **total,
+                "cpu_seconds": time.process_time() - cpu0,
+            }
+        )
     if watch is not None:
         watch.cancel()
     pool.shutdown()
@@ -232,15 +276,10 @@ def _cpu_seconds(pid: int) -> float:
 
 def _scrape(port: int) -> dict[str, dict]:
     """{metric name: {le or label value or "": value}} from the shard's /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
     out: dict[str, dict] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            key = s.labels.get("le", s.labels.get("reason", ""))
-            out.setdefault(s.name, {})[float(key) if "le" in s.labels else key] = s.value
+    for s in read_metrics(f"127.0.0.1:{port}", timeout=10):
+        key = s.labels.get("le", s.labels.get("reason", ""))
+        out.setdefault(s.name, {})[float(key) if "le" in s.labels else key] = s.value
     return out
 
 
@@ -284,21 +323,40 @@ def _delta_ring(address: str) -> dict:
     return {"capacity": described.settings.delta_ring, "delta_bytes": delta_bytes}
 
 
-def _start_shard(data_dir: pathlib.Path, learners: int,
-                 log_path: pathlib.Path) -> tuple[subprocess.Popen, int, int]:
+def _start_shard(
+    data_dir: pathlib.Path, learners: int, log_path: pathlib.Path
+) -> tuple[subprocess.Popen, int, int]:
     """A real `atoll syncer` on free ports; returns (process, gRPC port, metrics port)."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "atoll.cli", "syncer", "--data-dir", str(data_dir), "--listen",
-             "127.0.0.1:0", "--quorum", str(learners), "--grace-factor", "0", "--metrics-port", "0"],
-            stdout=subprocess.PIPE, stderr=log, text=True)
+            [
+                sys.executable,
+                "-m",
+                "atoll.cli",
+                "syncer",
+                "--data-dir",
+                str(data_dir),
+                "--listen",
+                "127.0.0.1:0",
+                "--quorum",
+                str(learners),
+                "--grace-factor",
+                "0",
+                "--metrics-port",
+                "0",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
     for line in proc.stdout:
-        match = _SERVING.search(line)
-        if match:
-            return proc, int(match.group(1)), int(match.group(2))
+        if (ports := parse_serving(line)) and ports[1] is not None:
+            return proc, ports[0], ports[1]
     proc.wait()
-    raise RuntimeError(f"atoll syncer exited with {proc.returncode} before serving:\n"
-                       + log_path.read_text()[-2000:])
+    raise RuntimeError(
+        f"atoll syncer exited with {proc.returncode} before serving:\n"
+        + log_path.read_text()[-2000:]
+    )
 
 
 def _recv(conn, proc, timeout: float = 600.0):
@@ -321,11 +379,15 @@ def _run_phase(learners, phase: str, rounds: int) -> dict:
     for r in results:
         for k, v in r["refused"].items():
             refused[k] = refused.get(k, 0) + v
-    return {"seconds": max(r["ended"] for r in results) - min(r["started"] for r in results),
-            "latency": [t for r in results for t in r["latency"]],
-            "bytes": sum(r["bytes"] for r in results), "accepted": sum(r["accepted"] for r in results),
-            "accepted_params": sum(r["accepted_params"] for r in results),
-            "refused": refused, "client_cpu_seconds": sum(r["cpu_seconds"] for r in results)}
+    return {
+        "seconds": max(r["ended"] for r in results) - min(r["started"] for r in results),
+        "latency": [t for r in results for t in r["latency"]],
+        "bytes": sum(r["bytes"] for r in results),
+        "accepted": sum(r["accepted"] for r in results),
+        "accepted_params": sum(r["accepted_params"] for r in results),
+        "refused": refused,
+        "client_cpu_seconds": sum(r["cpu_seconds"] for r in results),
+    }
 
 
 # --- the bench ----------------------------------------------------------------------
@@ -336,13 +398,22 @@ def _percentiles_ms(seconds: list[float]) -> dict[str, float | None]:
     if not seconds:
         return {"p50": None, "p90": None, "p99": None, "max": None}
     p50, p90, p99 = np.percentile(np.asarray(seconds) * 1e3, [50, 90, 99])
-    return {"p50": round(float(p50), 2), "p90": round(float(p90), 2), "p99": round(float(p99), 2),
-            "max": round(max(seconds) * 1e3, 2)}
+    return {
+        "p50": round(float(p50), 2),
+        "p90": round(float(p90), 2),
+        "p99": round(float(p99), 2),
+        "max": round(max(seconds) * 1e3, 2),
+    }
 
 
-
-def bench_ingest(num_params: int = DEFAULT_PARAMS, learners: int = 4, fragments: int = 8,
-                 rounds: int = 4, warmup_rounds: int = 1, connections: int | None = None) -> dict:
+def bench_ingest(
+    num_params: int = DEFAULT_PARAMS,
+    learners: int = 4,
+    fragments: int = 8,
+    rounds: int = 4,
+    warmup_rounds: int = 1,
+    connections: int | None = None,
+) -> dict:
     """Ingest rate, push latency, fsync latency and memory of one shard process under N learners.
 
     Every learner pushes each fragment once per round; `warmup_rounds` go first,
@@ -356,13 +427,17 @@ def bench_ingest(num_params: int = DEFAULT_PARAMS, learners: int = 4, fragments:
     if connections < learners:
         raise ValueError(f"--connections {connections}: want at least one per learner ({learners})")
     if connections > learners * fragments:
-        raise ValueError(f"--connections {connections}: at most {learners * fragments} (one per learner "
-                         "and fragment) can push at once")
+        raise ValueError(
+            f"--connections {connections}: at most {learners * fragments} (one per learner "
+            "and fragment) can push at once"
+        )
     per_learner = [connections // learners + (i < connections % learners) for i in range(learners)]
     specs = transformer_specs(num_params)
     if len(specs) < fragments:
-        raise ValueError(f"--fragments {fragments}: the {num_params}-param model has only "
-                         f"{len(specs)} tensors; use --fragments <= {len(specs)} or more --params")
+        raise ValueError(
+            f"--fragments {fragments}: the {num_params}-param model has only "
+            f"{len(specs)} tensors; use --fragments <= {len(specs)} or more --params"
+        )
     plan = FragmentPlan.build(specs, fragments)
     held = plan.num_params
     load_before = os.getloadavg()[0]
@@ -374,13 +449,28 @@ def bench_ingest(num_params: int = DEFAULT_PARAMS, learners: int = 4, fragments:
         shard, port, metrics_port = _start_shard(root / "data", learners, root / "syncer.log")
         rss_start = _proc_status(shard.pid)["VmRSS"]
         raw_conn, child = ctx.Pipe()
-        procs.append(ctx.Process(target=_serve_raw, name="raw-grpc-server", args=(child,), daemon=True))
+        procs.append(
+            ctx.Process(target=_serve_raw, name="raw-grpc-server", args=(child,), daemon=True)
+        )
         procs[-1].start()
         raw_port = _recv(raw_conn, procs[-1])
         for i in range(learners):
             conn, child = ctx.Pipe()
-            procs.append(ctx.Process(target=_learner, name=f"learner-{i}", daemon=True, args=(
-                child, i, f"127.0.0.1:{port}", f"127.0.0.1:{raw_port}", plan.to_json(), per_learner[i])))
+            procs.append(
+                ctx.Process(
+                    target=_learner,
+                    name=f"learner-{i}",
+                    daemon=True,
+                    args=(
+                        child,
+                        i,
+                        f"127.0.0.1:{port}",
+                        f"127.0.0.1:{raw_port}",
+                        plan.to_json(),
+                        per_learner[i],
+                    ),
+                )
+            )
             procs[-1].start()
             learner_procs.append((conn, procs[-1]))
 
@@ -478,35 +568,58 @@ def bench_ingest(num_params: int = DEFAULT_PARAMS, learners: int = 4, fragments:
         "rss_bytes_per_param": round(rss, 2),
         "rss_peak_bytes_per_param": round(peak, 2),
         "rss_ring_full_bytes_per_param_est": round(rss_ring_full, 2),
-        "rss_note": ("rss_bytes_per_param: the shard's VmRSS after the measured rounds minus its "
-                     "VmRSS once serving (before Init), per parameter held; the target applies to "
-                     f"it. rss_peak_bytes_per_param: VmHWM over {peak_scope}, same baseline. The "
-                     f"delta ring then holds {ring_filled} of its {ring['capacity']} published deltas "
-                     "per fragment; rss_ring_full_bytes_per_param_est adds the rest at the measured "
-                     "delta size."),
-        "delta_ring": {"capacity": ring["capacity"], "filled": ring_filled,
-                       "bytes_per_param_per_delta": round(ring_delta_bytes_per_param, 4)},
+        "rss_note": (
+            "rss_bytes_per_param: the shard's VmRSS after the measured rounds minus its "
+            "VmRSS once serving (before Init), per parameter held; the target applies to "
+            f"it. rss_peak_bytes_per_param: VmHWM over {peak_scope}, same baseline. The "
+            f"delta ring then holds {ring_filled} of its {ring['capacity']} published deltas "
+            "per fragment; rss_ring_full_bytes_per_param_est adds the rest at the measured "
+            "delta size."
+        ),
+        "delta_ring": {
+            "capacity": ring["capacity"],
+            "filled": ring_filled,
+            "bytes_per_param_per_delta": round(ring_delta_bytes_per_param, 4),
+        },
         "shard": {
             "rss_start_bytes": rss_start,
             "rss_after_bytes": mem["VmRSS"],
             "rss_peak_bytes": mem["VmHWM"],
             "cpu_cores_busy": round(cpu_shard / ingest["seconds"], 2),
             "push_ms_p50": _quantile_ms(after, before, "atoll_push_seconds"),
-            "push_seconds_sum": round(_delta(after, before, "atoll_push_seconds_sum").get("", 0.0), 3),
+            "push_seconds_sum": round(
+                _delta(after, before, "atoll_push_seconds_sum").get("", 0.0), 3
+            ),
             "merge_ms_p50": _quantile_ms(after, before, "atoll_merge_seconds"),
-            "merge_seconds_sum": round(_delta(after, before, "atoll_merge_seconds_sum").get("", 0.0), 3),
-            "fsync_seconds_sum": round(_delta(after, before, "atoll_wal_fsync_seconds_sum").get("", 0.0), 3),
+            "merge_seconds_sum": round(
+                _delta(after, before, "atoll_merge_seconds_sum").get("", 0.0), 3
+            ),
+            "fsync_seconds_sum": round(
+                _delta(after, before, "atoll_wal_fsync_seconds_sum").get("", 0.0), 3
+            ),
             "rounds_closed": int(_delta(after, before, "atoll_rounds_total").get("", 0.0)),
-            "received_mb": round(_delta(after, before, "atoll_received_bytes_total").get("", 0.0) / 1e6, 1),
+            "received_mb": round(
+                _delta(after, before, "atoll_received_bytes_total").get("", 0.0) / 1e6, 1
+            ),
         },
         "clients_cpu_cores_busy": round(ingest["client_cpu_seconds"] / ingest["seconds"], 2),
         # other work on the machine skews every rate: compare runs only under similar load
-        "host": {"cpus": os.cpu_count(), "loadavg_1m_before": round(load_before, 2),
-                 "loadavg_1m_after": round(os.getloadavg()[0], 2)},
+        "host": {
+            "cpus": os.cpu_count(),
+            "loadavg_1m_before": round(load_before, 2),
+            "loadavg_1m_after": round(os.getloadavg()[0], 2),
+        },
         "targets": {
-            "ratio": {"want": f">= {TARGET_RATIO}", "got": round(ratio, 3), "met": ratio >= TARGET_RATIO},
-            "rss_bytes_per_param": {"want": f"<= {TARGET_RSS_BYTES_PER_PARAM}", "got": round(rss, 2),
-                                    "met": rss <= TARGET_RSS_BYTES_PER_PARAM},
+            "ratio": {
+                "want": f">= {TARGET_RATIO}",
+                "got": round(ratio, 3),
+                "met": ratio >= TARGET_RATIO,
+            },
+            "rss_bytes_per_param": {
+                "want": f"<= {TARGET_RSS_BYTES_PER_PARAM}",
+                "got": round(rss, 2),
+                "met": rss <= TARGET_RSS_BYTES_PER_PARAM,
+            },
             "fsync_ms_p50": {"want": "reported", "met": fsync > 0},
         },
     }

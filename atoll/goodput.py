@@ -74,7 +74,9 @@ class PlanConfig:
     learners: int = 8  # M: atoll learners, each chips/M chips, in [1, chips]
     restart_s: float = 69.5  # dp: detect, swap spares, re-init all chips, restore, s, >= 0
     checkpoint_cost_s: float = 0.0  # dp: stall per in-memory checkpoint, s, >= 0 (0: overlapped)
-    checkpoint_interval_s: float = 0.0  # dp: training s between checkpoints; 0 = Young/Daly, >= 1 step
+    checkpoint_interval_s: float = (
+        0.0  # dp: training s between checkpoints; 0 = Young/Daly, >= 1 step
+    )
     rejoin_s: float = 15.0  # atoll: a learner's restart and pull of the global model, s, >= 0
     step_s: float = 0.5  # one synchronous inner step at nominal speed, s, > 0
     sync_steps: int = 16  # H: inner steps between two syncs of a fragment, >= 1
@@ -94,29 +96,59 @@ class PlanConfig:
         def finite(name: str, low: float) -> None:
             value = getattr(self, name)
             flag = "--" + name.replace("_", "-")
-            need(isinstance(value, (int, float)) and math.isfinite(value) and value >= low,
-                 f"{flag} must be a number >= {low:g}, got {value!r}")
+            need(
+                isinstance(value, (int, float)) and math.isfinite(value) and value >= low,
+                f"{flag} must be a number >= {low:g}, got {value!r}",
+            )
 
-        need(isinstance(self.chips, int) and self.chips >= 1, f"--chips must be a whole number >= 1, got {self.chips!r}")
-        need(isinstance(self.learners, int) and 1 <= self.learners <= self.chips,
-             f"--learners must be in [1, chips={self.chips}], got {self.learners!r}")
-        need(isinstance(self.slice_chips, int) and 1 <= self.slice_chips <= self.chips,
-             f"--slice-chips must be in [1, chips={self.chips}], got {self.slice_chips!r}")
-        need(isinstance(self.sync_steps, int) and self.sync_steps >= 1,
-             f"--sync-steps must be a whole number >= 1, got {self.sync_steps!r}")
-        need(isinstance(self.fragments, int) and self.fragments >= 1,
-             f"--fragments must be a whole number >= 1, got {self.fragments!r}")
-        for name in ("restart_s", "checkpoint_cost_s", "checkpoint_interval_s", "rejoin_s",
-                     "reconfig_s", "repair_s", "step_cv"):
+        need(
+            isinstance(self.chips, int) and self.chips >= 1,
+            f"--chips must be a whole number >= 1, got {self.chips!r}",
+        )
+        need(
+            isinstance(self.learners, int) and 1 <= self.learners <= self.chips,
+            f"--learners must be in [1, chips={self.chips}], got {self.learners!r}",
+        )
+        need(
+            isinstance(self.slice_chips, int) and 1 <= self.slice_chips <= self.chips,
+            f"--slice-chips must be in [1, chips={self.chips}], got {self.slice_chips!r}",
+        )
+        need(
+            isinstance(self.sync_steps, int) and self.sync_steps >= 1,
+            f"--sync-steps must be a whole number >= 1, got {self.sync_steps!r}",
+        )
+        need(
+            isinstance(self.fragments, int) and self.fragments >= 1,
+            f"--fragments must be a whole number >= 1, got {self.fragments!r}",
+        )
+        for name in (
+            "restart_s",
+            "checkpoint_cost_s",
+            "checkpoint_interval_s",
+            "rejoin_s",
+            "reconfig_s",
+            "repair_s",
+            "step_cv",
+        ):
             finite(name, 0.0)
         for name in ("mtbi_years", "step_s", "duration_days"):
             finite(name, 0.0)
-            need(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)!r}")
-        need(self.step_cv <= 0.5, f"--step-cv is a coefficient of variation in [0, 0.5], got {self.step_cv!r}")
-        need(self.duration_days * 86400 >= 100 * self.step_s,
-             f"--duration-days ({self.duration_days:g}) must cover at least 100 steps of --step-s ({self.step_s:g})")
-        need(self.chips / self.mtbi_years * self.duration_days / 365.25 <= 5e6,
-             "more than 5 million interruptions to simulate: shorten --duration-days or raise --mtbi-years")
+            need(
+                getattr(self, name) > 0,
+                f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)!r}",
+            )
+        need(
+            self.step_cv <= 0.5,
+            f"--step-cv is a coefficient of variation in [0, 0.5], got {self.step_cv!r}",
+        )
+        need(
+            self.duration_days * 86400 >= 100 * self.step_s,
+            f"--duration-days ({self.duration_days:g}) must cover at least 100 steps of --step-s ({self.step_s:g})",
+        )
+        need(
+            self.chips / self.mtbi_years * self.duration_days / 365.25 <= 5e6,
+            "more than 5 million interruptions to simulate: shorten --duration-days or raise --mtbi-years",
+        )
 
     @property
     def chip_mtbi_s(self) -> float:
@@ -130,7 +162,9 @@ class PlanConfig:
         """dp training seconds between checkpoints: as set, else Young/Daly √(2·C·MTBI_job)."""
         if self.checkpoint_interval_s > 0:
             return self.checkpoint_interval_s
-        return max(self.step_s, math.sqrt(2 * self.checkpoint_cost_s * self.chip_mtbi_s / self.chips))
+        return max(
+            self.step_s, math.sqrt(2 * self.checkpoint_cost_s * self.chip_mtbi_s / self.chips)
+        )
 
 
 def straggler_efficiency(n: int, cv: float, rng: np.random.Generator) -> float:
@@ -143,7 +177,9 @@ def straggler_efficiency(n: int, cv: float, rng: np.random.Generator) -> float:
     return 1.0 / (1.0 + cv * float(np.mean(z_max)))
 
 
-def _renewal(rng: np.random.Generator, rate: float, down_s: float, horizon_s: float) -> tuple[np.ndarray, float]:
+def _renewal(
+    rng: np.random.Generator, rate: float, down_s: float, horizon_s: float
+) -> tuple[np.ndarray, float]:
     """One group's life: exponential up-times (rate per s), each interruption followed by
     `down_s` of recovery. Returns the up-times that ended in an interruption, and the last,
     cut short by the horizon. Interruptions during recovery are absorbed by it (every bad
@@ -167,8 +203,12 @@ def _dp(cfg: PlanConfig, rng: np.random.Generator) -> dict:
     ups, last = _renewal(rng, cfg.chips / cfg.chip_mtbi_s, cfg.restart_s, cfg.duration_s)
     work = interval * np.floor(ups / segment).sum()  # only checkpointed work survives
     work += interval * (last // segment) + min(last % segment, interval)  # the horizon ends the run
-    return {"work_s": float(work), "interruptions": len(ups), "group_chips": cfg.chips,
-            "checkpoint_interval_s": interval}
+    return {
+        "work_s": float(work),
+        "interruptions": len(ups),
+        "group_chips": cfg.chips,
+        "checkpoint_interval_s": interval,
+    }
 
 
 def _lost_since_sync(ups: np.ndarray, period: float, fragments: int) -> np.ndarray:
@@ -182,23 +222,35 @@ def _lost_since_sync(ups: np.ndarray, period: float, fragments: int) -> np.ndarr
 def _atoll(cfg: PlanConfig, rng: np.random.Generator) -> dict:
     """M independent learners; each dies alone, loses its unsynced steps and rejoins."""
     period = cfg.sync_steps * cfg.step_s
-    sizes = [cfg.chips // cfg.learners + (i < cfg.chips % cfg.learners) for i in range(cfg.learners)]
+    sizes = [
+        cfg.chips // cfg.learners + (i < cfg.chips % cfg.learners) for i in range(cfg.learners)
+    ]
     chip_work = 0.0
     interruptions = 0
     for size in sizes:  # learners share nothing but the syncer, so each is its own process
         ups, last = _renewal(rng, size / cfg.chip_mtbi_s, cfg.rejoin_s, cfg.duration_s)
         interruptions += len(ups)
-        chip_work += size * (float((ups - _lost_since_sync(ups, period, cfg.fragments)).sum()) + last)
-    return {"work_s": chip_work / cfg.chips, "interruptions": interruptions,
-            "group_chips": max(sizes), "sync_period_s": period}
+        chip_work += size * (
+            float((ups - _lost_since_sync(ups, period, cfg.fragments)).sum()) + last
+        )
+    return {
+        "work_s": chip_work / cfg.chips,
+        "interruptions": interruptions,
+        "group_chips": max(sizes),
+        "sync_period_s": period,
+    }
 
 
 def _elastic(cfg: PlanConfig, rng: np.random.Generator) -> dict:
     """One job that shrinks by a slice per interruption and grows back after repair."""
     slices = cfg.chips // cfg.slice_chips
-    rest = cfg.chips - slices * cfg.slice_chips  # chips outside whole slices train but never fail alone
+    rest = (
+        cfg.chips - slices * cfg.slice_chips
+    )  # chips outside whole slices train but never fail alone
     alive = slices
-    repairs: collections.deque[float] = collections.deque()  # re-add times; FIFO as repair_s is fixed
+    repairs: collections.deque[float] = (
+        collections.deque()
+    )  # re-add times; FIFO as repair_s is fixed
     # standard draws made in bulk; an Exp(1) / rate is an Exp(rate) at whatever rate holds then
     batch = int(2.4 * cfg.chips / cfg.chip_mtbi_s * cfg.duration_s) + 64
     unit_exp, unit = iter(rng.exponential(size=batch)), iter(rng.random(size=batch))
@@ -207,7 +259,11 @@ def _elastic(cfg: PlanConfig, rng: np.random.Generator) -> dict:
     while t < cfg.duration_s:
         chips_alive = alive * cfg.slice_chips + rest
         # memoryless: redrawing the next interruption after every event is exact
-        failure = t + next(unit_exp, rng.exponential()) * cfg.chip_mtbi_s / chips_alive if alive else math.inf
+        failure = (
+            t + next(unit_exp, rng.exponential()) * cfg.chip_mtbi_s / chips_alive
+            if alive
+            else math.inf
+        )
         now = min(failure, repairs[0] if repairs else math.inf, cfg.duration_s)
         chip_work += chips_alive * max(0.0, now - max(t, paused_until))  # no training while paused
         t = now
@@ -225,8 +281,11 @@ def _elastic(cfg: PlanConfig, rng: np.random.Generator) -> dict:
         # a reconfiguration under way takes in every change that arrives before it commits
         if t >= paused_until:
             paused_until = t + cfg.reconfig_s
-    return {"work_s": max(float(chip_work), 0.0) / cfg.chips, "interruptions": interruptions,
-            "group_chips": cfg.chips}
+    return {
+        "work_s": max(float(chip_work), 0.0) / cfg.chips,
+        "interruptions": interruptions,
+        "group_chips": cfg.chips,
+    }
 
 
 def simulate(cfg: PlanConfig, strategy: str) -> dict:
@@ -244,14 +303,22 @@ def simulate(cfg: PlanConfig, strategy: str) -> dict:
       0.57...
     """
     if strategy not in STRATEGIES:
-        raise PlanConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        raise PlanConfigError(
+            f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}"
+        )
     # one stream per (seed, strategy, chips), so adding a strategy never changes another's draws
     rng = np.random.default_rng([cfg.seed, STRATEGIES.index(strategy), cfg.chips])
     run = {"dp": _dp, "elastic": _elastic, "atoll": _atoll}[strategy](cfg, rng)
     efficiency = straggler_efficiency(run.pop("group_chips"), cfg.step_cv, rng)
     availability = run.pop("work_s") / cfg.duration_s
-    return {"strategy": strategy, "chips": cfg.chips, "goodput": availability * efficiency,
-            "availability": availability, "straggler_efficiency": efficiency, **run}
+    return {
+        "strategy": strategy,
+        "chips": cfg.chips,
+        "goodput": availability * efficiency,
+        "availability": availability,
+        "straggler_efficiency": efficiency,
+        **run,
+    }
 
 
 def table(cfg: PlanConfig, chips_list: list[int]) -> list[dict]:
@@ -277,11 +344,19 @@ def plot(rows: list[dict], path) -> None:
     chips = [r["chips"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for strategy, color in zip(STRATEGIES, ("tab:red", "tab:orange", "tab:blue")):
-        ax.plot(chips, [100 * r[strategy] for r in rows], "-", color=color, marker=".",
-                label=f"{LABELS[strategy]} (simulated)")
+        ax.plot(
+            chips,
+            [100 * r[strategy] for r in rows],
+            "-",
+            color=color,
+            marker=".",
+            label=f"{LABELS[strategy]} (simulated)",
+        )
         ref = [(r["chips"], 100 * r["reference"][strategy]) for r in rows if r.get("reference")]
         if ref:
-            ax.plot(*zip(*ref), "o", mfc="none", color=color, label=f"{LABELS[strategy]} (published)")
+            ax.plot(
+                *zip(*ref), "o", mfc="none", color=color, label=f"{LABELS[strategy]} (published)"
+            )
     ax.set_xscale("log")
     ax.set_xticks(chips, [_chips_text(c) for c in chips])
     ax.minorticks_off()
@@ -297,13 +372,20 @@ def plot(rows: list[dict], path) -> None:
 
 
 def _chips_text(chips: int) -> str:
-    return f"{chips / 1e6:g}M" if chips >= 1_000_000 else f"{chips / 1e3:g}k" if chips >= 1000 else str(chips)
+    return (
+        f"{chips / 1e6:g}M"
+        if chips >= 1_000_000
+        else f"{chips / 1e3:g}k"
+        if chips >= 1000
+        else str(chips)
+    )
 
 
 def render(rows: list[dict], cfg: PlanConfig) -> str:
     """The side-by-side text table: simulated goodput, published in brackets."""
-    head = f"{'chips':>8}  " + "  ".join(f"{LABELS[s] + (' M=' + str(cfg.learners) if s == 'atoll' else ''):>16}"
-                                         for s in STRATEGIES)
+    head = f"{'chips':>8}  " + "  ".join(
+        f"{LABELS[s] + (' M=' + str(cfg.learners) if s == 'atoll' else ''):>16}" for s in STRATEGIES
+    )
     lines = [head]
     for r in rows:
         cells = []
@@ -322,7 +404,9 @@ def _chips_list(text: str) -> list[int]:
     try:
         chips = [int(float(c.strip().replace("_", ""))) for c in text.split(",") if c.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected chip counts like 150000,1.2e6, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected chip counts like 150000,1.2e6, got {text!r}"
+        ) from None
     if not chips or min(chips) < 1:
         raise argparse.ArgumentTypeError(f"chip counts must be whole numbers >= 1, got {text!r}")
     return chips
@@ -331,44 +415,107 @@ def _chips_list(text: str) -> list[int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`atoll plan` flags; every assumption defaults to PlanConfig's."""
     d = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
-    p.add_argument("--chips", type=_chips_list, default=list(REFERENCE),
-                   help="comma-separated chip counts, one row each (default: the published ones, "
-                        "150k to 2.4M)")
-    p.add_argument("--mtbi-years", type=float, default=d["mtbi_years"],
-                   help="mean time between interruptions of one chip, years (default %(default)g)")
-    p.add_argument("--learners", type=int, default=d["learners"], help="M: atoll learners (default %(default)s)")
-    p.add_argument("--restart-s", type=float, default=d["restart_s"],
-                   help="data-parallel job restart after an interruption, s (default %(default)g)")
-    p.add_argument("--checkpoint-cost-s", type=float, default=d["checkpoint_cost_s"],
-                   help="data-parallel stall per in-memory checkpoint, s (default %(default)g)")
-    p.add_argument("--checkpoint-interval-s", type=float, default=d["checkpoint_interval_s"],
-                   help="training s between data-parallel checkpoints; 0 = Young/Daly (default %(default)g)")
-    p.add_argument("--rejoin-s", type=float, default=d["rejoin_s"],
-                   help="atoll learner restart and pull of the global model, s (default %(default)g)")
-    p.add_argument("--step-s", type=float, default=d["step_s"], help="inner step time, s (default %(default)g)")
-    p.add_argument("--sync-steps", type=int, default=d["sync_steps"],
-                   help="H: inner steps between syncs of a fragment (default %(default)s)")
-    p.add_argument("--fragments", type=int, default=d["fragments"], help="P: fragments (default %(default)s)")
-    p.add_argument("--reconfig-s", type=float, default=d["reconfig_s"],
-                   help="elastic DP pause to drop or re-add a slice, s (default %(default)g)")
-    p.add_argument("--repair-s", type=float, default=d["repair_s"],
-                   help="elastic DP: until a dropped slice is re-added, s (default %(default)g)")
-    p.add_argument("--slice-chips", type=int, default=d["slice_chips"],
-                   help="elastic DP: chips one interruption removes (default %(default)s)")
-    p.add_argument("--step-cv", type=float, default=d["step_cv"],
-                   help="coefficient of variation of a chip's step time (default %(default)g)")
-    p.add_argument("--duration-days", type=float, default=d["duration_days"],
-                   help="simulated time, days (default %(default)g)")
+    p.add_argument(
+        "--chips",
+        type=_chips_list,
+        default=list(REFERENCE),
+        help="comma-separated chip counts, one row each (default: the published ones, "
+        "150k to 2.4M)",
+    )
+    p.add_argument(
+        "--mtbi-years",
+        type=float,
+        default=d["mtbi_years"],
+        help="mean time between interruptions of one chip, years (default %(default)g)",
+    )
+    p.add_argument(
+        "--learners",
+        type=int,
+        default=d["learners"],
+        help="M: atoll learners (default %(default)s)",
+    )
+    p.add_argument(
+        "--restart-s",
+        type=float,
+        default=d["restart_s"],
+        help="data-parallel job restart after an interruption, s (default %(default)g)",
+    )
+    p.add_argument(
+        "--checkpoint-cost-s",
+        type=float,
+        default=d["checkpoint_cost_s"],
+        help="data-parallel stall per in-memory checkpoint, s (default %(default)g)",
+    )
+    p.add_argument(
+        "--checkpoint-interval-s",
+        type=float,
+        default=d["checkpoint_interval_s"],
+        help="training s between data-parallel checkpoints; 0 = Young/Daly (default %(default)g)",
+    )
+    p.add_argument(
+        "--rejoin-s",
+        type=float,
+        default=d["rejoin_s"],
+        help="atoll learner restart and pull of the global model, s (default %(default)g)",
+    )
+    p.add_argument(
+        "--step-s", type=float, default=d["step_s"], help="inner step time, s (default %(default)g)"
+    )
+    p.add_argument(
+        "--sync-steps",
+        type=int,
+        default=d["sync_steps"],
+        help="H: inner steps between syncs of a fragment (default %(default)s)",
+    )
+    p.add_argument(
+        "--fragments", type=int, default=d["fragments"], help="P: fragments (default %(default)s)"
+    )
+    p.add_argument(
+        "--reconfig-s",
+        type=float,
+        default=d["reconfig_s"],
+        help="elastic DP pause to drop or re-add a slice, s (default %(default)g)",
+    )
+    p.add_argument(
+        "--repair-s",
+        type=float,
+        default=d["repair_s"],
+        help="elastic DP: until a dropped slice is re-added, s (default %(default)g)",
+    )
+    p.add_argument(
+        "--slice-chips",
+        type=int,
+        default=d["slice_chips"],
+        help="elastic DP: chips one interruption removes (default %(default)s)",
+    )
+    p.add_argument(
+        "--step-cv",
+        type=float,
+        default=d["step_cv"],
+        help="coefficient of variation of a chip's step time (default %(default)g)",
+    )
+    p.add_argument(
+        "--duration-days",
+        type=float,
+        default=d["duration_days"],
+        help="simulated time, days (default %(default)g)",
+    )
     p.add_argument("--seed", type=int, default=d["seed"], help="random seed (default %(default)s)")
-    p.add_argument("--json", action="store_true", help="print one JSON object: assumptions and rows")
-    p.add_argument("--plot", metavar="PATH", default=None, help="also write goodput vs chips as a PNG")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object: assumptions and rows"
+    )
+    p.add_argument(
+        "--plot", metavar="PATH", default=None, help="also write goodput vs chips as a PNG"
+    )
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The CLI entry: print the table (or JSON), optionally write the plot; 0 on success."""
     names = {f.name for f in dataclasses.fields(PlanConfig)} - {"chips"}
     try:
-        cfg = PlanConfig(chips=max(args.chips), **{k: v for k, v in vars(args).items() if k in names})
+        cfg = PlanConfig(
+            chips=max(args.chips), **{k: v for k, v in vars(args).items() if k in names}
+        )
         rows = table(cfg, args.chips)
     except PlanConfigError as e:
         parser.error(str(e))
@@ -379,8 +526,12 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"cannot write --plot {args.plot}: {e.strerror or e}")
     if args.json:
         assumptions = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "chips"}
-        print(json.dumps({"assumptions": assumptions, "reference_source": REFERENCE_SOURCE, "rows": rows},
-                         indent=2))
+        print(
+            json.dumps(
+                {"assumptions": assumptions, "reference_source": REFERENCE_SOURCE, "rows": rows},
+                indent=2,
+            )
+        )
     else:
         print(render(rows, cfg))
     return 0

@@ -35,9 +35,12 @@ import random
 import re
 import sys
 import time
-import urllib.request
 
-NAME, PART_OF, COMPONENT = "app.kubernetes.io/name", "app.kubernetes.io/part-of", "app.kubernetes.io/component"
+NAME, PART_OF, COMPONENT = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/part-of",
+    "app.kubernetes.io/component",
+)
 ENABLED, REGION = "atoll.dev/enabled", "atoll.dev/region"
 SYNCERS = {COMPONENT: "syncer", NAME: "atoll"}
 LEARNERS = {COMPONENT: "learner", NAME: "atoll"}
@@ -65,7 +68,9 @@ def connect(kubeconfig: str | None = None, context: str | None = None):
     from kubernetes import client, config
 
     configuration = client.Configuration()
-    configuration.retries = 1  # urllib3's default of 3 makes an unreachable API four connect timeouts
+    configuration.retries = (
+        1  # urllib3's default of 3 makes an unreachable API four connect timeouts
+    )
     if kubeconfig is None and context is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
         try:
             config.load_incluster_config(client_configuration=configuration)
@@ -74,13 +79,22 @@ def connect(kubeconfig: str | None = None, context: str | None = None):
             pass  # a pod without a service account token: a kubeconfig may still work
     path = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
     try:
-        config.load_kube_config(config_file=path, context=context, client_configuration=configuration,
-                                persist_config=False)
+        config.load_kube_config(
+            config_file=path,
+            context=context,
+            client_configuration=configuration,
+            persist_config=False,
+        )
     except (config.ConfigException, OSError, ValueError) as e:
-        where = f"--kubeconfig {kubeconfig}" if kubeconfig else (
-            f"KUBECONFIG={path}" if os.environ.get("KUBECONFIG") else path)
-        raise KubeError(f"no usable Kubernetes config ({where}: {e}); give --kubeconfig and --context, "
-                        "set KUBECONFIG, or run inside a pod with a service account") from None
+        where = (
+            f"--kubeconfig {kubeconfig}"
+            if kubeconfig
+            else (f"KUBECONFIG={path}" if os.environ.get("KUBECONFIG") else path)
+        )
+        raise KubeError(
+            f"no usable Kubernetes config ({where}: {e}); give --kubeconfig and --context, "
+            "set KUBECONFIG, or run inside a pod with a service account"
+        ) from None
     return client.CoreV1Api(client.ApiClient(configuration))
 
 
@@ -91,18 +105,24 @@ def _call(api, what: str, method: str, *args, absent_ok: bool = False, **kwargs)
     from urllib3.exceptions import HTTPError
 
     try:
-        return getattr(api, method)(*args, _request_timeout=(CONNECT_TIMEOUT, API_TIMEOUT), **kwargs)
+        return getattr(api, method)(
+            *args, _request_timeout=(CONNECT_TIMEOUT, API_TIMEOUT), **kwargs
+        )
     except ApiException as e:
         if e.status == 404 and absent_ok:
             return None
         if e.status in (401, 403):
-            raise KubeError(f"{what}: forbidden ({e.status} {e.reason}); the account needs the Role of "
-                            "k8s/components/operator (get the namespace; get, list and delete pods)") from None
+            raise KubeError(
+                f"{what}: forbidden ({e.status} {e.reason}); the account needs the Role of "
+                "k8s/components/operator (get the namespace; get, list and delete pods)"
+            ) from None
         raise KubeError(f"{what}: the API answered {e.status} {e.reason}") from None
     except (HTTPError, OSError) as e:
         host = api.api_client.configuration.host
-        raise KubeError(f"{what}: cannot reach the Kubernetes API at {host} ({type(e).__name__}); "
-                        "check --kubeconfig/--context and that the cluster is up") from None
+        raise KubeError(
+            f"{what}: cannot reach the Kubernetes API at {host} ({type(e).__name__}); "
+            "check --kubeconfig/--context and that the cluster is up"
+        ) from None
 
 
 def check_namespace(api, namespace: str) -> None:
@@ -111,11 +131,15 @@ def check_namespace(api, namespace: str) -> None:
     if ns is None:
         raise KubeError(f"namespace {namespace!r} does not exist (check --namespace and --context)")
     if (ns.metadata.labels or {}).get(ENABLED) != "true":
-        raise KubeError(f"namespace {namespace!r} is not labelled {ENABLED}=true; atoll acts only on "
-                        f"namespaces marked for it (kubectl label namespace {namespace} {ENABLED}=true)")
+        raise KubeError(
+            f"namespace {namespace!r} is not labelled {ENABLED}=true; atoll acts only on "
+            f"namespaces marked for it (kubectl label namespace {namespace} {ENABLED}=true)"
+        )
 
 
-def learner_clusters(api, learner_contexts, kubeconfig: str | None) -> list[tuple[str | None, object]]:
+def learner_clusters(
+    api, learner_contexts, kubeconfig: str | None
+) -> list[tuple[str | None, object]]:
     """(context, API) of every cluster that may hold learner pods: the syncer's (context None)
     first, then each of `learner_contexts`, read from `kubeconfig`."""
     return [(None, api)] + [(c, connect(kubeconfig, c)) for c in learner_contexts or ()]
@@ -124,20 +148,33 @@ def learner_clusters(api, learner_contexts, kubeconfig: str | None) -> list[tupl
 def list_pods(api, namespace: str, labels: dict[str, str]) -> list:
     """Pods carrying every label in `labels`, sorted by name; checked here as well as by the API."""
     selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-    pods = _call(api, f"listing pods in {namespace!r}", "list_namespaced_pod", namespace,
-                 label_selector=selector).items
-    return sorted((p for p in pods if labels.items() <= (p.metadata.labels or {}).items()),
-                  key=lambda p: p.metadata.name)
+    pods = _call(
+        api,
+        f"listing pods in {namespace!r}",
+        "list_namespaced_pod",
+        namespace,
+        label_selector=selector,
+    ).items
+    return sorted(
+        (p for p in pods if labels.items() <= (p.metadata.labels or {}).items()),
+        key=lambda p: p.metadata.name,
+    )
 
 
 def pod_row(pod) -> dict:
     """What status shows of one pod."""
     status = pod.status
-    ready = any(c.type == "Ready" and c.status == "True" for c in (status and status.conditions) or ())
-    return {"pod": pod.metadata.name, "phase": (status and status.phase) or "Unknown", "ready": ready,
-            "restarts": sum(c.restart_count or 0 for c in (status and status.container_statuses) or ()),
-            "node": pod.spec.node_name if pod.spec else None,
-            "region": (pod.metadata.labels or {}).get(REGION)}
+    ready = any(
+        c.type == "Ready" and c.status == "True" for c in (status and status.conditions) or ()
+    )
+    return {
+        "pod": pod.metadata.name,
+        "phase": (status and status.phase) or "Unknown",
+        "ready": ready,
+        "restarts": sum(c.restart_count or 0 for c in (status and status.container_statuses) or ()),
+        "node": pod.spec.node_name if pod.spec else None,
+        "region": (pod.metadata.labels or {}).get(REGION),
+    }
 
 
 def shard_index(pod) -> int | None:
@@ -147,22 +184,31 @@ def shard_index(pod) -> int | None:
 
 def pod_address(pod, port_name: str, template: str = ADDRESS_TEMPLATE) -> str | None:
     """HOST:PORT of the pod's container port called `port_name`, through `template`."""
-    ports = [p.container_port for c in pod.spec.containers for p in c.ports or () if p.name == port_name]
+    ports = [
+        p.container_port for c in pod.spec.containers for p in c.ports or () if p.name == port_name
+    ]
     ip = pod.status.pod_ip if pod.status else None
     if not ports or (not ip and "{ip}" in template):
         return None
-    return template.format(pod=pod.metadata.name, ip=ip, port=ports[0], namespace=pod.metadata.namespace,
-                           index=shard_index(pod))
+    return template.format(
+        pod=pod.metadata.name,
+        ip=ip,
+        port=ports[0],
+        namespace=pod.metadata.namespace,
+        index=shard_index(pod),
+    )
 
 
 # --- status ---
 
 
-def describe_shard(address: str, deadline: float = DESCRIBE_DEADLINE, token: str | None = None) -> dict:
+def describe_shard(
+    address: str, deadline: float = DESCRIBE_DEADLINE, token: str | None = None
+) -> dict:
     """{"describe": ...} from one shard's Describe, or {"error": ...} when it does not answer."""
     import grpc
 
-    from learner.client import ShardClient
+    from atoll.wire.client import ShardClient
 
     shard = ShardClient(address, "", token=token, deadline=deadline)
     try:
@@ -171,11 +217,23 @@ def describe_shard(address: str, deadline: float = DESCRIBE_DEADLINE, token: str
         return {"error": f"unreachable ({e.code().name}: {e.details()})"}
     finally:
         shard.close()
-    return {"describe": {
-        "shard_index": d.shard_index, "num_shards": d.num_shards, "plan_fingerprint": d.plan_fingerprint,
-        "fragments": [{"fragment": f.fragment, "initialized": f.initialized, "version": f.version,
-                       "round_size": f.round_size} for f in d.fragments],
-        "live_learners": sorted(d.live_learners)}}
+    return {
+        "describe": {
+            "shard_index": d.shard_index,
+            "num_shards": d.num_shards,
+            "plan_fingerprint": d.plan_fingerprint,
+            "fragments": [
+                {
+                    "fragment": f.fragment,
+                    "initialized": f.initialized,
+                    "version": f.version,
+                    "round_size": f.round_size,
+                }
+                for f in d.fragments
+            ],
+            "live_learners": sorted(d.live_learners),
+        }
+    }
 
 
 def _describe_all(shards: list[dict], deadline: float, token: str | None) -> list[dict]:
@@ -187,14 +245,26 @@ def _describe_all(shards: list[dict], deadline: float, token: str | None) -> lis
             shard.update(answer)
     for s in shards:
         if "describe" not in s and "error" not in s:
-            s["error"] = "not asked: no pod IP or no 'grpc' port" if not s["address"] else "not asked: pod not ready"
+            s["error"] = (
+                "not asked: no pod IP or no 'grpc' port"
+                if not s["address"]
+                else "not asked: pod not ready"
+            )
     return shards
 
 
-def status(namespace: str, *, api=None, kubeconfig: str | None = None, context: str | None = None,
-           learner_contexts: tuple[str, ...] = (), learner_kubeconfig: str | None = None,
-           address_template: str = ADDRESS_TEMPLATE, deadline: float = DESCRIBE_DEADLINE,
-           token: str | None = None) -> dict:
+def status(
+    namespace: str,
+    *,
+    api=None,
+    kubeconfig: str | None = None,
+    context: str | None = None,
+    learner_contexts: tuple[str, ...] = (),
+    learner_kubeconfig: str | None = None,
+    address_template: str = ADDRESS_TEMPLATE,
+    deadline: float = DESCRIBE_DEADLINE,
+    token: str | None = None,
+) -> dict:
     """Shards and learners of the run in `namespace`, with every ready shard's Describe.
 
     Args:
@@ -213,25 +283,46 @@ def status(namespace: str, *, api=None, kubeconfig: str | None = None, context: 
     clusters = learner_clusters(api, learner_contexts, learner_kubeconfig or kubeconfig)
     for _, other in clusters[1:]:
         check_namespace(other, namespace)
-    shards = [{"index": shard_index(p), **pod_row(p), "address": pod_address(p, "grpc", address_template)}
-              for p in list_pods(api, namespace, SYNCERS)]
+    shards = [
+        {"index": shard_index(p), **pod_row(p), "address": pod_address(p, "grpc", address_template)}
+        for p in list_pods(api, namespace, SYNCERS)
+    ]
     for s in shards:
         s.pop("region")
-    learners = [{"context": c, **pod_row(p)} for c, cluster in clusters
-                for p in list_pods(cluster, namespace, LEARNERS)]
-    return {"namespace": namespace, "shards": _describe_all(shards, deadline, token), "learners": learners}
+    learners = [
+        {"context": c, **pod_row(p)}
+        for c, cluster in clusters
+        for p in list_pods(cluster, namespace, LEARNERS)
+    ]
+    return {
+        "namespace": namespace,
+        "shards": _describe_all(shards, deadline, token),
+        "learners": learners,
+    }
 
 
-def status_of_addresses(addresses: list[str], deadline: float = DESCRIBE_DEADLINE,
-                        token: str | None = None) -> dict:
+def status_of_addresses(
+    addresses: list[str], deadline: float = DESCRIBE_DEADLINE, token: str | None = None
+) -> dict:
     """The same report for shards given as HOST:PORT, without Kubernetes (no pods, no learners)."""
-    shards = [{"index": i, "pod": None, "phase": None, "ready": None, "restarts": None, "node": None,
-               "address": a} for i, a in enumerate(addresses)]
+    shards = [
+        {
+            "index": i,
+            "pod": None,
+            "phase": None,
+            "ready": None,
+            "restarts": None,
+            "node": None,
+            "address": a,
+        }
+        for i, a in enumerate(addresses)
+    ]
     return {"namespace": None, "shards": _describe_all(shards, deadline, token), "learners": None}
 
 
 def render_status(report: dict) -> str:
     """The report as aligned text tables."""
+
     def table(header: list[str], rows: list[list]) -> list[str]:
         cells = [header] + [["-" if v is None else str(v) for v in row] for row in rows]
         widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
@@ -244,20 +335,65 @@ def render_status(report: dict) -> str:
     for s in report["shards"]:
         d = s.get("describe")
         index = d["shard_index"] if d else s["index"]
-        versions = ("  ".join(f"{f['fragment']}:v{f['version']}/{f['round_size']}" if f["initialized"]
-                              else f"{f['fragment']}:-" for f in d["fragments"]) or "(no plan yet)"
-                    if d else s["error"])
-        rows.append([index, s["pod"], s["phase"], yes(s["ready"]), s["restarts"], s["node"], s["address"],
-                     len(d["live_learners"]) if d else None, versions])
-    where = f"namespace {report['namespace']}" if report["namespace"] else "shards given by --shards"
-    lines = [where, ""] + table(["SHARD", "POD", "PHASE", "READY", "RESTARTS", "NODE", "ADDRESS", "LIVE",
-                                 "FRAGMENT:VERSION/OPEN ROUND"], rows)
+        versions = (
+            "  ".join(
+                f"{f['fragment']}:v{f['version']}/{f['round_size']}"
+                if f["initialized"]
+                else f"{f['fragment']}:-"
+                for f in d["fragments"]
+            )
+            or "(no plan yet)"
+            if d
+            else s["error"]
+        )
+        rows.append(
+            [
+                index,
+                s["pod"],
+                s["phase"],
+                yes(s["ready"]),
+                s["restarts"],
+                s["node"],
+                s["address"],
+                len(d["live_learners"]) if d else None,
+                versions,
+            ]
+        )
+    where = (
+        f"namespace {report['namespace']}" if report["namespace"] else "shards given by --shards"
+    )
+    lines = [where, ""] + table(
+        [
+            "SHARD",
+            "POD",
+            "PHASE",
+            "READY",
+            "RESTARTS",
+            "NODE",
+            "ADDRESS",
+            "LIVE",
+            "FRAGMENT:VERSION/OPEN ROUND",
+        ],
+        rows,
+    )
     if report["learners"] == []:
         lines += ["", "no learner pods"]
     elif report["learners"] is not None:
-        lines += [""] + table(["LEARNER", "CONTEXT", "REGION", "PHASE", "READY", "RESTARTS", "NODE"],
-                              [[r["pod"], r.get("context"), r["region"], r["phase"], yes(r["ready"]), r["restarts"],
-                                r["node"]] for r in report["learners"]])
+        lines += [""] + table(
+            ["LEARNER", "CONTEXT", "REGION", "PHASE", "READY", "RESTARTS", "NODE"],
+            [
+                [
+                    r["pod"],
+                    r.get("context"),
+                    r["region"],
+                    r["phase"],
+                    yes(r["ready"]),
+                    r["restarts"],
+                    r["node"],
+                ]
+                for r in report["learners"]
+            ],
+        )
         ready = sum(r["ready"] for r in report["learners"])
         lines.append(f"{ready}/{len(report['learners'])} learner pods ready")
     return "\n".join(lines)
@@ -273,19 +409,16 @@ def next_failure_in(rng: random.Random, pods: int, mtbf: float) -> float:
 
 def scrape(address: str, timeout: float = SCRAPE_TIMEOUT) -> dict:
     """The counters and gauges chaos reports, from one shard's /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from atoll.wire.metrics import read_metrics
 
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout) as r:
-        text = r.read().decode()
     out = {"compute_seconds": 0.0, "rounds": 0.0, "versions": {}}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "atoll_accepted_compute_seconds_total":
-                out["compute_seconds"] += s.value
-            elif s.name == "atoll_rounds_total":
-                out["rounds"] += s.value
-            elif s.name == "atoll_fragment_version":
-                out["versions"][int(s.labels["fragment"])] = int(s.value)
+    for s in read_metrics(address, timeout):
+        if s.name == "atoll_accepted_compute_seconds_total":
+            out["compute_seconds"] += s.value
+        elif s.name == "atoll_rounds_total":
+            out["rounds"] += s.value
+        elif s.name == "atoll_fragment_version":
+            out["versions"][int(s.labels["fragment"])] = int(s.value)
     return out
 
 
@@ -305,11 +438,23 @@ def _increase(start: float, end: float) -> float:
     return end - start if end >= start else end
 
 
-def chaos(namespace: str, mtbf_seconds: float, duration_seconds: float, seed: int = 0, *, api=None,
-          kubeconfig: str | None = None, context: str | None = None, learner_contexts: tuple[str, ...] = (),
-          learner_kubeconfig: str | None = None, dry_run: bool = False,
-          address_template: str = ADDRESS_TEMPLATE, out=None, clock=time.monotonic,
-          sleep=time.sleep) -> dict:
+def chaos(
+    namespace: str,
+    mtbf_seconds: float,
+    duration_seconds: float,
+    seed: int = 0,
+    *,
+    api=None,
+    kubeconfig: str | None = None,
+    context: str | None = None,
+    learner_contexts: tuple[str, ...] = (),
+    learner_kubeconfig: str | None = None,
+    dry_run: bool = False,
+    address_template: str = ADDRESS_TEMPLATE,
+    out=None,
+    clock=time.monotonic,
+    sleep=time.sleep,
+) -> dict:
     """Deletes learner pods at random for `duration_seconds` and reports what the run kept.
 
     Args:
@@ -346,24 +491,39 @@ def chaos(namespace: str, mtbf_seconds: float, duration_seconds: float, seed: in
             plan.append({"at_seconds": round(t, 3), "pod": rng.choice(learners)})
             print(f"would delete pod {plan[-1]['pod']} at {t:.2f} s", file=out, flush=True)
             t += next_failure_in(rng, len(learners), mtbf_seconds)
-        return {"namespace": namespace, "learner_pods": len(learners), "duration_seconds": duration_seconds,
-                "dry_run": True, "would_delete": plan}
+        return {
+            "namespace": namespace,
+            "learner_pods": len(learners),
+            "duration_seconds": duration_seconds,
+            "dry_run": True,
+            "would_delete": plan,
+        }
     if not learners:
         where = "" if not learner_contexts else f" (nor in contexts {', '.join(learner_contexts)})"
-        raise KubeError(f"no learner pods ({','.join(f'{k}={v}' for k, v in LEARNERS.items())}) "
-                        f"in namespace {namespace!r}{where}; learners in other clusters: --learner-context")
-    shards = {p.metadata.name: pod_address(p, "metrics", address_template)
-              for p in list_pods(api, namespace, SYNCERS)}
+        raise KubeError(
+            f"no learner pods ({','.join(f'{k}={v}' for k, v in LEARNERS.items())}) "
+            f"in namespace {namespace!r}{where}; learners in other clusters: --learner-context"
+        )
+    shards = {
+        p.metadata.name: pod_address(p, "metrics", address_template)
+        for p in list_pods(api, namespace, SYNCERS)
+    }
     if not shards:
-        print(f"no syncer pods in namespace {namespace!r} of this cluster, so no goodput: run from the "
-              "syncer's cluster (--context) and name the learners' with --learner-context", file=out, flush=True)
+        print(
+            f"no syncer pods in namespace {namespace!r} of this cluster, so no goodput: run from the "
+            "syncer's cluster (--context) and name the learners' with --learner-context",
+            file=out,
+            flush=True,
+        )
     before, start = _scrape_all(shards), clock()
     deleted, end, interrupted = [], start + duration_seconds, False
     try:
         while (now := clock()) < end:
             wait = next_failure_in(rng, len(_alive(clusters, namespace)), mtbf_seconds)
             if wait > min(RELIST_SECONDS, end - now):
-                sleep(min(RELIST_SECONDS, end - now))  # memoryless: drawing again after a re-count is fair
+                sleep(
+                    min(RELIST_SECONDS, end - now)
+                )  # memoryless: drawing again after a re-count is fair
                 continue
             sleep(wait)
             alive = _alive(clusters, namespace)
@@ -374,51 +534,85 @@ def chaos(namespace: str, mtbf_seconds: float, duration_seconds: float, seed: in
         interrupted = True
     after, window = _scrape_all(shards), clock() - start
     scraped = [s for s in shards if before[s] is not None and after[s] is not None]
-    compute = sum(_increase(before[s]["compute_seconds"], after[s]["compute_seconds"]) for s in scraped)
+    compute = sum(
+        _increase(before[s]["compute_seconds"], after[s]["compute_seconds"]) for s in scraped
+    )
     advance: dict[int, int] = {}
     for s in scraped:
         for p, v in after[s]["versions"].items():
             advance[p] = v - before[s]["versions"].get(p, 0)
     whole = bool(shards) and len(scraped) == len(shards)
-    return {"namespace": namespace, "learner_pods": len(learners), "failures_injected": len(deleted),
-            "deleted": deleted, "window_seconds": window, "accepted_compute_seconds": compute,
-            "goodput": compute / (len(learners) * window) if whole else None,
-            "rounds_closed": int(sum(_increase(before[s]["rounds"], after[s]["rounds"]) for s in scraped)),
-            "version_advance": dict(sorted(advance.items())),
-            "unscraped_shards": sorted(set(shards) - set(scraped)), "interrupted": interrupted}
+    return {
+        "namespace": namespace,
+        "learner_pods": len(learners),
+        "failures_injected": len(deleted),
+        "deleted": deleted,
+        "window_seconds": window,
+        "accepted_compute_seconds": compute,
+        "goodput": compute / (len(learners) * window) if whole else None,
+        "rounds_closed": int(
+            sum(_increase(before[s]["rounds"], after[s]["rounds"]) for s in scraped)
+        ),
+        "version_advance": dict(sorted(advance.items())),
+        "unscraped_shards": sorted(set(shards) - set(scraped)),
+        "interrupted": interrupted,
+    }
 
 
-def _alive(clusters: list[tuple[str | None, object]], namespace: str) -> dict[str, tuple[object, str]]:
+def _alive(
+    clusters: list[tuple[str | None, object]], namespace: str
+) -> dict[str, tuple[object, str]]:
     """Learner pods not already terminating, in cluster order then by name: {shown name: (API, pod)},
     the shown name being "pod" in the syncer's cluster and "context/pod" in a learner cluster."""
     alive = {}
     for c, cluster in clusters:
         for p in list_pods(cluster, namespace, LEARNERS):
             if not p.metadata.deletion_timestamp:
-                alive[p.metadata.name if c is None else f"{c}/{p.metadata.name}"] = (cluster, p.metadata.name)
+                alive[p.metadata.name if c is None else f"{c}/{p.metadata.name}"] = (
+                    cluster,
+                    p.metadata.name,
+                )
     return alive
 
 
 def _delete(api, name: str, namespace: str) -> bool:
     """Deletes one learner pod; False when it was gone already."""
-    return _call(api, f"deleting pod {name}", "delete_namespaced_pod", name, namespace, absent_ok=True,
-                 grace_period_seconds=DELETE_GRACE_SECONDS) is not None
+    return (
+        _call(
+            api,
+            f"deleting pod {name}",
+            "delete_namespaced_pod",
+            name,
+            namespace,
+            absent_ok=True,
+            grace_period_seconds=DELETE_GRACE_SECONDS,
+        )
+        is not None
+    )
 
 
 def render_chaos(r: dict) -> str:
     if r.get("dry_run"):
-        return (f"dry run in {r['namespace']}: {len(r['would_delete'])} deletions planned over "
-                f"{r['duration_seconds']:g} s among {r['learner_pods']} learner pods; nothing was deleted")
-    goodput = (f"{100 * r['goodput']:.1f} %" if r["goodput"] is not None else
-               "n/a (no syncer pods here: give the syncer's --context and the learners' --learner-context)"
-               if not r["unscraped_shards"] else
-               f"n/a (no /metrics from {', '.join(r['unscraped_shards'])})")
+        return (
+            f"dry run in {r['namespace']}: {len(r['would_delete'])} deletions planned over "
+            f"{r['duration_seconds']:g} s among {r['learner_pods']} learner pods; nothing was deleted"
+        )
+    goodput = (
+        f"{100 * r['goodput']:.1f} %"
+        if r["goodput"] is not None
+        else "n/a (no syncer pods here: give the syncer's --context and the learners' --learner-context)"
+        if not r["unscraped_shards"]
+        else f"n/a (no /metrics from {', '.join(r['unscraped_shards'])})"
+    )
     advance = "  ".join(f"{p}:+{n}" for p, n in r["version_advance"].items()) or "-"
-    return "\n".join([
-        f"atoll chaos --kubernetes in {r['namespace']}: {r['failures_injected']} learner pods deleted "
-        f"over {r['window_seconds']:.0f} s ({r['learner_pods']} provisioned)",
-        f"  goodput {goodput}  ({r['accepted_compute_seconds']:.1f} accepted learner-seconds)",
-        f"  rounds closed {r['rounds_closed']}  version advance per fragment {advance}"])
+    return "\n".join(
+        [
+            f"atoll chaos --kubernetes in {r['namespace']}: {r['failures_injected']} learner pods deleted "
+            f"over {r['window_seconds']:.0f} s ({r['learner_pods']} provisioned)",
+            f"  goodput {goodput}  ({r['accepted_compute_seconds']:.1f} accepted learner-seconds)",
+            f"  rounds closed {r['rounds_closed']}  version advance per fragment {advance}",
+        ]
+    )
 
 
 # --- CLI glue ---
@@ -426,37 +620,69 @@ def render_chaos(r: dict) -> str:
 
 def _adder(p, have: set[str]):
     """add_argument that leaves a flag already defined (by the local mode of `atoll chaos`) alone."""
+
     def add(flag: str, **kwargs) -> None:
         if flag not in have:
             p.add_argument(flag, **kwargs)
+
     return add
 
 
 def _cluster_arguments(add) -> None:
-    add("--namespace", default="atoll",
-        help="namespace of the run; must be labelled atoll.dev/enabled=true (default %(default)s)")
-    add("--kubeconfig", default=None, help="kubeconfig file (default $KUBECONFIG, ~/.kube/config, "
-        "or the in-cluster service account inside a pod)")
+    add(
+        "--namespace",
+        default="atoll",
+        help="namespace of the run; must be labelled atoll.dev/enabled=true (default %(default)s)",
+    )
+    add(
+        "--kubeconfig",
+        default=None,
+        help="kubeconfig file (default $KUBECONFIG, ~/.kube/config, "
+        "or the in-cluster service account inside a pod)",
+    )
     add("--context", default=None, help="kubeconfig context (default its current-context)")
-    add("--learner-context", action="append", default=[], metavar="CONTEXT",
-        help="a learner cluster's kubeconfig context, besides the syncer's own cluster; repeat for each")
-    add("--learner-kubeconfig", default=None,
-        help="kubeconfig holding the --learner-context contexts (default: the --kubeconfig search)")
-    add("--address-template", default=ADDRESS_TEMPLATE,
+    add(
+        "--learner-context",
+        action="append",
+        default=[],
+        metavar="CONTEXT",
+        help="a learner cluster's kubeconfig context, besides the syncer's own cluster; repeat for each",
+    )
+    add(
+        "--learner-kubeconfig",
+        default=None,
+        help="kubeconfig holding the --learner-context contexts (default: the --kubeconfig search)",
+    )
+    add(
+        "--address-template",
+        default=ADDRESS_TEMPLATE,
         help="how to reach a pod's port: fields {pod} {ip} {port} {namespace} {index}, e.g. "
-             "'{pod}.{namespace}.svc:{port}' through the per-shard Services (default %(default)s)")
+        "'{pod}.{namespace}.svc:{port}' through the per-shard Services (default %(default)s)",
+    )
 
 
 def add_status_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `atoll status`."""
     add = _adder(p, set())
     _cluster_arguments(add)
-    add("--shards", default=None, metavar="HOST:PORT,...",
-        help="describe these shards directly instead of asking Kubernetes")
-    add("--deadline", type=float, default=DESCRIBE_DEADLINE,
-        help="seconds to wait for each shard's Describe (default %(default)s)")
-    add("--token-file", type=pathlib.Path, default=None,
-        help="file holding a bearer token, when the shards require one")
+    add(
+        "--shards",
+        default=None,
+        metavar="HOST:PORT,...",
+        help="describe these shards directly instead of asking Kubernetes",
+    )
+    add(
+        "--deadline",
+        type=float,
+        default=DESCRIBE_DEADLINE,
+        help="seconds to wait for each shard's Describe (default %(default)s)",
+    )
+    add(
+        "--token-file",
+        type=pathlib.Path,
+        default=None,
+        help="file holding a bearer token, when the shards require one",
+    )
     add("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -468,10 +694,20 @@ def add_chaos_arguments(p: argparse.ArgumentParser) -> None:
     _cluster_arguments(add)
     add("--dry-run", action="store_true", help="print the pods it would delete, delete none")
     add = _adder(p, have)
-    add("--mtbf", type=float, default=None, metavar="SECONDS",
-        help="mean seconds between failures of each learner (pod); required with --kubernetes")
-    add("--duration", type=float, default=None, metavar="SECONDS",
-        help="seconds to inject failures for; required with --kubernetes")
+    add(
+        "--mtbf",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="mean seconds between failures of each learner (pod); required with --kubernetes",
+    )
+    add(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds to inject failures for; required with --kubernetes",
+    )
     add("--seed", type=int, default=None, help="failure schedule seed (default 0)")
     add("--json", action="store_true", help="print one JSON object on stdout")
 
@@ -480,8 +716,10 @@ def _check_template(template: str, parser: argparse.ArgumentParser) -> None:
     try:
         template.format(pod="p", ip="10.0.0.1", port=1, namespace="n", index=0)
     except (KeyError, IndexError, ValueError) as e:
-        parser.error(f"--address-template {template!r}: {e!r}; fields are {{pod}} {{ip}} {{port}} "
-                     "{namespace} {index}")
+        parser.error(
+            f"--address-template {template!r}: {e!r}; fields are {{pod}} {{ip}} {{port}} "
+            "{namespace} {index}"
+        )
 
 
 def _fail(command: str, e: Exception) -> int:
@@ -505,10 +743,16 @@ def status_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 parser.error(f"--shards takes HOST:PORT,..., got {args.shards!r}")
             report = status_of_addresses(addresses, args.deadline, token)
         else:
-            report = status(args.namespace, kubeconfig=args.kubeconfig, context=args.context,
-                            learner_contexts=tuple(args.learner_context),
-                            learner_kubeconfig=args.learner_kubeconfig,
-                            address_template=args.address_template, deadline=args.deadline, token=token)
+            report = status(
+                args.namespace,
+                kubeconfig=args.kubeconfig,
+                context=args.context,
+                learner_contexts=tuple(args.learner_context),
+                learner_kubeconfig=args.learner_kubeconfig,
+                address_template=args.address_template,
+                deadline=args.deadline,
+                token=token,
+            )
     except KubeError as e:
         return _fail("status", e)
     print(json.dumps(report, indent=2) if args.json else render_status(report))
@@ -525,11 +769,19 @@ def chaos_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             parser.error(f"{flag} must be a positive number of seconds, got {value}")
     _check_template(args.address_template, parser)
     try:
-        result = chaos(args.namespace, args.mtbf, args.duration, args.seed or 0, kubeconfig=args.kubeconfig,
-                       context=args.context, learner_contexts=tuple(args.learner_context),
-                       learner_kubeconfig=args.learner_kubeconfig, dry_run=args.dry_run,
-                       address_template=args.address_template,
-                       out=sys.stderr if args.json else sys.stdout)
+        result = chaos(
+            args.namespace,
+            args.mtbf,
+            args.duration,
+            args.seed or 0,
+            kubeconfig=args.kubeconfig,
+            context=args.context,
+            learner_contexts=tuple(args.learner_context),
+            learner_kubeconfig=args.learner_kubeconfig,
+            dry_run=args.dry_run,
+            address_template=args.address_template,
+            out=sys.stderr if args.json else sys.stdout,
+        )
     except KubeError as e:
         return _fail("chaos", e)
     print(json.dumps(result, indent=2) if args.json else render_chaos(result))

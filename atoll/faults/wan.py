@@ -66,7 +66,9 @@ class WanConfig:
     regions: int  # network namespaces, each one learner region, 1..64
     rate_mbit: float  # link rate per region and direction, Mbit/s (10^6 bit/s), > 0
     latency_ms: float  # one-way delay added in each direction, ms, >= 0 (RTT = 2x)
-    burst_kb: float = 0.0  # tbf bucket, KiB; bytes sent at line speed after idle; 0 = max(16, 4 ms of rate)
+    burst_kb: float = (
+        0.0  # tbf bucket, KiB; bytes sent at line speed after idle; 0 = max(16, 4 ms of rate)
+    )
     queue_ms: float = 50.0  # tbf queue, as time at the rate; packets beyond it are dropped, > 0
 
     def __post_init__(self):
@@ -74,11 +76,19 @@ class WanConfig:
             if not ok:
                 raise WanError(message)
 
-        need(1 <= self.regions <= MAX_REGIONS, f"regions must be in 1..{MAX_REGIONS}, got {self.regions}")
+        need(
+            1 <= self.regions <= MAX_REGIONS,
+            f"regions must be in 1..{MAX_REGIONS}, got {self.regions}",
+        )
         need(0 < self.rate_mbit <= 10_000, f"rate_mbit must be in (0, 10000], got {self.rate_mbit}")
-        need(0 <= self.latency_ms <= 10_000, f"latency_ms (one-way) must be in [0, 10000], got {self.latency_ms}")
-        need(self.burst_kb == 0 or 2 <= self.burst_kb <= 65_536,
-             f"burst_kb must be 0 (automatic) or in [2, 65536] (at least one 1514-byte frame), got {self.burst_kb}")
+        need(
+            0 <= self.latency_ms <= 10_000,
+            f"latency_ms (one-way) must be in [0, 10000], got {self.latency_ms}",
+        )
+        need(
+            self.burst_kb == 0 or 2 <= self.burst_kb <= 65_536,
+            f"burst_kb must be 0 (automatic) or in [2, 65536] (at least one 1514-byte frame), got {self.burst_kb}",
+        )
         need(0 < self.queue_ms <= 10_000, f"queue_ms must be in (0, 10000], got {self.queue_ms}")
 
     @property
@@ -87,7 +97,11 @@ class WanConfig:
 
     @property
     def burst_bytes(self) -> int:
-        return int(self.burst_kb * 1024) if self.burst_kb else max(16 * 1024, int(self.rate_bytes * 0.004))
+        return (
+            int(self.burst_kb * 1024)
+            if self.burst_kb
+            else max(16 * 1024, int(self.rate_bytes * 0.004))
+        )
 
     @property
     def limit_bytes(self) -> int:
@@ -121,8 +135,25 @@ def available() -> str | None:
     probe = f"atoll-probe-{os.getpid()}"
     try:  # the probe touches nothing outside its own namespace (tbf on that namespace's lo)
         _run(["ip", "netns", "add", probe])
-        _run(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1mbit", "burst", "16kb",
-              "limit", "64kb"])
+        _run(
+            [
+                "tc",
+                "-n",
+                probe,
+                "qdisc",
+                "add",
+                "dev",
+                "lo",
+                "root",
+                "tbf",
+                "rate",
+                "1mbit",
+                "burst",
+                "16kb",
+                "limit",
+                "64kb",
+            ]
+        )
     except WanError as e:
         return f"WAN emulation cannot run here: {e}"
     finally:
@@ -159,7 +190,10 @@ def sweep_stale() -> list[str]:
 
 def _networks_in_use() -> list[ipaddress.IPv4Network]:
     """Every IPv4 network the host has an address or a route in (any table)."""
-    text = _run(["ip", "-4", "-o", "addr", "show"]).stdout + _run(["ip", "-4", "route", "show", "table", "all"]).stdout
+    text = (
+        _run(["ip", "-4", "-o", "addr", "show"]).stdout
+        + _run(["ip", "-4", "route", "show", "table", "all"]).stdout
+    )
     used = []
     for token in re.findall(r"(?<![\d.])(\d+\.\d+\.\d+\.\d+(?:/\d+)?)", text):
         with contextlib.suppress(ValueError):
@@ -181,8 +215,10 @@ def _free_subnet(name: str) -> ipaddress.IPv4Network:
         for net in ordered:
             if not any(clashes(net, u) for u in used):
                 return net
-    raise WanError(f"no free /24 left in {POOL}: every one holds an address or route of this host; "
-                   "remove stale links (`ip -o link`) or change atoll.wan.POOL")
+    raise WanError(
+        f"no free /24 left in {POOL}: every one holds an address or route of this host; "
+        "remove stale links (`ip -o link`) or change atoll.faults.wan.POOL"
+    )
 
 
 def _set_linger_reset(writer: asyncio.StreamWriter) -> None:
@@ -201,15 +237,20 @@ class _Proxy:
 
     def __init__(self, latency_s: float, buffer_bytes: int, regions: int):
         self.latency_s, self.buffer_bytes = latency_s, buffer_bytes
-        self.stats = [{"bytes_up": 0, "bytes_down": 0, "connections": 0, "open": 0} for _ in range(regions)]
+        self.stats = [
+            {"bytes_up": 0, "bytes_down": 0, "connections": 0, "open": 0} for _ in range(regions)
+        ]
         self.loop = asyncio.new_event_loop()
         self.servers: list[asyncio.Server] = []
         self.tasks: set[asyncio.Task] = set()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="atoll-wan-proxy", daemon=True)
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="atoll-wan-proxy", daemon=True
+        )
         self.thread.start()
 
     def listen(self, region: int, host: str, shard_port: int) -> int:
         """Serves host:shard_port (or host:ephemeral if taken) for the shard; returns the port."""
+
         async def start():
             handler = functools.partial(self._connection, region, shard_port)
             for port in (shard_port, 0):
@@ -220,6 +261,7 @@ class _Proxy:
                 except OSError:
                     if port == 0:
                         raise
+
         return asyncio.run_coroutine_threadsafe(start(), self.loop).result(timeout=10)
 
     def stop(self) -> None:
@@ -247,12 +289,18 @@ class _Proxy:
         shard_w, clean = None, False
         try:
             try:
-                shard_r, shard_w = await asyncio.open_connection("127.0.0.1", shard_port, limit=2 * CHUNK)
-            except OSError:  # the shard is down: reset after a round trip, when a refusal would come back
+                shard_r, shard_w = await asyncio.open_connection(
+                    "127.0.0.1", shard_port, limit=2 * CHUNK
+                )
+            except (
+                OSError
+            ):  # the shard is down: reset after a round trip, when a refusal would come back
                 await asyncio.sleep(2 * self.latency_s)
                 raise
-            pipes = [asyncio.create_task(self._pipe(client_r, shard_w, stats, "bytes_up")),
-                     asyncio.create_task(self._pipe(shard_r, client_w, stats, "bytes_down"))]
+            pipes = [
+                asyncio.create_task(self._pipe(client_r, shard_w, stats, "bytes_up")),
+                asyncio.create_task(self._pipe(shard_r, client_w, stats, "bytes_down")),
+            ]
             try:
                 await asyncio.wait(pipes, return_when=asyncio.FIRST_EXCEPTION)
                 clean = all(p.done() and p.exception() is None for p in pipes)
@@ -269,7 +317,9 @@ class _Proxy:
             stats["open"] -= 1
             self.tasks.discard(task)
 
-    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, stats: dict, key: str) -> None:
+    async def _pipe(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, stats: dict, key: str
+    ) -> None:
         """One direction: each chunk leaves latency_s after it was read, in order; EOF and reset too."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -331,16 +381,22 @@ class Wan:
 
     def __init__(self, cfg: WanConfig, shard_ports: list[int], name: str | None = None):
         if not shard_ports or not all(isinstance(p, int) and 0 < p < 65536 for p in shard_ports):
-            raise WanError(f"shard_ports must be a non-empty list of ports in 1..65535, got {shard_ports!r}")
+            raise WanError(
+                f"shard_ports must be a non-empty list of ports in 1..65535, got {shard_ports!r}"
+            )
         if name is None:
             name = f"w{os.getpid()}{chr(ord('a') + next(_names) % 26)}"
         if not _NAME.fullmatch(name):
-            raise WanError(f"name must match [a-z][a-z0-9]{{0,9}} (it prefixes 15-byte interface names), got {name!r}")
+            raise WanError(
+                f"name must match [a-z][a-z0-9]{{0,9}} (it prefixes 15-byte interface names), got {name!r}"
+            )
         self.cfg, self.shard_ports, self.name = cfg, list(shard_ports), name
         self.subnet: ipaddress.IPv4Network | None = None
         self._proxy: _Proxy | None = None
         self._ports: list[list[int]] = []
-        self._made: list[str] = []  # namespaces and host links this Wan created: all teardown deletes
+        self._made: list[
+            str
+        ] = []  # namespaces and host links this Wan created: all teardown deletes
         self._prev_sigterm = None
         self._sigterm_installed = False
         self._closed = False
@@ -376,21 +432,50 @@ class Wan:
 
     def _setup(self) -> None:
         cfg = self.cfg
-        tbf = ["tbf", "rate", f"{int(cfg.rate_bytes * 8)}bit", "burst", str(cfg.burst_bytes),
-               "limit", str(cfg.limit_bytes)]
+        tbf = [
+            "tbf",
+            "rate",
+            f"{int(cfg.rate_bytes * 8)}bit",
+            "burst",
+            str(cfg.burst_bytes),
+            "limit",
+            str(cfg.limit_bytes),
+        ]
         # the lock spans choosing the subnet and adding its addresses, so two Wans never pick the same
         with open(LOCK_PATH, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             existing = _run(["ip", "netns", "list"]).stdout.split()
-            if taken := [self.namespace(r) for r in range(cfg.regions) if self.namespace(r) in existing]:
-                raise WanError(f"namespace {taken[0]} exists: another Wan uses the name {self.name!r}; pick another "
-                               f"name, or if it is a leftover, remove it with `ip netns del {taken[0]}`")
+            if taken := [
+                self.namespace(r) for r in range(cfg.regions) if self.namespace(r) in existing
+            ]:
+                raise WanError(
+                    f"namespace {taken[0]} exists: another Wan uses the name {self.name!r}; pick another "
+                    f"name, or if it is a leftover, remove it with `ip netns del {taken[0]}`"
+                )
             self.subnet = _free_subnet(self.name)
             for r in range(cfg.regions):
-                ns, (host_link, ns_link), (host_ip, ns_ip) = self.namespace(r), self._links(r), self._addresses(r)
+                ns, (host_link, ns_link), (host_ip, ns_ip) = (
+                    self.namespace(r),
+                    self._links(r),
+                    self._addresses(r),
+                )
                 _run(["ip", "netns", "add", ns])
                 self._made.append(ns)
-                _run(["ip", "link", "add", host_link, "type", "veth", "peer", "name", ns_link, "netns", ns])
+                _run(
+                    [
+                        "ip",
+                        "link",
+                        "add",
+                        host_link,
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        ns_link,
+                        "netns",
+                        ns,
+                    ]
+                )
                 self._made.append(host_link)
                 _run(["ip", "addr", "add", f"{host_ip}/30", "dev", host_link])
                 _run(["ip", "link", "set", host_link, "up"])
@@ -400,8 +485,10 @@ class Wan:
                 _run(["tc", "qdisc", "add", "dev", host_link, "root", *tbf])  # downlink
                 _run(["tc", "-n", ns, "qdisc", "add", "dev", ns_link, "root", *tbf])  # uplink
         self._proxy = _Proxy(cfg.latency_ms / 1000, cfg.proxy_buffer_bytes, cfg.regions)
-        self._ports = [[self._proxy.listen(r, self._addresses(r)[0], p) for p in self.shard_ports]
-                       for r in range(cfg.regions)]
+        self._ports = [
+            [self._proxy.listen(r, self._addresses(r)[0], p) for p in self.shard_ports]
+            for r in range(cfg.regions)
+        ]
 
     def _region(self, region: int) -> int:
         if self._closed or self.subnet is None:
@@ -415,7 +502,7 @@ class Wan:
         return ["ip", "netns", "exec", self.namespace(self._region(region))]
 
     def shard_addresses(self, region: int) -> list[str]:
-        """"HOST:PORT" per shard, reachable from inside `region`, through its link and the proxy."""
+        """ "HOST:PORT" per shard, reachable from inside `region`, through its link and the proxy."""
         host_ip = self._addresses(self._region(region))[0]
         return [f"{host_ip}:{port}" for port in self._ports[region]]
 
@@ -426,7 +513,9 @@ class Wan:
             out[r] = dict(self._proxy.stats[r]) if self._proxy else {}
             host_link, ns_link = self._links(r)
             out[r]["tc_down"] = _tc_counters(["tc", "-s", "-j", "qdisc", "show", "dev", host_link])
-            out[r]["tc_up"] = _tc_counters(["tc", "-n", self.namespace(r), "-s", "-j", "qdisc", "show", "dev", ns_link])
+            out[r]["tc_up"] = _tc_counters(
+                ["tc", "-n", self.namespace(r), "-s", "-j", "qdisc", "show", "dev", ns_link]
+            )
         return out
 
     def close(self) -> None:
@@ -446,14 +535,19 @@ class Wan:
         atexit.unregister(self.close)
         # restore only if still on top; under a later Wan's handler ours stays in the chain, now a no-op
         if self._sigterm_installed and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-            signal.signal(signal.SIGTERM, self._prev_sigterm if self._prev_sigterm is not None else signal.SIG_DFL)
+            signal.signal(
+                signal.SIGTERM,
+                self._prev_sigterm if self._prev_sigterm is not None else signal.SIG_DFL,
+            )
 
     def _on_sigterm(self, signum, frame) -> None:
         self.close()
         prev = self._prev_sigterm
         if callable(prev):
             prev(signum, frame)
-        elif prev != signal.SIG_IGN:  # default (or a handler set outside Python): die by SIGTERM, as without us
+        elif (
+            prev != signal.SIG_IGN
+        ):  # default (or a handler set outside Python): die by SIGTERM, as without us
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
 

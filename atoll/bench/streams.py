@@ -10,7 +10,7 @@ so each closes a round and every watcher is told of the new version), and the sh
 RSS is sampled from /proc. The shard's stalled-stream timeout is set above the bench's
 length, so the stalled pushes stay open throughout instead of timing out.
 
-Targets (DESIGN.md §6): health p99 < 100 ms with the crowd open, every push accepted,
+Targets (docs/design.md §6): health p99 < 100 ms with the crowd open, every push accepted,
 and RSS flat: no growth while the crowd sits there (pushes flowing), and what the crowd
 took given back once it leaves.
 """
@@ -22,25 +22,25 @@ import contextlib
 import multiprocessing as mp
 import os
 import pathlib
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from atoll.bench_ingest import _proc_status, _recv, _scrape
-from learner.client import ShardClient
-from wire import codec
-from wire import syncer_pb2 as pb
-from wire import syncer_pb2_grpc as pb_grpc
-from wire.plan import FragmentPlan, TensorSpec
+from atoll.bench.ingest import _proc_status, _recv, _scrape
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
+from atoll.wire import syncer_pb2_grpc as pb_grpc
+from atoll.wire.client import ShardClient
+from atoll.wire.metrics import read_metrics
+from atoll.wire.plan import FragmentPlan, TensorSpec
+from atoll.wire.records import parse_serving
 
 TARGET_HEALTH_P99_MS = 100.0
 TARGET_RSS_GROWTH_MB = 16.0  # while the crowd is open, and from one crowd to the next
@@ -49,22 +49,29 @@ PROBE_INTERVAL = 0.02  # seconds between health checks
 PROBE_DEADLINE = 5.0  # a health check slower than this counts as this
 OPEN_TIMEOUT = 120.0  # seconds a client process waits for all its streams to open
 SERVICE = "atoll.v1.Syncer"
-_SERVING = re.compile(r"serving on port (\d+), metrics on port (\d+)")
 SPECS = [TensorSpec(f"w{i}", (512, 128)) for i in range(4)]  # 4 fragments of 64 Ki params
 
 
 # --- the client processes ----------------------------------------------------------
 
 
-def _crowd(conn, address: str, kind: str, count: int, first: int, frame_bytes: int, plan_json: str) -> None:
+def _crowd(
+    conn, address: str, kind: str, count: int, first: int, frame_bytes: int, plan_json: str
+) -> None:
     """`count` Watch streams, or Push streams that stall after their header, opened on
     one asyncio loop; reports when they are open, closes them when told to."""
-    asyncio.run(_crowd_async(conn, address, kind, count, first, frame_bytes, FragmentPlan.from_json(plan_json)))
+    asyncio.run(
+        _crowd_async(
+            conn, address, kind, count, first, frame_bytes, FragmentPlan.from_json(plan_json)
+        )
+    )
 
 
 async def _crowd_async(conn, address, kind, count, first, frame_bytes, plan) -> None:
-    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(-(-count // PER_CONNECTION))]
+    channels = [
+        grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(-(-count // PER_CONNECTION))
+    ]
     opened, notices, errors = asyncio.Semaphore(0), [0], []
     stall = asyncio.Event()  # never set: the stalled pushes' request streams wait on it
 
@@ -81,10 +88,20 @@ async def _crowd_async(conn, address, kind, count, first, frame_bytes, plan) -> 
 
     async def stalled(i: int, stub) -> None:
         async def requests():
-            yield pb.PushRequest(header=pb.PushHeader(
-                learner_id=f"staller-{first + i}", fragment=0, base_version=0, seq=1, inner_steps=1, tokens=1,
-                codec=pb.CODEC_INT4, num_params=plan.fragment_sizes[0], plan_fingerprint=plan.fingerprint,
-                frame_bytes=frame_bytes))
+            yield pb.PushRequest(
+                header=pb.PushHeader(
+                    learner_id=f"staller-{first + i}",
+                    fragment=0,
+                    base_version=0,
+                    seq=1,
+                    inner_steps=1,
+                    tokens=1,
+                    codec=pb.CODEC_INT4,
+                    num_params=plan.fragment_sizes[0],
+                    plan_fingerprint=plan.fingerprint,
+                    frame_bytes=frame_bytes,
+                )
+            )
             opened.release()  # sent; the shard's open-call gauge says when it arrived
             await stall.wait()
 
@@ -95,17 +112,27 @@ async def _crowd_async(conn, address, kind, count, first, frame_bytes, plan) -> 
 
     started = time.monotonic()
     run = watch if kind == "watch" else stalled
-    tasks = [asyncio.ensure_future(run(i, pb_grpc.SyncerStub(channels[i // PER_CONNECTION])))
-             for i in range(count)]
+    tasks = [
+        asyncio.ensure_future(run(i, pb_grpc.SyncerStub(channels[i // PER_CONNECTION])))
+        for i in range(count)
+    ]
     ready = 0
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(OPEN_TIMEOUT):
             while ready < count:
                 await opened.acquire()
                 ready += 1
-    conn.send({"opened": ready, "opened_seconds": time.monotonic() - started, "connections": len(channels),
-               "errors": sorted(set(errors))})
-    await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # the parent says when to leave
+    conn.send(
+        {
+            "opened": ready,
+            "opened_seconds": time.monotonic() - started,
+            "connections": len(channels),
+            "errors": sorted(set(errors)),
+        }
+    )
+    await asyncio.get_running_loop().run_in_executor(
+        None, conn.recv
+    )  # the parent says when to leave
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -125,7 +152,10 @@ def _prober(conn, address: str) -> None:
         while not conn.poll():
             started = time.perf_counter()
             try:
-                ok = stub.Check(request, timeout=PROBE_DEADLINE).status == health_pb2.HealthCheckResponse.SERVING
+                ok = (
+                    stub.Check(request, timeout=PROBE_DEADLINE).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                )
             except grpc.RpcError:
                 ok = False
             latencies.append(time.perf_counter() - started)
@@ -152,8 +182,10 @@ class _Pusher:
     def __init__(self, address: str, plan: FragmentPlan):
         self.client = ShardClient(address, "bench-pusher", deadline=30.0)
         self.plan = plan
-        self.frames = [codec.encode(np.random.default_rng(p).standard_normal(n).astype(np.float32) * 1e-3)
-                       for p, n in enumerate(plan.fragment_sizes)]
+        self.frames = [
+            codec.encode(np.random.default_rng(p).standard_normal(n).astype(np.float32) * 1e-3)
+            for p, n in enumerate(plan.fragment_sizes)
+        ]
         self.versions = [0] * plan.num_fragments
         self.seq = 0
 
@@ -163,9 +195,16 @@ class _Pusher:
         while time.monotonic() < end:
             p = self.seq % self.plan.num_fragments
             self.seq += 1
-            header = pb.PushHeader(fragment=p, base_version=self.versions[p], seq=self.seq, inner_steps=10,
-                                   tokens=10_000, codec=pb.CODEC_INT4, num_params=self.plan.fragment_sizes[p],
-                                   plan_fingerprint=self.plan.fingerprint)
+            header = pb.PushHeader(
+                fragment=p,
+                base_version=self.versions[p],
+                seq=self.seq,
+                inner_steps=10,
+                tokens=10_000,
+                codec=pb.CODEC_INT4,
+                num_params=self.plan.fragment_sizes[p],
+                plan_fingerprint=self.plan.fingerprint,
+            )
             started = time.perf_counter()
             try:
                 ack = self.client.push(header, self.frames[p])
@@ -177,9 +216,14 @@ class _Pusher:
                 accepted += ack.accepted
                 refused += not ack.accepted
             time.sleep(max(0.0, interval - (time.perf_counter() - started)))
-        return {"pushes": accepted + refused + len(failed), "pushes_accepted": accepted,
-                "pushes_refused": refused, "pushes_failed": sorted(set(failed)),
-                "push_ms_p50": _percentile_ms(latencies, 50), "push_ms_p99": _percentile_ms(latencies, 99)}
+        return {
+            "pushes": accepted + refused + len(failed),
+            "pushes_accepted": accepted,
+            "pushes_refused": refused,
+            "pushes_failed": sorted(set(failed)),
+            "push_ms_p50": _percentile_ms(latencies, 50),
+            "push_ms_p99": _percentile_ms(latencies, 99),
+        }
 
 
 def _phase(prober, pusher: _Pusher, shard_pid: int, seconds: float, push_interval: float) -> dict:
@@ -192,27 +236,54 @@ def _phase(prober, pusher: _Pusher, shard_pid: int, seconds: float, push_interva
     probed = _recv(conn, proc)
     rss_end = _proc_status(shard_pid)["VmRSS"]
     lat = probed["latencies"]
-    return {"health_checks": len(lat), "health_failures": probed["failures"],
-            "health_ms_p50": _percentile_ms(lat, 50), "health_ms_p99": _percentile_ms(lat, 99),
-            "health_ms_max": _percentile_ms(lat, 100), **pushed,
-            "rss_mb_start": round(rss_start / 2**20, 1), "rss_mb_end": round(rss_end / 2**20, 1)}
+    return {
+        "health_checks": len(lat),
+        "health_failures": probed["failures"],
+        "health_ms_p50": _percentile_ms(lat, 50),
+        "health_ms_p99": _percentile_ms(lat, 99),
+        "health_ms_max": _percentile_ms(lat, 100),
+        **pushed,
+        "rss_mb_start": round(rss_start / 2**20, 1),
+        "rss_mb_end": round(rss_end / 2**20, 1),
+    }
 
 
-def _start_shard(data_dir: pathlib.Path, idle_seconds: float,
-                 log_path: pathlib.Path) -> tuple[subprocess.Popen, int, int]:
+def _start_shard(
+    data_dir: pathlib.Path, idle_seconds: float, log_path: pathlib.Path
+) -> tuple[subprocess.Popen, int, int]:
     """A real `atoll syncer` on free ports: quorum 1, no grace, stalled streams kept."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "atoll.cli", "syncer", "--data-dir", str(data_dir), "--listen", "127.0.0.1:0",
-             "--quorum", "1", "--grace-factor", "0", "--metrics-port", "0",
-             "--stream-idle-seconds", f"{idle_seconds:g}"],
-            stdout=subprocess.PIPE, stderr=log, text=True)
+            [
+                sys.executable,
+                "-m",
+                "atoll.cli",
+                "syncer",
+                "--data-dir",
+                str(data_dir),
+                "--listen",
+                "127.0.0.1:0",
+                "--quorum",
+                "1",
+                "--grace-factor",
+                "0",
+                "--metrics-port",
+                "0",
+                "--stream-idle-seconds",
+                f"{idle_seconds:g}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
     for line in proc.stdout:
-        if match := _SERVING.search(line):
-            return proc, int(match.group(1)), int(match.group(2))
+        if (ports := parse_serving(line)) and ports[1] is not None:
+            return proc, ports[0], ports[1]
     proc.wait()
-    raise RuntimeError(f"atoll syncer exited with {proc.returncode} before serving:\n"
-                       + log_path.read_text()[-2000:])
+    raise RuntimeError(
+        f"atoll syncer exited with {proc.returncode} before serving:\n"
+        + log_path.read_text()[-2000:]
+    )
 
 
 def _gauge(metrics_port: int, name: str, label: str = "") -> float:
@@ -220,12 +291,12 @@ def _gauge(metrics_port: int, name: str, label: str = "") -> float:
 
 
 def _open_calls(metrics_port: int) -> dict[str, float]:
-    """atoll_open_calls by method (read from the text: _scrape keys other labels only)."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {m: float(v) for m, v in re.findall(r'^atoll_open_calls\{method="(\w+)"\} (\S+)$', text, re.M)}
+    """atoll_open_calls by method."""
+    return {
+        s.labels["method"]: s.value
+        for s in read_metrics(f"127.0.0.1:{metrics_port}", timeout=10)
+        if s.name == "atoll_open_calls"
+    }
 
 
 def _wait_for(check, timeout: float, what: str) -> float:
@@ -240,8 +311,17 @@ def _wait_for(check, timeout: float, what: str) -> float:
 class _Crowd:
     """The client processes: watchers spread over `processes`, the stalled pushes in one more."""
 
-    def __init__(self, ctx, address: str, metrics_port: int, watches: int, stalled: int, processes: int,
-                 frame_bytes: int, plan: FragmentPlan):
+    def __init__(
+        self,
+        ctx,
+        address: str,
+        metrics_port: int,
+        watches: int,
+        stalled: int,
+        processes: int,
+        frame_bytes: int,
+        plan: FragmentPlan,
+    ):
         self.watches, self.stalled, self.metrics_port = watches, stalled, metrics_port
         self.frame_bytes = frame_bytes
         sizes = [watches // processes + (i < watches % processes) for i in range(processes)]
@@ -250,8 +330,12 @@ class _Crowd:
         self.procs = []
         for kind, n, first in self.jobs:
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=_crowd, name=f"crowd-{kind}-{first}", daemon=True,
-                               args=(child, address, kind, n, first, frame_bytes, plan.to_json()))
+            proc = ctx.Process(
+                target=_crowd,
+                name=f"crowd-{kind}-{first}",
+                daemon=True,
+                args=(child, address, kind, n, first, frame_bytes, plan.to_json()),
+            )
             proc.start()
             self.procs.append((conn, proc))
 
@@ -261,22 +345,40 @@ class _Crowd:
         reports = [_recv(conn, proc, timeout=OPEN_TIMEOUT + 60) for conn, proc in self.procs]
         if any(r["opened"] < n for r, (_, n, _) in zip(reports, self.jobs)):
             raise RuntimeError(f"the crowd did not open: {reports}")
-        _wait_for(lambda: _open_calls(self.metrics_port).get("Watch", 0) >= self.watches and
-                  _gauge(self.metrics_port, "atoll_inflight_frame_bytes") >= self.stalled * self.frame_bytes,
-                  120, "the crowd open at the shard")
-        return {"connections": sum(r["connections"] for r in reports),
-                "seconds": round(max(r["opened_seconds"] for r in reports) + time.monotonic() - started, 2)}
+        _wait_for(
+            lambda: (
+                _open_calls(self.metrics_port).get("Watch", 0) >= self.watches
+                and _gauge(self.metrics_port, "atoll_inflight_frame_bytes")
+                >= self.stalled * self.frame_bytes
+            ),
+            120,
+            "the crowd open at the shard",
+        )
+        return {
+            "connections": sum(r["connections"] for r in reports),
+            "seconds": round(
+                max(r["opened_seconds"] for r in reports) + time.monotonic() - started, 2
+            ),
+        }
 
     def leave(self) -> dict:
         """Closes every stream; waits until the shard has let go of them."""
         for conn, _ in self.procs:
             conn.send("leave")
         left = [_recv(conn, proc, timeout=120) for conn, proc in self.procs]
-        seconds = _wait_for(lambda: not any(_open_calls(self.metrics_port).get(m, 0) for m in ("Watch", "Push")),
-                            60, "the crowd gone")
+        seconds = _wait_for(
+            lambda: not any(_open_calls(self.metrics_port).get(m, 0) for m in ("Watch", "Push")),
+            60,
+            "the crowd gone",
+        )
         self.close()
-        return {"seconds": round(seconds, 2), "errors": sorted({e for r in left for e in r["errors"]}),
-                "notices": sum(r["notices"] for r, (kind, _, _) in zip(left, self.jobs) if kind == "watch")}
+        return {
+            "seconds": round(seconds, 2),
+            "errors": sorted({e for r in left for e in r["errors"]}),
+            "notices": sum(
+                r["notices"] for r, (kind, _, _) in zip(left, self.jobs) if kind == "watch"
+            ),
+        }
 
     def close(self) -> None:
         for _, proc in self.procs:
@@ -293,16 +395,29 @@ def _rss_mb(pid: int) -> float:
 # --- the bench ---------------------------------------------------------------------
 
 
-def bench_streams(watches: int = 2000, stalled: int = 200, seconds: float = 20.0, push_interval: float = 1.0,
-                  crowd_processes: int = 4) -> dict:
+def bench_streams(
+    watches: int = 2000,
+    stalled: int = 200,
+    seconds: float = 20.0,
+    push_interval: float = 1.0,
+    crowd_processes: int = 4,
+) -> dict:
     """Health latency, pushes and RSS of one shard process before, during and after a crowd.
 
     Raises ValueError for counts or durations that cannot work.
     """
-    if watches < 0 or stalled < 0 or watches + stalled == 0 or seconds <= 0 or push_interval <= 0 \
-            or crowd_processes < 1:
-        raise ValueError("--watches and --stalled must be >= 0 (not both 0), --seconds and --push-interval "
-                         "> 0, --crowd-processes >= 1")
+    if (
+        watches < 0
+        or stalled < 0
+        or watches + stalled == 0
+        or seconds <= 0
+        or push_interval <= 0
+        or crowd_processes < 1
+    ):
+        raise ValueError(
+            "--watches and --stalled must be >= 0 (not both 0), --seconds and --push-interval "
+            "> 0, --crowd-processes >= 1"
+        )
     plan = FragmentPlan.build(SPECS, len(SPECS))
     # Above the whole bench (three phases, two crowds opening): no stream times out inside it.
     idle_seconds = 3 * seconds + 600
@@ -315,17 +430,24 @@ def bench_streams(watches: int = 2000, stalled: int = 200, seconds: float = 20.0
         address = f"127.0.0.1:{port}"
         init = ShardClient(address, "bench-init")
         for p, n in enumerate(plan.fragment_sizes):
-            init.init(plan, p, codec.encode(np.zeros(n, np.float32), codec.Codec.INT4), codec.Codec.INT4)
+            init.init(
+                plan, p, codec.encode(np.zeros(n, np.float32), codec.Codec.INT4), codec.Codec.INT4
+            )
         init.close()
         pusher = _Pusher(address, plan)
         frame_bytes = len(pusher.frames[0])
         conn, child = ctx.Pipe()
-        prober = (conn, ctx.Process(target=_prober, name="prober", args=(child, address), daemon=True))
+        prober = (
+            conn,
+            ctx.Process(target=_prober, name="prober", args=(child, address), daemon=True),
+        )
         prober[1].start()
         pusher.run(2.0, push_interval)  # warm up: the first outer steps compile
         before = _phase(prober, pusher, shard.pid, seconds, push_interval)
 
-        crowd = _Crowd(ctx, address, metrics_port, watches, stalled, crowd_processes, frame_bytes, plan)
+        crowd = _Crowd(
+            ctx, address, metrics_port, watches, stalled, crowd_processes, frame_bytes, plan
+        )
         opened = crowd.opened()
         open_calls = _open_calls(metrics_port)
         during = _phase(prober, pusher, shard.pid, seconds, push_interval)
@@ -334,7 +456,9 @@ def bench_streams(watches: int = 2000, stalled: int = 200, seconds: float = 20.0
         after = _phase(prober, pusher, shard.pid, seconds, push_interval)
 
         # The same crowd again: what the first left behind must not grow with the second.
-        crowd = _Crowd(ctx, address, metrics_port, watches, stalled, crowd_processes, frame_bytes, plan)
+        crowd = _Crowd(
+            ctx, address, metrics_port, watches, stalled, crowd_processes, frame_bytes, plan
+        )
         crowd.opened()
         rss_second_open = _rss_mb(shard.pid)
         crowd.leave()
@@ -356,7 +480,9 @@ def bench_streams(watches: int = 2000, stalled: int = 200, seconds: float = 20.0
                 pusher.client.close()
         finally:  # whatever failed above, the shard process goes
             if shard is not None:
-                shard.send_signal(signal.SIGKILL)  # the data is thrown away: no final snapshot needed
+                shard.send_signal(
+                    signal.SIGKILL
+                )  # the data is thrown away: no final snapshot needed
                 shard.wait()
             shutil.rmtree(root, ignore_errors=True)
 
@@ -380,25 +506,47 @@ def bench_streams(watches: int = 2000, stalled: int = 200, seconds: float = 20.0
         "watch_notices_per_s": round(left["notices"] / (seconds + opened["seconds"]), 1),
         "crowd_errors": left["errors"],
         **phases,
-        "rss_mb": {"before": before["rss_mb_end"], "crowd_open": during["rss_mb_start"],
-                   "crowd_open_end": during["rss_mb_end"], "after": after["rss_mb_end"],
-                   "second_crowd_open": rss_second_open, "after_second_crowd": again["rss_mb_end"], "peak": peak},
+        "rss_mb": {
+            "before": before["rss_mb_end"],
+            "crowd_open": during["rss_mb_start"],
+            "crowd_open_end": during["rss_mb_end"],
+            "after": after["rss_mb_end"],
+            "second_crowd_open": rss_second_open,
+            "after_second_crowd": again["rss_mb_end"],
+            "peak": peak,
+        },
         "rss_kb_per_open_stream": round(held * 1024 / max(1, watches + stalled), 1),
-        "rss_note": ("crowd_open - before: what the open streams hold; after - before: what the first crowd "
-                     "leaves behind (gRPC and allocator caches, grown tables), reused by the next crowd: "
-                     "after_second_crowd - after is the growth from crowd to crowd"),
-        "host": {"cpus": os.cpu_count(), "loadavg_1m_before": round(load_before, 2),
-                 "loadavg_1m_after": round(os.getloadavg()[0], 2)},
+        "rss_note": (
+            "crowd_open - before: what the open streams hold; after - before: what the first crowd "
+            "leaves behind (gRPC and allocator caches, grown tables), reused by the next crowd: "
+            "after_second_crowd - after is the growth from crowd to crowd"
+        ),
+        "host": {
+            "cpus": os.cpu_count(),
+            "loadavg_1m_before": round(load_before, 2),
+            "loadavg_1m_after": round(os.getloadavg()[0], 2),
+        },
         "targets": {
-            "health_p99_ms": {"want": f"< {TARGET_HEALTH_P99_MS:g} with the crowd open, no failed check",
-                              "got": p99, "met": p99 is not None and p99 < TARGET_HEALTH_P99_MS and
-                              during["health_failures"] == 0},
-            "pushes_accepted": {"want": "every push, in every phase",
-                                "got": {k: f"{ph['pushes_accepted']}/{ph['pushes']}" for k, ph in phases.items()},
-                                "met": all_accepted},
-            "rss_flat": {"want": f"<= {TARGET_RSS_GROWTH_MB:g} MB growth while the crowd is open and pushes "
-                                 f"flow, and <= {TARGET_RSS_GROWTH_MB:g} MB from one crowd to the next",
-                         "got": {"while_open": round(growth_open, 1), "crowd_to_crowd": round(growth_again, 1)},
-                         "met": growth_open <= TARGET_RSS_GROWTH_MB and growth_again <= TARGET_RSS_GROWTH_MB},
+            "health_p99_ms": {
+                "want": f"< {TARGET_HEALTH_P99_MS:g} with the crowd open, no failed check",
+                "got": p99,
+                "met": p99 is not None
+                and p99 < TARGET_HEALTH_P99_MS
+                and during["health_failures"] == 0,
+            },
+            "pushes_accepted": {
+                "want": "every push, in every phase",
+                "got": {k: f"{ph['pushes_accepted']}/{ph['pushes']}" for k, ph in phases.items()},
+                "met": all_accepted,
+            },
+            "rss_flat": {
+                "want": f"<= {TARGET_RSS_GROWTH_MB:g} MB growth while the crowd is open and pushes "
+                f"flow, and <= {TARGET_RSS_GROWTH_MB:g} MB from one crowd to the next",
+                "got": {
+                    "while_open": round(growth_open, 1),
+                    "crowd_to_crowd": round(growth_again, 1),
+                },
+                "met": growth_open <= TARGET_RSS_GROWTH_MB and growth_again <= TARGET_RSS_GROWTH_MB,
+            },
         },
     }

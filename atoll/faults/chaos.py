@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import signal
 import sys
@@ -48,9 +47,10 @@ import time
 
 import numpy as np
 
-from atoll.processes import Learner, Shard, Standby, checkpoint_dir, stop_children
-from atoll.session import Session
-from atoll.up import UpConfig, UpConfigError, learner_specs, prepare_run_dir
+from atoll.local.config import UpConfig, UpConfigError, learner_specs, prepare_run_dir
+from atoll.local.processes import Learner, Shard, Standby, checkpoint_dir, stop_children
+from atoll.local.session import Session
+from atoll.wire.records import read_jsonl
 
 
 class ChaosConfigError(ValueError):
@@ -62,25 +62,39 @@ class ChaosConfig:
     duration: float = 120.0  # seconds of training on the failure clock, > 0
     mtbf: float = 90.0  # seconds: mean time between SIGKILLs of each learner (Poisson), > 0
     restart_delay: float = 5.0  # seconds a killed learner stays down before its restart, >= 0
-    shard_kill_at: tuple[float, ...] = (40.0,)  # seconds after learners start: SIGKILL a shard (round robin)
+    shard_kill_at: tuple[float, ...] = (
+        40.0,
+    )  # seconds after learners start: SIGKILL a shard (round robin)
     shard_restart_delay: float = 2.0  # seconds a killed shard stays down, >= 0
     seed: int = 0  # the failure schedule (the same in every run of one `atoll chaos`)
     lockstep: bool = True  # also run the lockstep baseline under the same schedule
-    lockstep_restart: bool = True  # lockstep with checkpoint-restart: any failure restarts every learner
-    failure_free: bool = True  # also run without failures to the atoll run's tokens, for the eval-loss comparison
+    lockstep_restart: bool = (
+        True  # lockstep with checkpoint-restart: any failure restarts every learner
+    )
+    failure_free: bool = (
+        True  # also run without failures to the atoll run's tokens, for the eval-loss comparison
+    )
     uptime_window: float = 5.0  # seconds per uptime window, > 0
-    standbys: int = 2  # compiled spare learners that take over a killed one's id (atoll run only), >= 0
-    standby_ready_wait: float = 120.0  # seconds the failure clock waits for the standbys to be ready, >= 0
+    standbys: int = (
+        2  # compiled spare learners that take over a killed one's id (atoll run only), >= 0
+    )
+    standby_ready_wait: float = (
+        120.0  # seconds the failure clock waits for the standbys to be ready, >= 0
+    )
 
     def __post_init__(self):
         if not (math.isfinite(self.duration) and self.duration > 0):
-            raise ChaosConfigError(f"--duration must be a positive number of seconds, got {self.duration}")
+            raise ChaosConfigError(
+                f"--duration must be a positive number of seconds, got {self.duration}"
+            )
         if not (math.isfinite(self.mtbf) and self.mtbf > 0):
             raise ChaosConfigError(f"--mtbf must be a positive number of seconds, got {self.mtbf}")
         if not self.restart_delay >= 0 or not self.shard_restart_delay >= 0:
             raise ChaosConfigError("--restart-delay and --shard-restart-delay must be >= 0 seconds")
         if any(not (math.isfinite(t) and t >= 0) for t in self.shard_kill_at):
-            raise ChaosConfigError(f"--shard-kill-at takes seconds >= 0, got {list(self.shard_kill_at)}")
+            raise ChaosConfigError(
+                f"--shard-kill-at takes seconds >= 0, got {list(self.shard_kill_at)}"
+            )
         if not self.uptime_window > 0:
             raise ChaosConfigError(f"--uptime-window must be > 0 seconds, got {self.uptime_window}")
         if not (isinstance(self.standbys, int) and self.standbys >= 0):
@@ -108,17 +122,35 @@ class FailureSchedule:
 class ChaosSession(Session):
     """An `atoll up` session that kills and restarts its own children on a schedule."""
 
-    def __init__(self, cfg: UpConfig, chaos: ChaosConfig, run_dir: pathlib.Path, out, inject: bool,
-                 wan=None, restart_all: bool = False, standbys: int = 0, token_budget: int | None = None):
+    def __init__(
+        self,
+        cfg: UpConfig,
+        chaos: ChaosConfig,
+        run_dir: pathlib.Path,
+        out,
+        inject: bool,
+        wan=None,
+        restart_all: bool = False,
+        standbys: int = 0,
+        token_budget: int | None = None,
+    ):
         super().__init__(cfg, run_dir, out, live=False)
         self.chaos, self.inject, self.wan = chaos, inject, wan
-        self.restart_all = restart_all  # checkpoint-restart: one learner's failure takes down every learner
-        self.token_budget = token_budget  # stop once the learners trained this many tokens (equal-token runs)
+        self.restart_all = (
+            restart_all  # checkpoint-restart: one learner's failure takes down every learner
+        )
+        self.token_budget = (
+            token_budget  # stop once the learners trained this many tokens (equal-token runs)
+        )
         self.standbys = standbys  # spares kept: each killed learner's id goes to one, its machine returns as one
         self.spares: list[Standby] = []  # standby processes holding no id yet
         self.spares_started = 0
-        self.spare_at: list[float] = []  # when to start another spare (a killed learner's machine is back)
-        self.handover: dict[str, float] = {}  # learner name -> when it was killed, until a standby has its id
+        self.spare_at: list[
+            float
+        ] = []  # when to start another spare (a killed learner's machine is back)
+        self.handover: dict[
+            str, float
+        ] = {}  # learner name -> when it was killed, until a standby has its id
         self.schedule = FailureSchedule(chaos.seed, cfg.learners, chaos.mtbf)
         self.t0: float | None = None  # the failure clock's start: every learner training
         self.end: float | None = None  # when the duration was up
@@ -165,11 +197,17 @@ class ChaosSession(Session):
 
     def _spares_ready(self) -> bool:
         waited = time.time() - (self.learners_started or time.time())
-        return all(s.ready() or not s.alive() for s in self.spares) or waited > self.chaos.standby_ready_wait
+        return (
+            all(s.ready() or not s.alive() for s in self.spares)
+            or waited > self.chaos.standby_ready_wait
+        )
 
     def _stop(self, children, seconds: float) -> None:
         if self.spares and any(isinstance(c, Learner) for c in children):
-            spares, self.spares = self.spares, []  # before the learners: a stopped learner's id is not taken
+            spares, self.spares = (
+                self.spares,
+                [],
+            )  # before the learners: a stopped learner's id is not taken
             stop_children(spares, seconds, self.hurry)
         super()._stop(children, seconds)
 
@@ -181,11 +219,17 @@ class ChaosSession(Session):
                 self.end = time.time()
                 self.say(f"chaos: {limit:g} s on the failure clock are up; stopping the learners")
             return False
-        if self.t0 is not None and self.token_budget is not None and self._tokens() >= self.token_budget:
+        if (
+            self.t0 is not None
+            and self.token_budget is not None
+            and self._tokens() >= self.token_budget
+        ):
             if self.end is None:
                 self.end = time.time()
-                self.say(f"chaos: the learners trained {self.token_budget:,} tokens, as many as the run compared "
-                         "with; stopping them")
+                self.say(
+                    f"chaos: the learners trained {self.token_budget:,} tokens, as many as the run compared "
+                    "with; stopping them"
+                )
             return False
         return bool(self.restart_at) or bool(self.handover) or super()._learners_busy()
 
@@ -198,15 +242,23 @@ class ChaosSession(Session):
             super()._shard_exited(s)
 
     def _tick(self, draw: bool = True) -> None:
-        if (self.t0 is None and self.learners and all(l.state == "training" for l in self.learners)
-                and self._spares_ready()):
+        if (
+            self.t0 is None
+            and self.learners
+            and all(l.state == "training" for l in self.learners)
+            and self._spares_ready()
+        ):
             self.t0 = time.time()
-            self.say(f"chaos: every learner is training; the failure clock starts ({self.chaos.duration:g} s)")
+            self.say(
+                f"chaos: every learner is training; the failure clock starts ({self.chaos.duration:g} s)"
+            )
         if self.inject and self.t0 is not None and self._running():
             self._inject(time.time())
         super()._tick(draw)
         if self._metrics:
-            self.samples.append((time.time(), sum(sum(m["versions"].values()) for m in self._metrics.values())))
+            self.samples.append(
+                (time.time(), sum(sum(m["versions"].values()) for m in self._metrics.values()))
+            )
 
     # -- failures --
 
@@ -214,7 +266,13 @@ class ChaosSession(Session):
         elapsed = now - self.t0
         kills = self.end is None  # once the duration is up, only restarts of what was killed
         for i, l in enumerate(self.learners):
-            if kills and self.schedule.due(i, elapsed) and l.alive() and not l.finished and l.state != "done":
+            if (
+                kills
+                and self.schedule.due(i, elapsed)
+                and l.alive()
+                and not l.finished
+                and l.state != "done"
+            ):
                 victims = self.learners if self.restart_all else [l]
                 for v in victims:
                     if v.alive() and not v.finished:
@@ -242,7 +300,9 @@ class ChaosSession(Session):
                 s.proc.wait()
                 self.shard_back_at[s.index] = now + self.chaos.shard_restart_delay
                 self.kills.append({"time": now, "shard": s.index})
-                self.say(f"chaos: SIGKILL shard {s.index}; back in {self.chaos.shard_restart_delay:g} s")
+                self.say(
+                    f"chaos: SIGKILL shard {s.index}; back in {self.chaos.shard_restart_delay:g} s"
+                )
         for index, back in list(self.shard_back_at.items()):
             s = self.shards[index]
             if now >= back and not s.alive() and s.state != "restarting":
@@ -269,16 +329,22 @@ class ChaosSession(Session):
             self.say(f"chaos: SIGKILL {l.name} at step {step}; a standby takes over")
             return
         self.restart_at[l.name] = now + self.chaos.restart_delay
-        self.say(f"chaos: SIGKILL {l.name} at step {step}" + (f" (with {cause})" if cause != l.name else "")
-                 + f"; back in {self.chaos.restart_delay:g} s")
+        self.say(
+            f"chaos: SIGKILL {l.name} at step {step}"
+            + (f" (with {cause})" if cause != l.name else "")
+            + f"; back in {self.chaos.restart_delay:g} s"
+        )
 
     def _hand_over(self, now: float) -> None:
         """A killed learner whose id a standby has claimed is that standby's process from now on."""
-        from learner.standby import holder
+        from atoll.learner.standby import holder
 
         for spare in [s for s in self.spares if not s.alive()]:
             self.spares.remove(spare)
-            self.say(f"chaos: {spare.name} exited with status {spare.returncode}; its log ends:", spare.tail())
+            self.say(
+                f"chaos: {spare.name} exited with status {spare.returncode}; its log ends:",
+                spare.tail(),
+            )
         for name, killed in list(self.handover.items()):
             pid = (holder(checkpoint_dir(self.run_dir), name) or {}).get("pid")
             spare = next((s for s in self.spares if s.proc.pid == pid), None)
@@ -295,24 +361,15 @@ class ChaosSession(Session):
 # -- accounting ----------------------------------------------------------------------------
 
 
-def _records(path: pathlib.Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line a kill cut short
-    return out
-
-
-def account(run_dir: pathlib.Path, cfg: UpConfig, session: ChaosSession, report: dict, window: float) -> dict:
+def account(
+    run_dir: pathlib.Path, cfg: UpConfig, session: ChaosSession, report: dict, window: float
+) -> dict:
     """Goodput, uptime, lost acknowledgements and rejoins of one finished run."""
-    from server.audit import durable_pushes, lost_acks
+    from atoll.server.audit import durable_pushes, lost_acks
 
     specs = learner_specs(cfg)
-    status = {s.name: _records(run_dir / "learners" / f"{s.name}.jsonl") for s in specs}
-    pushes = [r for s in specs for r in _records(run_dir / "learners" / f"{s.name}.pushes.jsonl")]
+    status = {s.name: read_jsonl(run_dir / "learners" / f"{s.name}.jsonl") for s in specs}
+    pushes = [r for s in specs for r in read_jsonl(run_dir / "learners" / f"{s.name}.pushes.jsonl")]
     done = [r["time"] for rs in status.values() for r in rs if r.get("state") == "done"]
     start = session.t0
     end = min([session.end or time.time(), *done]) if start is not None else None
@@ -334,20 +391,32 @@ def account(run_dir: pathlib.Path, cfg: UpConfig, session: ChaosSession, report:
                 useful += min(a["compute_seconds"], a["time"] - start) / cfg.fragments
     span = (end - start) if start is not None and end is not None else 0.0
     provisioned = cfg.learners * span
-    compute = sum(min(r.get("step_seconds", 0.0), r["time"] - start)  # a step that began before the window
-                  for rs in status.values() for r in rs
-                  if r.get("state") == "training" and start is not None and start <= r["time"] <= end)
-    rejoined = sum(1 for k in session.restarts
-                   if any(r.get("state") == "training" and r["time"] > k["time"] for r in status[k["learner"]]))
+    compute = sum(
+        min(r.get("step_seconds", 0.0), r["time"] - start)  # a step that began before the window
+        for rs in status.values()
+        for r in rs
+        if r.get("state") == "training" and start is not None and start <= r["time"] <= end
+    )
+    rejoined = sum(
+        1
+        for k in session.restarts
+        if any(r.get("state") == "training" and r["time"] > k["time"] for r in status[k["learner"]])
+    )
     # kill -> the killed learner id's next accepted push (by a standby or by its own restart)
     rejoin = []
     for k in session.kills:
         if "learner" in k:
-            later = [a["time"] for a in pushes if a["learner"] == k["learner"] and a["accepted"] and a["time"] > k["time"]]
+            later = [
+                a["time"]
+                for a in pushes
+                if a["learner"] == k["learner"] and a["accepted"] and a["time"] > k["time"]
+            ]
             rejoin.append(round(min(later) - k["time"], 2) if later else None)
     # tokens trained, each learner id at its newest record (a resumed learner's count goes
     # on from its checkpoint, so steps redone after a kill count once)
-    tokens = sum(next((int(r["tokens"]) for r in reversed(rs) if "tokens" in r), 0) for rs in status.values())
+    tokens = sum(
+        next((int(r["tokens"]) for r in reversed(rs) if "tokens" in r), 0) for rs in status.values()
+    )
     return {
         "tokens": tokens,
         "goodput": useful / provisioned if provisioned > 0 else 0.0,
@@ -368,13 +437,19 @@ def account(run_dir: pathlib.Path, cfg: UpConfig, session: ChaosSession, report:
         "acked_pushes_lost": len(lost_acks(pushes, durable)),
         "final_eval_loss": (report.get("global") or {}).get("eval_loss"),
         "final_versions": versions,
-        "steps": {name: max((r.get("step", 0) for r in rs), default=0) for name, rs in status.items()},
-        "kills": [{**k, "time": round(k["time"] - session.t0, 2)} for k in session.kills] if session.t0 else [],
+        "steps": {
+            name: max((r.get("step", 0) for r in rs), default=0) for name, rs in status.items()
+        },
+        "kills": [{**k, "time": round(k["time"] - session.t0, 2)} for k in session.kills]
+        if session.t0
+        else [],
         "outcome": report.get("outcome"),
     }
 
 
-def _uptime(samples: list[tuple[float, int]], start: float | None, end: float | None, window: float) -> float:
+def _uptime(
+    samples: list[tuple[float, int]], start: float | None, end: float | None, window: float
+) -> float:
     """Share of the window-second slices of [start, end] in which the version sum grew."""
     if start is None or end is None or end - start < window or not samples:
         return 0.0
@@ -394,11 +469,19 @@ def _uptime(samples: list[tuple[float, int]], start: float | None, end: float | 
 
 def lockstep_config(cfg: UpConfig) -> UpConfig:
     """Synchronous semantics in the same harness: every learner in every round, nobody dropped."""
-    return dataclasses.replace(cfg, quorum=cfg.learners, grace_factor=0.0, lease_seconds=1e9,
-                               sync_patience=1e9, wait_for_rounds=True)
+    return dataclasses.replace(
+        cfg,
+        quorum=cfg.learners,
+        grace_factor=0.0,
+        lease_seconds=1e9,
+        sync_patience=1e9,
+        wait_for_rounds=True,
+    )
 
 
-def run_chaos(cfg: UpConfig, chaos: ChaosConfig, work_dir: pathlib.Path, out=sys.stderr, wan=None) -> dict:
+def run_chaos(
+    cfg: UpConfig, chaos: ChaosConfig, work_dir: pathlib.Path, out=sys.stderr, wan=None
+) -> dict:
     """Runs atoll under failures, then (by choice) lockstep and failure-free; returns the figures."""
     runs = [("atoll", cfg, True)]
     if chaos.lockstep:
@@ -412,10 +495,22 @@ def run_chaos(cfg: UpConfig, chaos: ChaosConfig, work_dir: pathlib.Path, out=sys
         run_cfg, _ = prepare_run_dir(run_dir, dataclasses.asdict(run_cfg))
         print(f"atoll chaos: {name} run in {run_dir}", file=out, flush=True)
         # the failure-free run stops at the atoll run's tokens: eval losses compared at equal tokens
-        budget = results["atoll"]["tokens"] if name == "failure_free" and results["atoll"]["tokens"] else None
-        session = ChaosSession(run_cfg, chaos, run_dir, out, inject, wan=wan if name != "failure_free" else None,
-                               restart_all=restart_all, standbys=chaos.standbys if name == "atoll" else 0,
-                               token_budget=budget)
+        budget = (
+            results["atoll"]["tokens"]
+            if name == "failure_free" and results["atoll"]["tokens"]
+            else None
+        )
+        session = ChaosSession(
+            run_cfg,
+            chaos,
+            run_dir,
+            out,
+            inject,
+            wan=wan if name != "failure_free" else None,
+            restart_all=restart_all,
+            standbys=chaos.standbys if name == "atoll" else 0,
+            token_budget=budget,
+        )
         try:
             report = session.run()
         finally:
@@ -429,16 +524,20 @@ def run_chaos(cfg: UpConfig, chaos: ChaosConfig, work_dir: pathlib.Path, out=sys
             break
     a = results["atoll"]
     out_json = {
-        "goodput": a["goodput"], "uptime": a["uptime"],
+        "goodput": a["goodput"],
+        "uptime": a["uptime"],
         "lockstep_goodput": results.get("lockstep", {}).get("goodput"),
         "lockstep_uptime": results.get("lockstep", {}).get("uptime"),
-        "failures_injected": a["failures_injected"], "shard_restarts": a["shard_restarts"],
+        "failures_injected": a["failures_injected"],
+        "shard_restarts": a["shard_restarts"],
         "acked_pushes_lost": sum(r["acked_pushes_lost"] for r in results.values()),
         "final_eval_loss": a["final_eval_loss"],
         "lockstep_final_eval_loss": results.get("lockstep", {}).get("final_eval_loss"),
         "standbys": chaos.standbys,
         "kill_to_first_accepted_push_s": _median(a["kill_to_first_accepted_push_s"]),
-        "lockstep_kill_to_first_accepted_push_s": _median(results.get("lockstep", {}).get("kill_to_first_accepted_push_s")),
+        "lockstep_kill_to_first_accepted_push_s": _median(
+            results.get("lockstep", {}).get("kill_to_first_accepted_push_s")
+        ),
     }
     if "failure_free" in results:
         ff = results["failure_free"]["final_eval_loss"]
@@ -447,8 +546,10 @@ def run_chaos(cfg: UpConfig, chaos: ChaosConfig, work_dir: pathlib.Path, out=sys
         out_json["failure_free_tokens"] = results["failure_free"]["tokens"]
         if ff and a["final_eval_loss"]:
             out_json["eval_loss_gap_pct"] = 100.0 * (a["final_eval_loss"] - ff) / ff
-    out_json["config"] = {**{k: v for k, v in dataclasses.asdict(cfg).items()},
-                          "chaos": dataclasses.asdict(chaos)}
+    out_json["config"] = {
+        **{k: v for k, v in dataclasses.asdict(cfg).items()},
+        "chaos": dataclasses.asdict(chaos),
+    }
     out_json["runs"] = results
     out_json["work_dir"] = str(work_dir)
     (work_dir / "chaos.json").write_text(json.dumps(out_json, indent=1))
@@ -463,10 +564,24 @@ def _median(values: list | None) -> float | None:
 
 def chaos_up_config(a) -> UpConfig:
     """The run under test, from `atoll chaos` flags: `atoll up`'s settings with chaos's defaults."""
-    return UpConfig(shards=a.shards, learners=a.learners, preset=a.preset, steps=a.steps,
-                    slowdown=(1.0,) * a.learners, batch_size=a.batch_size, period=a.period, overlap=a.overlap,
-                    fragments=a.fragments, quorum=a.quorum, lease_seconds=a.lease_seconds,
-                    outer_lr=1.0, outer_momentum=0.0, evals=0, seed=0, checkpoint_every=a.checkpoint_every)
+    return UpConfig(
+        shards=a.shards,
+        learners=a.learners,
+        preset=a.preset,
+        steps=a.steps,
+        slowdown=(1.0,) * a.learners,
+        batch_size=a.batch_size,
+        period=a.period,
+        overlap=a.overlap,
+        fragments=a.fragments,
+        quorum=a.quorum,
+        lease_seconds=a.lease_seconds,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        evals=0,
+        seed=0,
+        checkpoint_every=a.checkpoint_every,
+    )
 
 
 def _seconds_list(text: str) -> tuple[float, ...]:
@@ -483,23 +598,39 @@ def add_arguments(p) -> None:
     d = {f.name: f.default for f in dataclasses.fields(ChaosConfig)}
     have = {o for action in p._actions for o in action.option_strings}
     if "--mtbf" not in have:
-        p.add_argument("--mtbf", type=float, default=None,
-                       help=f"mean seconds between failures of each learner (default {d['mtbf']:g})")
+        p.add_argument(
+            "--mtbf",
+            type=float,
+            default=None,
+            help=f"mean seconds between failures of each learner (default {d['mtbf']:g})",
+        )
     if "--duration" not in have:
-        p.add_argument("--duration", type=float, default=None,
-                       help=f"seconds of training on the failure clock (default {d['duration']:g})")
+        p.add_argument(
+            "--duration",
+            type=float,
+            default=None,
+            help=f"seconds of training on the failure clock (default {d['duration']:g})",
+        )
     if "--seed" not in have:
         p.add_argument("--seed", type=int, default=None, help="failure schedule seed (default 0)")
     if "--json" not in have:
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     g = p.add_argument_group("local runs (real processes on this machine)")
-    g.add_argument("--learners", type=int, default=4, help="M, learner processes (default %(default)s)")
+    g.add_argument(
+        "--learners", type=int, default=4, help="M, learner processes (default %(default)s)"
+    )
     g.add_argument("--shards", type=int, default=2, help="S, shard processes (default %(default)s)")
     g.add_argument("--preset", default="tiny", help="model size (default %(default)s)")
-    g.add_argument("--steps", type=int, default=20000,
-                   help="inner steps per learner, the learning-rate schedule's length; --duration "
-                        "normally ends the run first (default %(default)s)")
-    g.add_argument("--batch-size", type=int, default=16, help="sequences per step (default %(default)s)")
+    g.add_argument(
+        "--steps",
+        type=int,
+        default=20000,
+        help="inner steps per learner, the learning-rate schedule's length; --duration "
+        "normally ends the run first (default %(default)s)",
+    )
+    g.add_argument(
+        "--batch-size", type=int, default=16, help="sequences per step (default %(default)s)"
+    )
     # 64, not atoll up's 32: steps of a few ms on two shared cores make a 32-step period
     # about a third of a second, where per-round latency and overhead, not failures,
     # decide goodput (failure-free: 89 % at H=32, 96 % at H=64)
@@ -507,41 +638,107 @@ def add_arguments(p) -> None:
     g.add_argument("--overlap", type=int, default=1, help="τ (default %(default)s)")
     g.add_argument("--fragments", type=int, default=4, help="P (default %(default)s)")
     g.add_argument("--quorum", type=int, default=0, help="K for the atoll run (default min(2, M))")
-    g.add_argument("--lease-seconds", type=float, default=5.0,
-                   help="a silent learner is not waited for after this (default %(default)s)")
-    g.add_argument("--restart-delay", type=float, default=d["restart_delay"],
-                   help="seconds a killed learner stays down (default %(default)s)")
-    g.add_argument("--shard-kill-at", type=_seconds_list, default=d["shard_kill_at"],
-                   help="seconds after learners start at which to SIGKILL a shard, e.g. 40,90; '' for none "
-                        "(default 40)")
-    g.add_argument("--shard-restart-delay", type=float, default=d["shard_restart_delay"],
-                   help="seconds a killed shard stays down (default %(default)s)")
-    g.add_argument("--standbys", type=int, default=d["standbys"],
-                   help="standby learners, compiled and waiting, that take over a killed learner's id in the "
-                        "atoll run (a killed learner's machine returns as one after --restart-delay); 0: "
-                        "killed learners are restarted instead (default %(default)s)")
-    g.add_argument("--checkpoint-every", type=int, default=UpConfig.checkpoint_every,
-                   help="steps between learner checkpoints, resumed by a restart or a standby; 0: none "
-                        "(default %(default)s)")
-    g.add_argument("--no-lockstep", dest="lockstep", action="store_false", help="skip the lockstep baseline")
-    g.add_argument("--lockstep-restart", dest="lockstep_restart", action="store_true", default=d["lockstep_restart"],
-                   help="lockstep with checkpoint-restart semantics: any failure restarts every learner (the default)")
-    g.add_argument("--no-lockstep-restart", dest="lockstep_restart", action="store_false",
-                   help="lockstep restarts only the killed learner; the others wait for it in their rounds")
-    g.add_argument("--failure-free", dest="failure_free", action="store_true", default=d["failure_free"],
-                   help="also run without failures and compare final eval loss (the default)")
-    g.add_argument("--no-failure-free", dest="failure_free", action="store_false",
-                   help="skip the failure-free run")
-    g.add_argument("--uptime-window", type=float, default=d["uptime_window"],
-                   help="seconds per uptime window (default %(default)s)")
-    g.add_argument("--work-dir", type=pathlib.Path, default=None,
-                   help="where the runs go (default runs/chaos-<timestamp>)")
-    g.add_argument("--wan", action="store_true",
-                   help="learners in their own network namespaces behind rate-limited, delayed links (root)")
-    g.add_argument("--wan-regions", type=int, default=4, help="regions for --wan (default %(default)s)")
-    g.add_argument("--wan-rate-mbit", type=float, default=20.0, help="each region's link rate (default %(default)s)")
-    g.add_argument("--wan-latency-ms", type=float, default=25.0,
-                   help="one-way latency added by the proxy (default %(default)s)")
+    g.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=5.0,
+        help="a silent learner is not waited for after this (default %(default)s)",
+    )
+    g.add_argument(
+        "--restart-delay",
+        type=float,
+        default=d["restart_delay"],
+        help="seconds a killed learner stays down (default %(default)s)",
+    )
+    g.add_argument(
+        "--shard-kill-at",
+        type=_seconds_list,
+        default=d["shard_kill_at"],
+        help="seconds after learners start at which to SIGKILL a shard, e.g. 40,90; '' for none "
+        "(default 40)",
+    )
+    g.add_argument(
+        "--shard-restart-delay",
+        type=float,
+        default=d["shard_restart_delay"],
+        help="seconds a killed shard stays down (default %(default)s)",
+    )
+    g.add_argument(
+        "--standbys",
+        type=int,
+        default=d["standbys"],
+        help="standby learners, compiled and waiting, that take over a killed learner's id in the "
+        "atoll run (a killed learner's machine returns as one after --restart-delay); 0: "
+        "killed learners are restarted instead (default %(default)s)",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=UpConfig.checkpoint_every,
+        help="steps between learner checkpoints, resumed by a restart or a standby; 0: none "
+        "(default %(default)s)",
+    )
+    g.add_argument(
+        "--no-lockstep", dest="lockstep", action="store_false", help="skip the lockstep baseline"
+    )
+    g.add_argument(
+        "--lockstep-restart",
+        dest="lockstep_restart",
+        action="store_true",
+        default=d["lockstep_restart"],
+        help="lockstep with checkpoint-restart semantics: any failure restarts every learner (the default)",
+    )
+    g.add_argument(
+        "--no-lockstep-restart",
+        dest="lockstep_restart",
+        action="store_false",
+        help="lockstep restarts only the killed learner; the others wait for it in their rounds",
+    )
+    g.add_argument(
+        "--failure-free",
+        dest="failure_free",
+        action="store_true",
+        default=d["failure_free"],
+        help="also run without failures and compare final eval loss (the default)",
+    )
+    g.add_argument(
+        "--no-failure-free",
+        dest="failure_free",
+        action="store_false",
+        help="skip the failure-free run",
+    )
+    g.add_argument(
+        "--uptime-window",
+        type=float,
+        default=d["uptime_window"],
+        help="seconds per uptime window (default %(default)s)",
+    )
+    g.add_argument(
+        "--work-dir",
+        type=pathlib.Path,
+        default=None,
+        help="where the runs go (default runs/chaos-<timestamp>)",
+    )
+    g.add_argument(
+        "--wan",
+        action="store_true",
+        help="learners in their own network namespaces behind rate-limited, delayed links (root)",
+    )
+    g.add_argument(
+        "--wan-regions", type=int, default=4, help="regions for --wan (default %(default)s)"
+    )
+    g.add_argument(
+        "--wan-rate-mbit",
+        type=float,
+        default=20.0,
+        help="each region's link rate (default %(default)s)",
+    )
+    g.add_argument(
+        "--wan-latency-ms",
+        type=float,
+        default=25.0,
+        help="one-way latency added by the proxy (default %(default)s)",
+    )
 
 
 def main(args, parser) -> int:
@@ -549,34 +746,49 @@ def main(args, parser) -> int:
     import datetime
 
     try:
-        chaos = ChaosConfig(mtbf=args.mtbf if args.mtbf is not None else ChaosConfig.mtbf,
-                            duration=args.duration if args.duration is not None else ChaosConfig.duration,
-                            restart_delay=args.restart_delay, shard_kill_at=tuple(args.shard_kill_at),
-                            shard_restart_delay=args.shard_restart_delay, seed=args.seed or 0,
-                            lockstep=args.lockstep, lockstep_restart=args.lockstep_restart,
-                            failure_free=args.failure_free, uptime_window=args.uptime_window,
-                            standbys=args.standbys)
+        chaos = ChaosConfig(
+            mtbf=args.mtbf if args.mtbf is not None else ChaosConfig.mtbf,
+            duration=args.duration if args.duration is not None else ChaosConfig.duration,
+            restart_delay=args.restart_delay,
+            shard_kill_at=tuple(args.shard_kill_at),
+            shard_restart_delay=args.shard_restart_delay,
+            seed=args.seed or 0,
+            lockstep=args.lockstep,
+            lockstep_restart=args.lockstep_restart,
+            failure_free=args.failure_free,
+            uptime_window=args.uptime_window,
+            standbys=args.standbys,
+        )
         cfg = chaos_up_config(args)
         if chaos.standbys and cfg.checkpoint_every <= 0:
-            raise ChaosConfigError("--standbys needs --checkpoint-every > 0: a standby resumes the failed "
-                                   "learner's checkpoint (or give --standbys 0)")
+            raise ChaosConfigError(
+                "--standbys needs --checkpoint-every > 0: a standby resumes the failed "
+                "learner's checkpoint (or give --standbys 0)"
+            )
     except (ChaosConfigError, UpConfigError) as e:
         parser.error(str(e))
     if any(t >= 0 for t in chaos.shard_kill_at) and cfg.shards < 1:
         parser.error("--shard-kill-at needs shards")
-    work_dir = args.work_dir or pathlib.Path("runs") / datetime.datetime.now().strftime("chaos-%Y%m%d-%H%M%S")
+    work_dir = args.work_dir or pathlib.Path("runs") / datetime.datetime.now().strftime(
+        "chaos-%Y%m%d-%H%M%S"
+    )
     if work_dir.exists() and any(work_dir.iterdir()):
         parser.error(f"--work-dir {work_dir} is not empty; give a new one")
     wan = None
     if args.wan:
-        from atoll import wan as wan_mod
+        from atoll.faults import wan as wan_mod
 
         why = wan_mod.available()
         if why is not None:
             parser.error(f"--wan cannot run here: {why}")
         try:
-            wan = RegionsPerRun(wan_mod.WanConfig(regions=args.wan_regions, rate_mbit=args.wan_rate_mbit,
-                                                  latency_ms=args.wan_latency_ms))
+            wan = RegionsPerRun(
+                wan_mod.WanConfig(
+                    regions=args.wan_regions,
+                    rate_mbit=args.wan_rate_mbit,
+                    latency_ms=args.wan_latency_ms,
+                )
+            )
         except ValueError as e:
             parser.error(str(e))
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -597,7 +809,7 @@ class RegionsPerRun:
         self.cfg, self.regions, self.current = cfg, cfg.regions, None
 
     def start(self, shard_ports: list[int]) -> None:
-        from atoll.wan import Wan
+        from atoll.faults.wan import Wan
 
         self.current = Wan(self.cfg, shard_ports).__enter__()
 
@@ -607,8 +819,10 @@ class RegionsPerRun:
             self.current = None
 
     def describe(self) -> str:
-        return (f"{self.regions} regions (network namespaces), {self.cfg.rate_mbit:g} Mbit/s each way, "
-                f"+{self.cfg.latency_ms:g} ms one-way; learner i in region i mod {self.regions}")
+        return (
+            f"{self.regions} regions (network namespaces), {self.cfg.rate_mbit:g} Mbit/s each way, "
+            f"+{self.cfg.latency_ms:g} ms one-way; learner i in region i mod {self.regions}"
+        )
 
     def command_prefix(self, region: int) -> list[str]:
         return self.current.command_prefix(region)
@@ -621,18 +835,24 @@ def summary(r: dict) -> str:
     def pct(x):
         return "n/a" if x is None else f"{100 * x:.1f} %"
 
-    lines = [f"atoll chaos: {r['failures_injected']} learner kills, {r['shard_restarts']} shard restarts "
-             f"(runs in {r['work_dir']})",
-             f"  atoll     goodput {pct(r['goodput'])}  uptime {pct(r['uptime'])}  "
-             f"final eval loss {r['final_eval_loss']}",
-             f"  lockstep  goodput {pct(r['lockstep_goodput'])}  uptime {pct(r['lockstep_uptime'])}  "
-             f"final eval loss {r['lockstep_final_eval_loss']}",
-             f"  acknowledged pushes lost: {r['acked_pushes_lost']}"]
+    lines = [
+        f"atoll chaos: {r['failures_injected']} learner kills, {r['shard_restarts']} shard restarts "
+        f"(runs in {r['work_dir']})",
+        f"  atoll     goodput {pct(r['goodput'])}  uptime {pct(r['uptime'])}  "
+        f"final eval loss {r['final_eval_loss']}",
+        f"  lockstep  goodput {pct(r['lockstep_goodput'])}  uptime {pct(r['lockstep_uptime'])}  "
+        f"final eval loss {r['lockstep_final_eval_loss']}",
+        f"  acknowledged pushes lost: {r['acked_pushes_lost']}",
+    ]
     if "wan" in r["runs"]["atoll"]:
-        lines.append(f"  WAN: {r['runs']['atoll']['wan']}; learners computing "
-                     f"{pct(r['runs']['atoll']['utilisation'])} of the time (lockstep "
-                     f"{pct(r['runs'].get('lockstep', {}).get('utilisation'))})")
+        lines.append(
+            f"  WAN: {r['runs']['atoll']['wan']}; learners computing "
+            f"{pct(r['runs']['atoll']['utilisation'])} of the time (lockstep "
+            f"{pct(r['runs'].get('lockstep', {}).get('utilisation'))})"
+        )
     if "failure_free_eval_loss" in r:
-        lines.append(f"  failure-free eval loss {r['failure_free_eval_loss']} "
-                     f"(gap {r.get('eval_loss_gap_pct', float('nan')):.2f} %)")
+        lines.append(
+            f"  failure-free eval loss {r['failure_free_eval_loss']} "
+            f"(gap {r.get('eval_loss_gap_pct', float('nan')):.2f} %)"
+        )
     return "\n".join(lines)

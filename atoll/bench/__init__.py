@@ -1,0 +1,1 @@
+"""Benchmarks (`atoll bench ...`), each printing one JSON object."""

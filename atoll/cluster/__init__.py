@@ -1,0 +1,1 @@
+"""Cluster tools: `atoll status` and `atoll chaos --kubernetes` against Kubernetes."""

@@ -1,0 +1,1 @@
+"""Fault injection: `atoll chaos` and WAN emulation."""

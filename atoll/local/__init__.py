@@ -1,0 +1,1 @@
+"""Local runs: `atoll up`, its processes, progress and report."""

@@ -1,0 +1,270 @@
+"""`atoll up`'s settings: `UpConfig` (the embedded default run), the learners it starts
+(`LearnerSpec`), and the run directory (`prepare_run_dir`: new, or a resume checked
+against config.json). Read by the command (`atoll.local.up`), the session, the
+processes, `atoll chaos` and `atoll bench quality`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+
+from atoll.server.config import (
+    GRACE_FACTOR,
+    OUTER_LR,
+    OUTER_MOMENTUM,
+    OUTER_MOMENTUM_DELAY,
+    ConfigError,
+    ShardConfig,
+)
+from atoll.wire.codec import Codec
+
+FORMAT = "atoll.up.v1"  # config.json format; bump when UpConfig changes meaning
+
+
+class UpConfigError(ValueError):
+    """A setting that cannot work; the message says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UpConfig:
+    shards: int = 2  # S: syncer shard processes, >= 1, <= fragments
+    learners: int = 4  # M: learner processes, >= 1
+    preset: str = "small"  # model preset (learner.model.PRESETS)
+    steps: int = 200  # inner steps of a full-speed learner, >= 1
+    slowdown: tuple[
+        float, ...
+    ] = ()  # >= 1: one factor for all learners or one each; () = last M//2 at 2x
+    same_time: bool = True  # a learner slowed s× runs steps/s steps, so all islands finish together
+    batch_size: int = 16  # sequences per inner step per learner
+    period: int = 32  # H: inner steps between two syncs of a fragment
+    overlap: int = 1  # τ: steps trained while a sync is in flight, in [0, H)
+    fragments: int = 4  # P: fragments, >= shards
+    codec: str = "int4"  # outer-gradient and published-delta codec: int4, mxfp4, fp32
+    quorum: int = 0  # K: learners to close a round, <= learners; 0 = min(2, M)
+    grace_factor: float = (
+        GRACE_FACTOR  # γ: multiplies the grace window a round waits for stragglers
+    )
+    lease_seconds: float = 10.0  # a learner silent this long is not waited for
+    max_staleness: int = 4  # versions a push's base may lag before it is refused
+    sync_patience: float = (
+        30.0  # seconds a learner waits on a round holding its push, then trains on
+    )
+    wait_for_rounds: bool = False  # learners block on a round a period late (the lockstep baseline)
+    checkpoint_every: int = (
+        50  # steps between learner checkpoints (run_dir/checkpoints), >= 0; 0: none
+    )
+    outer_lr: float = OUTER_LR  # shards' outer SGD learning rate, > 0
+    outer_momentum: float = OUTER_MOMENTUM  # shards' outer Nesterov momentum, in [0, 1)
+    momentum_delay: int = (
+        OUTER_MOMENTUM_DELAY  # rounds per outer momentum update (delayed Nesterov), >= 1
+    )
+    evals: int = 6  # held-out evaluations per learner during the run (plus the final one)
+    eval_batches: int = 8  # held-out batches per evaluation (rounded up to a multiple of M)
+    seed: int = 0  # model init and data order
+    baseline: bool = False  # then train the data-parallel baseline (M× batch) for the loss plot
+
+    def __post_init__(self):
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise UpConfigError(message)
+
+        need(self.shards >= 1, f"--shards must be at least 1, got {self.shards}")
+        need(self.learners >= 1, f"--learners must be at least 1, got {self.learners}")
+        need(self.steps >= 1, f"--steps must be at least 1, got {self.steps}")
+        need(self.batch_size >= 1, f"--batch-size must be at least 1, got {self.batch_size}")
+        need(
+            self.fragments >= self.shards,
+            f"--fragments ({self.fragments}) must be at least --shards ({self.shards}): a shard owns fragments",
+        )
+        need(self.period >= 1, f"--period must be at least 1, got {self.period}")
+        need(
+            0 <= self.overlap < self.period,
+            f"--overlap must be in [0, --period={self.period}), got {self.overlap}",
+        )
+        need(
+            self.codec in ("int4", "mxfp4", "fp32"),
+            f"--codec must be int4, mxfp4 or fp32, got {self.codec!r}",
+        )
+        need(
+            len(self.slowdown) in (0, 1, self.learners),
+            f"--slowdown lists {len(self.slowdown)} factors for {self.learners} learners: give one factor "
+            f"for all of them or exactly {self.learners}, one per learner",
+        )
+        need(
+            all(math.isfinite(s) and s >= 1 for s in self.slowdown),
+            f"--slowdown factors must be >= 1 (1 = full speed), got {list(self.slowdown)}",
+        )
+        need(
+            0 <= self.quorum <= self.learners,
+            f"--quorum must be in [1, --learners={self.learners}], got {self.quorum}",
+        )
+        need(self.sync_patience > 0, f"--sync-patience must be > 0, got {self.sync_patience}")
+        need(
+            self.checkpoint_every >= 0,
+            f"--checkpoint-every must be >= 0 (0: no checkpoints), got {self.checkpoint_every}",
+        )
+        need(self.evals >= 0, f"--evals must be >= 0, got {self.evals}")
+        need(self.eval_batches >= 1, f"--eval-batches must be at least 1, got {self.eval_batches}")
+        from atoll.learner.model import PRESETS
+
+        need(
+            self.preset in PRESETS,
+            f"unknown --preset {self.preset!r}; choose one of {', '.join(PRESETS)}",
+        )
+        # resolve the defaults that depend on M, so config.json says what actually ran
+        slow = self.slowdown or tuple(
+            1.0 if i < self.learners - self.learners // 2 else 2.0 for i in range(self.learners)
+        )
+        object.__setattr__(
+            self, "slowdown", tuple(float(s) for s in slow) * (self.learners // len(slow))
+        )
+        # K = 2: a round merges at least two islands' deltas but never waits for all of them
+        # (with K = M, learners blocked on rounds that each need the other can stall)
+        object.__setattr__(self, "quorum", self.quorum or min(2, self.learners))
+        object.__setattr__(
+            self, "eval_batches", self.learners * -(-self.eval_batches // self.learners)
+        )
+        # the shards' settings are the shard's own: declared and checked once, in ShardConfig
+        try:
+            self.shard_config(0, pathlib.Path("shards/0"), 0)
+        except ConfigError as e:
+            raise UpConfigError(str(e)) from None
+
+    def shard_config(self, index: int, data_dir: pathlib.Path, port: int) -> ShardConfig:
+        """Shard `index`'s settings in this run; `ShardConfig.to_args()` is its command line."""
+        return ShardConfig(
+            shard_index=index,
+            num_shards=self.shards,
+            data_dir=data_dir,
+            listen=f"127.0.0.1:{port}",
+            metrics_port=0,
+            quorum=self.quorum,
+            grace_factor=self.grace_factor,
+            lease_seconds=self.lease_seconds,
+            max_staleness=self.max_staleness,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            momentum_delay=self.momentum_delay,
+            publish_codec=Codec[self.codec.upper()],
+        )
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, **dataclasses.asdict(self), "slowdown": list(self.slowdown)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> UpConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(
+            **{k: tuple(v) if k == "slowdown" else v for k, v in data.items() if k in fields}
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerSpec:
+    name: str  # learner id, also the status and log file names
+    index: int  # data shard in [0, M); -1 for the baseline
+    slowdown: float
+    steps: int
+    eval_every: int  # 0: only the final evaluation
+    eval_batches: int
+    batch_size: int
+
+
+def learner_specs(cfg: UpConfig) -> list[LearnerSpec]:
+    """The M learners: a learner slowed s× runs steps/s steps when cfg.same_time."""
+    out = []
+    for i, slow in enumerate(cfg.slowdown):
+        steps = max(1, round(cfg.steps / slow)) if cfg.same_time else cfg.steps
+        out.append(
+            LearnerSpec(
+                f"learner-{i}",
+                i,
+                slow,
+                steps,
+                steps // cfg.evals if cfg.evals else 0,
+                cfg.eval_batches,
+                cfg.batch_size,
+            )
+        )
+    return out
+
+
+def baseline_spec(cfg: UpConfig) -> LearnerSpec:
+    """Data-parallel reference: M× batch for as many tokens as all learners together, and
+    1/M of the eval batches of M× the rows, i.e. the same held-out rows as the learners."""
+    steps = -(-sum(s.steps for s in learner_specs(cfg)) // cfg.learners)
+    return LearnerSpec(
+        "baseline",
+        -1,
+        1.0,
+        steps,
+        steps // cfg.evals if cfg.evals else 0,
+        cfg.eval_batches // cfg.learners,
+        cfg.batch_size,
+    )
+
+
+def prepare_run_dir(run_dir: pathlib.Path, overrides: dict) -> tuple[UpConfig, bool]:
+    """(config, resuming): a new run from `overrides`, or the stored one after checking them.
+
+    Raises UpConfigError for a finished run, a directory that is not a run, or flags
+    that contradict the stored config.
+    """
+    config_path = run_dir / "config.json"
+    if config_path.exists():
+        stored = json.loads(config_path.read_text())
+        if stored.get("format") != FORMAT:
+            raise UpConfigError(
+                f"{config_path} is format {stored.get('format')!r}, this atoll reads {FORMAT}; "
+                "use a new --run-dir"
+            )
+        cfg = UpConfig.from_json(stored)
+        conflicts = []
+        for key, value in overrides.items():
+            try:
+                same = getattr(UpConfig(**{**dataclasses.asdict(cfg), key: value}), key) == getattr(
+                    cfg, key
+                )
+            except UpConfigError:  # e.g. --learners that the stored --slowdown list does not fit
+                same = False
+            if not same:
+                conflicts.append(
+                    f"--{key.replace('_', '-')} {_flag_text(value)} (the run has "
+                    f"{_flag_text(getattr(cfg, key))})"
+                )
+        if conflicts:
+            raise UpConfigError(
+                f"{run_dir} holds a run started with other settings: "
+                + "; ".join(conflicts)
+                + f". Resume it with the same flags (or none: `atoll up --run-dir {run_dir}`), "
+                "or start a new run with another --run-dir"
+            )
+        report = run_dir / "report.json"
+        if report.exists() and json.loads(report.read_text()).get("complete"):
+            raise UpConfigError(
+                f"{run_dir} holds a finished run (see {report}); start a new one with another "
+                "--run-dir, or none for runs/<timestamp>"
+            )
+        return cfg, True
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise UpConfigError(
+            f"{run_dir} exists and is not an atoll run directory (no config.json); "
+            "give an empty or new --run-dir"
+        )
+    cfg = UpConfig(**overrides)
+    for sub in ("shards", "learners", "logs"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    tmp = config_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cfg.to_json(), indent=1))
+    os.replace(tmp, config_path)
+    return cfg, False
+
+
+def _flag_text(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return ",".join(f"{v:g}" for v in value)
+    return str(value)

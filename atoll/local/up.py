@@ -1,0 +1,225 @@
+"""`atoll up`: a whole Decoupled-DiLoCo run on this machine, then a report.
+
+Starts S `atoll syncer` shard processes and M `atoll learner` processes over loopback
+(real processes, real gRPC), draws a live table, and at the end pulls the global model
+from the shards, evaluates it on the learners' held-out batches, optionally trains the
+data-parallel baseline, and writes `report.json` and PNG plots into the run directory.
+
+This module is the settings and the command: `UpConfig` (the embedded default run),
+the run directory (`prepare_run_dir`: new, or a resume checked against config.json)
+and the flags. `atoll.local.session` runs it; `atoll.local.processes` holds the children.
+
+The run directory holds everything, so a run can be resumed (`atoll up --run-dir X`):
+
+    config.json          the UpConfig the run was started with (a resume must match it)
+    pids.json            every child process this session started (for tests and humans)
+    sessions.jsonl       one line per `atoll up` session: start, end, outcome
+    shards/<i>/          shard i's write-ahead log and snapshots
+    shards.jsonl         shard metrics sampled over time (versions, rounds, bytes)
+    learners/<id>.jsonl  each learner's status records
+    checkpoints/         each learner's checkpoint and id claim (a restart resumes from them)
+    logs/<name>.log      each child's stdout and stderr
+    report.json, loss.png, wire.png, lag.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import fcntl
+import json
+import pathlib
+import sys
+
+from atoll.local import progress
+from atoll.local.config import UpConfig, UpConfigError, _flag_text, prepare_run_dir
+
+# -- the run directory ------------------------------------------------------------------------
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def _slowdowns(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected one factor (2) or one per learner (1,1,2,2), got {text!r}"
+        ) from None
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`atoll up` flags; every setting defaults to UpConfig's (None here = not given, so a
+    resume can tell which flags were asked for)."""
+    d = {f.name: f.default for f in dataclasses.fields(UpConfig)}
+    p.add_argument(
+        "--run-dir",
+        type=pathlib.Path,
+        default=None,
+        help="run directory (default runs/<timestamp>); an unfinished one is resumed",
+    )
+    p.add_argument("--shards", type=int, help=f"S, syncer shard processes (default {d['shards']})")
+    p.add_argument("--learners", type=int, help=f"M, learner processes (default {d['learners']})")
+    p.add_argument("--preset", help=f"model size: tiny, small, base, large (default {d['preset']})")
+    p.add_argument(
+        "--steps", type=int, help=f"inner steps of a full-speed learner (default {d['steps']})"
+    )
+    p.add_argument(
+        "--slowdown",
+        type=_slowdowns,
+        help="slowdown factors emulating older accelerators: one for every learner (2) or one "
+        "per learner (1,1,2,2); default: the last M//2 learners at 2",
+    )
+    p.add_argument(
+        "--same-steps",
+        dest="same_time",
+        action="store_false",
+        default=None,
+        help="every learner runs --steps (default: a learner slowed s× runs steps/s, "
+        "so all finish at about the same time)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"sequences per inner step per learner (default {d['batch_size']})",
+    )
+    p.add_argument(
+        "--period",
+        type=int,
+        help=f"H: inner steps between syncs of a fragment (default {d['period']})",
+    )
+    p.add_argument(
+        "--overlap",
+        type=int,
+        help=f"τ: steps trained while a sync is in flight (default {d['overlap']})",
+    )
+    p.add_argument("--fragments", type=int, help=f"P: fragments (default {d['fragments']})")
+    p.add_argument(
+        "--codec", choices=["int4", "mxfp4", "fp32"], help=f"wire codec (default {d['codec']})"
+    )
+    p.add_argument(
+        "--quorum", type=int, help="K: learners needed to close a round (default min(2, M))"
+    )
+    p.add_argument(
+        "--lease-seconds",
+        type=float,
+        help=f"a learner silent this long is not waited for (default {d['lease_seconds']:g})",
+    )
+    p.add_argument(
+        "--outer-lr", type=float, help=f"shards' outer learning rate (default {d['outer_lr']:g})"
+    )
+    p.add_argument(
+        "--outer-momentum",
+        type=float,
+        help=f"shards' outer Nesterov momentum (default {d['outer_momentum']:g})",
+    )
+    p.add_argument(
+        "--momentum-delay",
+        type=int,
+        help=f"rounds per outer momentum update (delayed Nesterov); 1: every round "
+        f"(default {d['momentum_delay']})",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        help=f"steps between learner checkpoints, which a restarted learner resumes from; 0: none "
+        f"(default {d['checkpoint_every']})",
+    )
+    p.add_argument(
+        "--evals",
+        type=int,
+        help=f"held-out evaluations per learner during the run (default {d['evals']})",
+    )
+    p.add_argument("--seed", type=int, help=f"init and data-order seed (default {d['seed']})")
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        default=None,
+        help="afterwards, train the data-parallel baseline on as many tokens, for the loss plot",
+    )
+    p.add_argument(
+        "--no-table", action="store_true", help="plain log lines instead of the live table"
+    )
+    p.add_argument("--json", action="store_true", help="print report.json on stdout at the end")
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The CLI entry: exit 0 finished, 1 failed, 130/143 stopped by SIGINT/SIGTERM."""
+    names = {f.name for f in dataclasses.fields(UpConfig)}
+    overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    run_dir = args.run_dir or pathlib.Path("runs") / datetime.datetime.now().strftime(
+        "%Y%m%d-%H%M%S"
+    )
+    try:
+        cfg, resuming = prepare_run_dir(run_dir, overrides)
+    except UpConfigError as e:
+        parser.error(str(e))
+    lock = open(run_dir / ".lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        parser.error(f"another `atoll up` is using {run_dir}")
+    out = sys.stderr if args.json else sys.stdout
+    live = not args.no_table and out.isatty()
+    print(
+        f"atoll up: {'resuming' if resuming else 'starting'} {run_dir}: {cfg.shards} shards, {cfg.learners} "
+        f"learners ({cfg.preset}, {cfg.steps} steps, slowdown {_flag_text(cfg.slowdown)})",
+        file=out,
+        flush=True,
+    )
+    from atoll.local.session import Session
+
+    session = Session(cfg, run_dir, out, live)
+    report = session.run()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    print(summary(report, run_dir), file=out, flush=True)
+    if session.stop_signal is not None:
+        return 128 + session.stop_signal
+    if report["failure"] or not any(l["state"] == "done" for l in report["learners"].values()):
+        return 1
+    return 0
+
+
+def summary(report: dict, run_dir: pathlib.Path) -> str:
+    """The few lines printed at the end."""
+    wall = progress.clock(report["wall_seconds"])
+    if report.get("interrupted"):
+        head = (
+            f"atoll up: interrupted ({report['interrupted']}) after {wall}; children stopped, data kept. "
+            f"Resume with: atoll up --run-dir {run_dir}"
+        )
+    elif report.get("failure"):
+        head = f"atoll up: failed after {wall}: {report['failure']}. Resume with: atoll up --run-dir {run_dir}"
+    elif not report["complete"]:
+        head = (
+            f"atoll up: finished after {wall}, but not every learner did; resume them with: "
+            f"atoll up --run-dir {run_dir}"
+        )
+    else:
+        n = len(report["sessions"])
+        head = f"atoll up: finished in {wall}" + (f" ({n} sessions)" if n > 1 else "")
+    g = report["global"]
+    parts = []
+    if g.get("eval_loss") is not None:
+        parts.append(f"global model eval loss {g['eval_loss']:.4f}")
+    if g.get("baseline_eval_loss") is not None:
+        parts.append(f"baseline {g['baseline_eval_loss']:.4f}")
+    parts.append(f"{g['tokens'] / 1e6:.2f} M tokens")
+    if g.get("goodput") is not None:
+        parts.append(f"goodput {100 * g['goodput']:.1f}%")
+    if g.get("push_bits_per_param") is not None:
+        parts.append(f"{g['push_bits_per_param']:.2f} bits/param per push")
+    if g.get("pull_bits_per_param") is not None:
+        per_version = g.get("pull_bits_per_param_per_version")
+        parts.append(
+            f"{g['pull_bits_per_param']:.2f} per pull"
+            + (f" ({per_version:.2f} per version)" if per_version else "")
+        )
+    lines = [head, "  " + " | ".join(parts), f"  report: {run_dir / 'report.json'}"]
+    if report.get("plots"):
+        lines.append("  plots:  " + ", ".join(str(run_dir / p) for p in report["plots"]))
+    return "\n".join(lines)

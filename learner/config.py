@@ -1,0 +1,190 @@
+"""A learner's settings (`LearnerConfig`) and the environment variables that give
+their defaults in a cluster; `atoll.learner.main` turns flags into one, `atoll.learner.loop` runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+from atoll.learner.distributed import (
+    DistributedConfig,
+)
+from atoll.wire.codec import Codec
+
+ENV_LEARNER_ID = "ATOLL_LEARNER_ID"  # default learner id (Kubernetes: the pod name)
+
+
+ENV_LEARNER_INDEX = "ATOLL_LEARNER_INDEX"  # default data shard index (JobSet: the job index)
+
+
+ENV_SHARDS = "ATOLL_SHARDS"  # default shard addresses
+
+
+ENV_TOKEN_FILE = "ATOLL_TOKEN_FILE"
+
+
+ENV_COMPILE_CACHE = "ATOLL_COMPILE_CACHE"  # default --compile-cache
+
+
+ENV_CHECKPOINT_DIR = "ATOLL_CHECKPOINT_DIR"  # default --checkpoint-dir (empty: none)
+
+
+ENV_CHECKPOINT_EVERY = "ATOLL_CHECKPOINT_EVERY"  # default --checkpoint-every
+
+
+class LearnerConfigError(ValueError):
+    """A learner setting that cannot work; the message says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    shards: tuple[str, ...]  # shard addresses in index order (empty only with baseline)
+    learner_id: str  # stable across restarts: the shards know a learner by it
+    learner_index: int = 0  # which disjoint data shard this learner reads, in [0, num_learners)
+    num_learners: int = 1  # M, learners in the run (data shards; baseline batch multiplier)
+    preset: str = "small"  # model preset (learner.model.PRESETS)
+    batch_size: int = 16  # sequences per inner step on this learner
+    steps: int = 200  # inner steps to run, >= 1
+    lr: float = 3e-3  # inner AdamW peak learning rate
+    warmup: int = 20  # inner warm-up steps
+    period: int = 16  # H: inner steps between syncs of one fragment
+    overlap: int = 1  # τ: steps trained while a sync is in flight, in [0, H)
+    mix: float = 0.0  # α: share of local weights kept when adopting a global fragment
+    fragments: int = 4  # P: fragments (>= shards); every learner and shard must agree
+    codec: Codec = Codec.INT4  # outer-gradient codec
+    seed: int = 0  # model init seed (the same on every learner) and data order
+    data: pathlib.Path | None = None  # text file, directory or .npy tokens; None: the stdlib
+    cache_dir: pathlib.Path | None = None  # corpus cache (default ~/.cache/atoll)
+    eval_every: int = 50  # steps between held-out evaluations; 0: only at the end
+    eval_batches: int = 8  # held-out batches per evaluation
+    slowdown: float = 1.0  # >= 1: stretch each step (an older accelerator generation)
+    baseline: bool = False  # data-parallel reference: no syncer, M× batch
+    token_file: pathlib.Path | None = None  # a file holding this learner's bearer token
+    tls_ca: pathlib.Path | None = None  # PEM CA of the shards' certificates (enables TLS)
+    tls_cert: pathlib.Path | None = None  # PEM client certificate (mutual TLS)
+    tls_key: pathlib.Path | None = None  # its private key
+    status_file: pathlib.Path | None = None  # JSON lines of progress, for `atoll up`
+    push_log: pathlib.Path | None = (
+        None  # JSON lines, one per answered push (for `atoll chaos` audits)
+    )
+    sync_patience: float = (
+        30.0  # seconds (at least; 4 periods of steps if longer) to wait on a round
+    )
+    wait_for_rounds: bool = False  # block on a round a whole period late (synchronous semantics)
+    compile_cache: pathlib.Path | None = (
+        None  # persistent XLA compilation cache: restarts skip compiling
+    )
+    metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: any free port
+    deadline: float = 60.0  # seconds per RPC
+    lease_exit_wait: float = 10.0  # seconds to wait at the end for syncs in flight
+    progress: bool = True  # print the live progress line
+    distributed: DistributedConfig | None = (
+        None  # the slice's processes (learner/distributed.py); None: one
+    )
+    checkpoint_dir: pathlib.Path | None = (
+        None  # durable learner state and id claims (learner/checkpoint.py)
+    )
+    checkpoint_every: int = 50  # steps between background checkpoints, >= 0 (0: only when stopped)
+    standby: bool = False  # wait, compiled, to take over a failed learner's id (learner/standby.py)
+
+    def __post_init__(self):
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise LearnerConfigError(message)
+
+        need(
+            self.baseline or len(self.shards) >= 1,
+            "--shards is required (HOST:PORT,... in shard index order), or use --baseline",
+        )
+        need(bool(self.learner_id), "--learner-id must not be empty")
+        need(self.num_learners >= 1, f"--num-learners must be >= 1, got {self.num_learners}")
+        need(
+            0 <= self.learner_index < self.num_learners,
+            f"--learner-index must be in [0, {self.num_learners}), got {self.learner_index}",
+        )
+        need(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
+        need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+        need(
+            self.baseline or self.fragments >= len(self.shards),
+            f"--fragments ({self.fragments}) must be at least the number of shards ({len(self.shards)})",
+        )
+        need(self.period >= 1, f"--period must be >= 1, got {self.period}")
+        need(
+            0 <= self.overlap < self.period,
+            f"--overlap must be in [0, --period={self.period}), got {self.overlap}: a fragment is "
+            "adopted before its next sync",
+        )
+        need(0 <= self.mix < 1, f"--mix must be in [0, 1), got {self.mix}")
+        need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        need(self.slowdown >= 1, f"--slowdown must be >= 1 (1 = full speed), got {self.slowdown}")
+        need(
+            self.sync_patience > 0, f"--sync-patience must be > 0 seconds, got {self.sync_patience}"
+        )
+        need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
+        need(
+            self.checkpoint_every >= 0,
+            f"--checkpoint-every must be >= 0 steps, got {self.checkpoint_every}",
+        )
+        need(
+            not self.standby or self.checkpoint_dir is not None,
+            "--standby needs --checkpoint-dir: the directory where learners claim their ids",
+        )
+        need(not self.standby or not self.baseline, "--standby and --baseline do not go together")
+        need(
+            self.distributed is None or not self.standby,
+            "--standby is for one-process learners: a multi-host learner's spare is a whole slice, "
+            "which its controller (a JobSet) recreates",
+        )
+        need(
+            self.metrics_port is None or 0 <= self.metrics_port <= 65535,
+            f"--metrics-port must be in 1-65535 (0 picks a free one), got {self.metrics_port}",
+        )
+        need(
+            (self.tls_cert is None) == (self.tls_key is None),
+            "--tls-cert and --tls-key go together",
+        )
+        need(self.tls_cert is None or self.tls_ca is not None, "--tls-cert needs --tls-ca as well")
+        for flag, path in (
+            ("--token-file", self.token_file),
+            ("--tls-ca", self.tls_ca),
+            ("--tls-cert", self.tls_cert),
+            ("--tls-key", self.tls_key),
+        ):
+            need(path is None or pathlib.Path(path).is_file(), f"{flag} {path}: no such file")
+
+    def as_learner(self, learner_id: str, learner_index: int) -> LearnerConfig:
+        """This config for learner `learner_id` ({id} in the status and push-log paths filled in)."""
+
+        def fill(path):
+            return None if path is None else pathlib.Path(str(path).replace("{id}", learner_id))
+
+        return dataclasses.replace(
+            self,
+            learner_id=learner_id,
+            learner_index=learner_index,
+            standby=False,
+            status_file=fill(self.status_file),
+            push_log=fill(self.push_log),
+        )
+
+
+def shard_addresses(spec: str, num_shards: int | None) -> tuple[str, ...]:
+    """'h0:p,h1:p' as given, or a pattern with {i} expanded for i < num_shards."""
+    if "{i}" in spec:
+        if not num_shards:
+            raise LearnerConfigError(f"--shards {spec!r} is a pattern: give --num-shards too")
+        addresses = tuple(spec.replace("{i}", str(i)) for i in range(num_shards))
+    else:
+        addresses = tuple(a.strip() for a in spec.split(",") if a.strip())
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        if not host:
+            raise LearnerConfigError(f"shard address {a!r} must be HOST:PORT")
+        if not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise LearnerConfigError(f"shard address {a!r}: the port must be in 1-65535")
+    if "{i}" not in spec and num_shards is not None and num_shards != len(addresses):
+        raise LearnerConfigError(
+            f"--num-shards {num_shards} but {len(addresses)} addresses in --shards"
+        )
+    return addresses

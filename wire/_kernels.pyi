@@ -1,0 +1,45 @@
+# Types for the C extension wire/_kernels.c (see its docstrings). Buffers are any object
+# with the buffer protocol (bytes, memoryview, numpy arrays); typing.Buffer cannot name
+# numpy arrays under Python 3.11, so they are typed `object`.
+from typing import TypeAlias
+
+_Buffer: TypeAlias = object
+
+INT4: int
+MXFP4: int
+FP32: int
+BLOCK: int
+
+def encode(
+    fmt: int, x: _Buffer, residual: _Buffer | None, residual_out: _Buffer | None, body: _Buffer, /
+) -> int: ...
+def check(fmt: int, scales: _Buffer, codes: _Buffer, count: int, /) -> int: ...
+def decode(
+    fmt: int, scales: _Buffer, codes: _Buffer, out: _Buffer, weight: float, accumulate: bool, /
+) -> None: ...
+def range_stats(
+    fmt: int,
+    scales: _Buffer,
+    codes: _Buffer,
+    count: int,
+    start: int,
+    offsets: _Buffer,
+    ends: _Buffer,
+    sq: _Buffer | None,
+    max_abs: _Buffer | None,
+    exact: bool,
+    /,
+) -> None: ...
+def accumulate(
+    fmt: int,
+    scales: _Buffer,
+    codes: _Buffer,
+    count: int,
+    start: int,
+    offsets: _Buffer,
+    ends: _Buffer,
+    weights: _Buffer,
+    out: _Buffer,
+    check: bool,
+    /,
+) -> int: ...

@@ -1,0 +1,202 @@
+"""A typed client for one syncer shard: Init, Push, Pull, Watch, Describe.
+
+Every call carries a deadline and the learner's bearer token; payloads go out in
+chunks of `chunk_bytes`. Transient failures (UNAVAILABLE: a shard restarting, a
+link dropping) are retried by the channel's service config with exponential
+backoff; what remains surfaces as `grpc.RpcError` for the caller to branch on
+`code()`. Pushes are idempotent by (learner, fragment, seq), so retrying one whose
+ack was lost is always safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Iterator
+from typing import Any, cast
+
+import grpc
+
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
+from atoll.wire import syncer_pb2_grpc as pb_grpc
+from atoll.wire.plan import FragmentPlan
+
+CHUNK_BYTES = 1 << 20  # payload bytes per stream message
+MAX_MESSAGE_BYTES = 8 << 20  # must not exceed the shard's --max-message-bytes
+
+# Retries for a shard that is restarting or briefly unreachable: up to 5 attempts,
+# 0.2 s doubling to 3 s, with gRPC's own jitter. Pushes are safe to retry (idempotent).
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "atoll.v1.Syncer"}],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.2s",
+                    "maxBackoff": "3s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+
+class IncompletePull(ConnectionError):
+    """A Pull stream ended before its frames did; retry it like UNAVAILABLE."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsFiles:
+    ca: pathlib.Path  # PEM CA bundle that signed the shards' certificates
+    cert: pathlib.Path | None = None  # PEM client certificate, for mutual TLS
+    key: pathlib.Path | None = None  # its PEM private key
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca.read_bytes(),
+            private_key=self.key.read_bytes() if self.key else None,
+            certificate_chain=self.cert.read_bytes() if self.cert else None,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Pulled:
+    """A fragment at `version`: one FP32 snapshot frame, or deltas to apply in order."""
+
+    fragment: int
+    version: int
+    snapshot: bool
+    num_params: int
+    frames: list[tuple[int, codec.Codec, bytes]]  # (version it leads to, codec, frame)
+    last_seq: int = 0  # the newest seq the shard answered for this learner on the fragment
+    next_due_seconds: float = (
+        0.0  # until this learner's next push of the fragment is due (0: unknown)
+    )
+
+
+class ShardClient:
+    """One shard's channel. Cheap to keep open; `close()` when done."""
+
+    def __init__(
+        self,
+        address: str,
+        learner_id: str,
+        *,
+        token: str | None = None,
+        tls: TlsFiles | None = None,
+        deadline: float = 60.0,
+        chunk_bytes: int = CHUNK_BYTES,
+    ):
+        self.address, self.learner_id, self.deadline = address, learner_id, deadline
+        self.chunk_bytes = chunk_bytes
+        options = [
+            ("grpc.service_config", _SERVICE_CONFIG),
+            ("grpc.enable_retries", 1),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.per_rpc_retry_buffer_size", 64 << 20),
+        ]
+        self.channel = (
+            grpc.secure_channel(address, tls.credentials(), options)
+            if tls
+            else grpc.insecure_channel(address, options)
+        )
+        self.stub = pb_grpc.SyncerStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def _chunks(
+        self, header_message: pb.InitRequest | pb.PushRequest, frame: bytes
+    ) -> Iterator[pb.InitRequest | pb.PushRequest]:
+        yield header_message
+        kind = type(header_message)
+        for start in range(0, len(frame), self.chunk_bytes):
+            yield kind(chunk=frame[start : start + self.chunk_bytes])
+
+    def describe(self, timeout: float | None = None) -> pb.DescribeResponse:
+        response: pb.DescribeResponse = self.stub.Describe(
+            pb.DescribeRequest(),
+            timeout=timeout or self.deadline,
+            metadata=self.metadata,
+            wait_for_ready=True,
+        )
+        return response
+
+    def init(
+        self, plan: FragmentPlan, fragment: int, frame: bytes, frame_codec: codec.Codec
+    ) -> pb.InitResponse:
+        """Offers the fragment's starting values; the first offer wins, later ones learn the version."""
+        header = pb.InitHeader(
+            learner_id=self.learner_id,
+            fragment=fragment,
+            plan_fingerprint=plan.fingerprint,
+            plan_json=plan.to_json(),
+            codec=cast(pb.Codec, int(frame_codec)),
+            num_params=plan.fragment_sizes[fragment],
+            frame_bytes=len(frame),
+        )
+        response: pb.InitResponse = self.stub.Init(
+            self._chunks(pb.InitRequest(header=header), frame),
+            timeout=self.deadline,
+            metadata=self.metadata,
+            wait_for_ready=True,
+        )
+        return response
+
+    def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushResponse:
+        """Streams one outer gradient; the ack comes once the shard has it on disk."""
+        header.learner_id, header.frame_bytes = self.learner_id, len(frame)
+        response: pb.PushResponse = self.stub.Push(
+            self._chunks(pb.PushRequest(header=header), frame),
+            timeout=self.deadline,
+            metadata=self.metadata,
+            wait_for_ready=True,
+        )
+        return response
+
+    def pull(self, fragment: int, have_version: int | None = None) -> Pulled:
+        """The fragment's newest version, as deltas from `have_version` when the shard still can."""
+        request = pb.PullRequest(fragment=fragment, learner_id=self.learner_id)
+        if have_version is not None:
+            request.have_version = have_version
+        header, frames, parts = None, [], []
+        for message in self.stub.Pull(
+            request, timeout=self.deadline, metadata=self.metadata, wait_for_ready=True
+        ):
+            if message.WhichOneof("kind") == "header":
+                header = message.header
+                continue
+            parts.append(message.chunk.data)
+            if message.chunk.last:
+                frames.append(
+                    (message.chunk.version, codec.Codec(message.chunk.codec), b"".join(parts))
+                )
+                parts = []
+        if header is None or len(frames) != header.num_frames or parts:
+            raise IncompletePull(f"pull of fragment {fragment} from {self.address} ended early")
+        return Pulled(
+            fragment,
+            header.version,
+            header.snapshot,
+            header.num_params,
+            frames,
+            header.last_seq,
+            header.next_due_seconds,
+        )
+
+    def watch(self, fragments: list[int], timeout: float | None = None) -> Any:
+        """A stream of WatchResponse (fragment, version, contributors); cancel() it to stop."""
+        return self.stub.Watch(
+            pb.WatchRequest(fragments=fragments, learner_id=self.learner_id),
+            timeout=timeout,
+            metadata=self.metadata,
+            wait_for_ready=True,
+        )
+
+    def close(self) -> None:
+        self.channel.close()
