@@ -747,14 +747,11 @@ class Shard:
             grace, joined = self._grace(live), self._joined()
             if frag.version == 0 and self.cadence_seconds:
                 # A fragment's first round: each island pushes it first at step t_p of its own
-                # pace, a slower one up to a period after the fastest; waiting for that once
-                # keeps slower islands from starting a version behind (and pulling two deltas).
-                grace = max(
-                    grace,
-                    min(
-                        FIRST_ROUND_GRACE_PERIODS * self.cadence_seconds, self.policy.lease_seconds
-                    ),
-                )
+                # pace, a slower one up to a period after the fastest (later still if it was
+                # slower to start); waiting for that once keeps slower islands from starting a
+                # version behind (and pulling two deltas). Not capped at a lease: only live
+                # learners are waited for, and a learner that is gone lapses within one.
+                grace = max(grace, FIRST_ROUND_GRACE_PERIODS * self.cadence_seconds)
             # a learner whose last push of p came in is not waited for (its push still counts)
             waited_for = live - self.finished[p]
         decision = rules.decide_close(

@@ -22,8 +22,6 @@ import os
 import pathlib
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -32,13 +30,14 @@ from concurrent import futures
 import grpc
 import numpy as np
 
+from atoll.bench.shard import start_shard
+from atoll.server.config import ShardConfig
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire import syncer_pb2_grpc as pb_grpc
 from atoll.wire.client import CHUNK_BYTES, ShardClient
 from atoll.wire.metrics import read_metrics
 from atoll.wire.plan import FragmentPlan, TensorSpec
-from atoll.wire.records import parse_serving
 
 DEFAULT_PARAMS = 100_000_000
 TARGET_RATIO = 0.5  # ingest wire rate / raw gRPC rate (docs/design.md §6)
@@ -323,42 +322,6 @@ def _delta_ring(address: str) -> dict:
     return {"capacity": described.settings.delta_ring, "delta_bytes": delta_bytes}
 
 
-def _start_shard(
-    data_dir: pathlib.Path, learners: int, log_path: pathlib.Path
-) -> tuple[subprocess.Popen, int, int]:
-    """A real `atoll syncer` on free ports; returns (process, gRPC port, metrics port)."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "atoll.cli",
-                "syncer",
-                "--data-dir",
-                str(data_dir),
-                "--listen",
-                "127.0.0.1:0",
-                "--quorum",
-                str(learners),
-                "--grace-factor",
-                "0",
-                "--metrics-port",
-                "0",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-        )
-    for line in proc.stdout:
-        if (ports := parse_serving(line)) and ports[1] is not None:
-            return proc, ports[0], ports[1]
-    proc.wait()
-    raise RuntimeError(
-        f"atoll syncer exited with {proc.returncode} before serving:\n"
-        + log_path.read_text()[-2000:]
-    )
-
-
 def _recv(conn, proc, timeout: float = 600.0):
     """The child's next message; raises instead of waiting forever on a child that died."""
     deadline = time.monotonic() + timeout
@@ -446,7 +409,18 @@ def bench_ingest(
     shard = raw_conn = None
     procs, learner_procs = [], []  # learner_procs: (pipe, process) per learner
     try:
-        shard, port, metrics_port = _start_shard(root / "data", learners, root / "syncer.log")
+        shard, port, metrics_port = start_shard(
+            ShardConfig(
+                shard_index=0,
+                num_shards=1,
+                data_dir=root / "data",
+                listen="127.0.0.1:0",
+                quorum=learners,
+                grace_factor=0.0,
+                metrics_port=0,
+            ),
+            root / "syncer.log",
+        )
         rss_start = _proc_status(shard.pid)["VmRSS"]
         raw_conn, child = ctx.Pipe()
         procs.append(

@@ -24,8 +24,6 @@ import os
 import pathlib
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -34,13 +32,14 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from atoll.bench.ingest import _proc_status, _recv, _scrape
+from atoll.bench.shard import start_shard
+from atoll.server.config import ShardConfig
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire import syncer_pb2_grpc as pb_grpc
 from atoll.wire.client import ShardClient
 from atoll.wire.metrics import read_metrics
 from atoll.wire.plan import FragmentPlan, TensorSpec
-from atoll.wire.records import parse_serving
 
 TARGET_HEALTH_P99_MS = 100.0
 TARGET_RSS_GROWTH_MB = 16.0  # while the crowd is open, and from one crowd to the next
@@ -248,44 +247,6 @@ def _phase(prober, pusher: _Pusher, shard_pid: int, seconds: float, push_interva
     }
 
 
-def _start_shard(
-    data_dir: pathlib.Path, idle_seconds: float, log_path: pathlib.Path
-) -> tuple[subprocess.Popen, int, int]:
-    """A real `atoll syncer` on free ports: quorum 1, no grace, stalled streams kept."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "atoll.cli",
-                "syncer",
-                "--data-dir",
-                str(data_dir),
-                "--listen",
-                "127.0.0.1:0",
-                "--quorum",
-                "1",
-                "--grace-factor",
-                "0",
-                "--metrics-port",
-                "0",
-                "--stream-idle-seconds",
-                f"{idle_seconds:g}",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-        )
-    for line in proc.stdout:
-        if (ports := parse_serving(line)) and ports[1] is not None:
-            return proc, ports[0], ports[1]
-    proc.wait()
-    raise RuntimeError(
-        f"atoll syncer exited with {proc.returncode} before serving:\n"
-        + log_path.read_text()[-2000:]
-    )
-
-
 def _gauge(metrics_port: int, name: str, label: str = "") -> float:
     return _scrape(metrics_port).get(name, {}).get(label, 0.0)
 
@@ -426,7 +387,19 @@ def bench_streams(
     load_before = os.getloadavg()[0]
     shard, prober, crowd, pusher = None, None, None, None
     try:
-        shard, port, metrics_port = _start_shard(root / "data", idle_seconds, root / "syncer.log")
+        shard, port, metrics_port = start_shard(
+            ShardConfig(
+                shard_index=0,
+                num_shards=1,
+                data_dir=root / "data",
+                listen="127.0.0.1:0",
+                quorum=1,
+                grace_factor=0.0,
+                metrics_port=0,
+                stream_idle_seconds=idle_seconds,
+            ),
+            root / "syncer.log",
+        )
         address = f"127.0.0.1:{port}"
         init = ShardClient(address, "bench-init")
         for p, n in enumerate(plan.fragment_sizes):
