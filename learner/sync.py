@@ -350,19 +350,26 @@ class Synchronizer:
                 period=self.cfg.period,
                 step_seconds=self.step_seconds,
             ):
-                theta = updates.get(frag.p)
-                if theta is None:
-                    theta = flat_now.setdefault(frag.p, self.plan.flatten_fragment(params, frag.p))
-                self._start_push(
-                    frag, step, theta, (step - (frag.last_sync_step or 0)) * tokens_per_step
-                )
+                self._start_push(frag, step, params, updates, flat_now, tokens_per_step)
         return updates
 
     def _start_push(
-        self, frag: _Fragment, step: int, theta: np.ndarray, tokens: int, last: bool = False
+        self,
+        frag: _Fragment,
+        step: int,
+        params: Params,
+        updates: dict[int, np.ndarray],
+        flat_now: dict[int, np.ndarray],
+        tokens_per_step: int,
+        last: bool = False,
     ) -> None:
-        """Starts fragment p's sync task: push θ_p's progress, wait for its round, pull."""
+        """Starts fragment p's sync task: push θ_p's progress since its last push (θ_p as
+        just adopted, if `updates` holds it), wait for its round, pull."""
+        theta = updates.get(frag.p)
+        if theta is None:
+            theta = flat_now.setdefault(frag.p, self.plan.flatten_fragment(params, frag.p))
         steps = step - (frag.last_sync_step or 0)
+        tokens = steps * tokens_per_step
         frag.last_sync_step = step
         frag.task_step = step
         self.seq += 1
@@ -406,14 +413,10 @@ class Synchronizer:
         self._adopt_done(step, params, flat_now, updates, deadline)
         if tokens_per_step is not None:
             for frag in self.frags:
-                since = step - (frag.last_sync_step or 0)
-                if frag.task is None and since > 0:
-                    theta = updates.get(frag.p)
-                    if theta is None:
-                        theta = flat_now.setdefault(
-                            frag.p, self.plan.flatten_fragment(params, frag.p)
-                        )
-                    self._start_push(frag, step, theta, since * tokens_per_step, last=True)
+                if frag.task is None and step > (frag.last_sync_step or 0):
+                    self._start_push(
+                        frag, step, params, updates, flat_now, tokens_per_step, last=True
+                    )
             self._adopt_done(step, params, flat_now, updates, deadline)
         return updates
 
