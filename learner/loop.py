@@ -328,7 +328,13 @@ def run(cfg: LearnerConfig) -> int:
                     try:
                         blocked = sync.stats["blocked_seconds"]
                         pushes = sync.pushes_started
-                        updates = sync.after_step(local, trainer.params, iteration, m["tokens"])
+                        updates = sync.after_step(
+                            local,
+                            trainer.params,
+                            iteration,
+                            m["tokens"],
+                            trainer.steps_done >= cfg.steps,
+                        )
                         excluded += sync.stats["blocked_seconds"] - blocked
                         due = eval_pending and (
                             sync.pushes_started > pushes or trainer.steps_done >= cfg.steps
@@ -361,7 +367,13 @@ def run(cfg: LearnerConfig) -> int:
                 try:
                     pushes, seq_before = sync.pushes_started, sync.seq
                     blocked = sync.stats["blocked_seconds"]
-                    updates = sync.after_step(local, trainer.params, iteration, m["tokens"])
+                    updates = sync.after_step(
+                        local,
+                        trainer.params,
+                        iteration,
+                        m["tokens"],
+                        trainer.steps_done >= cfg.steps,
+                    )
                     excluded += sync.stats["blocked_seconds"] - blocked
                 except SyncError:
                     if not stop.is_set():

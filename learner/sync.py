@@ -304,9 +304,16 @@ class Synchronizer:
     # --- the step hook ---
 
     def after_step(
-        self, step: int, params: Params, step_seconds: float, tokens_per_step: int
+        self,
+        step: int,
+        params: Params,
+        step_seconds: float,
+        tokens_per_step: int,
+        final: bool = False,
     ) -> dict[int, np.ndarray]:
         """Adopts finished syncs, starts due ones; `step` counts inner steps done since join.
+        `final`: the run's last step; a push it starts is this learner's last of that
+        fragment (see `finish`, which pushes the others' tails).
         Returns {fragment: new vector} for the fragments whose tensors the caller must replace."""
         self.step_seconds = self._step_timer.add(step, step_seconds)
         updates: dict[int, np.ndarray] = {}
@@ -350,7 +357,7 @@ class Synchronizer:
                 period=self.cfg.period,
                 step_seconds=self.step_seconds,
             ):
-                self._start_push(frag, step, params, updates, flat_now, tokens_per_step)
+                self._start_push(frag, step, params, updates, flat_now, tokens_per_step, final)
         return updates
 
     def _start_push(
@@ -397,8 +404,9 @@ class Synchronizer:
     def finish(
         self, step: int, params: Params, timeout: float, tokens_per_step: int | None = None
     ) -> dict[int, np.ndarray]:
-        """At the end of a run: adopts the syncs in flight, then pushes each fragment's
-        steps since its last push and adopts those rounds, all within `timeout` s.
+        """At the end of a run: pushes each fragment's steps since its last push (once the
+        fragment's sync in flight, if any, is adopted) and adopts those rounds, all within
+        `timeout` s.
 
         Without the last pushes the global model would never hold the run's tail: up to
         a period of each learner's last steps per fragment, the lowest-lr ones of its
@@ -410,24 +418,28 @@ class Synchronizer:
         deadline = time.monotonic() + timeout
         updates: dict[int, np.ndarray] = {}
         flat_now: dict[int, np.ndarray] = {}
-        self._adopt_done(step, params, flat_now, updates, deadline)
-        if tokens_per_step is not None:
+        while True:
+            # Each fragment's tail goes out as soon as that fragment is idle, not once all
+            # are: a round holding one of our pushes may wait for another learner's tail,
+            # which waits on a round that needs ours.
             for frag in self.frags:
-                if frag.task is None and step > (frag.last_sync_step or 0):
+                if frag.task is not None and frag.task.done():
+                    self._adopt(frag, step, params, flat_now, updates)
+                if (
+                    tokens_per_step is not None
+                    and frag.task is None
+                    and step > (frag.last_sync_step or 0)
+                ):
                     self._start_push(
                         frag, step, params, updates, flat_now, tokens_per_step, last=True
                     )
-            self._adopt_done(step, params, flat_now, updates, deadline)
-        return updates
-
-    def _adopt_done(
-        self, step: int, params: Params, flat_now: dict, updates: dict, deadline: float
-    ) -> None:
-        tasks = [f.task for f in self.frags if f.task is not None]
-        concurrent.futures.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
-        for frag in self.frags:
-            if frag.task is not None and frag.task.done():
-                self._adopt(frag, step, params, flat_now, updates)
+            pending = [f.task for f in self.frags if f.task is not None]
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                return updates
+            concurrent.futures.wait(
+                pending, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED
+            )
 
     def _sync(
         self,

@@ -180,13 +180,14 @@ def test_at_the_end_every_step_reaches_the_shards(shards):
         sync = Synchronizer(cfg, PLAN, _clients(shards, f"l{i}"), on_push=pushes[i].append)
         params = sync.join(_copy(START))
         last = time.perf_counter()
-        for step in range(
-            1, 21
-        ):  # 20 steps, H = 8: a schedule alone leaves some of each fragment's steps
+        # 20 steps, H = 8: a schedule alone leaves some of each fragment's steps unpushed
+        for step in range(1, 21):
             time.sleep(0.005)
             params = _toward(params, zeros, 0.05)
             now = time.perf_counter()
-            params = sync.apply(params, sync.after_step(step, params, now - last, 128))
+            # a push the last step starts is marked last too: nobody waits for more from it
+            updates = sync.after_step(step, params, now - last, 128, final=step == 20)
+            params = sync.apply(params, updates)
             last = now
         params = sync.apply(params, sync.finish(20, params, 15.0, tokens_per_step=128))
         done[i] = sync.versions()
@@ -202,7 +203,16 @@ def test_at_the_end_every_step_reaches_the_shards(shards):
         for p in range(PLAN.num_fragments):
             mine = [r for r in log if r["fragment"] == p]
             assert all(r["accepted"] for r in mine), mine
-            assert sum(r["steps"] for r in mine) == 20, (i, p, mine)  # every step, once
+            assert sum(r["steps"] for r in mine) == 20, (  # every step, once
+                i,
+                p,
+                [(r["seq"], r["steps"], r["base_version"], r["merged_in"]) for r in mine],
+                [
+                    (r["seq"], r["steps"], r["base_version"], r["merged_in"])
+                    for r in pushes[1 - i]
+                    if r["fragment"] == p
+                ],
+            )
         # the round holding each last push closed (the other learner's last push is not
         # waited for) and the learner adopted it before finish() returned
         assert all(
