@@ -124,12 +124,13 @@ class Fragment:
         )
         # The published copy follows params through quantised deltas; what a delta
         # fails to carry stays in params − published and goes out with the next one.
-        frame: bytes = codec.encode(self.params - self.published, self.publish_codec)
+        published = np.subtract(self.params, self.published)
+        frame: bytes = codec.encode(published, self.publish_codec)
         # a new array, not written in place: a snapshot or pull taken earlier may still read the
-        # old one. delta + published in one add: the same bits as a learner's decode_into(frame,
-        # held, 1.0), which adds 1.0 × each value (exact) to what it holds
-        published = codec.decode(frame)
-        np.add(published, self.published, out=published)
+        # old one (the difference's buffer, reused). published + 1.0 × each value: the bits a
+        # learner's decode_into(frame, held, 1.0) gives
+        np.copyto(published, self.published)
+        codec.decode_into(frame, published, 1.0)
         self.published = published
         self.version += 1
         self.last_round_size = self.round.count
@@ -211,7 +212,8 @@ class Fragment:
                     "another --momentum-delay; restart with the setting it was written with"
                 )
             self.opt_state = jax.tree_util.tree_unflatten(
-                treedef, [jax.numpy.asarray(arrays[f"opt.{i}"]) for i in range(len(leaves))]
+                treedef,
+                [np.array(arrays[f"opt.{i}"], leaf.dtype) for i, leaf in enumerate(leaves)],
             )
         self.ring.clear()
         for i, v in enumerate(meta["ring"]):

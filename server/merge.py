@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,8 @@ import numpy.typing as npt
 import optax
 
 from atoll.server.config import OUTER_LR, OUTER_MOMENTUM, OUTER_MOMENTUM_DELAY
-from atoll.wire.codec import Codec, Codes, read_codes
+from atoll.wire import _kernels
+from atoll.wire.codec import Codec, Codes, parallel, read_codes
 from atoll.wire.plan import FragmentPlan, FragmentVector
 
 OuterGrad = np.ndarray  # Θ_base − θ_learner over one fragment; points like a gradient
@@ -177,10 +178,12 @@ class RoundState(NamedTuple):
 class RoundAccumulator:
     """Streams one round's weighted outer gradients for one fragment.
 
-    Memory: one float32 vector the size of the fragment (float32 because it is the
-    largest object a shard holds per open round and Σ w·unit(Δ) needs no more: each
-    term is already normalised) and float64 per-tensor sums. A push is read from its
-    frame's decompressed codes (~0.56 bytes per INT4 value), never as float32.
+    Memory: one float32 vector the size of the fragment while the round is open (float32
+    because it is the largest object a shard holds per open round and Σ w·unit(Δ) needs
+    no more: each term is already normalised; allocated by the round's first push and let
+    go by `reset`, so a fragment between rounds holds none) and float64 per-tensor sums.
+    A push is read from its frame's decompressed codes (~0.56 bytes per INT4 value),
+    never as float32.
 
     Example:
       >>> seg = Segments.from_sizes([3, 2], embedding=[False, True])
@@ -196,13 +199,13 @@ class RoundAccumulator:
         self.rda = bool(rda)
         # Tensors merged by RDA; with rda=False every tensor is a plain average.
         self._rda_mask = ~segments.embedding if self.rda else np.zeros(len(segments), bool)
-        self._acc = np.empty(segments.size, np.float32)
+        self._acc: np.ndarray | None = None  # Σ w·unit(Δ): allocated by the round's first push
         self._norm_sum = np.empty(len(segments), np.float64)
         self.reset()
 
     def reset(self) -> None:
-        """Empties the round, keeping the buffers."""
-        self._acc.fill(0)
+        """Empties the round and lets its accumulator go."""
+        self._acc = None
         self._norm_sum.fill(0)
         self.total_weight = 0.0  # Σ w, float64
         self.count = 0  # contributions so far
@@ -245,7 +248,9 @@ class RoundAccumulator:
         # A zero norm has no direction; nor has one so small that w/‖Δ‖ is beyond float32
         # (denormal-sized values only): both add their weight and no direction.
         scales[rda] = np.where(unit <= _F32_MAX, unit, 0.0)
-        codes.accumulate_ranges(self._acc, seg.offsets, seg.ends, scales)  # checks all, then writes
+        acc = np.zeros(seg.size, np.float32) if self._acc is None else self._acc
+        codes.accumulate_ranges(acc, seg.offsets, seg.ends, scales)  # checks all, then writes
+        self._acc = acc
         self._norm_sum[rda] += w * norms[rda]
         self.total_weight += w
         self.count += 1
@@ -255,6 +260,7 @@ class RoundAccumulator:
         if self.count == 0:
             raise ValueError("empty round: add() at least one contribution before result()")
         rda, W = self._rda_mask, self.total_weight
+        assert self._acc is not None  # count > 0
         dir_norms = segment_norms(self._acc, self.segments)
         with np.errstate(divide="ignore", invalid="ignore"):
             scales = np.where(
@@ -268,13 +274,13 @@ class RoundAccumulator:
         return out
 
     def state(self) -> RoundState:
-        """A copy of the open round, for a shard snapshot."""
+        """A copy of the open round, for a shard snapshot (an empty `acc` when no push is in)."""
         s = self.segments
         return RoundState(
             s.offsets.copy(),
             s.ends.copy(),
             s.embedding.copy(),
-            self._acc.copy(),
+            np.zeros(0, np.float32) if self._acc is None else self._acc.copy(),
             self._norm_sum.copy(),
             float(self.total_weight),
             int(self.count),
@@ -292,38 +298,69 @@ class RoundAccumulator:
                 "resume it with the plan it was made with"
             )
         acc, norm_sum = np.asarray(st.acc), np.asarray(st.norm_sum)
-        if acc.dtype != np.float32 or acc.shape != (saved.size,) or norm_sum.shape != (len(saved),):
+        empty = acc.shape == (0,) and int(st.count) == 0  # no push in: no accumulator saved
+        if (
+            acc.dtype != np.float32
+            or (acc.shape != (saved.size,) and not empty)
+            or norm_sum.shape != (len(saved),)
+        ):
             raise ValueError(
                 f"round snapshot arrays acc {acc.dtype}{acc.shape}, norm_sum "
                 f"{norm_sum.shape} do not fit {len(saved)} tensors / {saved.size}"
             )
         out = cls(segments if segments is not None else saved, rda=bool(st.rda))
-        out._acc[:] = acc
+        out._acc = None if empty else np.array(acc, np.float32)
         out._norm_sum[:] = norm_sum.astype(np.float64)
         out.total_weight, out.count = float(st.total_weight), int(st.count)
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class OuterOptimizer:
+    """SGD with Nesterov momentum, the outer optimiser (docs/design.md §1 defaults); with
+    `delay` N > 1, delayed Nesterov (see `delayed_nesterov`).
+
+    `outer_step` runs it in one pass of a C kernel on every core, bit for bit the XLA
+    program of `reference` (optax's Nesterov for N = 1, `delayed_nesterov` after it);
+    its state has `reference`'s layout, so snapshots read the same either way."""
+
+    lr: float = OUTER_LR
+    momentum: float = OUTER_MOMENTUM
+    delay: int = OUTER_MOMENTUM_DELAY
+
+    def __post_init__(self) -> None:
+        lr, momentum, delay = self.lr, self.momentum, self.delay
+        if not lr > 0 or not 0 <= momentum < 1 or not (isinstance(delay, int) and delay >= 1):
+            raise ValueError(
+                f"lr={lr}, momentum={momentum}, delay={delay}: want lr > 0, 0 <= momentum < 1 "
+                "and an integer delay >= 1"
+            )
+
+    @property
+    def reference(self) -> optax.GradientTransformation:
+        """The same optimiser as an optax transformation (run by XLA)."""
+        if self.delay == 1:
+            return optax.sgd(learning_rate=self.lr, momentum=self.momentum, nesterov=True)
+        return delayed_nesterov(self.lr, self.momentum, self.delay)
+
+    def init(self, params: npt.ArrayLike) -> OuterState:
+        """Zero momentum (and round counter), as numpy arrays in `reference`'s layout."""
+        state = self.reference.init(jnp.zeros_like(jnp.asarray(params, jnp.float32)))
+        return jax.tree_util.tree_map(np.asarray, state)
+
+
 def outer_optimizer(
     lr: float = OUTER_LR, momentum: float = OUTER_MOMENTUM, delay: int = OUTER_MOMENTUM_DELAY
-) -> optax.GradientTransformation:
-    """SGD with Nesterov momentum, the outer optimiser (docs/design.md §1 defaults); with
-    `delay` N > 1, delayed Nesterov (see `delayed_nesterov`). N = 1 is optax's Nesterov."""
-    if not lr > 0 or not 0 <= momentum < 1 or not (isinstance(delay, int) and delay >= 1):
-        raise ValueError(
-            f"lr={lr}, momentum={momentum}, delay={delay}: want lr > 0, 0 <= momentum < 1 "
-            "and an integer delay >= 1"
-        )
-    if delay == 1:
-        return optax.sgd(learning_rate=lr, momentum=momentum, nesterov=True)
-    return delayed_nesterov(lr, momentum, delay)
+) -> OuterOptimizer:
+    """The outer optimiser (see `OuterOptimizer`); N = 1 is optax's Nesterov."""
+    return OuterOptimizer(lr, momentum, delay)
 
 
 class DelayedNesterovState(NamedTuple):
     """The outer optimiser's state under delayed Nesterov."""
 
-    rounds: jax.Array  # rounds since the momentum's last full update (int32 scalar)
-    momentum: jax.Array  # m, with those rounds' gradients already folded in (÷ delay)
+    rounds: jax.Array | np.ndarray  # rounds since the momentum's last full update (int32 scalar)
+    momentum: jax.Array | np.ndarray  # m, with those rounds' gradients already folded in (÷ delay)
 
 
 def delayed_nesterov(lr: float, momentum: float, delay: int) -> optax.GradientTransformation:
@@ -369,11 +406,28 @@ def _step(
     return optax.apply_updates(params, updates), new_state
 
 
+STEP_CHUNK = 1 << 20  # values per kernel call: items for every core, each a few MB
+
+
+def _momentum_and_rounds(
+    state: OuterState, size: int
+) -> tuple[np.ndarray, int, Any, list[np.ndarray]]:
+    """The momentum vector and round counter in `state` (optax's Nesterov: no counter)."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    leaves = [np.asarray(leaf) for leaf in leaves]
+    if isinstance(state, DelayedNesterovState):
+        return leaves[1], int(leaves[0]), treedef, leaves
+    vectors = [i for i, leaf in enumerate(leaves) if leaf.shape == (size,)]
+    if len(vectors) != 1:
+        raise ValueError(f"outer state with {len(leaves)} arrays: want one momentum vector")
+    return leaves[vectors[0]], 0, treedef, leaves
+
+
 def outer_step(
     params: FragmentVector,
     opt_state: OuterState,
     outer_grad: OuterGrad,
-    opt: optax.GradientTransformation,
+    opt: OuterOptimizer | optax.GradientTransformation,
 ) -> tuple[FragmentVector, OuterState]:
     """One outer step: params − lr·(Nesterov-momentum Δ); pure and bit-deterministic.
 
@@ -381,10 +435,12 @@ def outer_step(
       params: the fragment's global params Θ, flat float32.
       opt_state: `opt.init(params)` or the previous step's state.
       outer_grad: merged Δ = Θ_base − θ_learner (points like a gradient: uphill).
-      opt: usually `outer_optimizer()`; one jit compile per (opt, fragment size).
+      opt: usually `outer_optimizer()`, run by the C kernel in one pass; an optax
+        transformation runs through XLA instead (one jit compile per (opt, size)).
 
     Returns:
-      (new params as a fresh read-only float32 numpy vector, new optimiser state).
+      (new params as a fresh float32 numpy vector, new optimiser state); the inputs are
+      not written.
 
     Example:
       >>> opt = outer_optimizer(lr=1.0, momentum=0.0)
@@ -395,7 +451,31 @@ def outer_step(
     p, g = np.asarray(params, np.float32), np.asarray(outer_grad, np.float32)
     if p.shape != g.shape or p.ndim != 1:
         raise ValueError(f"params {p.shape} and outer_grad {g.shape}: want equal 1-D shapes")
-    # device_put adopts aligned inputs (the previous step's params, result()'s output)
-    # without copying; the params come back as a view of XLA's own (aligned) buffer.
-    new_p, new_state = _step(jax.device_put(p), opt_state, jax.device_put(g), opt)
-    return np.asarray(new_p), new_state
+    if not isinstance(opt, OuterOptimizer):
+        # device_put adopts aligned inputs without copying; the params come back as a view
+        # of XLA's own (aligned) buffer.
+        xla_p, xla_state = _step(jax.device_put(p), opt_state, jax.device_put(g), opt)
+        return np.asarray(xla_p), xla_state
+    m, rounds, treedef, leaves = _momentum_and_rounds(opt_state, p.size)
+    if m.shape != p.shape or m.dtype != np.float32:
+        raise ValueError(f"momentum {m.dtype}{m.shape} does not fit params {p.shape}")
+    first, due = rounds == 0, rounds + 1 >= opt.delay
+    new_p, new_m = aligned_empty(p.size), aligned_empty(p.size)
+
+    def run(i: int) -> None:
+        a, b = i * STEP_CHUNK, min((i + 1) * STEP_CHUNK, p.size)
+        _kernels.outer_step(
+            p[a:b], g[a:b], m[a:b], new_p[a:b], new_m[a:b],
+            opt.lr, opt.momentum, opt.delay, first, due,
+        )  # fmt: skip
+
+    parallel(run, -(-p.size // STEP_CHUNK))
+    if isinstance(opt_state, DelayedNesterovState):
+        new_state: OuterState = DelayedNesterovState(
+            np.array(0 if due else rounds + 1, np.int32), new_m
+        )
+    else:
+        new_state = jax.tree_util.tree_unflatten(
+            treedef, [new_m if leaf is m else leaf for leaf in leaves]
+        )
+    return new_p, new_state

@@ -1,10 +1,12 @@
 """Tests for server/merge.py: RDA vs plain averaging, weights, determinism, outer step."""
 
+import jax
 import numpy as np
 import optax
 import pytest
 
 from atoll.server.merge import (
+    STEP_CHUNK,
     RoundAccumulator,
     RoundState,
     Segments,
@@ -382,6 +384,25 @@ def test_delayed_nesterov_with_delay_one_is_optax_nesterov_bit_for_bit():
         a, sa = outer_step(a, sa, g, plain)
         b, sb = outer_step(b, sb, g, delayed)
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "lr,mu,delay", [(0.7, 0.9, 1), (0.7, 0.9, 2), (0.7, 0.9, 3), (1.0, 0.0, 1)]
+)
+def test_the_kernel_step_is_the_xla_program_bit_for_bit(lr, mu, delay):
+    # the shard steps with the C kernel; optax's Nesterov (delay 1) and delayed_nesterov
+    # run by XLA are the definition, over more values than one kernel call takes
+    rng = np.random.default_rng(13 + delay)
+    theta = (0.02 * rng.standard_normal(STEP_CHUNK + STEP_CHUNK // 2 + 7)).astype(np.float32)
+    opt = outer_optimizer(lr, mu, delay)
+    a, sa, b, sb = theta, opt.init(theta), theta, opt.reference.init(theta)
+    for _ in range(2 * delay + 3):
+        g = (1e-3 * rng.standard_normal(theta.size)).astype(np.float32)
+        a, sa = outer_step(a, sa, g, opt)
+        b, sb = outer_step(b, sb, g, opt.reference)
+        assert a.tobytes() == np.asarray(b).tobytes()
+        for x, y in zip(jax.tree_util.tree_leaves(sa), jax.tree_util.tree_leaves(sb)):
+            assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
 
 
 def test_delayed_nesterov_matches_a_hand_written_reference():

@@ -758,12 +758,72 @@ done:
     return result;
 }
 
+/* ---- the outer step: SGD with (delayed) Nesterov momentum, one pass ---- */
+
+/* The outer optimiser's step over n values, the same bits as the XLA program
+ * atoll.server.merge.reference_step runs (optax's Nesterov for delay 1, delayed Nesterov
+ * after it): XLA contracts each multiply-add below into one fused operation and turns
+ * g / delay into g * float32(1 / delay), so this spells out exactly those roundings.
+ *   delay 1:  m' = fma(beta, m, g),            p' = fma(-lr, fma(beta, m', g), p)
+ *   delay N:  m' = fma(g, 1/N, round(beta * m)) on a cycle's first round, fma(g, 1/N, m) after;
+ *             p' = fma(-lr, fma(beta, m', g), p) on its last round, fma(-lr, g, p) before. */
+HOT static void outer_step(const float *restrict p, const float *restrict g, const float *restrict m,
+                           float *restrict p_out, float *restrict m_out, Py_ssize_t n, float lr,
+                           float beta, long delay, int first, int due) {
+    if (delay == 1) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            float mi = __builtin_fmaf(beta, m[i], g[i]);
+            m_out[i] = mi;
+            p_out[i] = __builtin_fmaf(-lr, __builtin_fmaf(beta, mi, g[i]), p[i]);
+        }
+        return;
+    }
+    float r = 1.0f / (float)delay;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float bm = beta * m[i];
+        float mi = __builtin_fmaf(g[i], r, first ? bm : m[i]);
+        m_out[i] = mi;
+        p_out[i] = __builtin_fmaf(-lr, due ? __builtin_fmaf(beta, mi, g[i]) : g[i], p[i]);
+    }
+}
+
+PyDoc_STRVAR(outer_step_doc,
+"outer_step(params, grad, momentum, params_out, momentum_out, lr, beta, delay, first, due)\n\n"
+"One outer step over equal-length float32 vectors: params_out and momentum_out get the\n"
+"new params and momentum (see the C source for the exact roundings). delay >= 1; first:\n"
+"the first round of a momentum cycle; due: its last (both true for delay 1).");
+
+static PyObject *py_outer_step(PyObject *self, PyObject *args) {
+    Py_buffer b[5] = {{0}};
+    float lr, beta;
+    long delay;
+    int first, due;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*w*fflpp", &b[0], &b[1], &b[2], &b[3], &b[4], &lr, &beta, &delay,
+                          &first, &due)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t len = b[0].len;
+    for (int k = 0; k < 5; k++)
+        if (b[k].len != len || len % 4 || (uintptr_t)b[k].buf % 4) {
+            PyErr_SetString(PyExc_ValueError, "outer_step: want five aligned float32 vectors of one length");
+            goto done;
+        }
+    if (delay < 1) { PyErr_SetString(PyExc_ValueError, "outer_step: delay must be >= 1"); goto done; }
+    Py_BEGIN_ALLOW_THREADS
+    outer_step(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, len / 4, lr, beta, delay, first, due);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    for (int k = 0; k < 5; k++) PyBuffer_Release(&b[k]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, encode_doc},
     {"check", py_check, METH_VARARGS, check_doc},
     {"decode", py_decode, METH_VARARGS, decode_doc},
     {"range_stats", py_range_stats, METH_VARARGS, range_stats_doc},
     {"accumulate", py_accumulate, METH_VARARGS, accumulate_doc},
+    {"outer_step", py_outer_step, METH_VARARGS, outer_step_doc},
     {NULL, NULL, 0, NULL},
 };
 

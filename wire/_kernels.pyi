@@ -43,3 +43,16 @@ def accumulate(
     check: bool,
     /,
 ) -> int: ...
+def outer_step(
+    params: _Buffer,
+    grad: _Buffer,
+    momentum: _Buffer,
+    params_out: _Buffer,
+    momentum_out: _Buffer,
+    lr: float,
+    beta: float,
+    delay: int,
+    first: bool,
+    due: bool,
+    /,
+) -> None: ...

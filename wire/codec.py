@@ -236,7 +236,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _parallel(fn: Callable[[int], Any], n: int) -> list[Any]:
+def parallel(fn: Callable[[int], Any], n: int) -> list[Any]:
     """[fn(0), ..., fn(n - 1)] on up to get_threads() threads, the caller's included.
 
     Items go to whichever thread is free (each writes only its own outputs), so the
@@ -401,7 +401,7 @@ def _encode(
             z.flush(),
         ]
 
-    chunks = _parallel(chunk, len(spans))
+    chunks = parallel(chunk, len(spans))
     for c in chunks:
         if isinstance(c, int):
             with np.errstate(over="ignore", invalid="ignore"):
@@ -599,7 +599,7 @@ class Codes:
                 f"padding in block {c.start // BLOCK + bad}"
             )
 
-        _parallel(check, len(self._chunks))
+        parallel(check, len(self._chunks))
 
     def _ranges(
         self, offsets: npt.ArrayLike, ends: npt.ArrayLike
@@ -658,7 +658,7 @@ class Codes:
                 )
             return sq
 
-        parts = _parallel(part, len(self._chunks))
+        parts = parallel(part, len(self._chunks))
         total = np.zeros(o.size, np.float64)
         for (r0, r1), sq in zip(
             meets, parts
@@ -714,7 +714,7 @@ class Codes:
                     else -1
                 )
 
-            for bad in _parallel(check, len(self._chunks)):
+            for bad in parallel(check, len(self._chunks)):
                 if bad >= 0:
                     r = int(np.searchsorted(e, bad, side="right"))
                     raise CodecError(
@@ -738,7 +738,7 @@ class Codes:
                     False,
                 )
 
-        _parallel(add, len(self._chunks))
+        parallel(add, len(self._chunks))
 
     def range_max_abs(self, offsets: npt.ArrayLike, ends: npt.ArrayLike) -> np.ndarray:
         """max |value| over each range [offsets[r], ends[r]) (0 for an empty one), float64.
@@ -775,7 +775,7 @@ class Codes:
             return m
 
         out = np.zeros(o.size, np.float64)
-        for (r0, r1), m in zip(meets, _parallel(part, len(self._chunks))):
+        for (r0, r1), m in zip(meets, parallel(part, len(self._chunks))):
             np.maximum(out[r0:r1], m, out=out[r0:r1])
         return out
 
@@ -798,7 +798,7 @@ class Codes:
                 accumulate,
             )
 
-        _parallel(run, len(self._chunks))
+        parallel(run, len(self._chunks))
 
 
 def _check_out(out: object, n: int) -> None:
@@ -841,7 +841,7 @@ def read_codes(frame: Frame, *, codec: Codec | None = None, num_values: int | No
         what = f"chunk {i} (values {start}..{start + count})" if many else "frame body"
         return _inflate(payload, info.codec, count, what)
 
-    bodies = _parallel(inflate, len(payloads))
+    bodies = parallel(inflate, len(payloads))
     if version == 1:
         chunks = _v1_chunks(info.codec, info.num_values, bodies[0])
     else:
