@@ -222,6 +222,26 @@ def test_from_state_refuses_another_layout():
     assert resumed.count == 1 and resumed.rda
 
 
+def test_a_round_holds_its_accumulator_only_while_open():
+    seg = Segments.from_sizes([3, 2])
+    acc = RoundAccumulator(seg)
+    assert acc.state().acc.size == 0  # no push in: nothing held, nothing saved
+    acc.add(np.ones(5, np.float32), 1.0)
+    assert acc.state().acc.shape == (5,)
+    acc.reset()
+    assert acc.state().acc.size == 0
+    # an empty round saved either way (the old layout kept a zero vector) resumes empty,
+    # and takes pushes as a fresh one does
+    for saved in (acc.state(), acc.state()._replace(acc=np.zeros(5, np.float32))):
+        resumed = RoundAccumulator.from_state(saved, seg)
+        resumed.add(np.arange(5, dtype=np.float32), 2.0)
+        fresh = RoundAccumulator(seg)
+        fresh.add(np.arange(5, dtype=np.float32), 2.0)
+        assert resumed.result().tobytes() == fresh.result().tobytes()
+    with pytest.raises(ValueError, match="do not fit"):  # a push in, but no accumulator
+        RoundAccumulator.from_state(acc.state()._replace(count=1, total_weight=1.0), seg)
+
+
 def _same_state(a: RoundAccumulator, b: RoundAccumulator) -> bool:
     return all(
         np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(a.state(), b.state())
