@@ -112,11 +112,12 @@ class Fragment:
         new version. Live closes and replayed ones both come here."""
         assert self.round.count > 0, "closing an empty round"
         assert self.params is not None and self.published is not None, "fragment not seeded"
-        merged = self.round.result()
-        # The staleness discount shrinks stale work in absolute terms: the merge above
+        # The staleness discount shrinks stale work in absolute terms: the merge
         # normalises by Σ w·d, so scale by Σ w·d / Σ w (a lone push with discount d
         # moves the model d times as far; a fresh round is untouched).
         shrink = self.round.total_weight / self.full_weight
+        self.last_round_size = self.round.count
+        merged = self.round.take()  # in the accumulator's buffer; the round is now empty
         if shrink != 1.0:
             np.multiply(merged, np.float32(shrink), out=merged)
         self.params, self.opt_state = merge.outer_step(
@@ -133,9 +134,7 @@ class Fragment:
         codec.decode_into(frame, published, 1.0)
         self.published = published
         self.version += 1
-        self.last_round_size = self.round.count
         self.ring.append((self.version, frame))
-        self.round.reset()
         self.round_state = rules.open_round()
         self.full_weight = 0.0
         if trigger in self.answers:

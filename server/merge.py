@@ -257,6 +257,17 @@ class RoundAccumulator:
 
     def result(self) -> FragmentVector:
         """The merged outer gradient as a fresh float32 vector; the round stays open."""
+        return self._merged(in_place=False)
+
+    def take(self) -> FragmentVector:
+        """The merged outer gradient, the same bits as `result`, written over the
+        accumulator's own buffer (a close needs no second one); the round is then empty."""
+        out = self._merged(in_place=True)
+        self._acc = None
+        self.reset()
+        return out
+
+    def _merged(self, in_place: bool) -> FragmentVector:
         if self.count == 0:
             raise ValueError("empty round: add() at least one contribution before result()")
         rda, W = self._rda_mask, self.total_weight
@@ -266,7 +277,7 @@ class RoundAccumulator:
             scales = np.where(
                 rda, np.where(dir_norms > 0, self._norm_sum / W / dir_norms, 0.0), 1.0 / W
             )
-        out = aligned_empty(self._acc.size)  # outer_step hands it to XLA without a copy
+        out = self._acc if in_place else np.empty(self._acc.size, np.float32)
         for o, e, sc in zip(
             self.segments.offsets.tolist(), self.segments.ends.tolist(), scales.astype(np.float32)
         ):

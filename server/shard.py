@@ -34,7 +34,15 @@ from atoll.server.fragment import Answer, Fragment
 from atoll.server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
 from atoll.wire import codec
 from atoll.wire.plan import FragmentPlan
-from atoll.wire.records import LOG_CLOSE, LOG_INIT, LOG_PLAN, LOG_PUSH, log_record, parse_log_record
+from atoll.wire.records import (
+    LOG_CLOSE,
+    LOG_INIT,
+    LOG_PLAN,
+    LOG_PUSH,
+    log_record,
+    log_record_parts,
+    parse_log_record,
+)
 
 FIRST_ROUND_GRACE_PERIODS = 1.5  # how long a fragment's first round waits for every live learner
 ACCEPTED_CODECS = (codec.Codec.INT4, codec.Codec.MXFP4, codec.Codec.FP32)
@@ -330,7 +338,7 @@ class Shard:
             raise ValueError(problem)
         return codes
 
-    def _write(self, records: list[bytes]) -> int:
+    def _write(self, records: list[storage.Record]) -> int:
         """Writes records to the log (not yet durable); returns the last one's LSN."""
         try:
             lsns: list[int] = self.wal.write_many(records)
@@ -664,7 +672,7 @@ class Shard:
                 )
                 durable_at = self._write(
                     [
-                        log_record(
+                        log_record_parts(
                             LOG_PUSH,
                             {
                                 "fragment": h.fragment,

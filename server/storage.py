@@ -65,7 +65,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -95,6 +95,11 @@ class LogFailed(StorageError):
     """An earlier write or fsync failed; reopen the log to recover."""
 
 
+Record: TypeAlias = bytes | memoryview | tuple[bytes | memoryview, ...]
+"""One log record: its bytes, or parts written back to back as one record (no copy
+joins them)."""
+
+
 class Log(Protocol):
     """What the shard needs of a write-ahead log; tests/test_storage.py is the contract."""
 
@@ -104,9 +109,9 @@ class Log(Protocol):
     def last_lsn(self) -> int: ...  # newest durable LSN, 0 if none was ever written
     @property
     def written_lsn(self) -> int: ...  # newest LSN written, durable or not yet
-    def append(self, record: bytes) -> int: ...
-    def append_many(self, records: Iterable[bytes]) -> list[int]: ...
-    def write_many(self, records: Iterable[bytes]) -> list[int]: ...  # written, not yet durable
+    def append(self, record: Record) -> int: ...
+    def append_many(self, records: Iterable[Record]) -> list[int]: ...
+    def write_many(self, records: Iterable[Record]) -> list[int]: ...  # written, not yet durable
     def sync(self, lsn: int) -> float | None: ...  # durable through lsn (group commit)
     def replay(self, after_lsn: int = 0) -> Iterator[tuple[int, bytes]]: ...
     def truncate_through(self, lsn: int) -> int: ...
@@ -171,10 +176,17 @@ _SEGMENT = re.compile(r"^(\d{20})\.wal$")  # named by the LSN of its first recor
 _CHUNK = 1 << 20
 
 
-def encode_frame_header(lsn: int, payload: bytes | memoryview) -> bytes:
+def _parts(record: Record) -> list[memoryview]:
+    return [memoryview(r).cast("B") for r in (record if isinstance(record, tuple) else (record,))]
+
+
+def encode_frame_header(lsn: int, payload: Record) -> bytes:
     """The header written before `payload` as record `lsn` (tests forge tails with it)."""
-    size = memoryview(payload).nbytes
-    crc = zlib.crc32(payload, zlib.crc32(struct.pack("<QQ", size, lsn)))
+    parts = _parts(payload)
+    size = sum(p.nbytes for p in parts)
+    crc = zlib.crc32(struct.pack("<QQ", size, lsn))
+    for part in parts:
+        crc = zlib.crc32(part, crc)
     return _FRAME.pack(_FRAME_MAGIC, size, lsn, crc)
 
 
@@ -316,11 +328,11 @@ class WriteAheadLog:
         with self._mutex:
             return self._durable_lsn
 
-    def append(self, record: bytes | memoryview) -> int:
+    def append(self, record: Record) -> int:
         """Writes one record durably and returns its LSN (see the module's guarantees)."""
         return self.append_many([record])[0]
 
-    def append_many(self, records: Iterable[bytes | memoryview]) -> list[int]:
+    def append_many(self, records: Iterable[Record]) -> list[int]:
         """Writes records durably with one fsync, consecutive LSNs, and returns them."""
         lsns = self.write_many(records)
         if lsns:
@@ -336,22 +348,24 @@ class WriteAheadLog:
         if self._fd is None:
             raise StorageError(f"the log in {self.directory} is closed")
 
-    def write_many(self, records: Iterable[bytes | memoryview]) -> list[int]:
+    def write_many(self, records: Iterable[Record]) -> list[int]:
         """Writes records with consecutive LSNs and returns them, without waiting for the
         disk: they are durable (guarantee 1) only once `sync` of the last one returns."""
-        views = [memoryview(r).cast("B") for r in records]
+        records = list(records)
         with self._mutex:
             self._check_open()
             try:
                 lsns = []
-                for view in views:
-                    frame_bytes = _FRAME.size + len(view)
+                for record in records:
+                    parts = _parts(record)
+                    frame_bytes = _FRAME.size + sum(p.nbytes for p in parts)
                     if self._size and self._size + frame_bytes > self.segment_bytes:
                         self._rotate()
                     fd = self._fd
                     assert fd is not None  # checked open; a rotation opens the next segment
-                    _write_all(fd, memoryview(encode_frame_header(self._next_lsn, view)))
-                    _write_all(fd, view)
+                    _write_all(fd, memoryview(encode_frame_header(self._next_lsn, record)))
+                    for part in parts:
+                        _write_all(fd, part)
                     self._size += frame_bytes
                     lsns.append(self._next_lsn)
                     self._next_lsn += 1

@@ -242,6 +242,20 @@ def test_a_round_holds_its_accumulator_only_while_open():
         RoundAccumulator.from_state(acc.state()._replace(count=1, total_weight=1.0), seg)
 
 
+def test_take_is_result_in_the_accumulators_buffer_and_empties_the_round():
+    rng = np.random.default_rng(14)
+    seg = Segments.from_sizes([700, 3, 1500], embedding=[False, True, False])
+    acc = RoundAccumulator(seg)
+    for d, w in zip(rand_deltas(rng, 3, seg.size), (1.0, 2.5, 0.5)):
+        acc.add(d, w)
+    want = acc.result()
+    got = acc.take()
+    assert got.tobytes() == want.tobytes()
+    assert acc.count == 0 and acc.total_weight == 0.0 and acc.state().acc.size == 0
+    with pytest.raises(ValueError, match="empty round"):
+        acc.take()
+
+
 def _same_state(a: RoundAccumulator, b: RoundAccumulator) -> bool:
     return all(
         np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(a.state(), b.state())

@@ -170,7 +170,8 @@ def test_concurrent_pushes_share_fsyncs_and_are_acked_only_once_durable(
         records = list(records)
         lsns = real_write(records)
         for lsn, r in zip(lsns, records):
-            kind, meta, _ = parse_log_record(bytes(r))
+            whole = b"".join(r) if isinstance(r, tuple) else bytes(r)
+            kind, meta, _ = parse_log_record(whole)
             if "learner" in meta:
                 written[(meta["learner"], meta["fragment"])] = lsn
         return lsns

@@ -55,7 +55,8 @@ class MemoryLog:
             start = self.records[-1][0] + 1 if self.records else self.first
             out = []
             for i, r in enumerate(records):
-                self.records.append((start + i, bytes(r)))
+                whole = b"".join(bytes(x) for x in r) if isinstance(r, tuple) else bytes(r)
+                self.records.append((start + i, whole))
                 out.append(start + i)
             return out
 

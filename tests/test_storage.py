@@ -548,6 +548,16 @@ def test_frame_header_covers_length_and_lsn():
     assert (magic, size, lsn) == (b"AWAL", 3, 7)
 
 
+def test_a_record_written_in_parts_is_one_record(backend):
+    # a push's head and frame go to disk back to back, with no copy joining them
+    with backend.open_log() as wal:
+        wal.append_many([(b"head:", memoryview(b"frame bytes")), b"whole", (b"",)])
+        assert records_of(wal) == {1: b"head:frame bytes", 2: b"whole", 3: b""}
+    assert encode_frame_header(4, (b"ab", b"c")) == encode_frame_header(4, b"abc")
+    with backend.open_log() as wal:  # and replays so after a reopen
+        assert records_of(wal)[1] == b"head:frame bytes"
+
+
 def test_an_abandoned_store_releases_its_directory(backend):
     """Dropping an object without close() (an in-process "crash") frees the directory."""
     wal, store = backend.open_log(), backend.open_snapshots()

@@ -149,8 +149,14 @@ _LOG_HEADER = struct.Struct("<BI")
 
 def log_record(kind: int, meta: dict[str, Any], payload: bytes = b"") -> bytes:
     """One write-ahead log record: its kind, JSON metadata and payload."""
+    return b"".join(log_record_parts(kind, meta, payload))
+
+
+def log_record_parts(kind: int, meta: dict[str, Any], payload: bytes = b"") -> tuple[bytes, bytes]:
+    """`log_record` as (head, payload), for a log that writes parts as one record: a
+    push's frame goes to disk without being copied behind its head first."""
     body = json.dumps(meta, separators=(",", ":")).encode()
-    return _LOG_HEADER.pack(kind, len(body)) + body + payload
+    return _LOG_HEADER.pack(kind, len(body)) + body, payload
 
 
 def parse_log_record(record: bytes | memoryview) -> tuple[int, dict[str, Any], memoryview]:
