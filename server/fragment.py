@@ -4,10 +4,12 @@ published copy and delta ring.
 Every change goes through `initialize`, `contribute` or `close_round`, the same
 three calls that replaying the write-ahead log makes, in log order; that is what
 makes recovery bit-identical. Nothing here does I/O, reads a clock or locks: the
-shard does those around it (one lock per fragment). Arrays a snapshot or pull may hold
-are never written in place: params and the optimiser state are fresh each outer step,
-the published copy is replaced by each close, ring frames are bytes; only the round
-accumulator changes in place, and `state()` copies it.
+shard does those around it (one lock per fragment). Arrays a snapshot or pull holds
+are never written: a caller reading params, optimiser state or the published copy
+outside the fragment's lock `lend`s them first and `give_back`s them after, and a close
+while any are lent makes fresh arrays instead of stepping in place (ring frames are
+bytes; the round accumulator changes in place, and `state()` copies it). A close with
+nothing lent writes over the old arrays: the same bits, no new memory to fault in.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class Fragment:
         self.round_state = rules.open_round()  # who is in the open round, and since when
         self.full_weight = 0.0  # Σ token weights of the open round before staleness discounts
         self.last_round_size = 0  # learners merged into the round that made `version`
+        self.lent = 0  # loans of params, optimiser state or published copy not given back
         self.answers: dict[str, Answer] = {}  # learner -> answer to its newest accepted push
         self.refusals: dict[str, Answer] = {}  # learner -> its newest refused push (not durable)
 
@@ -120,19 +123,20 @@ class Fragment:
         merged = self.round.take()  # in the accumulator's buffer; the round is now empty
         if shrink != 1.0:
             np.multiply(merged, np.float32(shrink), out=merged)
+        in_place = self.lent == 0  # nobody reads the old arrays: step over them
         self.params, self.opt_state = merge.outer_step(
-            self.params, self.opt_state, merged, self.opt
+            self.params, self.opt_state, merged, self.opt, in_place=in_place
         )
         # The published copy follows params through quantised deltas; what a delta
         # fails to carry stays in params − published and goes out with the next one.
-        published = np.subtract(self.params, self.published)
-        frame: bytes = codec.encode(published, self.publish_codec)
-        # a new array, not written in place: a snapshot or pull taken earlier may still read the
-        # old one (the difference's buffer, reused). published + 1.0 × each value: the bits a
-        # learner's decode_into(frame, held, 1.0) gives
-        np.copyto(published, self.published)
-        codec.decode_into(frame, published, 1.0)
-        self.published = published
+        diff = np.subtract(self.params, self.published, out=merged)  # merged is spent
+        frame: bytes = codec.encode(diff, self.publish_codec)
+        # published + 1.0 × each value: the bits a learner's decode_into(frame, held, 1.0)
+        # gives; into the old copy, or (lent) into the difference's buffer over a copy of it
+        if not in_place:
+            np.copyto(diff, self.published)
+            self.published = diff
+        codec.decode_into(frame, self.published, 1.0)
         self.version += 1
         self.ring.append((self.version, frame))
         self.round_state = rules.open_round()
@@ -140,6 +144,15 @@ class Fragment:
         if trigger in self.answers:
             self.answers[trigger] = dataclasses.replace(self.answers[trigger], version=self.version)
         return frame
+
+    def lend(self) -> None:
+        """Params, optimiser state and published copy are read outside the fragment's lock
+        until `give_back`: closes leave them unwritten meanwhile."""
+        self.lent += 1
+
+    def give_back(self) -> None:
+        assert self.lent > 0, "give_back without lend"
+        self.lent -= 1
 
     def restamp(self, contributors: Iterable[str], now: float) -> rules.RoundState:
         """The open round holding `contributors`, as if they had all pushed at `now`

@@ -42,17 +42,6 @@ OuterState: TypeAlias = optax.OptState  # the outer optimiser's state for one fr
 Weight = float  # a push's merge weight, > 0: rules.token_weight × staleness discount
 
 CHUNK = 1 << 16  # elements per pass of add_scaled: 256 KiB of float32 scratch stays in L2
-ALIGN = 64  # bytes: XLA's CPU client adopts a host array this aligned instead of copying it
-
-
-def aligned_empty(size: int) -> np.ndarray:
-    """An uninitialised float32 vector starting on an ALIGN-byte boundary.
-
-    numpy's large arrays start 16 bytes into their mapping, so `jax.device_put` copies
-    them (a fresh buffer, ~13k page faults per 50 MB); this one it takes as it is."""
-    raw = np.empty(size * 4 + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    return raw[start : start + size * 4].view(np.float32)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -357,7 +346,7 @@ class OuterOptimizer:
     def init(self, params: npt.ArrayLike) -> OuterState:
         """Zero momentum (and round counter), as numpy arrays in `reference`'s layout."""
         state = self.reference.init(jnp.zeros_like(jnp.asarray(params, jnp.float32)))
-        return jax.tree_util.tree_map(np.asarray, state)
+        return jax.tree_util.tree_map(np.array, state)  # copies: numpy's own, writable
 
 
 def outer_optimizer(
@@ -439,6 +428,8 @@ def outer_step(
     opt_state: OuterState,
     outer_grad: OuterGrad,
     opt: OuterOptimizer | optax.GradientTransformation,
+    *,
+    in_place: bool = False,
 ) -> tuple[FragmentVector, OuterState]:
     """One outer step: params − lr·(Nesterov-momentum Δ); pure and bit-deterministic.
 
@@ -448,10 +439,13 @@ def outer_step(
       outer_grad: merged Δ = Θ_base − θ_learner (points like a gradient: uphill).
       opt: usually `outer_optimizer()`, run by the C kernel in one pass; an optax
         transformation runs through XLA instead (one jit compile per (opt, size)).
+      in_place: write the new params and momentum over the old ones (an `OuterOptimizer`
+        and writable float32 params and momentum only): for a caller that knows nobody
+        else reads them. The same bits either way.
 
     Returns:
-      (new params as a fresh float32 numpy vector, new optimiser state); the inputs are
-      not written.
+      (new params, new optimiser state); fresh arrays, the inputs not written, unless
+      `in_place`.
 
     Example:
       >>> opt = outer_optimizer(lr=1.0, momentum=0.0)
@@ -463,6 +457,8 @@ def outer_step(
     if p.shape != g.shape or p.ndim != 1:
         raise ValueError(f"params {p.shape} and outer_grad {g.shape}: want equal 1-D shapes")
     if not isinstance(opt, OuterOptimizer):
+        if in_place:
+            raise ValueError("in_place takes an OuterOptimizer (the C kernel)")
         # device_put adopts aligned inputs without copying; the params come back as a view
         # of XLA's own (aligned) buffer.
         xla_p, xla_state = _step(jax.device_put(p), opt_state, jax.device_put(g), opt)
@@ -471,7 +467,12 @@ def outer_step(
     if m.shape != p.shape or m.dtype != np.float32:
         raise ValueError(f"momentum {m.dtype}{m.shape} does not fit params {p.shape}")
     first, due = rounds == 0, rounds + 1 >= opt.delay
-    new_p, new_m = aligned_empty(p.size), aligned_empty(p.size)
+    if in_place:
+        if not (p.flags.writeable and m.flags.writeable and p is params):
+            raise ValueError("in_place needs writable float32 params and momentum")
+        new_p, new_m = p, m  # each value is read before it is written, at the same index
+    else:
+        new_p, new_m = np.empty_like(p), np.empty_like(m)
 
     def run(i: int) -> None:
         a, b = i * STEP_CHUNK, min((i + 1) * STEP_CHUNK, p.size)

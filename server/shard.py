@@ -392,8 +392,9 @@ class Shard:
 
         Each fragment is captured under its own lock alone, at the log's newest LSN at
         that moment (its state then holds exactly its records up to that LSN); only the
-        round accumulator is copied, since params, opt state and ring frames are never
-        changed in place and the published copy is replaced, not written, by a close.
+        round accumulator is copied: params, opt state and the published copy are lent
+        (`Fragment.lend`) until the snapshot is written, so closes meanwhile make fresh
+        ones instead of stepping over them, and ring frames are bytes.
         The records captured are made durable before the snapshot names them; the
         snapshot's LSN is the oldest fragment LSN, and replay skips each fragment's
         records up to its own."""
@@ -406,18 +407,26 @@ class Shard:
                 "fragment_lsns": {},
             }
             arrays: dict[str, np.ndarray] = {}
-            for p in sorted(self.fragments):
-                with self.frag_locks[p]:
-                    fmeta, farrays = self.fragments[p].state()
-                    meta["fragment_lsns"][str(p)] = self.wal.written_lsn
-                meta["fragments"][str(p)] = fmeta
-                arrays.update({f"f{p}.{k}": v for k, v in farrays.items()})
-            lsns = list(meta["fragment_lsns"].values()) or [self.wal.written_lsn]
-            if max(lsns) > 0:
-                self._sync(max(lsns))
-            with self.metrics.snapshot_seconds.time():
-                self.snapshots.save(min(lsns), meta, arrays)
-            del arrays
+            lent: list[int] = []  # fragments whose arrays this snapshot reads unlocked
+            try:
+                for p in sorted(self.fragments):
+                    with self.frag_locks[p]:
+                        fmeta, farrays = self.fragments[p].state()
+                        meta["fragment_lsns"][str(p)] = self.wal.written_lsn
+                        self.fragments[p].lend()
+                        lent.append(p)
+                    meta["fragments"][str(p)] = fmeta
+                    arrays.update({f"f{p}.{k}": v for k, v in farrays.items()})
+                lsns = list(meta["fragment_lsns"].values()) or [self.wal.written_lsn]
+                if max(lsns) > 0:
+                    self._sync(max(lsns))
+                with self.metrics.snapshot_seconds.time():
+                    self.snapshots.save(min(lsns), meta, arrays)
+            finally:
+                del arrays
+                for p in lent:
+                    with self.frag_locks[p]:
+                        self.fragments[p].give_back()
             self.wal.truncate_through(self.snapshots.truncatable_lsn())
 
     def _snapshot_in_background(self) -> None:
@@ -841,14 +850,18 @@ class Shard:
                     f"have_version {have_version} is ahead of fragment {p}'s version {version}",
                 )
             deltas = None if have_version is None else frag.deltas_since(have_version)
-            published = (
-                frag.published
-            )  # replaced, never written, by a close: encoded outside the lock
+            published = frag.published
+            if deltas is None:
+                frag.lend()  # encoded outside the lock: no close writes it meanwhile
         assert published is not None  # _fragment checked it is initialized
         if deltas is not None:
             out = [(v, frag.publish_codec, f) for v, f in deltas]
         else:
-            out = [(version, codec.Codec.FP32, codec.encode(published, codec.Codec.FP32))]
+            try:
+                out = [(version, codec.Codec.FP32, codec.encode(published, codec.Codec.FP32))]
+            finally:
+                with self.frag_locks[p]:
+                    frag.give_back()
         self.metrics.bytes_out.inc(sum(len(f) for _, _, f in out))
         return version, deltas is None, out
 

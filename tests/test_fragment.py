@@ -189,7 +189,9 @@ def test_close_round_publishes_a_delta_taking_old_published_to_new_bit_for_bit(p
     for r in range(4):
         old_published, old_params = frag.published, frag.params
         old_bytes = old_published.tobytes()
+        frag.lend()  # read after the close: lent, as a snapshot or pull does
         frame = _round(frag, r)
+        frag.give_back()
         assert frag.version == r + 1 and frag.last_round_size == 3
         assert frag.ring[-1] == (frag.version, frame)
         assert codec.frame_info(frame).codec == codec.Codec.INT4
@@ -348,10 +350,10 @@ def test_contributing_twice_to_one_round_is_refused(plan):
 def test_deltas_since_chains_to_the_published_copy_until_the_ring_runs_out(plan):
     ring = 3
     frag = _fragment(plan, ring=ring)
-    published = {0: frag.published}
+    published = {0: frag.published.copy()}
     for r in range(6):
         _round(frag, r)
-        published[frag.version] = frag.published
+        published[frag.version] = frag.published.copy()  # closes step it in place
         v = frag.version
         for have in range(0, v + 1):
             chain = frag.deltas_since(have)
@@ -494,3 +496,35 @@ def test_codes_and_float32_vectors_of_the_same_push_give_the_same_bits(plan):
             )
         assert by_codes.close_round(trigger="b") == by_vector.close_round(trigger="b")
     assert _everything(by_codes) == _everything(by_vector)
+
+
+@pytest.mark.parametrize("delay", [1, 2])
+def test_a_close_steps_in_place_unless_lent_and_either_way_gives_the_same_bits(plan, delay):
+    """Closes with nothing lent write over params, momentum and the published copy; with
+    them lent (a snapshot or pull reading them unlocked) they leave those arrays as they
+    were and make fresh ones. The bits are the same."""
+    owned, lent = _fragment(plan, delay=delay), _fragment(plan, delay=delay)
+    for r in range(5):
+        held = {
+            "params": owned.params,
+            "published": owned.published,
+            "momentum": jax.tree_util.tree_leaves(owned.opt_state)[-1],
+        }
+        lent.lend()
+        loaned = {
+            "params": lent.params,
+            "published": lent.published,
+            "momentum": jax.tree_util.tree_leaves(lent.opt_state)[-1],
+        }
+        before = {k: np.array(v) for k, v in loaned.items()}
+        assert _round(owned, r) == _round(lent, r)
+        # owned: the same arrays, stepped; lent: untouched, and replaced by fresh ones
+        assert owned.params is held["params"] and owned.published is held["published"]
+        assert jax.tree_util.tree_leaves(owned.opt_state)[-1] is held["momentum"]
+        for k, v in loaned.items():
+            assert v.tobytes() == before[k].tobytes(), k
+        assert lent.params is not loaned["params"] and lent.published is not loaned["published"]
+        lent.give_back()
+        assert _everything(owned) == _everything(lent)
+    with pytest.raises(AssertionError, match="without lend"):
+        owned.give_back()

@@ -249,3 +249,41 @@ def test_the_fake_clock_drives_leases():
     clock.now += 6.0  # l1's lease lapses: the round holding l0 closes below quorum
     shard.tick()
     assert shard.fragments[0].version == 2
+
+
+class SlowSnapshots(MemorySnapshots):
+    """A snapshot store whose writes wait for `go`: closes happen while one is written."""
+
+    def __init__(self):
+        super().__init__()
+        self.writing, self.go = threading.Event(), threading.Event()
+
+    def save(self, lsn, meta, arrays):
+        self.writing.set()
+        assert self.go.wait(10)
+        return super().save(lsn, meta, arrays)
+
+
+def test_closes_while_a_snapshot_is_written_leave_what_it_captured_unchanged():
+    # closes step params, momentum and the published copy in place, except while a
+    # snapshot (or pull) has them lent: the snapshot written is the state it captured
+    log, snaps, clock = MemoryLog(), SlowSnapshots(), Clock()
+    shard = _shard(log, snaps, clock, snapshot_every=1000)
+    _seed(shard)
+    _rounds(shard, 2)
+    captured = _state(shard)
+    writer = threading.Thread(target=shard._snapshot)
+    writer.start()
+    assert snaps.writing.wait(10)
+    _rounds(shard, 2, first=2)  # closes while the snapshot's arrays are lent
+    after = _state(shard)
+    snaps.go.set()
+    writer.join(10)
+    saved = snaps.saved[-1].arrays
+    for p, (version, params, published) in captured.items():
+        assert saved[f"f{p}.params"].tobytes() == params
+        assert saved[f"f{p}.published"].tobytes() == published
+        assert after[p][0] == version + 2 and after[p][1] != params
+    assert all(f.lent == 0 for f in shard.fragments.values())
+    _rounds(shard, 1, first=4)  # given back: closes step in place again
+    assert all(f.lent == 0 for f in shard.fragments.values())

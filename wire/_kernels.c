@@ -766,32 +766,42 @@ done:
  * g / delay into g * float32(1 / delay), so this spells out exactly those roundings.
  *   delay 1:  m' = fma(beta, m, g),            p' = fma(-lr, fma(beta, m', g), p)
  *   delay N:  m' = fma(g, 1/N, round(beta * m)) on a cycle's first round, fma(g, 1/N, m) after;
- *             p' = fma(-lr, fma(beta, m', g), p) on its last round, fma(-lr, g, p) before. */
+ *             p' = fma(-lr, fma(beta, m', g), p) on its last round, fma(-lr, g, p) before.
+ * The outputs may be the inputs (p_out = p, m_out = m): each value is read before it is
+ * written, at the same index. */
+/* One value of the step (see outer_step); inlined into both loops below. */
+INLINE void outer_value(float p, float g, float m, float *p_out, float *m_out, float lr, float beta,
+                        long delay, float r, int first, int due) {
+    float mi = delay == 1 ? __builtin_fmaf(beta, m, g) : __builtin_fmaf(g, r, first ? beta * m : m);
+    *m_out = mi;
+    *p_out = __builtin_fmaf(-lr, due ? __builtin_fmaf(beta, mi, g) : g, p);
+}
+
 HOT static void outer_step(const float *restrict p, const float *restrict g, const float *restrict m,
                            float *restrict p_out, float *restrict m_out, Py_ssize_t n, float lr,
                            float beta, long delay, int first, int due) {
-    if (delay == 1) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            float mi = __builtin_fmaf(beta, m[i], g[i]);
-            m_out[i] = mi;
-            p_out[i] = __builtin_fmaf(-lr, __builtin_fmaf(beta, mi, g[i]), p[i]);
-        }
-        return;
-    }
     float r = 1.0f / (float)delay;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        float bm = beta * m[i];
-        float mi = __builtin_fmaf(g[i], r, first ? bm : m[i]);
-        m_out[i] = mi;
-        p_out[i] = __builtin_fmaf(-lr, due ? __builtin_fmaf(beta, mi, g[i]) : g[i], p[i]);
-    }
+    for (Py_ssize_t i = 0; i < n; i++) outer_value(p[i], g[i], m[i], p_out + i, m_out + i, lr, beta, delay, r, first, due);
+}
+
+/* outer_step with p_out = p and m_out = m: each value is read before it is written. */
+HOT static void outer_step_in_place(float *restrict p, const float *restrict g, float *restrict m,
+                                    Py_ssize_t n, float lr, float beta, long delay, int first, int due) {
+    float r = 1.0f / (float)delay;
+    for (Py_ssize_t i = 0; i < n; i++) outer_value(p[i], g[i], m[i], p + i, m + i, lr, beta, delay, r, first, due);
 }
 
 PyDoc_STRVAR(outer_step_doc,
 "outer_step(params, grad, momentum, params_out, momentum_out, lr, beta, delay, first, due)\n\n"
 "One outer step over equal-length float32 vectors: params_out and momentum_out get the\n"
 "new params and momentum (see the C source for the exact roundings). delay >= 1; first:\n"
-"the first round of a momentum cycle; due: its last (both true for delay 1).");
+"the first round of a momentum cycle; due: its last (both true for delay 1). The outputs\n"
+"may be the inputs themselves (an update in place).");
+
+INLINE int buffers_overlap(const Py_buffer *x, const Py_buffer *y) {
+    const char *a = x->buf, *b = y->buf;
+    return a < b + y->len && b < a + x->len;
+}
 
 static PyObject *py_outer_step(PyObject *self, PyObject *args) {
     Py_buffer b[5] = {{0}};
@@ -808,8 +818,18 @@ static PyObject *py_outer_step(PyObject *self, PyObject *args) {
             goto done;
         }
     if (delay < 1) { PyErr_SetString(PyExc_ValueError, "outer_step: delay must be >= 1"); goto done; }
+    /* in place: params_out is params and momentum_out is momentum; otherwise no output may
+     * share a byte with another buffer (the loops assume no aliasing) */
+    int in_place = b[3].buf == b[0].buf && b[4].buf == b[2].buf, n = in_place ? 3 : 5;
+    for (int i = 0; i < n; i++)
+        for (int k = i + 1; k < n; k++)
+            if ((in_place || i >= 3 || k >= 3) && buffers_overlap(&b[i], &b[k])) {
+                PyErr_SetString(PyExc_ValueError, "outer_step: buffers overlap other than in place");
+                goto done;
+            }
     Py_BEGIN_ALLOW_THREADS
-    outer_step(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, len / 4, lr, beta, delay, first, due);
+    if (in_place) outer_step_in_place(b[3].buf, b[1].buf, b[4].buf, len / 4, lr, beta, delay, first, due);
+    else outer_step(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, len / 4, lr, beta, delay, first, due);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
