@@ -44,8 +44,8 @@ import numpy as np
 
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
-from atoll.wire.client import IncompletePull, Pulled, ShardClient
-from atoll.wire.plan import FragmentPlan
+from atoll.wire.client import MAP_VERSION_KEY, OWNER_KEY, IncompletePull, Pulled, ShardClient
+from atoll.wire.plan import FragmentMap, FragmentPlan
 
 log = logging.getLogger("atoll.learner")
 Params = dict  # nested str-keyed dict of arrays, the model's parameter tree
@@ -220,6 +220,12 @@ class Synchronizer:
     ):
         self.cfg, self.plan, self.clients, self.on_push = cfg, plan, clients, on_push
         self.num_shards = len(clients)
+        try:  # where each fragment is: p mod S until a shard names a newer map
+            self.fragment_map = FragmentMap.modulo(plan.num_fragments, self.num_shards)
+        except ValueError as e:
+            raise SyncError(
+                f"{self.num_shards} shards for {plan.num_fragments} fragments: {e}"
+            ) from None
         self.offsets = offsets(plan.num_fragments, cfg.period)
         self.frags = [
             _Fragment(p, plan.fragment_sizes[p], cfg.codec) for p in range(plan.num_fragments)
@@ -249,7 +255,42 @@ class Synchronizer:
         self._watches: list[grpc.Future] = []  # open Watch calls, cancelled by close()
 
     def client_of(self, p: int) -> ShardClient:
-        return self.clients[p % self.num_shards]
+        return self.clients[self.shard_of(p)]
+
+    def shard_of(self, p: int) -> int:
+        """The shard that owns fragment p, by the newest fragment map seen."""
+        return self.fragment_map.owner(p)
+
+    def _follow(self, new: FragmentMap) -> None:
+        """Routes by `new` if it is newer than the map held (docs/resharding.md)."""
+        with self.lock:
+            if new.version <= self.fragment_map.version:
+                return
+            if new.num_fragments != self.plan.num_fragments or max(new.owners) >= self.num_shards:
+                raise SyncError(
+                    f"fragment map version {new.version} names shards {sorted(set(new.owners))} "
+                    f"for {new.num_fragments} fragments; this learner was given "
+                    f"{self.num_shards} shards for {self.plan.num_fragments}"
+                )
+            old, self.fragment_map = self.fragment_map, new
+        moved = [p for p, (a, b) in enumerate(zip(old.owners, new.owners)) if a != b]
+        log.info("fragment map version %d: fragments %s moved", new.version, moved)
+
+    def _moved(self, p: int, e: grpc.RpcError) -> bool:
+        """Follows a refusal naming fragment p's owner under a newer map; True if it did."""
+        if p < 0 or e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            return False
+        trailing = dict(e.trailing_metadata() or ())
+        try:
+            owner, version = int(trailing[OWNER_KEY]), int(trailing[MAP_VERSION_KEY])
+        except (KeyError, ValueError):
+            return False
+        if version <= self.fragment_map.version or not 0 <= owner < self.num_shards:
+            return False
+        owners = list(self.fragment_map.owners)
+        owners[p] = owner
+        self._follow(FragmentMap(version, tuple(owners)))
+        return True
 
     # --- joining ---
 
@@ -270,6 +311,8 @@ class Synchronizer:
                     f"has {self.plan.fingerprint}: model preset or fragment count differ"
                 )
             seeded.update(f.fragment for f in d.fragments if f.initialized)
+            if d.map_version > 0 and len(d.owners) == self.plan.num_fragments:
+                self._follow(FragmentMap(d.map_version, tuple(d.owners)))
         return seeded
 
     def join(self, params: Params) -> Params:
@@ -280,13 +323,14 @@ class Synchronizer:
             if p in seeded:  # someone seeded it already: no need to offer our copy
                 continue
             frame = codec.encode(vector, codec.Codec.FP32)
-            client = self.client_of(p)
             answer = self._retry(
-                lambda: client.init(self.plan, p, frame, codec.Codec.FP32), f"init fragment {p}"
+                lambda: self.client_of(p).init(self.plan, p, frame, codec.Codec.FP32),
+                f"init fragment {p}",
+                fragment=p,
             )
             self._count("bytes_sent", len(frame))
             if answer.created:
-                log.info("seeded fragment %d on shard %d", p, p % self.num_shards)
+                log.info("seeded fragment %d on shard %d", p, self.shard_of(p))
         for p, frag in enumerate(self.frags):
             pulled = self._pull(p, None)
             # a restarted learner's seqs go on from its newest answered push: no clock involved
@@ -452,7 +496,7 @@ class Synchronizer:
         last: bool = False,
     ) -> _Outcome:
         """Push, wait for the round holding it, pull: the background half of one sync."""
-        p, client = frag.p, self.client_of(frag.p)
+        p = frag.p
         # after giving up on a round that holds our last push, only what came since counts
         origin = frag.base if frag.origin is None else frag.origin
         frame = frag.ef.encode(origin - theta)
@@ -470,7 +514,11 @@ class Synchronizer:
             period_steps=self.cfg.period,
             last=last,
         )
-        ack = self._retry(lambda: client.push(header, frame), f"push fragment {p}")
+        # a retry goes to p's owner by the newest map: the same seq, so a push that reached
+        # the old owner first is answered once, from the state that moved with p
+        ack = self._retry(
+            lambda: self.client_of(p).push(header, frame), f"push fragment {p}", fragment=p
+        )
         if ack.cadence_seconds > 0:
             self.cadence_seconds = ack.cadence_seconds
         # the fragment's schedule, from the shard (relative: no clock in common needed)
@@ -482,7 +530,7 @@ class Synchronizer:
                 {
                     "fragment": p,
                     "seq": seq,
-                    "shard": p % self.num_shards,
+                    "shard": self.shard_of(p),
                     "accepted": ack.accepted,
                     "reason": pb.PushReason.Name(ack.reason),
                     "base_version": frag.version,
@@ -560,7 +608,9 @@ class Synchronizer:
             frag.due_at = time.monotonic() + pulled.next_due_seconds
 
     def _pull(self, p: int, have: int | None) -> Pulled:
-        pulled = self._retry(lambda: self.client_of(p).pull(p, have), f"pull fragment {p}")
+        pulled = self._retry(
+            lambda: self.client_of(p).pull(p, have), f"pull fragment {p}", fragment=p
+        )
         self._count("bytes_received", sum(len(f) for _, _, f in pulled.frames))
         return pulled
 
@@ -568,7 +618,7 @@ class Synchronizer:
 
     def _start_watchers(self) -> None:
         for i, client in enumerate(self.clients):
-            mine = [p for p in range(self.plan.num_fragments) if p % self.num_shards == i]
+            mine = [p for p in range(self.plan.num_fragments) if self.shard_of(p) == i]
             threading.Thread(
                 target=self._watch, args=(client, mine), name=f"watch-{i}", daemon=True
             ).start()
@@ -634,13 +684,16 @@ class Synchronizer:
     def _backoff(self, attempt: int) -> float:
         return random.uniform(0, min(self.cfg.max_backoff, 0.1 * 2**attempt))  # full jitter
 
-    def _retry(self, call, what: str):
-        """Retries transient failures with jittered exponential backoff until stopped."""
+    def _retry(self, call, what: str, fragment: int = -1):
+        """Retries transient failures with jittered exponential backoff until stopped; a
+        call about `fragment` refused by a shard that names its new owner goes there."""
         attempt = 0
         while True:
             try:
                 return call()
             except grpc.RpcError as e:
+                if self._moved(fragment, e):
+                    continue
                 if e.code() not in RETRYABLE:
                     raise SyncError(f"{what}: {e.code().name}: {e.details()}") from None
                 error = f"{e.code().name}: {e.details()}"

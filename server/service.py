@@ -290,7 +290,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         self, context: grpc.aio.ServicerContext, method: str, e: ShardError
     ) -> NoReturn:
         self.shard.metrics.refused.labels(method, e.code.name).inc()
-        await context.abort(e.code, str(e))
+        await context.abort(e.code, str(e), trailing_metadata=e.metadata)
         raise AssertionError("context.abort returned")  # it always raises
 
     def _check_caller(self, context: grpc.aio.ServicerContext, learner_id: str) -> None:
@@ -581,6 +581,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             plan_fingerprint=plan.fingerprint if plan else "",
             num_fragments=plan.num_fragments if plan else 0,
             live_learners=d["live"],
+            map_version=d["fragment_map"].version if d["fragment_map"] else 0,
+            owners=d["fragment_map"].owners if d["fragment_map"] else (),
             settings=pb.Settings(
                 quorum=cfg.quorum,
                 grace_factor=cfg.grace_factor,

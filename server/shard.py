@@ -33,7 +33,8 @@ from atoll.server.config import ShardConfig
 from atoll.server.fragment import Answer, Fragment
 from atoll.server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
 from atoll.wire import codec
-from atoll.wire.plan import FragmentPlan
+from atoll.wire.client import MAP_VERSION_KEY, OWNER_KEY
+from atoll.wire.plan import FragmentMap, FragmentPlan
 from atoll.wire.records import (
     LOG_CLOSE,
     LOG_INIT,
@@ -119,9 +120,15 @@ class RecoveryError(RuntimeError):
 class ShardError(Exception):
     """A refused call: the gRPC status and a message saying what to fix."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ):
         super().__init__(message)
         self.code = code
+        self.metadata = metadata  # trailing metadata: what a client acts on (the owner)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +223,7 @@ class Shard:
     def _reset(self) -> None:
         """The state before recovery: no plan, no fragments, nothing replayed."""
         self.plan: FragmentPlan | None = None
+        self.fragment_map: FragmentMap | None = None  # who owns which fragment (with the plan)
         self.fragments: dict[int, Fragment] = {}
         # fragment -> learners whose last push of it came in (PushHeader.last); not durable:
         # after a restart they hold fresh leases like everyone else (under self.lock)
@@ -366,9 +374,18 @@ class Shard:
         log.error("%s", self.recovery_error)
         return ShardError(grpc.StatusCode.UNAVAILABLE, self.recovery_error)
 
-    def _adopt_plan(self, plan: FragmentPlan) -> None:
+    def _adopt_plan(self, plan: FragmentPlan, fragment_map: FragmentMap | None = None) -> None:
+        """Takes the plan and the fragment map (version 0, p mod S, unless given) and makes
+        the fragments the map gives this shard."""
+        if fragment_map is None:
+            fragment_map = FragmentMap.modulo(plan.num_fragments, self.cfg.num_shards)
+        if fragment_map.num_fragments != plan.num_fragments:
+            raise RuntimeError(
+                f"fragment map of {fragment_map.num_fragments} fragments for a plan of "
+                f"{plan.num_fragments}"
+            )
         fragments, locks = {}, {}
-        for p in plan.fragments_of_shard(self.cfg.shard_index, self.cfg.num_shards):
+        for p in fragment_map.fragments_of(self.cfg.shard_index):
             fragments[p] = Fragment(
                 p,
                 plan,
@@ -383,6 +400,7 @@ class Shard:
             locks[p] = threading.Lock()
             self.periods[p] = PeriodCount()
         self.fragments, self.frag_locks = fragments, locks
+        self.fragment_map = fragment_map
         self.plan = plan  # last: a call that sees the plan finds its fragments and locks
 
     # --- snapshots ---
@@ -401,6 +419,7 @@ class Shard:
         with self.snapshot_lock:
             meta: dict[str, Any] = {
                 "plan": self.plan.to_json() if self.plan else None,
+                "fragment_map": self.fragment_map.to_json() if self.fragment_map else None,
                 "shard_index": self.cfg.shard_index,
                 "num_shards": self.cfg.num_shards,
                 "fragments": {},
@@ -448,7 +467,11 @@ class Shard:
                 f"shard {self.cfg.shard_index} of {self.cfg.num_shards}; point --data-dir elsewhere"
             )
         if meta["plan"] is not None:
-            self._adopt_plan(FragmentPlan.from_json(meta["plan"]))
+            saved_map = meta.get("fragment_map")  # older snapshots: version 0, p mod S
+            self._adopt_plan(
+                FragmentPlan.from_json(meta["plan"]),
+                FragmentMap.from_json(saved_map) if saved_map else None,
+            )
         for key, fmeta in meta["fragments"].items():
             prefix = f"f{key}."
             self.fragments[int(key)].restore(
@@ -484,11 +507,14 @@ class Shard:
                 grpc.StatusCode.NOT_FOUND,
                 f"fragment {p} does not exist (the plan has {plan.num_fragments})",
             )
-        if plan.shard_of(p, self.cfg.num_shards) != self.cfg.shard_index:
+        owners = self.fragment_map or FragmentMap.modulo(plan.num_fragments, self.cfg.num_shards)
+        owner = owners.owner(p)
+        if owner != self.cfg.shard_index:
             raise ShardError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"fragment {p} lives on shard {plan.shard_of(p, self.cfg.num_shards)}, "
+                f"fragment {p} is on shard {owner} (map version {owners.version}), "
                 f"not shard {self.cfg.shard_index}",
+                metadata=((OWNER_KEY, str(owner)), (MAP_VERSION_KEY, str(owners.version))),
             )
 
     def _fragment(self, p: int, fingerprint: str | None = None, need_init: bool = True) -> Fragment:
@@ -915,6 +941,7 @@ class Shard:
             now = self.clock()
             return {
                 "plan": self.plan,
+                "fragment_map": self.fragment_map,
                 "fragments": {p: f for p, f in self.fragments.items()},
                 "live": sorted(rules.live_learners(self.last_seen, now, self.policy.lease_seconds)),
             }

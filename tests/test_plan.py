@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from atoll.wire.plan import FragmentPlan, Slot, TensorSpec, named_leaves
+from atoll.wire.plan import FragmentMap, FragmentPlan, Slot, TensorSpec, named_leaves
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -420,3 +420,33 @@ def test_tampered_json_rejected(edit, message):
 def test_malformed_json_rejected(text):
     with pytest.raises(ValueError):
         FragmentPlan.from_json(text)
+
+
+# -- the fragment map ---------------------------------------------------------------------
+
+
+def test_fragment_map_version_zero_is_p_mod_s_and_moves_make_the_next_version():
+    m = FragmentMap.modulo(6, 4)
+    assert (m.version, m.owners) == (0, (0, 1, 2, 3, 0, 1))
+    assert [m.fragments_of(s) for s in range(4)] == [(0, 4), (1, 5), (2,), (3,)]
+    moved = m.moved(5, 2)
+    assert (moved.version, moved.owner(5), moved.fragments_of(2)) == (1, 2, (2, 5))
+    assert m.owner(5) == 1  # the old version is unchanged
+    assert FragmentMap.from_json(json.loads(json.dumps(moved.to_json()))) == moved
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda M: M.modulo(3, 4),  # a shard would own nothing
+        lambda M: M.modulo(3, 0),
+        lambda M: M(-1, (0, 1)),
+        lambda M: M(0, ()),
+        lambda M: M(0, (0, -1)),
+        lambda M: M.modulo(3, 2).owner(3),
+        lambda M: M.modulo(3, 2).moved(-1, 0),
+    ],
+)
+def test_fragment_map_refuses_what_cannot_be(build):
+    with pytest.raises(ValueError):
+        build(FragmentMap)

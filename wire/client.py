@@ -25,6 +25,9 @@ from atoll.wire.plan import FragmentPlan
 
 CHUNK_BYTES = 1 << 20  # payload bytes per stream message
 MAX_MESSAGE_BYTES = 8 << 20  # must not exceed the shard's --max-message-bytes
+# Trailing metadata of a shard's FAILED_PRECONDITION for a fragment it does not own: the
+# owner's shard index and the fragment map version that says so (docs/resharding.md).
+OWNER_KEY, MAP_VERSION_KEY = "atoll-owner", "atoll-map-version"
 
 # Retries for a shard that is restarting or briefly unreachable: up to 5 attempts,
 # 0.2 s doubling to 3 s, with gRPC's own jitter. Pushes are safe to retry (idempotent).

@@ -379,6 +379,70 @@ class FragmentPlan:
         return plan
 
 
+@dataclasses.dataclass(frozen=True)
+class FragmentMap:
+    """Which shard owns each fragment, and the map's version (docs/resharding.md).
+
+    Version 0 is the layout a run starts from, fragment p on shard p mod S; each move of
+    a fragment makes the next version.
+
+    Example:
+      >>> m = FragmentMap.modulo(5, 2)
+      >>> m.owners, m.fragments_of(1)
+      ((0, 1, 0, 1, 0), (1, 3))
+      >>> m.moved(4, 1).version, m.moved(4, 1).fragments_of(1)
+      (1, (1, 3, 4))
+    """
+
+    version: int
+    owners: tuple[int, ...]  # owners[p]: the index of the shard that owns fragment p
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.version) or self.version < 0:
+            raise ValueError(f"map version {self.version!r}: need an int >= 0")
+        owners = tuple(self.owners)
+        if not owners or not all(_is_int(o) and o >= 0 for o in owners):
+            raise ValueError(f"map owners {owners!r}: need one shard index >= 0 per fragment")
+        object.__setattr__(self, "owners", tuple(int(o) for o in owners))
+
+    @classmethod
+    def modulo(cls, num_fragments: int, num_shards: int) -> FragmentMap:
+        """Version 0: fragment p on shard p mod num_shards."""
+        if not _is_int(num_shards) or not 1 <= num_shards <= num_fragments:
+            raise ValueError(
+                f"num_shards={num_shards!r}: need an int in [1, {num_fragments}] "
+                "(a shard would own nothing)"
+            )
+        return cls(0, tuple(p % num_shards for p in range(num_fragments)))
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.owners)
+
+    def owner(self, fragment: int) -> int:
+        if not _is_int(fragment) or not 0 <= fragment < len(self.owners):
+            raise ValueError(f"fragment {fragment!r} not in [0, {len(self.owners)})")
+        return self.owners[fragment]
+
+    def fragments_of(self, shard: int) -> tuple[int, ...]:
+        """The fragments `shard` owns, in order."""
+        return tuple(p for p, o in enumerate(self.owners) if o == shard)
+
+    def moved(self, fragment: int, to: int) -> FragmentMap:
+        """The next version, with `fragment` on shard `to`."""
+        self.owner(fragment)
+        owners = list(self.owners)
+        owners[fragment] = to
+        return FragmentMap(self.version + 1, tuple(owners))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "owners": list(self.owners)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FragmentMap:
+        return cls(int(data["version"]), tuple(int(o) for o in data["owners"]))
+
+
 def _layout(specs: Iterable[TensorSpec], assign: Mapping[str, int]) -> tuple[Slot, ...]:
     """Slots at name-ordered contiguous offsets within each assigned fragment."""
     offsets: dict[int, int] = {}

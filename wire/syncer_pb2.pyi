@@ -251,7 +251,7 @@ class Settings(_message.Message):
     def __init__(self, quorum: _Optional[int] = ..., grace_factor: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_discount: _Optional[float] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., delta_ring: _Optional[int] = ..., snapshot_every: _Optional[int] = ..., publish_codec: _Optional[_Union[Codec, str]] = ..., momentum_delay: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "plan_fingerprint", "num_fragments", "fragments", "settings", "live_learners")
+    __slots__ = ("shard_index", "num_shards", "plan_fingerprint", "num_fragments", "fragments", "settings", "live_learners", "map_version", "owners")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,8 @@ class DescribeResponse(_message.Message):
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     LIVE_LEARNERS_FIELD_NUMBER: _ClassVar[int]
+    MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     plan_fingerprint: str
@@ -266,4 +268,6 @@ class DescribeResponse(_message.Message):
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentInfo]
     settings: Settings
     live_learners: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., num_fragments: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentInfo, _Mapping]]] = ..., settings: _Optional[_Union[Settings, _Mapping]] = ..., live_learners: _Optional[_Iterable[str]] = ...) -> None: ...
+    map_version: int
+    owners: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., num_fragments: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentInfo, _Mapping]]] = ..., settings: _Optional[_Union[Settings, _Mapping]] = ..., live_learners: _Optional[_Iterable[str]] = ..., map_version: _Optional[int] = ..., owners: _Optional[_Iterable[int]] = ...) -> None: ...

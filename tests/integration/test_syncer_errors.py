@@ -35,6 +35,7 @@ from atoll.server.config import ShardConfig
 from atoll.server.service import SyncerServer
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
+from atoll.wire.client import MAP_VERSION_KEY, OWNER_KEY
 
 # Shard 0 of 2 owns fragments 0 and 2; fragment 1 lives on shard 1; the plan has 4.
 CONFIG = dict(
@@ -362,6 +363,28 @@ def test_the_codec_refuses_non_finite_values_so_the_bad_frames_are_crafted():
     assert np.isfinite(codec.decode(int4_frame_with_scale(0x3F80))).all()  # scale 1.0
     with pytest.raises(codec.CodecError, match="invalid scale"):
         codec.decode(int4_frame_with_scale(0x7F80))
+
+
+def test_a_fragment_of_another_shard_is_refused_naming_its_owner_and_map(shard, golden):
+    # docs/resharding.md: the refusal says where the fragment is, in the message and in
+    # the trailing metadata a learner routes by; Describe carries the whole map
+    d = describe(shard.stub)
+    assert (d.map_version, list(d.owners)) == (0, [0, 1, 0, 1])
+    before = shard_state(shard.stub)
+    for call in (
+        lambda: push(
+            shard.stub, PLAN, OTHER_SHARDS, "x", 1, 0, delta("l9", 1, PLAN.fragment_sizes[1])
+        ),
+        lambda: pull(shard.stub, OTHER_SHARDS),
+    ):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == PRECONDITION
+        assert "is on shard 1 (map version 0)" in e.value.details()
+        trailing = dict(e.value.trailing_metadata())
+        assert (trailing[OWNER_KEY], trailing[MAP_VERSION_KEY]) == ("1", "0")
+    assert shard_state(shard.stub) == before
+    assert shard.finish() == golden
 
 
 def test_too_stale_push_is_refused_with_its_staleness(shard, golden):

@@ -1,0 +1,112 @@
+"""Routing by the fragment map (docs/resharding.md): a learner sends each fragment's
+calls to the owner the newest map names, and follows a refusal that names a newer one."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from atoll.learner.sync import SyncConfig, SyncError, Synchronizer
+from atoll.wire import syncer_pb2 as pb
+from atoll.wire.client import MAP_VERSION_KEY, OWNER_KEY
+from atoll.wire.plan import FragmentMap, FragmentPlan, TensorSpec
+
+PLAN = FragmentPlan.build([TensorSpec(f"w{i}", (4, 8)) for i in range(4)], 4)
+
+
+class Refused(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, trailing: tuple = ()):
+        self._code, self._trailing = code, trailing
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return "refused"
+
+    def trailing_metadata(self):
+        return self._trailing
+
+
+def moved_to(owner: int, version: int) -> Refused:
+    return Refused(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        ((OWNER_KEY, str(owner)), (MAP_VERSION_KEY, str(version))),
+    )
+
+
+class FakeShard:
+    """Answers pushes, or refuses the fragments in `refuse` with the error given."""
+
+    def __init__(self, index: int, refuse: dict | None = None):
+        self.index, self.refuse, self.pushes = index, refuse or {}, []
+        self.map: dict = {}  # map_version and owners, as Describe gives them
+
+    def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushResponse:
+        self.pushes.append((header.fragment, header.seq))
+        if header.fragment in self.refuse:
+            raise self.refuse[header.fragment]
+        return pb.PushResponse(accepted=True, version=7)
+
+    def describe(self) -> pb.DescribeResponse:
+        return pb.DescribeResponse(shard_index=self.index, num_shards=2, **self.map)
+
+    def close(self) -> None:
+        pass
+
+
+def _sync(shards: list[FakeShard]) -> Synchronizer:
+    return Synchronizer(SyncConfig(period=4, max_backoff=0.01), PLAN, shards)
+
+
+def _push(sync: Synchronizer, p: int, seq: int) -> pb.PushResponse:
+    header = pb.PushHeader(fragment=p, seq=seq)
+    return sync._retry(lambda: sync.client_of(p).push(header, b""), f"push {p}", fragment=p)
+
+
+def test_a_push_refused_by_a_former_owner_goes_to_the_new_one_with_its_seq():
+    shards = [FakeShard(0, {2: moved_to(1, 3)}), FakeShard(1)]
+    sync = _sync(shards)
+    try:
+        assert sync.fragment_map == FragmentMap.modulo(4, 2)  # p mod S until told otherwise
+        assert _push(sync, 2, seq=5).accepted
+        assert shards[0].pushes == [(2, 5)] and shards[1].pushes == [(2, 5)]
+        assert sync.fragment_map == FragmentMap(3, (0, 1, 1, 1))
+        assert sync.shard_of(2) == 1 and sync.shard_of(0) == 0
+        assert _push(sync, 2, seq=6).accepted  # straight to the new owner now
+        assert shards[1].pushes[-1] == (2, 6) and len(shards[0].pushes) == 1
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        moved_to(1, 0),  # not newer than the map held: two shards disagreeing is an error
+        moved_to(5, 9),  # a shard this learner was not given
+        Refused(grpc.StatusCode.FAILED_PRECONDITION),  # no owner named
+        Refused(grpc.StatusCode.FAILED_PRECONDITION, ((OWNER_KEY, "x"), (MAP_VERSION_KEY, "2"))),
+    ],
+)
+def test_a_refusal_that_names_no_usable_newer_owner_is_an_error(error):
+    shards = [FakeShard(0, {2: error}), FakeShard(1)]
+    sync = _sync(shards)
+    try:
+        with pytest.raises(SyncError, match="FAILED_PRECONDITION"):
+            _push(sync, 2, seq=1)
+        assert sync.fragment_map == FragmentMap.modulo(4, 2) and shards[1].pushes == []
+    finally:
+        sync.close()
+
+
+def test_a_learner_starts_from_the_newest_map_the_shards_describe():
+    shards = [FakeShard(0), FakeShard(1)]
+    shards[0].map = dict(map_version=1, owners=[1, 1, 0, 1])
+    shards[1].map = dict(map_version=2, owners=[1, 0, 0, 1])
+    sync = _sync(shards)
+    try:
+        sync.check_shards()
+        assert sync.fragment_map == FragmentMap(2, (1, 0, 0, 1))
+        assert sync.client_of(0) is shards[1] and sync.client_of(1) is shards[0]
+    finally:
+        sync.close()
