@@ -85,6 +85,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_status_arguments(status)
 
+    reshard = commands.add_parser(
+        "reshard",
+        help="move fragments between live shards so N of them own about as many each "
+        "(docs/resharding.md); rerun to finish a move a failure interrupted",
+    )
+    reshard.add_argument(
+        "--shards",
+        required=True,
+        help="every shard's HOST:PORT, in index order (those it moves fragments to included)",
+    )
+    reshard.add_argument(
+        "--to", type=_positive_int, required=True, help="N: the shards that own fragments after"
+    )
+    reshard.add_argument(
+        "--token-file",
+        type=pathlib.Path,
+        default=None,
+        help="a bearer token bound to no learner (with the shards' --token-file on)",
+    )
+
     bench = commands.add_parser("bench", help="measure a component; prints JSON")
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
     benches.required = True
@@ -283,6 +303,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.kubernetes and args.shards:
             parser.error("give --kubernetes or --shards, not both")
         return status_main(args, parser)
+    if args.command == "reshard":
+        from atoll.cluster.reshard import main as reshard_main
+
+        addresses = [a.strip() for a in args.shards.split(",") if a.strip()]
+        if not addresses or any(":" not in a for a in addresses):
+            parser.error(f"--shards takes HOST:PORT,..., got {args.shards!r}")
+        try:
+            token = args.token_file.read_text().strip() if args.token_file else None
+        except OSError as e:
+            parser.error(f"--token-file: {e}")
+        return reshard_main(addresses, args.to, token)
     if args.command == "bench" and args.bench == "codec":
         from atoll.bench.codec import bench_codec
 

@@ -253,6 +253,7 @@ class Synchronizer:
             "blocked_seconds": 0.0,
         }
         self._watches: list[grpc.Future] = []  # open Watch calls, cancelled by close()
+        self._map_generation = 0  # fragment map changes seen: Watch streams reopen on each
 
     def client_of(self, p: int) -> ShardClient:
         return self.clients[self.shard_of(p)]
@@ -261,20 +262,31 @@ class Synchronizer:
         """The shard that owns fragment p, by the newest fragment map seen."""
         return self.fragment_map.owner(p)
 
-    def _follow(self, new: FragmentMap) -> None:
-        """Routes by `new` if it is newer than the map held (docs/resharding.md)."""
-        with self.lock:
-            if new.version <= self.fragment_map.version:
-                return
-            if new.num_fragments != self.plan.num_fragments or max(new.owners) >= self.num_shards:
-                raise SyncError(
-                    f"fragment map version {new.version} names shards {sorted(set(new.owners))} "
-                    f"for {new.num_fragments} fragments; this learner was given "
-                    f"{self.num_shards} shards for {self.plan.num_fragments}"
-                )
-            old, self.fragment_map = self.fragment_map, new
-        moved = [p for p, (a, b) in enumerate(zip(old.owners, new.owners)) if a != b]
-        log.info("fragment map version %d: fragments %s moved", new.version, moved)
+    def _follow(self, new: FragmentMap, joining: bool = False) -> None:
+        """Routes by what `new` says of each fragment where it is newer than what this
+        learner knows (docs/resharding.md); when joining, the shards' map replaces the
+        p mod S this learner assumed, whatever S."""
+        if new.num_fragments != self.plan.num_fragments or max(new.owners) >= self.num_shards:
+            raise SyncError(
+                f"fragment map version {new.version} names shards {sorted(set(new.owners))} "
+                f"for {new.num_fragments} fragments; this learner was given "
+                f"{self.num_shards} shards for {self.plan.num_fragments}"
+            )
+        with self.known:
+            old = self.fragment_map
+            self.fragment_map = new if joining else old.merged(new)
+            now = self.fragment_map
+            moved = [p for p, (a, b) in enumerate(zip(old.owners, now.owners)) if a != b]
+            if moved:  # Watch streams reopen on the shards that own what moved
+                self._map_generation += 1
+                self.known.notify_all()
+            watches = list(self._watches) if moved else []
+        for call in watches:
+            call.cancel()
+        if joining:
+            log.info("routing by the shards' fragment map (version %d)", now.version)
+        elif moved:
+            log.info("fragment map version %d: fragments %s moved", now.version, moved)
 
     def _moved(self, p: int, e: grpc.RpcError) -> bool:
         """Follows a refusal naming fragment p's owner under a newer map; True if it did."""
@@ -285,25 +297,33 @@ class Synchronizer:
             owner, version = int(trailing[OWNER_KEY]), int(trailing[MAP_VERSION_KEY])
         except (KeyError, ValueError):
             return False
-        if version <= self.fragment_map.version or not 0 <= owner < self.num_shards:
+        if version <= self.fragment_map.moved_at[p] or not 0 <= owner < self.num_shards:
             return False
-        owners = list(self.fragment_map.owners)
-        owners[p] = owner
-        self._follow(FragmentMap(version, tuple(owners)))
+        self._follow(self.fragment_map.stating(p, owner, version))
         return True
 
     # --- joining ---
 
     def check_shards(self) -> set[int]:
         """Every shard must be the one its position says, serving this plan (or none yet).
-        Returns the fragments already seeded."""
-        seeded = set()
+        Routes by the newest fragment map they describe (p mod S, S the shards given,
+        while none has a plan). Returns the fragments already seeded."""
+        seeded, maps, layouts = set(), [], []
         for i, client in enumerate(self.clients):
-            d = self._retry(client.describe, f"describe shard {i}")
-            if (d.shard_index, d.num_shards) != (i, self.num_shards):
+            if layouts and i >= layouts[0]:
+                # past the first layout: a shard a reshard may use, perhaps not started yet
+                # (the maps of the shards moves took fragments from say where they went)
+                try:
+                    d = client.describe(timeout=5.0)
+                except grpc.RpcError:
+                    log.info("shard %d at %s is not up: it owns nothing yet", i, client.address)
+                    continue
+            else:
+                d = self._retry(client.describe, f"describe shard {i}")
+            if d.shard_index != i:
                 raise SyncError(
-                    f"{client.address} is shard {d.shard_index} of {d.num_shards}, but was given "
-                    f"as shard {i} of {self.num_shards}: list the shards in index order"
+                    f"{client.address} is shard {d.shard_index}, but was given as shard {i} of "
+                    f"{self.num_shards}: list the shards in index order"
                 )
             if d.plan_fingerprint and d.plan_fingerprint != self.plan.fingerprint:
                 raise SyncError(
@@ -311,8 +331,26 @@ class Synchronizer:
                     f"has {self.plan.fingerprint}: model preset or fragment count differ"
                 )
             seeded.update(f.fragment for f in d.fragments if f.initialized)
-            if d.map_version > 0 and len(d.owners) == self.plan.num_fragments:
-                self._follow(FragmentMap(d.map_version, tuple(d.owners)))
+            layouts.append(d.num_shards)
+            if len(d.owners) == self.plan.num_fragments:
+                maps.append(FragmentMap(d.map_version, tuple(d.owners), tuple(d.moved_at)))
+        if maps:  # the run has a map: it says where each fragment is, whatever S was
+            merged = maps[0]
+            for m in maps[1:]:
+                merged = merged.merged(m)
+            self._follow(merged, joining=True)
+        else:  # a new run: p mod S0, S0 the layout shard 0 was started with; shards past
+            # it (listed for a later reshard) own nothing until fragments move to them
+            first = layouts[0]
+            if first > min(self.num_shards, self.plan.num_fragments) or any(
+                n != first for n in layouts[1:first]
+            ):
+                raise SyncError(
+                    f"the shards were started with --num-shards {layouts}, but "
+                    f"{self.num_shards} were given: list every shard, in index order"
+                )
+            with self.lock:
+                self.fragment_map = FragmentMap.modulo(self.plan.num_fragments, first)
         return seeded
 
     def join(self, params: Params) -> Params:
@@ -618,15 +656,25 @@ class Synchronizer:
 
     def _start_watchers(self) -> None:
         for i, client in enumerate(self.clients):
-            mine = [p for p in range(self.plan.num_fragments) if self.shard_of(p) == i]
             threading.Thread(
-                target=self._watch, args=(client, mine), name=f"watch-{i}", daemon=True
+                target=self._watch, args=(i, client), name=f"watch-{i}", daemon=True
             ).start()
 
-    def _watch(self, client: ShardClient, fragments: list[int]) -> None:
-        """Follows one shard's versions for as long as we run, reconnecting with backoff."""
+    def _watch(self, i: int, client: ShardClient) -> None:
+        """Follows shard i's versions of the fragments the map gives it for as long as we
+        run, reconnecting with backoff, and again at once when the map changes."""
         failures = 0
         while not self.stopping.is_set():
+            with self.known:
+                generation = self._map_generation
+            fragments = [p for p in range(self.plan.num_fragments) if self.shard_of(p) == i]
+            if not fragments:  # owns nothing (yet, or any more): wait for the map to change
+                with self.known:
+                    self.known.wait_for(
+                        lambda g=generation: self._map_generation != g or self.stopping.is_set(),
+                        timeout=5.0,
+                    )
+                continue
             call = client.watch(fragments)
             with self.lock:
                 self._watches = [c for c in self._watches if c.is_active()] + [call]
@@ -654,6 +702,9 @@ class Synchronizer:
                 pass
             if self.stopping.is_set():
                 return
+            if self._map_generation != generation:  # cancelled for the new map: reopen now
+                failures = 0
+                continue
             failures += 1
             self.stopping.wait(self._backoff(failures))
 
@@ -718,8 +769,9 @@ class Synchronizer:
 
     def close(self) -> None:
         self.stopping.set()
-        with self.lock:
+        with self.known:
             watches = list(self._watches)
+            self.known.notify_all()  # watchers waiting for a map change
         for call in watches:
             call.cancel()
         self.pool.shutdown(wait=True, cancel_futures=True)

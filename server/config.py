@@ -42,7 +42,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ShardConfig:
-    shard_index: int  # this shard's index in [0, num_shards)
+    shard_index: int  # this shard's index, >= 0 (past num_shards: owns nothing until a reshard)
     num_shards: int  # shards in the service, >= 1
     data_dir: pathlib.Path  # write-ahead log and snapshots; must be writable
     listen: str = "127.0.0.1:7070"  # host:port for gRPC; port 0 picks a free port
@@ -89,10 +89,9 @@ class ShardConfig:
                 raise ConfigError(message)
 
         need(self.num_shards >= 1, f"--num-shards must be at least 1, got {self.num_shards}")
-        need(
-            0 <= self.shard_index < self.num_shards,
-            f"--shard-index must be in [0, {self.num_shards}), got {self.shard_index}",
-        )
+        # a shard at or past num_shards (a StatefulSet scaled up) owns nothing until
+        # `atoll reshard` moves fragments to it (docs/resharding.md)
+        need(self.shard_index >= 0, f"--shard-index must be at least 0, got {self.shard_index}")
         need(
             re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[\w.-]+):\d{1,5}", self.listen) is not None,
             f"--listen must be HOST:PORT (e.g. 0.0.0.0:7070), got {self.listen!r}",

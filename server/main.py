@@ -32,14 +32,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shard-index",
         type=int,
         default=None,
-        help="this shard's index in [0, num-shards) (env ATOLL_SHARD_INDEX, or the "
-        "ordinal ending ATOLL_POD_NAME)",
+        help="this shard's index, from 0 (env ATOLL_SHARD_INDEX, or the ordinal ending "
+        "ATOLL_POD_NAME); a shard at or past --num-shards starts owning no fragment, until "
+        "`atoll reshard` moves some to it",
     )
     p.add_argument(
         "--num-shards",
         type=int,
         default=None,
-        help="shards in the service (env ATOLL_NUM_SHARDS; default 1)",
+        help="shards of the run's first layout, fragment p on shard p mod S (env "
+        "ATOLL_NUM_SHARDS; default 1); `atoll reshard` changes it while the run goes on",
     )
     p.add_argument(
         "--data-dir",

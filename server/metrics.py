@@ -47,6 +47,9 @@ class ScrapeGauges(NamedTuple):
     live: int  # learners whose lease is current
     grace: float  # seconds
     cadence: float | None  # the sync period learners keep, seconds
+    owned: int = 0  # fragments this shard owns
+    moving: int = 0  # of them, frozen for a move away
+    map_version: int = 0  # the fragment map version this shard knows
 
 
 Gauges = Callable[[], ScrapeGauges]
@@ -117,6 +120,25 @@ class ShardMetrics:
         self.snapshot_seconds = prom.Histogram(
             "atoll_snapshot_seconds", "Writing one snapshot", buckets=_SECONDS, registry=r
         )
+        self.moves = prom.Counter(
+            "atoll_fragment_moves",
+            "Fragments moved between shards: out (committed here) or in (adopted here)",
+            ["direction"],
+            registry=r,
+        )
+        self.moved_bytes = prom.Counter(
+            "atoll_fragment_moved_bytes",
+            "Bytes of fragment state moved: out (exported) or in (adopted)",
+            ["direction"],
+            registry=r,
+        )
+        self.frozen_seconds = prom.Histogram(
+            "atoll_fragment_frozen_seconds",
+            "How long a fragment being moved took no pushes: from its freeze to its commit "
+            "(or unfreeze) on this shard",
+            buckets=_SECONDS,
+            registry=r,
+        )
         info = prom.Info("atoll_shard", "Which shard this is", registry=r)
         info.info({"shard_index": str(shard_index)})
         if gauges is not None:
@@ -178,6 +200,16 @@ class _ScrapeTime:
             "The grace window a round waits after its first push",
             value=grace,
         )
+        for name, doc, value in (
+            ("atoll_fragments_owned", "Fragments this shard owns", g.owned),
+            ("atoll_fragments_moving", "Fragments frozen here for a move away", g.moving),
+            (
+                "atoll_fragment_map_version",
+                "The fragment map version this shard knows",
+                g.map_version,
+            ),
+        ):
+            yield prom.metrics_core.GaugeMetricFamily(name, doc, value=value)
         if g.cadence is not None:
             yield prom.metrics_core.GaugeMetricFamily(
                 "atoll_cadence_seconds",

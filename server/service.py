@@ -26,6 +26,7 @@ import collections
 import concurrent.futures
 import contextlib
 import ctypes
+import json
 import logging
 import re
 import threading
@@ -45,6 +46,7 @@ from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire import syncer_pb2_grpc as pb_grpc
 from atoll.wire.client import CHUNK_BYTES
+from atoll.wire.plan import FragmentMap
 
 log = logging.getLogger("atoll.syncer")
 SERVICE = pb.DESCRIPTOR.services_by_name["Syncer"].full_name
@@ -562,6 +564,122 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         for learner in list(self.watching):
             self.shard.touch(learner)
 
+    # --- moving fragments (docs/resharding.md): an operator's calls ---
+
+    def _check_operator(self, context: grpc.aio.ServicerContext) -> None:
+        """With tokens on, only a token bound to no learner may move fragments."""
+        if self.tokens is None:
+            return
+        token = _bearer(context.invocation_metadata()) or ""
+        if self.tokens.get(token, "") is not None:  # bound to a learner (or unknown)
+            raise ShardError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "moving fragments takes a token bound to no learner (an operator's)",
+            )
+
+    @staticmethod
+    def _move_args(request: pb.MoveRequest) -> tuple[int, FragmentMap]:
+        try:
+            m = request.map
+            return request.fragment, FragmentMap(m.version, tuple(m.owners), tuple(m.moved_at))
+        except ValueError as e:
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"map: {e}") from None
+
+    async def _move_step(
+        self, method: str, request: pb.MoveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MoveResponse:
+        with self._open(method):
+            try:
+                self._check_operator(context)
+                p, new = self._move_args(request)
+                step = {
+                    "Freeze": lambda: self.shard.freeze(p, new),
+                    "Unfreeze": lambda: self.shard.unfreeze(p),
+                    "Commit": lambda: self.shard.commit_move(p, new),
+                }[method]
+                await self._call(step)
+            except ShardError as e:
+                await self._refuse(context, method, e)
+            fmap = self.shard.fragment_map
+            return pb.MoveResponse(map_version=fmap.version if fmap else 0)
+
+    async def Freeze(
+        self, request: pb.MoveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MoveResponse:
+        return await self._move_step("Freeze", request, context)
+
+    async def Unfreeze(
+        self, request: pb.MoveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MoveResponse:
+        return await self._move_step("Unfreeze", request, context)
+
+    async def Commit(
+        self, request: pb.MoveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MoveResponse:
+        return await self._move_step("Commit", request, context)
+
+    async def Export(
+        self, request: pb.MoveRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.FragmentState]:
+        with self._open("Export"):
+            try:
+                self._check_operator(context)
+                meta, payload = await self._call(self.shard.export, request.fragment)
+            except ShardError as e:
+                await self._refuse(context, "Export", e)
+            yield pb.FragmentState(
+                header=pb.FragmentStateHeader(
+                    meta_json=json.dumps(meta), payload_bytes=len(payload)
+                )
+            )
+            for start in range(0, len(payload), CHUNK_BYTES):
+                yield pb.FragmentState(chunk=payload[start : start + CHUNK_BYTES])
+
+    async def Adopt(
+        self, request_iterator: AsyncIterator[pb.FragmentState], context: grpc.aio.ServicerContext
+    ) -> pb.MoveResponse:
+        with self._open("Adopt"):
+            try:
+                self._check_operator(context)
+                first = await self._read(context, "Adopt")
+                if first is grpc.aio.EOF or first.WhichOneof("kind") != "header":
+                    raise ShardError(
+                        grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the header"
+                    )
+                declared = first.header.payload_bytes
+                with self.budget.hold(context.peer(), declared):
+                    parts: list[bytes] = []
+                    received = 0
+                    while (msg := await self._read(context, "Adopt")) is not grpc.aio.EOF:
+                        if msg.WhichOneof("kind") != "chunk":
+                            raise ShardError(
+                                grpc.StatusCode.INVALID_ARGUMENT,
+                                "only chunks may follow the header",
+                            )
+                        received += len(msg.chunk)
+                        if received > declared:
+                            raise ShardError(
+                                grpc.StatusCode.INVALID_ARGUMENT,
+                                f"chunks exceed the header's payload_bytes={declared}",
+                            )
+                        parts.append(msg.chunk)
+                    if received != declared:
+                        raise ShardError(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"truncated stream: {received} of {declared} payload bytes arrived",
+                        )
+                    try:
+                        meta = json.loads(first.header.meta_json)
+                    except ValueError as e:
+                        raise ShardError(
+                            grpc.StatusCode.INVALID_ARGUMENT, f"meta_json: {e}"
+                        ) from None
+                    await self._call(self.shard.adopt, meta, b"".join(parts))
+            except ShardError as e:
+                await self._refuse(context, "Adopt", e)
+            fmap = self.shard.fragment_map
+            return pb.MoveResponse(map_version=fmap.version if fmap else 0)
+
     async def Describe(
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DescribeResponse:
@@ -583,6 +701,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             live_learners=d["live"],
             map_version=d["fragment_map"].version if d["fragment_map"] else 0,
             owners=d["fragment_map"].owners if d["fragment_map"] else (),
+            moved_at=d["fragment_map"].moved_at if d["fragment_map"] else (),
             settings=pb.Settings(
                 quorum=cfg.quorum,
                 grace_factor=cfg.grace_factor,
@@ -604,6 +723,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 num_params=frag.size,
                 round_size=frag.round.count,
                 oldest_delta_base=(frag.ring[0][0] - 1) if frag.ring else frag.version,
+                moving_version=d["frozen"][p].version if p in d["frozen"] else 0,
+                moving_to=d["frozen"][p].owner(p) if p in d["frozen"] else 0,
                 tensors=[
                     pb.TensorInfo(name=s.name, shape=list(s.spec.shape), embedding=s.spec.embedding)
                     for s in plan.tensors_of(p)

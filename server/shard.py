@@ -16,13 +16,15 @@ on (`_snapshot`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import io
 import logging
 import math
 import pathlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import grpc
@@ -36,10 +38,14 @@ from atoll.wire import codec
 from atoll.wire.client import MAP_VERSION_KEY, OWNER_KEY
 from atoll.wire.plan import FragmentMap, FragmentPlan
 from atoll.wire.records import (
+    LOG_ADOPT,
     LOG_CLOSE,
+    LOG_FREEZE,
     LOG_INIT,
+    LOG_MOVED,
     LOG_PLAN,
     LOG_PUSH,
+    LOG_UNFREEZE,
     log_record,
     log_record_parts,
     parse_log_record,
@@ -115,6 +121,13 @@ def _magnitude_problem(codes: codec.Codes, segments: merge.Segments) -> str | No
 
 class RecoveryError(RuntimeError):
     """A log record that cannot be applied; the message names it and the way forward."""
+
+
+def _same_move(held: FragmentMap | None, p: int, new: FragmentMap) -> bool:
+    """Whether `held` already says what `new` says of fragment p (the same move)."""
+    return (
+        held is not None and held.owner(p) == new.owner(p) and held.moved_at[p] == new.moved_at[p]
+    )
 
 
 class ShardError(Exception):
@@ -224,6 +237,9 @@ class Shard:
         """The state before recovery: no plan, no fragments, nothing replayed."""
         self.plan: FragmentPlan | None = None
         self.fragment_map: FragmentMap | None = None  # who owns which fragment (with the plan)
+        # fragments being moved away: p -> the map that gives p its new owner (durable)
+        self.frozen: dict[int, FragmentMap] = {}
+        self.frozen_since: dict[int, float] = {}  # when each froze, by this process's clock
         self.fragments: dict[int, Fragment] = {}
         # fragment -> learners whose last push of it came in (PushHeader.last); not durable:
         # after a restart they hold fresh leases like everyone else (under self.lock)
@@ -334,6 +350,14 @@ class Shard:
             frag.contribute(meta["learner"], codes, Answer(**meta["answer"]), self.clock())
         elif kind == LOG_CLOSE:
             self.fragments[meta["fragment"]].close_round(meta.get("trigger"))
+        elif kind == LOG_FREEZE:
+            self.frozen[meta["fragment"]] = FragmentMap.from_json(meta["map"])
+        elif kind == LOG_UNFREEZE:
+            self.frozen.pop(meta["fragment"], None)
+        elif kind == LOG_ADOPT:
+            self._install(meta, payload)
+        elif kind == LOG_MOVED:
+            self._moved_away(meta["fragment"], FragmentMap.from_json(meta["map"]))
         else:
             raise RuntimeError(f"unknown log record kind {kind}")
 
@@ -386,22 +410,51 @@ class Shard:
             )
         fragments, locks = {}, {}
         for p in fragment_map.fragments_of(self.cfg.shard_index):
-            fragments[p] = Fragment(
-                p,
-                plan,
-                lr=self.cfg.outer_lr,
-                momentum=self.cfg.outer_momentum,
-                rda=self.cfg.rda,
-                delta_ring=self.cfg.delta_ring,
-                publish_codec=self.cfg.publish_codec,
-                quorum=self.policy.quorum,
-                momentum_delay=self.cfg.momentum_delay,
-            )
+            fragments[p] = self._new_fragment(plan, p)
             locks[p] = threading.Lock()
             self.periods[p] = PeriodCount()
         self.fragments, self.frag_locks = fragments, locks
         self.fragment_map = fragment_map
         self.plan = plan  # last: a call that sees the plan finds its fragments and locks
+
+    def _new_fragment(self, plan: FragmentPlan, p: int) -> Fragment:
+        return Fragment(
+            p,
+            plan,
+            lr=self.cfg.outer_lr,
+            momentum=self.cfg.outer_momentum,
+            rda=self.cfg.rda,
+            delta_ring=self.cfg.delta_ring,
+            publish_codec=self.cfg.publish_codec,
+            quorum=self.policy.quorum,
+            momentum_delay=self.cfg.momentum_delay,
+        )
+
+    def _add_fragment(self, p: int) -> None:
+        """Makes fragment p here (adopted from another shard): lock first, then the fragment."""
+        assert self.plan is not None
+        self.frag_locks.setdefault(p, threading.Lock())
+        self.periods[p] = PeriodCount()
+        self.fragments[p] = self._new_fragment(self.plan, p)
+
+    def _thawed(self, p: int) -> None:
+        """Fragment p takes pushes again here, or is gone: how long it took none."""
+        since = self.frozen_since.pop(p, None)
+        if since is not None:
+            self.metrics.frozen_seconds.observe(self.clock() - since)
+
+    def _moved_away(self, p: int, new: FragmentMap) -> None:
+        """Fragment p is another shard's under `new` (live commit and replay)."""
+        self._drop_fragment(p)
+        assert self.fragment_map is not None
+        self.fragment_map = self.fragment_map.merged(new)
+
+    def _drop_fragment(self, p: int) -> None:
+        """Forgets fragment p (moved to another shard); its lock stays, for callers holding it."""
+        self.fragments.pop(p, None)
+        self.periods.pop(p, None)
+        self.frozen.pop(p, None)
+        self.finished.pop(p, None)
 
     # --- snapshots ---
 
@@ -420,6 +473,7 @@ class Shard:
             meta: dict[str, Any] = {
                 "plan": self.plan.to_json() if self.plan else None,
                 "fragment_map": self.fragment_map.to_json() if self.fragment_map else None,
+                "frozen": {str(p): m.to_json() for p, m in self.frozen.items()},
                 "shard_index": self.cfg.shard_index,
                 "num_shards": self.cfg.num_shards,
                 "fragments": {},
@@ -436,6 +490,11 @@ class Shard:
                         lent.append(p)
                     meta["fragments"][str(p)] = fmeta
                     arrays.update({f"f{p}.{k}": v for k, v in farrays.items()})
+                # fragments that moved away: their records up to now are history, not state
+                if self.fragment_map is not None:
+                    for p in range(self.fragment_map.num_fragments):
+                        if p not in self.fragments:
+                            meta["fragment_lsns"][str(p)] = self.wal.written_lsn
                 lsns = list(meta["fragment_lsns"].values()) or [self.wal.written_lsn]
                 if max(lsns) > 0:
                     self._sync(max(lsns))
@@ -461,7 +520,10 @@ class Shard:
 
     def _restore(self, snap: storage.Snapshot) -> None:
         meta = snap.meta
-        if (meta["shard_index"], meta["num_shards"]) != (self.cfg.shard_index, self.cfg.num_shards):
+        # with a fragment map in the snapshot, the map says what this shard owns and
+        # --num-shards only set the layout a run starts from: it may have grown since
+        laid_out = meta.get("fragment_map") is None and meta["num_shards"] != self.cfg.num_shards
+        if meta["shard_index"] != self.cfg.shard_index or laid_out:
             raise RuntimeError(
                 f"data dir holds shard {meta['shard_index']} of {meta['num_shards']}, but this is "
                 f"shard {self.cfg.shard_index} of {self.cfg.num_shards}; point --data-dir elsewhere"
@@ -474,11 +536,16 @@ class Shard:
             )
         for key, fmeta in meta["fragments"].items():
             prefix = f"f{key}."
+            if int(key) not in self.fragments:  # adopted from another shard
+                self._add_fragment(int(key))
             self.fragments[int(key)].restore(
                 fmeta,
                 {k[len(prefix) :]: v for k, v in snap.arrays.items() if k.startswith(prefix)},
                 self.clock(),
             )
+        for p in [p for p in self.fragments if str(p) not in meta["fragments"]]:
+            self._drop_fragment(p)  # moved away before the snapshot
+        self.frozen = {int(p): FragmentMap.from_json(m) for p, m in meta.get("frozen", {}).items()}
         # older snapshots were taken at one LSN for every fragment
         lsns = meta.get("fragment_lsns") or {key: snap.lsn for key in meta["fragments"]}
         self.snapshot_lsns = {int(key): int(lsn) for key, lsn in lsns.items()}
@@ -508,13 +575,13 @@ class Shard:
                 f"fragment {p} does not exist (the plan has {plan.num_fragments})",
             )
         owners = self.fragment_map or FragmentMap.modulo(plan.num_fragments, self.cfg.num_shards)
-        owner = owners.owner(p)
+        owner, since = owners.owner(p), owners.moved_at[p]
         if owner != self.cfg.shard_index:
             raise ShardError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"fragment {p} is on shard {owner} (map version {owners.version}), "
+                f"fragment {p} is on shard {owner} (map version {since}), "
                 f"not shard {self.cfg.shard_index}",
-                metadata=((OWNER_KEY, str(owner)), (MAP_VERSION_KEY, str(owners.version))),
+                metadata=((OWNER_KEY, str(owner)), (MAP_VERSION_KEY, str(since))),
             )
 
     def _fragment(self, p: int, fingerprint: str | None = None, need_init: bool = True) -> Fragment:
@@ -531,6 +598,26 @@ class Shard:
                 f"fragment {p} is not initialized; Init it first",
             )
         return frag
+
+    @contextlib.contextmanager
+    def _lock_of(self, p: int, frag: Fragment) -> Iterator[None]:
+        """Holds fragment p's lock, once `frag` (found before) is still p's fragment here:
+        a move may have taken p away meanwhile, and the caller is then told its owner."""
+        with self.frag_locks[p]:
+            if self.fragments.get(p) is not frag:
+                self._fragment(p)  # raises: p is another shard's now
+                raise ShardError(grpc.StatusCode.UNAVAILABLE, f"fragment {p} changed; retry")
+            yield
+
+    def _refuse_if_moving(self, p: int) -> None:
+        """Pushes and Inits of a fragment being moved away wait (UNAVAILABLE: retryable)."""
+        moving = self.frozen.get(p)
+        if moving is not None:
+            raise ShardError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"fragment {p} is moving to shard {moving.owner(p)} (map version "
+                f"{moving.version}); retry",
+            )
 
     def touch(self, learner: str) -> None:
         """Refreshes a learner's lease (every call does)."""
@@ -647,8 +734,9 @@ class Shard:
         too_big = _magnitude_problem(codes, frag.segments)
         if too_big is not None:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"push frame: {too_big}")
-        with self.frag_locks[h.fragment]:
+        with self._lock_of(h.fragment, frag):
             self._require_ready()
+            self._refuse_if_moving(h.fragment)
             now = self.clock()
             with self.lock:
                 self._heard_from(h, now)
@@ -784,6 +872,8 @@ class Shard:
         Called under p's lock. A close is made durable before the lock is let go, so a
         pull or watch never sees a version that a crash could take back."""
         frag = self.fragments[p]
+        if p in self.frozen:  # its state is being moved: exactly as exported
+            return None
         state = frag.round_state
         with self.lock:
             live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
@@ -891,6 +981,185 @@ class Shard:
         self.metrics.bytes_out.inc(sum(len(f) for _, _, f in out))
         return version, deltas is None, out
 
+    # --- moving a fragment to another shard (docs/resharding.md) ---
+
+    def _next_map(self, p: int, new: FragmentMap) -> FragmentMap:
+        """Checks `new` against what this shard knows: a newer version, and for every
+        fragment but p, this shard its owner exactly when it holds it. (Moves between
+        other shards may have made versions this one never saw.)"""
+        current = self.fragment_map
+        if current is None or self.plan is None:
+            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, "this shard has no plan yet")
+        if new.num_fragments != current.num_fragments or new.version <= current.version:
+            raise ShardError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"map version {new.version} of {new.num_fragments} fragments is not newer than "
+                f"this shard's version {current.version} of {current.num_fragments}",
+            )
+        if new.moved_at[p] != new.version:
+            raise ShardError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"map version {new.version} does not say fragment {p} moves in it",
+            )
+        me = self.cfg.shard_index
+        wrong = [
+            q
+            for q in range(new.num_fragments)
+            if q != p and (new.owners[q] == me) != (q in self.fragments)
+        ]
+        if wrong:
+            raise ShardError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"map version {new.version} disagrees with shard {me} about fragments {wrong}",
+            )
+        return new
+
+    def freeze(self, p: int, new: FragmentMap) -> None:
+        """Step 1 of moving fragment p away: from the durable FREEZE on, its pushes wait and
+        its rounds stay as they are. Again with the same map: nothing more."""
+        self._require_ready()
+        frag = self._fragment(p)
+        with self._lock_of(p, frag):
+            if _same_move(self.frozen.get(p), p, new):
+                return
+            if p in self.frozen:
+                raise ShardError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"fragment {p} is already moving under map version {self.frozen[p].version}",
+                )
+            self._next_map(p, new)
+            if new.owner(p) == self.cfg.shard_index:
+                raise ShardError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"map version {new.version} keeps {p} here"
+                )
+            record = log_record(LOG_FREEZE, {"fragment": p, "map": new.to_json()})
+            self._sync(self._write([record]))
+            self.frozen[p] = new
+            self.frozen_since[p] = self.clock()
+
+    def unfreeze(self, p: int) -> None:
+        """Aborts a move that never reached its target: p takes pushes again."""
+        self._require_ready()
+        frag = self._fragment(p)
+        with self._lock_of(p, frag):
+            if p not in self.frozen:
+                return
+            self._sync(self._write([log_record(LOG_UNFREEZE, {"fragment": p})]))
+            del self.frozen[p]
+            self._thawed(p)
+
+    def export(self, p: int) -> tuple[dict[str, Any], bytes]:
+        """Step 2's source half: frozen fragment p's whole state, as an ADOPT payload."""
+        self._require_ready()
+        frag = self._fragment(p)
+        with self._lock_of(p, frag):
+            moving = self.frozen.get(p)
+            if moving is None:
+                raise ShardError(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"fragment {p} is not frozen for a move"
+                )
+            fmeta, arrays = frag.state()
+            buf = io.BytesIO()
+            # read under the lock: a frozen fragment does not change (numpy types **arrays as
+            # if a key could be its allow_pickle flag)
+            np.savez(buf, **arrays)  # type: ignore[arg-type]
+        assert self.plan is not None
+        meta = {"fragment": p, "map": moving.to_json(), "plan": self.plan.to_json(), "state": fmeta}
+        payload = buf.getvalue()
+        self.metrics.moved_bytes.labels("out").inc(len(payload))
+        return meta, payload
+
+    def adopt(self, meta: dict[str, Any], payload: bytes) -> None:
+        """Step 2's target half: fragment p's state from its old owner, durable before p
+        is served here. Again once adopted: nothing more."""
+        self._require_ready()
+        p, new = self._checked_state(meta, payload)
+        with self.init_lock:
+            if self.fragment_map is not None and p in self.fragments:
+                if _same_move(self.fragment_map, p, new):
+                    return  # adopted already (a retried step 2)
+            if new.owner(p) != self.cfg.shard_index:
+                raise ShardError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"map version {new.version} gives fragment {p} to shard {new.owner(p)}",
+                )
+            if self.plan is not None and self.plan.to_json() != meta["plan"]:
+                raise ShardError(
+                    grpc.StatusCode.FAILED_PRECONDITION, "the fragment comes with another plan"
+                )
+            if self.fragment_map is not None:
+                self._next_map(p, new)
+            self._sync(self._write([log_record(LOG_ADOPT, meta, payload)]))
+            self._install(meta, payload)
+            self.metrics.moves.labels("in").inc()
+            self.metrics.moved_bytes.labels("in").inc(len(payload))
+            with self.lock:
+                self._version_changed()
+
+    def _checked_state(self, meta: Any, payload: bytes) -> tuple[int, FragmentMap]:
+        """(fragment, map) of an Adopt, once its whole state restores into a fragment of
+        the right shape with finite values and valid delta frames: a record logged must be
+        one replay can apply. Anything else is INVALID_ARGUMENT and changes nothing."""
+        try:
+            if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict):
+                raise ValueError("want an object with fragment, map, plan and state")
+            p, new = int(meta["fragment"]), FragmentMap.from_json(meta["map"])
+            plan = FragmentPlan.from_json(str(meta["plan"]))
+            if not 0 <= p < plan.num_fragments or new.num_fragments != plan.num_fragments:
+                raise ValueError(f"fragment {p} and a map of {new.num_fragments} for this plan")
+            if self.plan is not None and plan.fingerprint != self.plan.fingerprint:
+                raise ValueError("the fragment comes with another plan than this shard's")
+            trial = self._new_fragment(plan, p)
+            with np.load(io.BytesIO(payload)) as z:
+                arrays = {k: z[k] for k in z.files}
+            trial.restore(meta["state"], arrays, self.clock())
+            for vector in (trial.params, trial.published):
+                if vector is None or vector.shape != (trial.size,) or not np.isfinite(vector).all():
+                    raise ValueError("params and published copy: want finite, one per parameter")
+            for _, frame in trial.ring:
+                codec.read_codes(frame, codec=trial.publish_codec, num_values=trial.size)
+        except ShardError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is refused
+            raise ShardError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"fragment state: {type(e).__name__}: {e}"
+            ) from None
+        return p, new
+
+    def _install(self, meta: dict[str, Any], payload: bytes | memoryview) -> None:
+        """Makes fragment p here from an ADOPT record (live and replayed)."""
+        p, new = int(meta["fragment"]), FragmentMap.from_json(meta["map"])
+        if self.plan is None:
+            self._adopt_plan(FragmentPlan.from_json(meta["plan"]), new)
+        if p not in self.fragments:
+            self._add_fragment(p)
+        with np.load(io.BytesIO(bytes(payload))) as z:
+            arrays = {k: z[k] for k in z.files}
+        self.fragments[p].restore(meta["state"], arrays, self.clock())
+        self.fragment_map = new if self.fragment_map is None else self.fragment_map.merged(new)
+
+    def commit_move(self, p: int, new: FragmentMap) -> None:
+        """Step 3: fragment p's target holds it; this shard forgets it and names the owner."""
+        self._require_ready()
+        held = self.fragment_map
+        if held is not None and p not in self.fragments and _same_move(held, p, new):
+            return  # committed already
+        frag = self._fragment(p)
+        with self._lock_of(p, frag):
+            frozen = self.frozen.get(p)
+            if frozen is None or not _same_move(frozen, p, new):
+                raise ShardError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"fragment {p} is not frozen for map version {new.version}",
+                )
+            record = log_record(LOG_MOVED, {"fragment": p, "map": frozen.to_json()})
+            self._sync(self._write([record]))
+            self._moved_away(p, frozen)
+            self._thawed(p)
+            self.metrics.moves.labels("out").inc()
+        with self.lock:
+            self._version_changed()
+
     def newest_seq(self, learner: str, p: int) -> int:
         """The newest seq answered for `learner` on fragment p (0: none)."""
         frag = self._fragment(p, need_init=False)
@@ -934,7 +1203,15 @@ class Shard:
                 if f.initialized
             }
             live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
-            return ScrapeGauges(fragments, len(live), self._grace(live), self.cadence_seconds)
+            return ScrapeGauges(
+                fragments,
+                len(live),
+                self._grace(live),
+                self.cadence_seconds,
+                owned=len(self.fragments),
+                moving=len(self.frozen),
+                map_version=self.fragment_map.version if self.fragment_map else 0,
+            )
 
     def describe(self) -> dict[str, Any]:
         with self.lock:
@@ -942,6 +1219,7 @@ class Shard:
             return {
                 "plan": self.plan,
                 "fragment_map": self.fragment_map,
+                "frozen": dict(self.frozen),
                 "fragments": {p: f for p, f in self.fragments.items()},
                 "live": sorted(rules.live_learners(self.last_seen, now, self.policy.lease_seconds)),
             }

@@ -25,7 +25,20 @@ def test_stubs_import_and_name_the_service():
 
     service = syncer_pb2.DESCRIPTOR.services_by_name["Syncer"]
     assert service.full_name == "atoll.v1.Syncer"
-    assert {m.name for m in service.methods} == {"Init", "Push", "Pull", "Watch", "Describe"}
+    assert {m.name for m in service.methods} == {
+        "Init",
+        "Push",
+        "Pull",
+        "Watch",
+        "Describe",
+        "Freeze",
+        "Unfreeze",
+        "Export",
+        "Adopt",
+        "Commit",
+    }
+    adopt, export = service.methods_by_name["Adopt"], service.methods_by_name["Export"]
+    assert adopt.client_streaming and export.server_streaming
     push = service.methods_by_name["Push"]
     assert push.client_streaming and not push.server_streaming
     pull = service.methods_by_name["Pull"]

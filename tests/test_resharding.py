@@ -41,6 +41,7 @@ class FakeShard:
     def __init__(self, index: int, refuse: dict | None = None):
         self.index, self.refuse, self.pushes = index, refuse or {}, []
         self.map: dict = {}  # map_version and owners, as Describe gives them
+        self.address = f"fake-{index}"
 
     def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushResponse:
         self.pushes.append((header.fragment, header.seq))
@@ -48,7 +49,9 @@ class FakeShard:
             raise self.refuse[header.fragment]
         return pb.PushResponse(accepted=True, version=7)
 
-    def describe(self) -> pb.DescribeResponse:
+    def describe(self, timeout: float | None = None) -> pb.DescribeResponse:
+        if self.index >= 2 and not self.map:  # a shard a reshard may use, not started yet
+            raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED)
         return pb.DescribeResponse(shard_index=self.index, num_shards=2, **self.map)
 
     def close(self) -> None:
@@ -71,7 +74,7 @@ def test_a_push_refused_by_a_former_owner_goes_to_the_new_one_with_its_seq():
         assert sync.fragment_map == FragmentMap.modulo(4, 2)  # p mod S until told otherwise
         assert _push(sync, 2, seq=5).accepted
         assert shards[0].pushes == [(2, 5)] and shards[1].pushes == [(2, 5)]
-        assert sync.fragment_map == FragmentMap(3, (0, 1, 1, 1))
+        assert sync.fragment_map == FragmentMap(3, (0, 1, 1, 1), (0, 0, 3, 0))
         assert sync.shard_of(2) == 1 and sync.shard_of(0) == 0
         assert _push(sync, 2, seq=6).accepted  # straight to the new owner now
         assert shards[1].pushes[-1] == (2, 6) and len(shards[0].pushes) == 1
@@ -101,12 +104,37 @@ def test_a_refusal_that_names_no_usable_newer_owner_is_an_error(error):
 
 def test_a_learner_starts_from_the_newest_map_the_shards_describe():
     shards = [FakeShard(0), FakeShard(1)]
-    shards[0].map = dict(map_version=1, owners=[1, 1, 0, 1])
-    shards[1].map = dict(map_version=2, owners=[1, 0, 0, 1])
+    # version 1 moved fragment 0 to shard 1; version 2 fragment 1 to shard 0: each shard
+    # knows the moves it took part in, the learner puts them together
+    shards[0].map = dict(map_version=2, owners=[1, 0, 0, 1], moved_at=[1, 2, 0, 0])
+    shards[1].map = dict(map_version=2, owners=[1, 0, 0, 1], moved_at=[1, 2, 0, 0])
     sync = _sync(shards)
     try:
         sync.check_shards()
-        assert sync.fragment_map == FragmentMap(2, (1, 0, 0, 1))
+        assert sync.fragment_map == FragmentMap(2, (1, 0, 0, 1), (1, 2, 0, 0))
         assert sync.client_of(0) is shards[1] and sync.client_of(1) is shards[0]
+    finally:
+        sync.close()
+
+
+def test_a_learner_follows_an_older_move_of_another_fragment_than_the_one_it_knows():
+    # it learned version 2 (fragment 3 moved) first; fragment 2's move was version 1:
+    # the refusal of its old owner is still news about fragment 2
+    shards = [FakeShard(0, {2: moved_to(1, 1)}), FakeShard(1)]
+    sync = _sync(shards)
+    try:
+        sync._follow(FragmentMap.modulo(4, 2).stating(3, 0, 2))
+        assert _push(sync, 2, seq=1).accepted and shards[1].pushes == [(2, 1)]
+        assert sync.fragment_map == FragmentMap(2, (0, 1, 1, 0), (0, 0, 1, 2))
+    finally:
+        sync.close()
+
+
+def test_a_learner_may_list_shards_past_the_first_layout_that_are_not_up_yet():
+    shards = [FakeShard(0), FakeShard(1), FakeShard(2)]
+    sync = Synchronizer(SyncConfig(period=4, max_backoff=0.01), PLAN, shards)
+    try:
+        sync.check_shards()  # shard 2 does not answer: it owns nothing yet
+        assert sync.fragment_map == FragmentMap.modulo(4, 2)
     finally:
         sync.close()

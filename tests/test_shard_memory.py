@@ -11,13 +11,16 @@ import pathlib
 import threading
 import time
 
+import grpc
 import numpy as np
+import pytest
 
 from atoll.server.config import ShardConfig
-from atoll.server.shard import PushHeader, Shard
+from atoll.server.shard import PushHeader, Shard, ShardError
 from atoll.server.storage import Snapshot
 from atoll.wire import codec
-from atoll.wire.plan import FragmentPlan, TensorSpec
+from atoll.wire.client import MAP_VERSION_KEY, OWNER_KEY
+from atoll.wire.plan import FragmentMap, FragmentPlan, TensorSpec
 from atoll.wire.records import LOG_PUSH, parse_log_record
 
 PLAN = FragmentPlan.build(
@@ -287,3 +290,179 @@ def test_closes_while_a_snapshot_is_written_leave_what_it_captured_unchanged():
     assert all(f.lent == 0 for f in shard.fragments.values())
     _rounds(shard, 1, first=4)  # given back: closes step in place again
     assert all(f.lent == 0 for f in shard.fragments.values())
+
+
+# --- moving a fragment between shards (docs/resharding.md) ---------------------------------
+
+
+def _of(index: int, log, snaps, clock) -> Shard:
+    cfg = ShardConfig(
+        shard_index=index,
+        num_shards=2,
+        data_dir=pathlib.Path("/nonexistent/memory"),
+        quorum=2,
+        grace_factor=0.0,
+    )
+    shard = Shard(cfg, clock, log=log, snapshots=snaps)
+    shard.recover()
+    return shard
+
+
+def _seed_own(shard: Shard) -> None:
+    for p in range(PLAN.num_fragments):
+        if p % 2 == shard.cfg.shard_index:
+            values = np.random.default_rng(p).standard_normal(PLAN.fragment_sizes[p])
+            frame = codec.encode(values.astype(np.float32), codec.Codec.FP32)
+            shard.init(
+                "seed",
+                p,
+                PLAN.fingerprint,
+                PLAN.to_json(),
+                frame,
+                int(codec.Codec.FP32),
+                frame_size(p),
+            )
+
+
+def frame_size(p: int) -> int:
+    return PLAN.fragment_sizes[p]
+
+
+def _whole(shard: Shard, p: int) -> dict:
+    """Everything fragment p holds on `shard`, as bytes and JSON."""
+    meta, arrays = shard.fragments[p].state()
+    return {"meta": meta, "arrays": {k: np.asarray(v).tobytes() for k, v in arrays.items()}}
+
+
+MOVED = FragmentMap.modulo(2, 2).moved(0, 1)  # fragment 0: shard 0 -> shard 1, version 1
+
+
+def _moving_pair():
+    """Shards 0 and 1; fragment 0 on shard 0 has two closed rounds and l0's push open."""
+    clock = Clock()
+    stores = {i: (MemoryLog(), MemorySnapshots()) for i in (0, 1)}
+    a, b = (_of(i, *stores[i], clock) for i in (0, 1))
+    _seed_own(a)
+    _seed_own(b)
+    for r in range(2):
+        for m in range(2):
+            assert _push(a, 0, m, r + 1, r).accepted
+    assert _push(a, 0, 0, 3, 2).accepted  # in the open round when the move starts
+    return clock, stores, a, b
+
+
+def _refusal(call) -> ShardError:
+    with pytest.raises(ShardError) as e:
+        call()
+    return e.value
+
+
+def test_a_fragment_moves_with_everything_it_acknowledged():
+    clock, stores, a, b = _moving_pair()
+    before = _whole(a, 0)
+    a.freeze(0, MOVED)
+    a.freeze(0, MOVED)  # again: nothing more
+    assert _refusal(lambda: _push(a, 0, 1, 3, 2)).code == grpc.StatusCode.UNAVAILABLE
+    meta, payload = a.export(0)
+    b.adopt(meta, payload)
+    b.adopt(meta, payload)  # a retried step 2: nothing more
+    a.commit_move(0, MOVED)
+    a.commit_move(0, MOVED)  # a retried step 3: nothing more
+    assert _whole(b, 0) == before
+    assert (a.fragment_map, b.fragment_map) == (MOVED, MOVED)
+    refused = _refusal(lambda: _push(a, 0, 1, 3, 2))
+    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert dict(refused.metadata) == {OWNER_KEY: "1", MAP_VERSION_KEY: "1"}
+    # l0's push moved with the state: its retry is answered once, not merged again
+    retry = _push(b, 0, 0, 3, 2)
+    assert retry.accepted and retry.reason == "duplicate"
+    closing = _push(b, 0, 1, 3, 2)
+    assert closing.accepted and b.fragments[0].version == 3
+    assert b.fragments[0].last_round_size == 2
+    # what the metrics say of it
+    out, into = a.metrics.text(), b.metrics.text()
+    assert 'atoll_fragment_moves_total{direction="out"} 1.0' in out
+    assert 'atoll_fragment_moves_total{direction="in"} 1.0' in into
+    assert f'atoll_fragment_moved_bytes_total{{direction="in"}} {float(len(payload))}' in into
+    assert "atoll_fragment_frozen_seconds_count 1.0" in out
+    assert "atoll_fragments_owned 0.0" in out and "atoll_fragments_owned 2.0" in into
+    assert "atoll_fragment_map_version 1.0" in into and "atoll_fragments_moving 0.0" in out
+
+
+@pytest.mark.parametrize("snapshot", [False, True])
+@pytest.mark.parametrize(
+    "killed", ["source after freeze", "target after adopt", "source after commit"]
+)
+def test_a_move_survives_a_kill_at_each_step(killed, snapshot):
+    clock, stores, a, b = _moving_pair()
+    before = _whole(a, 0)
+    a.freeze(0, MOVED)
+    if killed != "source after freeze":
+        meta, payload = a.export(0)
+        b.adopt(meta, payload)
+    if killed == "source after commit":
+        a.commit_move(0, MOVED)
+    index = 1 if killed == "target after adopt" else 0
+    log, snaps = stores[index]
+    if snapshot:
+        (b if index else a)._snapshot()
+    log.crash()
+    back = _of(index, log, snaps, clock)
+    if killed == "source after freeze":
+        assert _whole(back, 0) == before and back.frozen == {0: MOVED}
+        assert _refusal(lambda: _push(back, 0, 1, 3, 2)).code == grpc.StatusCode.UNAVAILABLE
+        meta, payload = back.export(0)  # the move goes on from step 2
+        b.adopt(meta, payload)
+        back.commit_move(0, MOVED)
+        assert _whole(b, 0) == before
+    elif killed == "target after adopt":
+        assert _whole(back, 0) == before and back.fragment_map == MOVED
+        a.commit_move(0, MOVED)  # step 3 completes
+        assert _push(back, 0, 1, 3, 2).accepted and back.fragments[0].version == 3
+    else:
+        assert 0 not in back.fragments and back.fragment_map == MOVED
+        refused = _refusal(lambda: _push(back, 0, 1, 3, 2))
+        assert dict(refused.metadata)[OWNER_KEY] == "1"
+
+
+def test_unfreeze_aborts_a_move_that_never_reached_its_target():
+    clock, stores, a, b = _moving_pair()
+    a.freeze(0, MOVED)
+    a.unfreeze(0)
+    assert a.frozen == {} and a.fragment_map.version == 0
+    assert _push(a, 0, 1, 3, 2).accepted and a.fragments[0].version == 3
+    stores[0][0].crash()
+    assert _of(0, *stores[0], clock).frozen == {}
+
+
+def test_moves_that_do_not_follow_are_refused_and_change_nothing():
+    clock, stores, a, b = _moving_pair()
+    before = _whole(a, 0)
+    for bad in (
+        FragmentMap(0, (1, 1)),  # not newer
+        FragmentMap(1, (0, 1)),  # keeps fragment 0 here
+        FragmentMap(1, (1, 0)),  # moves fragment 1 too
+    ):
+        assert _refusal(lambda bad=bad: a.freeze(0, bad)).code in (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
+    assert _refusal(lambda: a.export(0)).code == grpc.StatusCode.FAILED_PRECONDITION
+    assert _refusal(lambda: a.commit_move(0, MOVED)).code == grpc.StatusCode.FAILED_PRECONDITION
+    assert a.frozen == {} and _whole(a, 0) == before
+
+
+def test_a_shard_past_the_first_layout_owns_nothing_until_a_fragment_moves_to_it():
+    # kubectl scale up: shard 2 of a run laid out over 2 starts, serves, owns nothing
+    clock, stores, a, b = _moving_pair()
+    c = _of(2, MemoryLog(), MemorySnapshots(), clock)
+    assert c.fragments == {} and c.plan is None
+    to_c = FragmentMap.modulo(2, 2).moved(0, 2)
+    before = _whole(a, 0)
+    a.freeze(0, to_c)
+    c.adopt(*a.export(0))
+    a.commit_move(0, to_c)
+    assert _whole(c, 0) == before and c.plan is not None and sorted(c.fragments) == [0]
+    assert _push(c, 0, 1, 3, 2).accepted and c.fragments[0].version == 3
+    refused = _refusal(lambda: _push(a, 0, 1, 4, 3))
+    assert dict(refused.metadata) == {OWNER_KEY: "2", MAP_VERSION_KEY: "1"}

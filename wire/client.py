@@ -21,12 +21,12 @@ import grpc
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire import syncer_pb2_grpc as pb_grpc
-from atoll.wire.plan import FragmentPlan
+from atoll.wire.plan import FragmentMap, FragmentPlan
 
 CHUNK_BYTES = 1 << 20  # payload bytes per stream message
 MAX_MESSAGE_BYTES = 8 << 20  # must not exceed the shard's --max-message-bytes
 # Trailing metadata of a shard's FAILED_PRECONDITION for a fragment it does not own: the
-# owner's shard index and the fragment map version that says so (docs/resharding.md).
+# owner's shard index and the fragment map version that put it there (docs/resharding.md).
 OWNER_KEY, MAP_VERSION_KEY = "atoll-owner", "atoll-map-version"
 
 # Retries for a shard that is restarting or briefly unreachable: up to 5 attempts,
@@ -120,6 +120,72 @@ class ShardClient:
         kind = type(header_message)
         for start in range(0, len(frame), self.chunk_bytes):
             yield kind(chunk=frame[start : start + self.chunk_bytes])
+
+    # --- moving a fragment (docs/resharding.md): an operator's calls ---
+
+    @staticmethod
+    def _move(fragment: int, fragment_map: FragmentMap) -> pb.MoveRequest:
+        return pb.MoveRequest(
+            fragment=fragment,
+            map=pb.FragmentMap(
+                version=fragment_map.version,
+                owners=fragment_map.owners,
+                moved_at=fragment_map.moved_at,
+            ),
+        )
+
+    def freeze(self, fragment: int, fragment_map: FragmentMap) -> int:
+        """Step 1 on the source; returns its map version."""
+        response: pb.MoveResponse = self.stub.Freeze(
+            self._move(fragment, fragment_map), timeout=self.deadline, metadata=self.metadata
+        )
+        return response.map_version
+
+    def unfreeze(self, fragment: int) -> int:
+        """Aborts a move on its source."""
+        response: pb.MoveResponse = self.stub.Unfreeze(
+            pb.MoveRequest(fragment=fragment), timeout=self.deadline, metadata=self.metadata
+        )
+        return response.map_version
+
+    def export(self, fragment: int) -> tuple[str, bytes]:
+        """Step 2 on the source: (meta JSON, payload) of the frozen fragment."""
+        header: pb.FragmentStateHeader | None = None
+        parts: list[bytes] = []
+        for message in self.stub.Export(
+            pb.MoveRequest(fragment=fragment), timeout=self.deadline, metadata=self.metadata
+        ):
+            if message.WhichOneof("kind") == "header":
+                header = message.header
+            else:
+                parts.append(message.chunk)
+        payload = b"".join(parts)
+        if header is None or len(payload) != header.payload_bytes:
+            raise IncompletePull(f"export of fragment {fragment} from {self.address} was cut short")
+        return header.meta_json, payload
+
+    def adopt(self, meta_json: str, payload: bytes) -> int:
+        """Step 2 on the target; returns its map version."""
+        header = pb.FragmentState(
+            header=pb.FragmentStateHeader(meta_json=meta_json, payload_bytes=len(payload))
+        )
+
+        def messages() -> Iterator[pb.FragmentState]:
+            yield header
+            for start in range(0, len(payload), self.chunk_bytes):
+                yield pb.FragmentState(chunk=payload[start : start + self.chunk_bytes])
+
+        response: pb.MoveResponse = self.stub.Adopt(
+            messages(), timeout=self.deadline, metadata=self.metadata
+        )
+        return response.map_version
+
+    def commit(self, fragment: int, fragment_map: FragmentMap) -> int:
+        """Step 3 on the source; returns its map version."""
+        response: pb.MoveResponse = self.stub.Commit(
+            self._move(fragment, fragment_map), timeout=self.deadline, metadata=self.metadata
+        )
+        return response.map_version
 
     def describe(self, timeout: float | None = None) -> pb.DescribeResponse:
         response: pb.DescribeResponse = self.stub.Describe(

@@ -381,21 +381,27 @@ class FragmentPlan:
 
 @dataclasses.dataclass(frozen=True)
 class FragmentMap:
-    """Which shard owns each fragment, and the map's version (docs/resharding.md).
+    """Which shard owns each fragment, since which map version, and the map's version
+    (docs/resharding.md).
 
     Version 0 is the layout a run starts from, fragment p on shard p mod S; each move of
-    a fragment makes the next version.
+    a fragment makes the next version, and `moved_at[p]` is the version that put p on
+    its owner. Shards learn only the moves they take part in, so two shards' maps may
+    each be newest about different fragments: `merged` takes, fragment by fragment, the
+    statement with the higher `moved_at`.
 
     Example:
       >>> m = FragmentMap.modulo(5, 2)
       >>> m.owners, m.fragments_of(1)
       ((0, 1, 0, 1, 0), (1, 3))
-      >>> m.moved(4, 1).version, m.moved(4, 1).fragments_of(1)
-      (1, (1, 3, 4))
+      >>> n = m.moved(4, 1)
+      >>> n.version, n.fragments_of(1), n.moved_at
+      (1, (1, 3, 4), (0, 0, 0, 0, 1))
     """
 
     version: int
     owners: tuple[int, ...]  # owners[p]: the index of the shard that owns fragment p
+    moved_at: tuple[int, ...] = ()  # the version that put each fragment there (() = all 0)
 
     def __post_init__(self) -> None:
         if not _is_int(self.version) or self.version < 0:
@@ -403,7 +409,15 @@ class FragmentMap:
         owners = tuple(self.owners)
         if not owners or not all(_is_int(o) and o >= 0 for o in owners):
             raise ValueError(f"map owners {owners!r}: need one shard index >= 0 per fragment")
+        moved_at = tuple(self.moved_at) or (0,) * len(owners)
+        if len(moved_at) != len(owners) or not all(
+            _is_int(v) and 0 <= v <= self.version for v in moved_at
+        ):
+            raise ValueError(
+                f"map moved_at {moved_at!r}: need one version in [0, {self.version}] per fragment"
+            )
         object.__setattr__(self, "owners", tuple(int(o) for o in owners))
+        object.__setattr__(self, "moved_at", tuple(int(v) for v in moved_at))
 
     @classmethod
     def modulo(cls, num_fragments: int, num_shards: int) -> FragmentMap:
@@ -430,17 +444,43 @@ class FragmentMap:
 
     def moved(self, fragment: int, to: int) -> FragmentMap:
         """The next version, with `fragment` on shard `to`."""
+        return self.stating(fragment, to, self.version + 1)
+
+    def stating(self, fragment: int, owner: int, version: int) -> FragmentMap:
+        """This map with what version `version` says of `fragment`: on shard `owner`."""
         self.owner(fragment)
-        owners = list(self.owners)
-        owners[fragment] = to
-        return FragmentMap(self.version + 1, tuple(owners))
+        owners, moved_at = list(self.owners), list(self.moved_at)
+        owners[fragment], moved_at[fragment] = owner, version
+        return FragmentMap(max(self.version, version), tuple(owners), tuple(moved_at))
+
+    def merged(self, other: FragmentMap) -> FragmentMap:
+        """Fragment by fragment, the newer statement of the two maps."""
+        if other.num_fragments != self.num_fragments:
+            raise ValueError(f"maps of {self.num_fragments} and {other.num_fragments} fragments")
+        pick = [
+            (o2, v2) if v2 > v1 else (o1, v1)
+            for o1, v1, o2, v2 in zip(self.owners, self.moved_at, other.owners, other.moved_at)
+        ]
+        return FragmentMap(
+            max(self.version, other.version),
+            tuple(o for o, _ in pick),
+            tuple(v for _, v in pick),
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": self.version, "owners": list(self.owners)}
+        return {
+            "version": self.version,
+            "owners": list(self.owners),
+            "moved_at": list(self.moved_at),
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> FragmentMap:
-        return cls(int(data["version"]), tuple(int(o) for o in data["owners"]))
+        return cls(
+            int(data["version"]),
+            tuple(int(o) for o in data["owners"]),
+            tuple(int(v) for v in data.get("moved_at", ())),
+        )
 
 
 def _layout(specs: Iterable[TensorSpec], assign: Mapping[str, int]) -> tuple[Slot, ...]:

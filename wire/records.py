@@ -144,6 +144,9 @@ def read_jsonl(path: pathlib.Path | str) -> list[Record]:
 # audit (server/audit.py) reads them from a stopped shard's data directory.
 
 LOG_PLAN, LOG_INIT, LOG_PUSH, LOG_CLOSE = 1, 2, 3, 4  # record kinds
+# moving a fragment between shards (docs/resharding.md): the source freezes it (or
+# unfreezes it, aborting), the target adopts its state, the source records it moved
+LOG_FREEZE, LOG_UNFREEZE, LOG_ADOPT, LOG_MOVED = 5, 6, 7, 8
 _LOG_HEADER = struct.Struct("<BI")
 
 

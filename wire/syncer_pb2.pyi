@@ -34,6 +34,46 @@ PUSH_REASON_DUPLICATE: PushReason
 PUSH_REASON_TOO_STALE: PushReason
 PUSH_REASON_ALREADY_IN_ROUND: PushReason
 
+class FragmentMap(_message.Message):
+    __slots__ = ("version", "owners", "moved_at")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_FIELD_NUMBER: _ClassVar[int]
+    MOVED_AT_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    owners: _containers.RepeatedScalarFieldContainer[int]
+    moved_at: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., owners: _Optional[_Iterable[int]] = ..., moved_at: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MoveRequest(_message.Message):
+    __slots__ = ("fragment", "map")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    MAP_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    map: FragmentMap
+    def __init__(self, fragment: _Optional[int] = ..., map: _Optional[_Union[FragmentMap, _Mapping]] = ...) -> None: ...
+
+class MoveResponse(_message.Message):
+    __slots__ = ("map_version",)
+    MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
+    map_version: int
+    def __init__(self, map_version: _Optional[int] = ...) -> None: ...
+
+class FragmentStateHeader(_message.Message):
+    __slots__ = ("meta_json", "payload_bytes")
+    META_JSON_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    meta_json: str
+    payload_bytes: int
+    def __init__(self, meta_json: _Optional[str] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+
+class FragmentState(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: FragmentStateHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[FragmentStateHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
 class TensorInfo(_message.Message):
     __slots__ = ("name", "shape", "embedding")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -209,7 +249,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class FragmentInfo(_message.Message):
-    __slots__ = ("fragment", "initialized", "version", "num_params", "tensors", "round_size", "oldest_delta_base")
+    __slots__ = ("fragment", "initialized", "version", "num_params", "tensors", "round_size", "oldest_delta_base", "moving_version", "moving_to")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +257,8 @@ class FragmentInfo(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     ROUND_SIZE_FIELD_NUMBER: _ClassVar[int]
     OLDEST_DELTA_BASE_FIELD_NUMBER: _ClassVar[int]
+    MOVING_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MOVING_TO_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     initialized: bool
     version: int
@@ -224,7 +266,9 @@ class FragmentInfo(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
     round_size: int
     oldest_delta_base: int
-    def __init__(self, fragment: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., num_params: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., round_size: _Optional[int] = ..., oldest_delta_base: _Optional[int] = ...) -> None: ...
+    moving_version: int
+    moving_to: int
+    def __init__(self, fragment: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., num_params: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., round_size: _Optional[int] = ..., oldest_delta_base: _Optional[int] = ..., moving_version: _Optional[int] = ..., moving_to: _Optional[int] = ...) -> None: ...
 
 class Settings(_message.Message):
     __slots__ = ("quorum", "grace_factor", "max_staleness", "staleness_discount", "outer_lr", "outer_momentum", "delta_ring", "snapshot_every", "publish_codec", "momentum_delay")
@@ -251,7 +295,7 @@ class Settings(_message.Message):
     def __init__(self, quorum: _Optional[int] = ..., grace_factor: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_discount: _Optional[float] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., delta_ring: _Optional[int] = ..., snapshot_every: _Optional[int] = ..., publish_codec: _Optional[_Union[Codec, str]] = ..., momentum_delay: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "plan_fingerprint", "num_fragments", "fragments", "settings", "live_learners", "map_version", "owners")
+    __slots__ = ("shard_index", "num_shards", "plan_fingerprint", "num_fragments", "fragments", "settings", "live_learners", "map_version", "owners", "moved_at")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +305,7 @@ class DescribeResponse(_message.Message):
     LIVE_LEARNERS_FIELD_NUMBER: _ClassVar[int]
     MAP_VERSION_FIELD_NUMBER: _ClassVar[int]
     OWNERS_FIELD_NUMBER: _ClassVar[int]
+    MOVED_AT_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     plan_fingerprint: str
@@ -270,4 +315,5 @@ class DescribeResponse(_message.Message):
     live_learners: _containers.RepeatedScalarFieldContainer[str]
     map_version: int
     owners: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., num_fragments: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentInfo, _Mapping]]] = ..., settings: _Optional[_Union[Settings, _Mapping]] = ..., live_learners: _Optional[_Iterable[str]] = ..., map_version: _Optional[int] = ..., owners: _Optional[_Iterable[int]] = ...) -> None: ...
+    moved_at: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., num_fragments: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentInfo, _Mapping]]] = ..., settings: _Optional[_Union[Settings, _Mapping]] = ..., live_learners: _Optional[_Iterable[str]] = ..., map_version: _Optional[int] = ..., owners: _Optional[_Iterable[int]] = ..., moved_at: _Optional[_Iterable[int]] = ...) -> None: ...

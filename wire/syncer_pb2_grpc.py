@@ -61,6 +61,31 @@ class SyncerStub:
                 request_serializer=atoll_dot_v1_dot_syncer__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=atoll_dot_v1_dot_syncer__pb2.DescribeResponse.FromString,
                 _registered_method=True)
+        self.Freeze = channel.unary_unary(
+                '/atoll.v1.Syncer/Freeze',
+                request_serializer=atoll_dot_v1_dot_syncer__pb2.MoveRequest.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_syncer__pb2.MoveResponse.FromString,
+                _registered_method=True)
+        self.Unfreeze = channel.unary_unary(
+                '/atoll.v1.Syncer/Unfreeze',
+                request_serializer=atoll_dot_v1_dot_syncer__pb2.MoveRequest.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_syncer__pb2.MoveResponse.FromString,
+                _registered_method=True)
+        self.Export = channel.unary_stream(
+                '/atoll.v1.Syncer/Export',
+                request_serializer=atoll_dot_v1_dot_syncer__pb2.MoveRequest.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_syncer__pb2.FragmentState.FromString,
+                _registered_method=True)
+        self.Adopt = channel.stream_unary(
+                '/atoll.v1.Syncer/Adopt',
+                request_serializer=atoll_dot_v1_dot_syncer__pb2.FragmentState.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_syncer__pb2.MoveResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/atoll.v1.Syncer/Commit',
+                request_serializer=atoll_dot_v1_dot_syncer__pb2.MoveRequest.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_syncer__pb2.MoveResponse.FromString,
+                _registered_method=True)
 
 
 class SyncerServicer:
@@ -107,6 +132,45 @@ class SyncerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Freeze(self, request, context):
+        """Moving a fragment from this shard to another (docs/resharding.md), an operator's
+        calls (`atoll reshard`); with bearer tokens on, only a token bound to no learner
+        may make them. Each is durable before it is answered, and answered the same way
+        when repeated.
+        Step 1, on the source: the fragment takes no pushes until committed or unfrozen.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unfreeze(self, request, context):
+        """Aborts a move whose target never adopted the fragment.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Export(self, request, context):
+        """Step 2, on the source: the frozen fragment's whole state, a header then chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Adopt(self, request_iterator, context):
+        """Step 2, on the target: what Export gave, durable before the fragment is served here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Step 3, on the source: the fragment is the target's; calls for it are sent there.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SyncerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +198,31 @@ def add_SyncerServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=atoll_dot_v1_dot_syncer__pb2.DescribeRequest.FromString,
                     response_serializer=atoll_dot_v1_dot_syncer__pb2.DescribeResponse.SerializeToString,
+            ),
+            'Freeze': grpc.unary_unary_rpc_method_handler(
+                    servicer.Freeze,
+                    request_deserializer=atoll_dot_v1_dot_syncer__pb2.MoveRequest.FromString,
+                    response_serializer=atoll_dot_v1_dot_syncer__pb2.MoveResponse.SerializeToString,
+            ),
+            'Unfreeze': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unfreeze,
+                    request_deserializer=atoll_dot_v1_dot_syncer__pb2.MoveRequest.FromString,
+                    response_serializer=atoll_dot_v1_dot_syncer__pb2.MoveResponse.SerializeToString,
+            ),
+            'Export': grpc.unary_stream_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=atoll_dot_v1_dot_syncer__pb2.MoveRequest.FromString,
+                    response_serializer=atoll_dot_v1_dot_syncer__pb2.FragmentState.SerializeToString,
+            ),
+            'Adopt': grpc.stream_unary_rpc_method_handler(
+                    servicer.Adopt,
+                    request_deserializer=atoll_dot_v1_dot_syncer__pb2.FragmentState.FromString,
+                    response_serializer=atoll_dot_v1_dot_syncer__pb2.MoveResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=atoll_dot_v1_dot_syncer__pb2.MoveRequest.FromString,
+                    response_serializer=atoll_dot_v1_dot_syncer__pb2.MoveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,6 +361,141 @@ class Syncer:
             '/atoll.v1.Syncer/Describe',
             atoll_dot_v1_dot_syncer__pb2.DescribeRequest.SerializeToString,
             atoll_dot_v1_dot_syncer__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Freeze(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Syncer/Freeze',
+            atoll_dot_v1_dot_syncer__pb2.MoveRequest.SerializeToString,
+            atoll_dot_v1_dot_syncer__pb2.MoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unfreeze(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Syncer/Unfreeze',
+            atoll_dot_v1_dot_syncer__pb2.MoveRequest.SerializeToString,
+            atoll_dot_v1_dot_syncer__pb2.MoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/atoll.v1.Syncer/Export',
+            atoll_dot_v1_dot_syncer__pb2.MoveRequest.SerializeToString,
+            atoll_dot_v1_dot_syncer__pb2.FragmentState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adopt(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/atoll.v1.Syncer/Adopt',
+            atoll_dot_v1_dot_syncer__pb2.FragmentState.SerializeToString,
+            atoll_dot_v1_dot_syncer__pb2.MoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Syncer/Commit',
+            atoll_dot_v1_dot_syncer__pb2.MoveRequest.SerializeToString,
+            atoll_dot_v1_dot_syncer__pb2.MoveResponse.FromString,
             options,
             channel_credentials,
             insecure,
