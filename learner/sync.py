@@ -44,7 +44,14 @@ import numpy as np
 
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
-from atoll.wire.client import MAP_VERSION_KEY, OWNER_KEY, IncompletePull, Pulled, ShardClient
+from atoll.wire.client import (
+    FRAGMENT_KEY,
+    MAP_VERSION_KEY,
+    OWNER_KEY,
+    IncompletePull,
+    Pulled,
+    ShardClient,
+)
 from atoll.wire.plan import FragmentMap, FragmentPlan
 
 log = logging.getLogger("atoll.learner")
@@ -289,15 +296,24 @@ class Synchronizer:
             log.info("fragment map version %d: fragments %s moved", now.version, moved)
 
     def _moved(self, p: int, e: grpc.RpcError) -> bool:
-        """Follows a refusal naming fragment p's owner under a newer map; True if it did."""
-        if p < 0 or e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        """Follows a refusal naming fragment p's owner under a newer map; True if it did
+        (p < 0: the fragment the refusal names, as a Watch's does)."""
+        if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
             return False
         trailing = dict(e.trailing_metadata() or ())
         try:
             owner, version = int(trailing[OWNER_KEY]), int(trailing[MAP_VERSION_KEY])
+            p = p if p >= 0 else int(trailing[FRAGMENT_KEY])
         except (KeyError, ValueError):
             return False
-        if version <= self.fragment_map.moved_at[p] or not 0 <= owner < self.num_shards:
+        if not 0 <= p < self.plan.num_fragments:
+            return False
+        known = self.fragment_map
+        if version <= known.moved_at[p]:
+            # nothing new, but a call sent before this learner followed the move (another
+            # thread did) is retried where the map now sends it
+            return known.owner(p) == owner and 0 <= owner < self.num_shards
+        if not 0 <= owner < self.num_shards:
             return False
         self._follow(self.fragment_map.stating(p, owner, version))
         return True
@@ -698,8 +714,8 @@ class Synchronizer:
                             self.pool.submit(self._learn_schedule, frag, notice.version)
                         except RuntimeError:  # the pool shut down: this learner is stopping
                             break
-            except grpc.RpcError:
-                pass
+            except grpc.RpcError as e:
+                self._moved(-1, e)  # a fragment moved away: the map changes, the streams reopen
             if self.stopping.is_set():
                 return
             if self._map_generation != generation:  # cancelled for the new map: reopen now

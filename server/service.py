@@ -545,6 +545,9 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                         wake = await waiter
                         waiter = self.board.subscribe()  # before reading the board, as above
                         current = self.board.view(fragments)
+                        moved = self.shard.moved_away(fragments) if fragments else None
+                        if moved is not None:  # the watcher follows it to its new owner
+                            await self._refuse(context, "Watch", moved)
                 finally:
                     if wake is not None:
                         wake.release()
@@ -591,13 +594,12 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         with self._open(method):
             try:
                 self._check_operator(context)
-                p, new = self._move_args(request)
-                step = {
-                    "Freeze": lambda: self.shard.freeze(p, new),
-                    "Unfreeze": lambda: self.shard.unfreeze(p),
-                    "Commit": lambda: self.shard.commit_move(p, new),
-                }[method]
-                await self._call(step)
+                if method == "Unfreeze":
+                    await self._call(self.shard.unfreeze, request.fragment)
+                else:
+                    p, new = self._move_args(request)
+                    step = self.shard.freeze if method == "Freeze" else self.shard.commit_move
+                    await self._call(step, p, new)
             except ShardError as e:
                 await self._refuse(context, method, e)
             fmap = self.shard.fragment_map
@@ -670,7 +672,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                         )
                     try:
                         meta = json.loads(first.header.meta_json)
-                    except ValueError as e:
+                    except (ValueError, RecursionError) as e:
                         raise ShardError(
                             grpc.StatusCode.INVALID_ARGUMENT, f"meta_json: {e}"
                         ) from None

@@ -35,7 +35,7 @@ from atoll.server.config import ShardConfig
 from atoll.server.fragment import Answer, Fragment
 from atoll.server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
 from atoll.wire import codec
-from atoll.wire.client import MAP_VERSION_KEY, OWNER_KEY
+from atoll.wire.client import FRAGMENT_KEY, MAP_VERSION_KEY, OWNER_KEY
 from atoll.wire.plan import FragmentMap, FragmentPlan
 from atoll.wire.records import (
     LOG_ADOPT,
@@ -581,7 +581,11 @@ class Shard:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"fragment {p} is on shard {owner} (map version {since}), "
                 f"not shard {self.cfg.shard_index}",
-                metadata=((OWNER_KEY, str(owner)), (MAP_VERSION_KEY, str(since))),
+                metadata=(
+                    (OWNER_KEY, str(owner)),
+                    (MAP_VERSION_KEY, str(since)),
+                    (FRAGMENT_KEY, str(p)),
+                ),
             )
 
     def _fragment(self, p: int, fingerprint: str | None = None, need_init: bool = True) -> Fragment:
@@ -1116,6 +1120,13 @@ class Shard:
             for vector in (trial.params, trial.published):
                 if vector is None or vector.shape != (trial.size,) or not np.isfinite(vector).all():
                     raise ValueError("params and published copy: want finite, one per parameter")
+            back_meta, back = trial.state()  # optimiser state, open round: all finite
+            bad = [k for k, v in back.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+            if bad:
+                raise ValueError(f"{', '.join(sorted(bad))}: values that are not finite")
+            weights = back_meta["round"]
+            if not 0 <= weights["total_weight"] <= weights["full_weight"] < math.inf:
+                raise ValueError(f"open round weights {weights}: want 0 <= total <= full, finite")
             for _, frame in trial.ring:
                 codec.read_codes(frame, codec=trial.publish_codec, num_values=trial.size)
         except ShardError:
@@ -1166,6 +1177,18 @@ class Shard:
         with self.frag_locks[p]:
             answers = (frag.answers.get(learner), frag.refusals.get(learner))
         return max((a.seq for a in answers if a is not None), default=0)
+
+    def moved_away(self, fragments: list[int]) -> ShardError | None:
+        """The refusal naming the new owner of the first of `fragments` that moved away
+        (a Watch of it ends with it), or None."""
+        plan = self.plan
+        for p in fragments:
+            if plan is not None and 0 <= p < plan.num_fragments and p not in self.fragments:
+                try:
+                    self._check_fragment(plan, p, None)
+                except ShardError as e:
+                    return e
+        return None
 
     def versions(self, fragments: list[int] | None = None) -> dict[int, tuple[int, int]]:
         """{fragment: (version, contributors of the last round)} for initialized fragments."""

@@ -138,3 +138,18 @@ def test_a_learner_may_list_shards_past_the_first_layout_that_are_not_up_yet():
         assert sync.fragment_map == FragmentMap.modulo(4, 2)
     finally:
         sync.close()
+
+
+def test_a_call_sent_before_another_thread_followed_the_move_is_retried_at_the_new_owner():
+    # the push left for shard 0 while another thread learned fragment 2 moved to shard 1:
+    # shard 0's refusal is no news, but the call goes where the map now sends it
+    shards = [FakeShard(0, {2: moved_to(1, 1)}), FakeShard(1)]
+    sync = _sync(shards)
+    try:
+        header = pb.PushHeader(fragment=2, seq=9)
+        calls = iter([shards[0], shards[1]])  # the first attempt went out before the follow
+        sync._follow(FragmentMap.modulo(4, 2).stating(2, 1, 1))
+        ack = sync._retry(lambda: next(calls).push(header, b""), "push 2", fragment=2)
+        assert ack.accepted and shards[1].pushes == [(2, 9)]
+    finally:
+        sync.close()

@@ -7,6 +7,7 @@ storage lands on the same bytes."""
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import pathlib
 import threading
 import time
@@ -19,7 +20,7 @@ from atoll.server.config import ShardConfig
 from atoll.server.shard import PushHeader, Shard, ShardError
 from atoll.server.storage import Snapshot
 from atoll.wire import codec
-from atoll.wire.client import MAP_VERSION_KEY, OWNER_KEY
+from atoll.wire.client import FRAGMENT_KEY, MAP_VERSION_KEY, OWNER_KEY
 from atoll.wire.plan import FragmentMap, FragmentPlan, TensorSpec
 from atoll.wire.records import LOG_PUSH, parse_log_record
 
@@ -372,7 +373,7 @@ def test_a_fragment_moves_with_everything_it_acknowledged():
     assert (a.fragment_map, b.fragment_map) == (MOVED, MOVED)
     refused = _refusal(lambda: _push(a, 0, 1, 3, 2))
     assert refused.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert dict(refused.metadata) == {OWNER_KEY: "1", MAP_VERSION_KEY: "1"}
+    assert dict(refused.metadata) == {OWNER_KEY: "1", MAP_VERSION_KEY: "1", FRAGMENT_KEY: "0"}
     # l0's push moved with the state: its retry is answered once, not merged again
     retry = _push(b, 0, 0, 3, 2)
     assert retry.accepted and retry.reason == "duplicate"
@@ -465,4 +466,55 @@ def test_a_shard_past_the_first_layout_owns_nothing_until_a_fragment_moves_to_it
     assert _whole(c, 0) == before and c.plan is not None and sorted(c.fragments) == [0]
     assert _push(c, 0, 1, 3, 2).accepted and c.fragments[0].version == 3
     refused = _refusal(lambda: _push(a, 0, 1, 4, 3))
-    assert dict(refused.metadata) == {OWNER_KEY: "2", MAP_VERSION_KEY: "1"}
+    assert dict(refused.metadata) == {OWNER_KEY: "2", MAP_VERSION_KEY: "1", FRAGMENT_KEY: "0"}
+
+
+def _tampered(meta: dict, payload: bytes, key: str, value) -> tuple[dict, bytes]:
+    """The export with one array replaced."""
+    with np.load(io.BytesIO(payload)) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays[key] = value
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return meta, buf.getvalue()
+
+
+def test_an_adopt_that_replay_could_not_apply_is_refused_and_changes_nothing():
+    clock, stores, a, b = _moving_pair()
+    a.freeze(0, MOVED)
+    meta, payload = a.export(0)
+    size = PLAN.fragment_sizes[0]
+    nan = np.full(size, np.nan, np.float32)
+    bad = {
+        "not an object": ([1, 2], payload),
+        "no state": ({k: v for k, v in meta.items() if k != "state"}, payload),
+        "not npz": (meta, b"\x00" * 64),
+        "another plan": (meta | {"plan": PLAN.to_json().replace('"w1"', '"w9"')}, payload),
+        "gives it elsewhere": (
+            meta | {"map": FragmentMap.modulo(2, 2).moved(0, 0).to_json()},
+            payload,
+        ),
+        "params short": _tampered(meta, payload, "params", np.zeros(size - 1, np.float32)),
+        "params NaN": _tampered(meta, payload, "params", nan),
+        "published inf": _tampered(meta, payload, "published", np.full(size, np.inf, np.float32)),
+        "momentum NaN": _tampered(meta, payload, "opt.1", nan),
+        "round inf": _tampered(meta, payload, "round.acc", np.full(size, np.inf, np.float32)),
+        "ring garbage": _tampered(meta, payload, "ring.0", np.frombuffer(b"junk" * 9, np.uint8)),
+        "weights": (
+            meta
+            | {"state": meta["state"] | {"round": meta["state"]["round"] | {"total_weight": -1}}},
+            payload,
+        ),
+    }
+    log = stores[1][0]
+    for name, (m, p) in bad.items():
+        before = len(log.records)
+        refused = _refusal(lambda m=m, p=p: b.adopt(m, p))
+        assert refused.code in (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ), name
+        assert len(log.records) == before and 0 not in b.fragments, name
+        assert b.fragment_map == FragmentMap.modulo(2, 2), name
+    b.adopt(meta, payload)  # the real one still goes in
+    assert 0 in b.fragments

@@ -28,6 +28,7 @@ MAX_MESSAGE_BYTES = 8 << 20  # must not exceed the shard's --max-message-bytes
 # Trailing metadata of a shard's FAILED_PRECONDITION for a fragment it does not own: the
 # owner's shard index and the fragment map version that put it there (docs/resharding.md).
 OWNER_KEY, MAP_VERSION_KEY = "atoll-owner", "atoll-map-version"
+FRAGMENT_KEY = "atoll-fragment"  # which fragment (a Watch of several ends on the first moved)
 
 # Retries for a shard that is restarting or briefly unreachable: up to 5 attempts,
 # 0.2 s doubling to 3 s, with gRPC's own jitter. Pushes are safe to retry (idempotent).

@@ -228,10 +228,15 @@ def describe_shard(
                     "initialized": f.initialized,
                     "version": f.version,
                     "round_size": f.round_size,
+                    # a move in progress (docs/resharding.md): to that shard, under that map version
+                    "moving_to": f.moving_to if f.moving_version else None,
+                    "moving_version": f.moving_version or None,
                 }
                 for f in d.fragments
             ],
             "live_learners": sorted(d.live_learners),
+            "map_version": d.map_version,
+            "owners": list(d.owners),
         }
     }
 
@@ -337,9 +342,12 @@ def render_status(report: dict) -> str:
         index = d["shard_index"] if d else s["index"]
         versions = (
             "  ".join(
-                f"{f['fragment']}:v{f['version']}/{f['round_size']}"
-                if f["initialized"]
-                else f"{f['fragment']}:-"
+                (
+                    f"{f['fragment']}:v{f['version']}/{f['round_size']}"
+                    if f["initialized"]
+                    else f"{f['fragment']}:-"
+                )
+                + (f"->{f['moving_to']}" if f.get("moving_version") else "")
                 for f in d["fragments"]
             )
             or "(no plan yet)"
@@ -356,6 +364,7 @@ def render_status(report: dict) -> str:
                 s["node"],
                 s["address"],
                 len(d["live_learners"]) if d else None,
+                d.get("map_version") if d else None,
                 versions,
             ]
         )
@@ -372,10 +381,21 @@ def render_status(report: dict) -> str:
             "NODE",
             "ADDRESS",
             "LIVE",
-            "FRAGMENT:VERSION/OPEN ROUND",
+            "MAP",
+            "FRAGMENT:VERSION/OPEN ROUND (->SHARD: MOVING THERE)",
         ],
         rows,
     )
+    moving = [
+        f"fragment {f['fragment']}: shard {s['describe']['shard_index']} -> {f['moving_to']} "
+        f"(map version {f['moving_version']})"
+        for s in report["shards"]
+        if s.get("describe")
+        for f in s["describe"]["fragments"]
+        if f.get("moving_version")
+    ]
+    if moving:
+        lines += ["", "moves in progress (finish them with atoll reshard):"] + moving
     if report["learners"] == []:
         lines += ["", "no learner pods"]
     elif report["learners"] is not None:

@@ -171,3 +171,27 @@ def test_atoll_reshard_balances_the_fragments_and_says_what_it_moved(pair):
         timeout=60,
     )
     assert bad.returncode == 2 and "--to 9" in bad.stdout and "Traceback" not in bad.stderr
+
+
+def test_atoll_status_shows_the_map_and_moves_in_progress(pair):
+    new = FragmentMap.modulo(PLAN.num_fragments, 2).moved(P, 1)
+    addresses = ",".join(f"127.0.0.1:{p.port}" for p in pair.procs)
+
+    def status() -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "atoll.cli", "status", "--shards", addresses],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    assert "moves in progress" not in status()
+    pair.clients[0].freeze(P, new)
+    shown = status()
+    assert "moves in progress" in shown and "fragment 0: shard 0 -> 1 (map version 1)" in shown
+    assert "0:v3/0->1" in shown
+    pair.clients[0].unfreeze(P)
+    assert "moves in progress" not in status()

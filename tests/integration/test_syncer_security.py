@@ -169,6 +169,35 @@ def test_a_learner_bound_token_cannot_push_as_another_learner(token_server):
     channel.close()
 
 
+def test_only_an_operator_token_may_move_fragments(token_server):
+    """Freeze/Unfreeze/Export/Adopt/Commit move a fragment's state between shards: a token
+    bound to a learner is refused them (PERMISSION_DENIED), no token at all is
+    UNAUTHENTICATED, and a token bound to no learner may make them."""
+    channel, stub = connect(token_server.port)
+    size = PLAN.fragment_sizes[0]
+    init(stub, PLAN, 0, np.zeros(size, np.float32), learner="learner-a", metadata=bearer(SHARED))
+    new = pb.FragmentMap(version=1, owners=[1, 0, 0, 0], moved_at=[1, 0, 0, 0])
+    calls = {
+        "Freeze": lambda m: stub.Freeze(pb.MoveRequest(fragment=0, map=new), metadata=m),
+        "Unfreeze": lambda m: stub.Unfreeze(pb.MoveRequest(fragment=0), metadata=m),
+        "Export": lambda m: list(stub.Export(pb.MoveRequest(fragment=0), metadata=m)),
+        "Adopt": lambda m: stub.Adopt(
+            iter([pb.FragmentState(header=pb.FragmentStateHeader(meta_json="{}"))]), metadata=m
+        ),
+        "Commit": lambda m: stub.Commit(pb.MoveRequest(fragment=0, map=new), metadata=m),
+    }
+    for name, call in calls.items():
+        assert status_of(lambda c=call: c(bearer(SECRET_A))) == grpc.StatusCode.PERMISSION_DENIED
+        assert status_of(lambda c=call: c(None)) == UNAUTHENTICATED, name
+    assert describe(stub, metadata=bearer(SHARED)).fragments[0].moving_version == 0
+    # the operator's token: a freeze goes in, and is undone
+    stub.Freeze(pb.MoveRequest(fragment=0, map=new), metadata=bearer(SHARED))
+    assert describe(stub, metadata=bearer(SHARED)).fragments[0].moving_version == 1
+    stub.Unfreeze(pb.MoveRequest(fragment=0), metadata=bearer(SHARED))
+    assert describe(stub, metadata=bearer(SHARED)).fragments[0].moving_version == 0
+    channel.close()
+
+
 # --- TLS and mutual TLS ---
 
 
