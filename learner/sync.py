@@ -351,10 +351,7 @@ class Synchronizer:
             if len(d.owners) == self.plan.num_fragments:
                 maps.append(FragmentMap(d.map_version, tuple(d.owners), tuple(d.moved_at)))
         if maps:  # the run has a map: it says where each fragment is, whatever S was
-            merged = maps[0]
-            for m in maps[1:]:
-                merged = merged.merged(m)
-            self._follow(merged, joining=True)
+            self._follow(FragmentMap.merge_all(maps), joining=True)
         else:  # a new run: p mod S0, S0 the layout shard 0 was started with; shards past
             # it (listed for a later reshard) own nothing until fragments move to them
             first = layouts[0]

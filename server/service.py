@@ -368,29 +368,35 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 f"in codec {header.codec} ({need} bytes)",
             )
         with self.budget.hold(context.peer(), declared):
-            parts: list[bytes] = []
-            received = 0
-            while (request := await self._read(context, kind)) is not grpc.aio.EOF:
-                if request.WhichOneof("kind") != "chunk":
-                    raise ShardError(
-                        grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header"
-                    )
-                received += len(request.chunk)
-                if received > declared:
-                    raise ShardError(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"chunks exceed the header's frame_bytes={declared}",
-                    )
-                parts.append(request.chunk)
-            if received != declared:
-                raise ShardError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"truncated stream: {received} of {declared} frame bytes arrived",
-                )
-            frame = b"".join(parts)
-            del parts
+            frame = await self._chunks(context, kind, declared, "frame_bytes")
             self.shard.metrics.bytes_in.inc(len(frame))
             yield header, frame
+
+    async def _chunks(
+        self, context: grpc.aio.ServicerContext, kind: str, declared: int, field: str
+    ) -> bytes:
+        """The chunks that follow a stream's header, joined: exactly the `declared` bytes
+        its header's `field` announced (the caller holds them against the budgets)."""
+        parts: list[bytes] = []
+        received = 0
+        while (request := await self._read(context, kind)) is not grpc.aio.EOF:
+            if request.WhichOneof("kind") != "chunk":
+                raise ShardError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header"
+                )
+            received += len(request.chunk)
+            if received > declared:
+                raise ShardError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"chunks exceed the header's {field}={declared}",
+                )
+            parts.append(request.chunk)
+        if received != declared:
+            raise ShardError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"truncated stream: {received} of {declared} {field.split('_')[0]} bytes arrived",
+            )
+        return b"".join(parts)
 
     @contextlib.contextmanager
     def _open(self, method: str) -> Iterator[None]:
@@ -650,33 +656,14 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                     )
                 declared = first.header.payload_bytes
                 with self.budget.hold(context.peer(), declared):
-                    parts: list[bytes] = []
-                    received = 0
-                    while (msg := await self._read(context, "Adopt")) is not grpc.aio.EOF:
-                        if msg.WhichOneof("kind") != "chunk":
-                            raise ShardError(
-                                grpc.StatusCode.INVALID_ARGUMENT,
-                                "only chunks may follow the header",
-                            )
-                        received += len(msg.chunk)
-                        if received > declared:
-                            raise ShardError(
-                                grpc.StatusCode.INVALID_ARGUMENT,
-                                f"chunks exceed the header's payload_bytes={declared}",
-                            )
-                        parts.append(msg.chunk)
-                    if received != declared:
-                        raise ShardError(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"truncated stream: {received} of {declared} payload bytes arrived",
-                        )
+                    payload = await self._chunks(context, "Adopt", declared, "payload_bytes")
                     try:
                         meta = json.loads(first.header.meta_json)
                     except (ValueError, RecursionError) as e:
                         raise ShardError(
                             grpc.StatusCode.INVALID_ARGUMENT, f"meta_json: {e}"
                         ) from None
-                    await self._call(self.shard.adopt, meta, b"".join(parts))
+                    await self._call(self.shard.adopt, meta, payload)
             except ShardError as e:
                 await self._refuse(context, "Adopt", e)
             fmap = self.shard.fragment_map

@@ -467,6 +467,14 @@ class FragmentMap:
             tuple(v for _, v in pick),
         )
 
+    @staticmethod
+    def merge_all(maps: Sequence[FragmentMap]) -> FragmentMap:
+        """Several shards' maps merged (see `merged`); at least one."""
+        out = maps[0]
+        for m in maps[1:]:
+            out = out.merged(m)
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {
             "version": self.version,

@@ -72,10 +72,7 @@ def newest_map(clients: Sequence[ShardClient]) -> FragmentMap:
             maps.append(FragmentMap(d.map_version, tuple(d.owners), tuple(d.moved_at)))
     if not maps:
         raise RuntimeError("no shard has a fragment plan yet: start a learner first")
-    newest = maps[0]
-    for m in maps[1:]:
-        newest = newest.merged(m)
-    return newest
+    return FragmentMap.merge_all(maps)
 
 
 def move(
