@@ -1077,7 +1077,7 @@ class Shard:
         """Step 2's target half: fragment p's state from its old owner, durable before p
         is served here. Again once adopted: nothing more."""
         self._require_ready()
-        p, new = self._checked_state(meta, payload)
+        p, new, checked = self._checked_state(meta, payload)
         with self.init_lock:
             if self.fragment_map is not None and p in self.fragments:
                 if _same_move(self.fragment_map, p, new):
@@ -1094,16 +1094,17 @@ class Shard:
             if self.fragment_map is not None:
                 self._next_map(p, new)
             self._sync(self._write([log_record(LOG_ADOPT, meta, payload)]))
-            self._install(meta, payload)
+            self._install(meta, payload, checked)
             self.metrics.moves.labels("in").inc()
             self.metrics.moved_bytes.labels("in").inc(len(payload))
             with self.lock:
                 self._version_changed()
 
-    def _checked_state(self, meta: Any, payload: bytes) -> tuple[int, FragmentMap]:
-        """(fragment, map) of an Adopt, once its whole state restores into a fragment of
-        the right shape with finite values and valid delta frames: a record logged must be
-        one replay can apply. Anything else is INVALID_ARGUMENT and changes nothing."""
+    def _checked_state(self, meta: Any, payload: bytes) -> tuple[int, FragmentMap, Fragment]:
+        """(fragment, map, the fragment restored) of an Adopt, once its whole state
+        restores into a fragment of the right shape with finite values and valid delta
+        frames: a record logged must be one replay can apply. Anything else is
+        INVALID_ARGUMENT and changes nothing."""
         try:
             if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict):
                 raise ValueError("want an object with fragment, map, plan and state")
@@ -1135,18 +1136,24 @@ class Shard:
             raise ShardError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"fragment state: {type(e).__name__}: {e}"
             ) from None
-        return p, new
+        return p, new, trial
 
-    def _install(self, meta: dict[str, Any], payload: bytes | memoryview) -> None:
-        """Makes fragment p here from an ADOPT record (live and replayed)."""
+    def _install(
+        self, meta: dict[str, Any], payload: bytes | memoryview, checked: Fragment | None = None
+    ) -> None:
+        """Makes fragment p here from an ADOPT record (live and replayed); live, from the
+        fragment `_checked_state` restored from it already."""
         p, new = int(meta["fragment"]), FragmentMap.from_json(meta["map"])
         if self.plan is None:
             self._adopt_plan(FragmentPlan.from_json(meta["plan"]), new)
         if p not in self.fragments:
             self._add_fragment(p)
-        with np.load(io.BytesIO(bytes(payload))) as z:
-            arrays = {k: z[k] for k in z.files}
-        self.fragments[p].restore(meta["state"], arrays, self.clock())
+        if checked is not None:
+            self.fragments[p] = checked
+        else:
+            with np.load(io.BytesIO(bytes(payload))) as z:
+                arrays = {k: z[k] for k in z.files}
+            self.fragments[p].restore(meta["state"], arrays, self.clock())
         self.fragment_map = new if self.fragment_map is None else self.fragment_map.merged(new)
 
     def commit_move(self, p: int, new: FragmentMap) -> None:
