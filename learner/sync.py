@@ -51,6 +51,7 @@ from atoll.wire.client import (
     IncompletePull,
     Pulled,
     ShardClient,
+    described_map,
 )
 from atoll.wire.plan import FragmentMap, FragmentPlan
 
@@ -306,16 +307,14 @@ class Synchronizer:
             p = p if p >= 0 else int(trailing[FRAGMENT_KEY])
         except (KeyError, ValueError):
             return False
-        if not 0 <= p < self.plan.num_fragments:
+        if not (0 <= p < self.plan.num_fragments and 0 <= owner < self.num_shards):
             return False
         known = self.fragment_map
         if version <= known.moved_at[p]:
             # nothing new, but a call sent before this learner followed the move (another
             # thread did) is retried where the map now sends it
-            return known.owner(p) == owner and 0 <= owner < self.num_shards
-        if not 0 <= owner < self.num_shards:
-            return False
-        self._follow(self.fragment_map.stating(p, owner, version))
+            return known.owner(p) == owner
+        self._follow(known.stating(p, owner, version))
         return True
 
     # --- joining ---
@@ -348,8 +347,9 @@ class Synchronizer:
                 )
             seeded.update(f.fragment for f in d.fragments if f.initialized)
             layouts.append(d.num_shards)
-            if len(d.owners) == self.plan.num_fragments:
-                maps.append(FragmentMap(d.map_version, tuple(d.owners), tuple(d.moved_at)))
+            described = described_map(d)
+            if described is not None and described.num_fragments == self.plan.num_fragments:
+                maps.append(described)
         if maps:  # the run has a map: it says where each fragment is, whatever S was
             self._follow(FragmentMap.merge_all(maps), joining=True)
         else:  # a new run: p mod S0, S0 the layout shard 0 was started with; shards past
@@ -680,7 +680,7 @@ class Synchronizer:
         while not self.stopping.is_set():
             with self.known:
                 generation = self._map_generation
-            fragments = [p for p in range(self.plan.num_fragments) if self.shard_of(p) == i]
+            fragments = list(self.fragment_map.fragments_of(i))
             if not fragments:  # owns nothing (yet, or any more): wait for the map to change
                 with self.known:
                     self.known.wait_for(

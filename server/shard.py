@@ -614,7 +614,7 @@ class Shard:
             yield
 
     def _refuse_if_moving(self, p: int) -> None:
-        """Pushes and Inits of a fragment being moved away wait (UNAVAILABLE: retryable)."""
+        """Pushes of a fragment being moved away wait (UNAVAILABLE: retryable)."""
         moving = self.frozen.get(p)
         if moving is not None:
             raise ShardError(

@@ -301,26 +301,25 @@ def test_flatten_names_the_first_mismatch():
 
 @pytest.mark.parametrize("P", [1, 2, 5, 8, 13])
 def test_shards_cover_every_fragment_once(P):
-    plan = FragmentPlan.build({f"t{i}": np.zeros(i + 1) for i in range(P)}, P)
+    # a run's first layout: fragment p on shard p mod S (FragmentMap.modulo)
     for S in range(1, P + 1):
-        owned = [p for s in range(S) for p in plan.fragments_of_shard(s, S)]
+        layout = FragmentMap.modulo(P, S)
+        owned = [p for s in range(S) for p in layout.fragments_of(s)]
         assert sorted(owned) == list(range(P))
-        assert all(plan.fragments_of_shard(s, S) for s in range(S))
+        assert all(layout.fragments_of(s) for s in range(S))
         for p in range(P):
-            assert plan.shard_of(p, S) == p % S
-            assert p in plan.fragments_of_shard(plan.shard_of(p, S), S)
+            assert layout.owner(p) == p % S
+            assert p in layout.fragments_of(layout.owner(p))
 
 
 def test_shard_argument_refusals():
     plan = FragmentPlan.build(small_tree(), 4)
     with pytest.raises(ValueError, match="num_shards=0"):
-        plan.shard_of(0, 0)
-    with pytest.raises(ValueError, match="num_shards=5 > num_fragments=4: a shard would own"):
-        plan.fragments_of_shard(0, 5)
-    with pytest.raises(ValueError, match=r"shard 2 not in \[0, 2\)"):
-        plan.fragments_of_shard(2, 2)
+        FragmentMap.modulo(plan.num_fragments, 0)
+    with pytest.raises(ValueError, match="a shard would own nothing"):
+        FragmentMap.modulo(plan.num_fragments, 5)
     with pytest.raises(ValueError, match=r"fragment -1 not in \[0, 4\)"):
-        plan.shard_of(-1, 2)
+        FragmentMap.modulo(plan.num_fragments, 2).owner(-1)
     with pytest.raises(ValueError, match="fragment 4"):
         plan.tensors_of(4)
 

@@ -83,6 +83,13 @@ class Pulled:
     )
 
 
+def described_map(d: pb.DescribeResponse) -> FragmentMap | None:
+    """The fragment map a shard's Describe carries (None before it has a plan)."""
+    if not d.owners:
+        return None
+    return FragmentMap(d.map_version, tuple(d.owners), tuple(d.moved_at))
+
+
 class ShardClient:
     """One shard's channel. Cheap to keep open; `close()` when done."""
 

@@ -229,30 +229,6 @@ class FragmentPlan:
             raise ValueError(f"fragment {fragment!r} not in [0, {self.num_fragments})")
         return int(fragment)
 
-    # -- shards ----------------------------------------------------------------
-
-    def _check_shards(self, num_shards: int) -> None:
-        """Validates a shard count against this plan."""
-        if not _is_int(num_shards) or num_shards < 1:
-            raise ValueError(f"num_shards={num_shards!r}: need an int >= 1")
-        if num_shards > self.num_fragments:
-            raise ValueError(
-                f"num_shards={num_shards} > num_fragments="
-                f"{self.num_fragments}: a shard would own nothing"
-            )
-
-    def shard_of(self, fragment: int, num_shards: int) -> int:
-        """The shard that owns `fragment`: fragment % num_shards."""
-        self._check_shards(num_shards)
-        return self._check_fragment(fragment) % int(num_shards)
-
-    def fragments_of_shard(self, shard: int, num_shards: int) -> tuple[int, ...]:
-        """The fragments that shard `shard` of `num_shards` owns."""
-        self._check_shards(num_shards)
-        if not _is_int(shard) or not 0 <= shard < num_shards:
-            raise ValueError(f"shard {shard!r} not in [0, {num_shards})")
-        return tuple(range(int(shard), self.num_fragments, int(num_shards)))
-
     # -- flat vectors ------------------------------------------------------------
 
     def _checked_leaves(self, tree: Params) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from atoll.wire.client import ShardClient
+from atoll.wire.client import ShardClient, described_map
 from atoll.wire.plan import FragmentMap
 
 
@@ -65,11 +65,7 @@ def plan_moves(current: FragmentMap, num_shards: int) -> list[Move]:
 
 def newest_map(clients: Sequence[ShardClient]) -> FragmentMap:
     """The shards' maps merged, fragment by fragment (each knows the moves it took part in)."""
-    maps = []
-    for c in clients:
-        d = c.describe()
-        if d.owners:
-            maps.append(FragmentMap(d.map_version, tuple(d.owners), tuple(d.moved_at)))
+    maps = [m for m in (described_map(c.describe()) for c in clients) if m is not None]
     if not maps:
         raise RuntimeError("no shard has a fragment plan yet: start a learner first")
     return FragmentMap.merge_all(maps)
@@ -122,7 +118,7 @@ def interrupted(clients: Sequence[ShardClient]) -> list[tuple[Move, FragmentMap]
     found = []
     for i, c in enumerate(clients):
         d = c.describe()
-        mine = FragmentMap(d.map_version, tuple(d.owners), tuple(d.moved_at)) if d.owners else None
+        mine = described_map(d)
         for f in d.fragments:
             if f.moving_version and mine is not None:
                 found.append(
