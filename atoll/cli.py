@@ -8,14 +8,22 @@ import pathlib
 import sys
 
 
-def _positive_int(text: str) -> int:
+def _whole(text: str, least: int) -> int:
     try:
         value = int(text.replace("_", ""))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole(text, 1)
+
+
+def _non_negative_int(text: str) -> int:
+    return _whole(text, 0)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,7 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     reshard.add_argument(
         "--shards",
         required=True,
-        help="every shard's HOST:PORT, in index order (those it moves fragments to included)",
+        help="every shard's HOST:PORT, in index order (those it moves fragments to included), "
+        "or a pattern such as 'atoll-syncer-{i}.atoll-syncer:50051': shards 0 to N-1, and "
+        "past them those that answer",
     )
     reshard.add_argument(
         "--to", type=_positive_int, required=True, help="N: the shards that own fragments after"
@@ -103,6 +113,54 @@ def _parser() -> argparse.ArgumentParser:
         type=pathlib.Path,
         default=None,
         help="a bearer token bound to no learner (with the shards' --token-file on)",
+    )
+
+    drain = commands.add_parser(
+        "drain",
+        help="the syncer pod's preStop hook: if a scale-down takes this shard away, hand "
+        "its fragments to the shards that stay (docs/resharding.md)",
+    )
+    drain.add_argument(
+        "--shards",
+        default=None,
+        help="the shards' address pattern, 'HOST-{i}:PORT' "
+        "(env ATOLL_DRAIN_SHARDS; default atoll-syncer-{i}.atoll-syncer:50051)",
+    )
+    drain.add_argument(
+        "--shard-index",
+        type=_non_negative_int,
+        default=None,
+        help="this shard (default: ATOLL_SHARD_INDEX, or the ordinal ending ATOLL_POD_NAME)",
+    )
+    drain.add_argument(
+        "--replicas",
+        type=_non_negative_int,
+        default=None,
+        help="the shards that stay (default: the StatefulSet's spec.replicas, read from the "
+        "Kubernetes API)",
+    )
+    drain.add_argument("--statefulset", default="atoll-syncer", help="the shards' StatefulSet")
+    drain.add_argument(
+        "--namespace",
+        default=None,
+        help="its namespace (env ATOLL_NAMESPACE; default: the pod's own)",
+    )
+    drain.add_argument(
+        "--token-file",
+        type=pathlib.Path,
+        default=None,
+        help="the shards' token file; its first token bound to no learner is used "
+        "(env ATOLL_TOKEN_FILE)",
+    )
+    drain.add_argument(
+        "--tls-ca", type=pathlib.Path, default=None, help="PEM CA of the shards' certificates"
+    )
+    drain.add_argument(
+        "--timeout",
+        type=float,
+        default=540.0,
+        help="seconds a leaving shard waits for its fragments to move (keep under the pod's "
+        "terminationGracePeriodSeconds)",
     )
 
     bench = commands.add_parser("bench", help="measure a component; prints JSON")
@@ -308,12 +366,45 @@ def main(argv: list[str] | None = None) -> int:
 
         addresses = [a.strip() for a in args.shards.split(",") if a.strip()]
         if not addresses or any(":" not in a for a in addresses):
-            parser.error(f"--shards takes HOST:PORT,..., got {args.shards!r}")
+            parser.error(f"--shards takes HOST:PORT,... or a pattern, got {args.shards!r}")
+        if "{i}" in args.shards and len(addresses) != 1:
+            parser.error(f"--shards: a pattern is one address with {{i}}, got {args.shards!r}")
         try:
             token = args.token_file.read_text().strip() if args.token_file else None
         except OSError as e:
             parser.error(f"--token-file: {e}")
-        return reshard_main(addresses, args.to, token)
+        return reshard_main(args.shards, args.to, token)
+    if args.command == "drain":
+        from atoll.cluster.reshard import drain_defaults, drain_main
+        from atoll.server.config import ConfigError, shard_index_from_env
+
+        env = drain_defaults()
+        spec = args.shards or env["shards"]
+        if "{i}" not in spec or "," in spec or ":" not in spec:
+            parser.error(f"--shards takes a pattern such as 'HOST-{{i}}:PORT', got {spec!r}")
+        try:
+            index = args.shard_index if args.shard_index is not None else shard_index_from_env()
+        except ConfigError as e:
+            parser.error(str(e))
+        if index is None:
+            parser.error("give --shard-index (or set ATOLL_SHARD_INDEX or ATOLL_POD_NAME)")
+        token_file = args.token_file or (
+            pathlib.Path(env["token_file"]) if env["token_file"] else None
+        )
+        if token_file is not None and not token_file.is_file():
+            parser.error(f"--token-file {token_file}: no such file")
+        if not args.timeout > 0:
+            parser.error("--timeout must be above 0")
+        return drain_main(
+            spec,
+            index,
+            args.replicas,
+            args.statefulset,
+            args.namespace or env["namespace"],
+            token_file,
+            args.tls_ca,
+            args.timeout,
+        )
     if args.command == "bench" and args.bench == "codec":
         from atoll.bench.codec import bench_codec
 

@@ -41,6 +41,9 @@ class LearnerConfigError(ValueError):
 class LearnerConfig:
     shards: tuple[str, ...]  # shard addresses in index order (empty only with baseline)
     learner_id: str  # stable across restarts: the shards know a learner by it
+    # --shards as a pattern ('host-{i}:port'): shards past `shards` that a reshard brings
+    # in are reached by it (docs/resharding.md); None: only `shards` exist
+    shard_pattern: str | None = None
     learner_index: int = 0  # which disjoint data shard this learner reads, in [0, num_learners)
     num_learners: int = 1  # M, learners in the run (data shards; baseline batch multiplier)
     preset: str = "small"  # model preset (learner.model.PRESETS)

@@ -266,10 +266,12 @@ def run(cfg: LearnerConfig) -> int:
     if plan is not None and leader:
         tls = TlsFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None
         token = cfg.token_file.read_text().strip() if cfg.token_file else None
-        clients = [
-            ShardClient(a, cfg.learner_id, token=token, tls=tls, deadline=cfg.deadline)
-            for a in cfg.shards
-        ]
+
+        def connect(address: str) -> ShardClient:
+            return ShardClient(address, cfg.learner_id, token=token, tls=tls, deadline=cfg.deadline)
+
+        pattern = cfg.shard_pattern
+        clients = [connect(a) for a in cfg.shards]
         sync = Synchronizer(
             SyncConfig(
                 period=cfg.period,
@@ -282,6 +284,7 @@ def run(cfg: LearnerConfig) -> int:
             plan,
             clients,
             on_push=_push_logger(cfg),
+            connect=None if pattern is None else lambda i: connect(pattern.replace("{i}", str(i))),
         )
         stopping.append(sync.stopping)
         trainer.params = sync.join(trainer.params)

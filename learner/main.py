@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shards",
         default=os.environ.get(ENV_SHARDS, ""),
         help="shard addresses in index order, 'HOST:PORT,HOST:PORT', or a pattern such as "
-        "'atoll-syncer-{i}.atoll-syncer:7070' with --num-shards (env ATOLL_SHARDS)",
+        "'atoll-syncer-{i}.atoll-syncer:7070' with --num-shards, the shards asked at join; "
+        "a pattern also reaches shards a reshard adds later (env ATOLL_SHARDS)",
     )
     p.add_argument(
         "--num-shards", type=int, default=None, help="shards, when --shards is a pattern"
@@ -266,6 +267,7 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
     shards = () if a.baseline and not a.shards else shard_addresses(a.shards, a.num_shards)
     return LearnerConfig(
         shards=shards,
+        shard_pattern=a.shards if shards and "{i}" in a.shards else None,
         learner_id=a.learner_id,
         learner_index=a.learner_index,
         num_learners=a.num_learners,

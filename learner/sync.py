@@ -71,6 +71,10 @@ STEP_WARMUP = 2  # the first steps after joining are not counted (they compile)
 # waits for that round: 2 lets a push that just missed a close (back one period plus a
 # grace window later) go by without a stall.
 RUN_AHEAD_PERIODS = 2
+MAX_SHARDS = 1024  # the highest shard index a --shards pattern is expanded for
+# Attempts of a call about a fragment whose shard does not answer before the learner asks
+# the other shards whether the fragment moved (its old owner may be gone: a scale-down)
+ASK_OTHERS_AFTER = 3
 
 
 class SyncError(RuntimeError):
@@ -217,6 +221,9 @@ class Synchronizer:
     `on_push`, if given, is called from a sync thread with one dict per answered push
     (fragment, seq, shard, accepted, reason, base and merged-in versions, the steps and
     compute seconds it carries): `atoll chaos` audits acknowledgements with it.
+
+    `connect(i)`, if given, makes a client for shard i past `clients` (from a --shards
+    pattern): shards a reshard brings in later are found by it (docs/resharding.md).
     """
 
     def __init__(
@@ -225,9 +232,11 @@ class Synchronizer:
         plan: FragmentPlan,
         clients: list[ShardClient],
         on_push: Callable[[dict], None] | None = None,
+        connect: Callable[[int], ShardClient] | None = None,
     ):
-        self.cfg, self.plan, self.clients, self.on_push = cfg, plan, clients, on_push
-        self.num_shards = len(clients)
+        self.cfg, self.plan, self.on_push, self.connect = cfg, plan, on_push, connect
+        self.clients = list(clients)  # by shard index; grows through `connect`
+        self.num_shards = len(clients)  # the shards given at start
         try:  # where each fragment is: p mod S until a shard names a newer map
             self.fragment_map = FragmentMap.modulo(plan.num_fragments, self.num_shards)
         except ValueError as e:
@@ -262,9 +271,34 @@ class Synchronizer:
         }
         self._watches: list[grpc.Future] = []  # open Watch calls, cancelled by close()
         self._map_generation = 0  # fragment map changes seen: Watch streams reopen on each
+        self._watching = False  # Watch threads started: a shard found later gets one too
 
     def client_of(self, p: int) -> ShardClient:
-        return self.clients[self.shard_of(p)]
+        return self.client(self.shard_of(p))
+
+    def client(self, i: int) -> ShardClient:
+        """Shard i's client; one past those given is made from the --shards pattern (and
+        watched, once the learner watches)."""
+        with self.lock:
+            if i < len(self.clients):
+                return self.clients[i]
+            if not self._reachable(i):
+                raise SyncError(f"shard {i}: this learner has no address for it")
+            assert self.connect is not None
+            new = [(k, self.connect(k)) for k in range(len(self.clients), i + 1)]
+            self.clients.extend(c for _, c in new)
+            watching = self._watching
+        for k, c in new:
+            log.info("shard %d is at %s", k, c.address)
+            if watching:
+                self._start_watcher(k, c)
+        return self.clients[i]
+
+    def _reachable(self, shard: int) -> bool:
+        """Whether this learner can address shard `shard`: one given, or any with a pattern."""
+        return 0 <= shard < len(self.clients) or (
+            self.connect is not None and 0 <= shard < MAX_SHARDS
+        )
 
     def shard_of(self, p: int) -> int:
         """The shard that owns fragment p, by the newest fragment map seen."""
@@ -274,11 +308,14 @@ class Synchronizer:
         """Routes by what `new` says of each fragment where it is newer than what this
         learner knows (docs/resharding.md); when joining, the shards' map replaces the
         p mod S this learner assumed, whatever S."""
-        if new.num_fragments != self.plan.num_fragments or max(new.owners) >= self.num_shards:
+        if new.num_fragments != self.plan.num_fragments or not all(
+            self._reachable(s) for s in set(new.owners)
+        ):
             raise SyncError(
                 f"fragment map version {new.version} names shards {sorted(set(new.owners))} "
                 f"for {new.num_fragments} fragments; this learner was given "
                 f"{self.num_shards} shards for {self.plan.num_fragments}"
+                + ("" if self.connect else " (a --shards pattern reaches shards added later)")
             )
         with self.known:
             old = self.fragment_map
@@ -307,7 +344,7 @@ class Synchronizer:
             p = p if p >= 0 else int(trailing[FRAGMENT_KEY])
         except (KeyError, ValueError):
             return False
-        if not (0 <= p < self.plan.num_fragments and 0 <= owner < self.num_shards):
+        if not (0 <= p < self.plan.num_fragments and self._reachable(owner)):
             return False
         known = self.fragment_map
         if version <= known.moved_at[p]:
@@ -322,9 +359,11 @@ class Synchronizer:
     def check_shards(self) -> set[int]:
         """Every shard must be the one its position says, serving this plan (or none yet).
         Routes by the newest fragment map they describe (p mod S, S the shards given,
-        while none has a plan). Returns the fragments already seeded."""
+        while none has a plan). With a --shards pattern, the shards past those given are
+        asked too, while they answer (a reshard may have moved fragments to them).
+        Returns the fragments already seeded."""
         seeded, maps, layouts = set(), [], []
-        for i, client in enumerate(self.clients):
+        for i, client in enumerate(list(self.clients)):
             if layouts and i >= layouts[0]:
                 # past the first layout: a shard a reshard may use, perhaps not started yet
                 # (the maps of the shards moves took fragments from say where they went)
@@ -350,6 +389,7 @@ class Synchronizer:
             described = described_map(d)
             if described is not None and described.num_fragments == self.plan.num_fragments:
                 maps.append(described)
+        maps += [m for _, m in self._probe()]
         if maps:  # the run has a map: it says where each fragment is, whatever S was
             self._follow(FragmentMap.merge_all(maps), joining=True)
         else:  # a new run: p mod S0, S0 the layout shard 0 was started with; shards past
@@ -365,6 +405,59 @@ class Synchronizer:
             with self.lock:
                 self.fragment_map = FragmentMap.modulo(self.plan.num_fragments, first)
         return seeded
+
+    def _probe(self) -> list[tuple[int, FragmentMap]]:
+        """With a --shards pattern: the maps of the shards past those known, asked in
+        index order until one does not answer (or serves another plan); each that
+        answers is kept as a client."""
+        found = []
+        while self.connect is not None and len(self.clients) < MAX_SHARDS:
+            i = len(self.clients)
+            client = self.connect(i)
+            try:
+                d = client.describe(timeout=5.0)
+            except grpc.RpcError:
+                d = None
+            described = None if d is None else described_map(d)
+            if (
+                d is None
+                or d.shard_index != i
+                or d.plan_fingerprint not in ("", self.plan.fingerprint)
+                or (described is not None and described.num_fragments != self.plan.num_fragments)
+            ):
+                client.close()
+                break
+            log.info("found shard %d at %s", i, client.address)
+            with self.lock:
+                self.clients.append(client)
+                watching = self._watching
+            if watching:
+                self._start_watcher(i, client)
+            if described is not None:
+                found.append((i, described))
+        return found
+
+    def _ask_others(self, p: int) -> bool:
+        """Fragment p's shard does not answer: merges every other shard's map (and, with a
+        pattern, any shard found past them); True if p's owner changed."""
+        before = self.shard_of(p)
+        maps = []
+        for i, client in enumerate(list(self.clients)):
+            if i == before:
+                continue
+            try:
+                described = described_map(client.describe(timeout=5.0))
+            except grpc.RpcError:
+                continue
+            if described is not None and described.num_fragments == self.plan.num_fragments:
+                maps.append(described)
+        maps += [m for _, m in self._probe()]
+        if maps:
+            try:
+                self._follow(FragmentMap.merge_all(maps))
+            except SyncError as e:
+                log.warning("the shards' maps cannot be followed: %s", e)
+        return self.shard_of(p) != before
 
     def join(self, params: Params) -> Params:
         """Seeds unseeded fragments with `params`, then adopts every fragment's current version."""
@@ -668,10 +761,16 @@ class Synchronizer:
     # --- versions from Watch ---
 
     def _start_watchers(self) -> None:
-        for i, client in enumerate(self.clients):
-            threading.Thread(
-                target=self._watch, args=(i, client), name=f"watch-{i}", daemon=True
-            ).start()
+        with self.lock:
+            self._watching = True
+            clients = list(self.clients)
+        for i, client in enumerate(clients):
+            self._start_watcher(i, client)
+
+    def _start_watcher(self, i: int, client: ShardClient) -> None:
+        threading.Thread(
+            target=self._watch, args=(i, client), name=f"watch-{i}", daemon=True
+        ).start()
 
     def _watch(self, i: int, client: ShardClient) -> None:
         """Follows shard i's versions of the fragments the map gives it for as long as we
@@ -761,6 +860,17 @@ class Synchronizer:
                 if e.code() not in RETRYABLE:
                     raise SyncError(f"{what}: {e.code().name}: {e.details()}") from None
                 error = f"{e.code().name}: {e.details()}"
+                if (
+                    e.code() == grpc.StatusCode.UNAVAILABLE
+                    and fragment >= 0
+                    and (attempt + 1) % ASK_OTHERS_AFTER == 0
+                    and self._ask_others(fragment)
+                ):
+                    log.info(
+                        "%s: fragment %d moved to shard %d", what, fragment, self.shard_of(fragment)
+                    )
+                    attempt = 0
+                    continue
             except IncompletePull as e:
                 error = str(e)
             attempt += 1
@@ -788,7 +898,9 @@ class Synchronizer:
         for call in watches:
             call.cancel()
         self.pool.shutdown(wait=True, cancel_futures=True)
-        for client in self.clients:
+        with self.lock:
+            clients = list(self.clients)
+        for client in clients:
             client.close()
 
 

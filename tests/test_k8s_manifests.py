@@ -397,8 +397,10 @@ def _check_labels_and_namespace(objs) -> None:
     for t in pod_templates(objs):
         assert COMMON_LABELS.items() <= t["metadata"]["labels"].items()
         assert t["spec"]["securityContext"]["runAsNonRoot"] is True
-        # Only the operator Jobs talk to the Kubernetes API.
-        assert t["spec"]["automountServiceAccountToken"] is (component_of(t) == "operator")
+        # Only the operator Jobs and the syncer (its preStop hook) talk to the API.
+        assert t["spec"]["automountServiceAccountToken"] is (
+            component_of(t) in ("operator", "syncer")
+        )
         for c in all_containers(t):
             sc = c["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
@@ -643,6 +645,66 @@ def test_syncer_services(overlay):
 
 
 @needs_kubectl
+@pytest.mark.parametrize(
+    "overlay, components", [("syncer", ()), ("all-in-one", ()), ("syncer", ("tls",))]
+)
+def test_a_scale_down_drains_the_leaving_shards_first(overlay, components):
+    """The preStop hook is a valid `atoll drain` that can reach the shards, read the
+    StatefulSet's size with the pod's own account, and finish within the grace period."""
+    from atoll.cluster.reshard import DEFAULT_DRAIN_SHARDS
+
+    objs = render(overlay, components)
+    sts = one(objs, "StatefulSet", "atoll-syncer")
+    spec = sts["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "atoll"
+    args = atoll_parser().parse_args(command[1:])
+    assert args.command == "drain" and args.statefulset == sts["metadata"]["name"]
+    # it waits at most --timeout for the moves, inside the pod's grace period
+    assert spec["terminationGracePeriodSeconds"] >= args.timeout + 30
+    # the shards by the headless Service's per-pod names, which stay while pods stop
+    pattern = args.shards or DEFAULT_DRAIN_SHARDS
+    host, port = pattern.rsplit(":", 1)
+    headless = one(objs, "Service", sts["spec"]["serviceName"])
+    assert host == f"{sts['metadata']['name']}-{{i}}.{headless['metadata']['name']}"
+    assert int(port) == {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"]
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    for s in find(objs, "Service"):  # a leaving shard stays reachable until it is drained
+        if s["spec"].get("selector", {}).get("app.kubernetes.io/component") == "syncer":
+            assert s["spec"]["publishNotReadyAddresses"] is True
+    env = env_of(c)
+    assert env["ATOLL_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["ATOLL_TOKEN_FILE"]["value"].startswith(
+        next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "token")
+    )
+    # its account may get this StatefulSet, and nothing else
+    account = spec["serviceAccountName"]
+    assert spec["automountServiceAccountToken"] is True
+    assert one(objs, "ServiceAccount", account)
+    binding = next(
+        b
+        for b in find(objs, "RoleBinding")
+        if {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE} in b["subjects"]
+    )
+    role = one(objs, "Role", binding["roleRef"]["name"])
+    assert role["rules"] == [
+        {
+            "apiGroups": ["apps"],
+            "resources": ["statefulsets"],
+            "resourceNames": [sts["metadata"]["name"]],
+            "verbs": ["get"],
+        }
+    ]
+    if "tls" in components:  # the CA of the certificates the shards serve
+        (ca,) = [a for a in command if a.startswith("--tls-ca=")]
+        tls_mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "tls")
+        assert ca == f"--tls-ca={tls_mount}/ca.crt"
+    else:
+        assert args.tls_ca is None
+
+
+@needs_kubectl
 @pytest.mark.parametrize("overlay", SYNCER_OVERLAYS)
 def test_syncer_disruption_budget_and_network_policy(overlay):
     objs = render(overlay)
@@ -653,12 +715,14 @@ def test_syncer_disruption_budget_and_network_policy(overlay):
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     by_port = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
     assert set(by_port) == {"grpc", "metrics"}
-    learners = [f for f in by_port["grpc"] if "podSelector" in f]
-    assert learners == [
+    pods = [f for f in by_port["grpc"] if "podSelector" in f]
+    assert pods == [
         {
             "namespaceSelector": {"matchLabels": {"atoll.dev/enabled": "true"}},
             "podSelector": {"matchLabels": {"app.kubernetes.io/component": "learner"}},
-        }
+        },
+        # the other shards, in this namespace only (a scale-down's preStop hook)
+        {"podSelector": {"matchLabels": syncer}},
     ]
     assert any("ipBlock" in f for f in by_port["grpc"]), "no ipBlock for learners in other clusters"
     assert all("ipBlock" not in f for f in by_port["metrics"])

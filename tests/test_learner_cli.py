@@ -117,3 +117,18 @@ def test_multi_process_setting_from_flags_then_environment_then_tpu_slice():
     assert config_from(None, None, None, {"TPU_WORKER_HOSTNAMES": "h0,h1"}) == DistributedConfig()
     with pytest.raises(DistributedConfigError, match="ATOLL_NUM_PROCESSES"):
         config_from(None, None, None, {**env, "ATOLL_NUM_PROCESSES": "four"})
+
+
+def test_a_shard_pattern_is_kept_to_reach_shards_added_later():
+    import argparse
+
+    from atoll.learner.main import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    pattern = parser.parse_args(["--shards", "atoll-syncer-{i}.s:7070", "--num-shards", "2"])
+    cfg = config_from_args(pattern)
+    assert cfg.shards == ("atoll-syncer-0.s:7070", "atoll-syncer-1.s:7070")
+    assert cfg.shard_pattern == "atoll-syncer-{i}.s:7070"
+    listed = config_from_args(parser.parse_args(["--shards", "a:1,b:2"]))
+    assert listed.shards == ("a:1", "b:2") and listed.shard_pattern is None

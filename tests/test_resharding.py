@@ -36,20 +36,25 @@ def moved_to(owner: int, version: int) -> Refused:
 
 
 class FakeShard:
-    """Answers pushes, or refuses the fragments in `refuse` with the error given."""
+    """Answers pushes, or refuses the fragments in `refuse` with the error given; a shard
+    that is `down` answers nothing (UNAVAILABLE)."""
 
-    def __init__(self, index: int, refuse: dict | None = None):
-        self.index, self.refuse, self.pushes = index, refuse or {}, []
+    def __init__(self, index: int, refuse: dict | None = None, down: bool = False):
+        self.index, self.refuse, self.pushes, self.down = index, refuse or {}, [], down
         self.map: dict = {}  # map_version and owners, as Describe gives them
         self.address = f"fake-{index}"
 
     def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushResponse:
+        if self.down:
+            raise Refused(grpc.StatusCode.UNAVAILABLE)
         self.pushes.append((header.fragment, header.seq))
         if header.fragment in self.refuse:
             raise self.refuse[header.fragment]
         return pb.PushResponse(accepted=True, version=7)
 
     def describe(self, timeout: float | None = None) -> pb.DescribeResponse:
+        if self.down:
+            raise Refused(grpc.StatusCode.UNAVAILABLE)
         if self.index >= 2 and not self.map:  # a shard a reshard may use, not started yet
             raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED)
         return pb.DescribeResponse(shard_index=self.index, num_shards=2, **self.map)
@@ -151,5 +156,60 @@ def test_a_call_sent_before_another_thread_followed_the_move_is_retried_at_the_n
         sync._follow(FragmentMap.modulo(4, 2).stating(2, 1, 1))
         ack = sync._retry(lambda: next(calls).push(header, b""), "push 2", fragment=2)
         assert ack.accepted and shards[1].pushes == [(2, 9)]
+    finally:
+        sync.close()
+
+
+def test_a_learner_given_a_pattern_reaches_a_shard_it_was_not_started_with():
+    made: dict[int, FakeShard] = {}
+
+    def connect(i: int) -> FakeShard:
+        made[i] = FakeShard(i)
+        return made[i]
+
+    shards = [FakeShard(0, {2: moved_to(3, 1)}), FakeShard(1)]
+    sync = Synchronizer(SyncConfig(period=4, max_backoff=0.01), PLAN, shards, connect=connect)
+    try:
+        assert _push(sync, 2, seq=4).accepted
+        assert made[3].pushes == [(2, 4)] and sync.client_of(2) is made[3]
+        assert sync.fragment_map == FragmentMap(1, (0, 1, 3, 1), (0, 0, 1, 0))
+    finally:
+        sync.close()
+
+
+def test_with_a_pattern_a_joining_learner_asks_the_shards_past_those_given():
+    # fragment 1 went 1 -> 3 (version 1), then 3 -> 2 (version 2), and shard 3 is gone (a
+    # scale-down): only shard 2, which the learner was not given, knows where fragment 1 is
+    shards = [FakeShard(0), FakeShard(1)]
+    shards[0].map = dict(map_version=0, owners=[0, 1, 0, 1], moved_at=[0, 0, 0, 0])
+    shards[1].map = dict(map_version=1, owners=[0, 3, 0, 1], moved_at=[0, 1, 0, 0])
+    later = {2: FakeShard(2)}
+    later[2].map = dict(map_version=2, owners=[0, 2, 0, 1], moved_at=[0, 2, 0, 0])
+    asked = []
+
+    def connect(i: int) -> FakeShard:
+        asked.append(i)
+        return later.get(i) or FakeShard(i, down=True)
+
+    sync = Synchronizer(SyncConfig(period=4, max_backoff=0.01), PLAN, shards, connect=connect)
+    try:
+        sync.check_shards()
+        assert sync.fragment_map == FragmentMap(2, (0, 2, 0, 1), (0, 2, 0, 0))
+        assert sync.client_of(1) is later[2]
+        assert asked == [2, 3] and len(sync.clients) == 3  # asked up to the first that is not up
+    finally:
+        sync.close()
+
+
+def test_a_learner_whose_shard_is_gone_asks_the_others_where_its_fragment_went():
+    # fragment 1 moved from shard 1 to shard 0 (version 1) while this learner was away, and
+    # shard 1 no longer answers: its pushes go where shard 0's map says
+    shards = [FakeShard(0), FakeShard(1, down=True)]
+    shards[0].map = dict(map_version=1, owners=[0, 0, 0, 1], moved_at=[0, 1, 0, 0])
+    sync = _sync(shards)
+    try:
+        assert sync.shard_of(1) == 1  # p mod S: it has not heard of the move
+        assert _push(sync, 1, seq=3).accepted and shards[0].pushes == [(1, 3)]
+        assert sync.fragment_map == FragmentMap(1, (0, 0, 0, 1), (0, 1, 0, 0))
     finally:
         sync.close()

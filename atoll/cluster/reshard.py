@@ -5,19 +5,29 @@ It keeps no state of its own: each move is freeze (source), export + adopt (targ
 commit (source), every step durable on its shard and answered the same way when
 repeated, and a rerun after any failure finds where each move stands from the shards'
 `Describe` answers and finishes it.
+
+`atoll drain` is the syncer pod's preStop hook in Kubernetes: a pod that a scale-down
+takes away (its ordinal at or past the StatefulSet's replicas) hands its fragments to
+the shards that stay before it stops; any other stop (a restart, an eviction, a node
+drain) keeps them, since the pod comes back on the same volume.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import pathlib
 import time
 from collections.abc import Callable, Sequence
 
 import grpc
 
-from atoll.wire.client import ShardClient, described_map
+from atoll.wire.client import ShardClient, TlsFiles, described_map
 from atoll.wire.plan import FragmentMap
+
+PROBE_SECONDS = 5.0  # a shard past those that must answer that is silent this long is not up
+DRAIN_POLL_SECONDS = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +140,25 @@ def interrupted(clients: Sequence[ShardClient]) -> list[tuple[Move, FragmentMap]
     return found
 
 
+def shard_clients(
+    spec: str, at_least: int, connect: Callable[[str], ShardClient]
+) -> list[ShardClient]:
+    """Every shard's client, in index order: the addresses of 'HOST:PORT,HOST:PORT', or a
+    pattern with {i} for shards 0 to at_least - 1 and past them for as long as a shard
+    answers (a scale-down's leaving shards, a scale-up's new ones)."""
+    if "{i}" not in spec:
+        return [connect(a.strip()) for a in spec.split(",") if a.strip()]
+    clients = [connect(spec.replace("{i}", str(i))) for i in range(at_least)]
+    while True:
+        c = connect(spec.replace("{i}", str(len(clients))))
+        try:
+            c.describe(timeout=PROBE_SECONDS)
+        except grpc.RpcError:
+            c.close()
+            return clients
+        clients.append(c)
+
+
 def reshard(
     clients: Sequence[ShardClient], num_shards: int, say: Callable[[str], None] = print
 ) -> dict:
@@ -143,6 +172,12 @@ def reshard(
     current = newest_map(clients)
     if num_shards > len(clients):
         raise ValueError(f"--to {num_shards} shards, but {len(clients)} addresses were given")
+    unreached = sorted({s for s in current.owners if s >= len(clients)})
+    if unreached:
+        raise ValueError(
+            f"shards {unreached} own fragments but are not among the {len(clients)} "
+            "shards reached: start them (or give their addresses) and rerun"
+        )
     moves = plan_moves(current, num_shards)
     say(f"map version {current.version}: {len(moves)} moves to balance over {num_shards} shards")
     for m in moves:
@@ -151,8 +186,10 @@ def reshard(
     return {"map_version": current.version, "owners": list(current.owners), "moves": done}
 
 
-def main(addresses: list[str], num_shards: int, token: str | None) -> int:
-    clients = [ShardClient(a, "", token=token, deadline=120.0) for a in addresses]
+def main(spec: str, num_shards: int, token: str | None) -> int:
+    clients = shard_clients(
+        spec, num_shards, lambda a: ShardClient(a, "", token=token, deadline=120.0)
+    )
     try:
         result = reshard(clients, num_shards, say=lambda line: print(line, flush=True))
     except (ValueError, RuntimeError) as e:
@@ -166,3 +203,171 @@ def main(addresses: list[str], num_shards: int, token: str | None) -> int:
             c.close()
     print(json.dumps(result, indent=2))
     return 0
+
+
+# --- atoll drain: the scale-down path in Kubernetes ---
+
+
+class DrainError(RuntimeError):
+    """The drain could not finish; the message says what is left and how to finish it."""
+
+
+def drain(
+    index: int,
+    replicas: int,
+    clients: Callable[[], list[ShardClient]],
+    timeout: float,
+    say: Callable[[str], None] = print,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict:
+    """Shard `index` is stopping while its StatefulSet has `replicas` pods.
+
+    A shard that stays (index < replicas) keeps its fragments: it restarts on its volume.
+    Of the shards a scale-down takes away, shard `replicas` (the first of them) moves
+    every fragment they own to the shards that stay, balanced (`reshard`), while the
+    others wait - serving their fragments until each has moved - so that one planner
+    makes every move. `clients()` gives every shard's client, in index order."""
+    if index < replicas:
+        say(f"shard {index} stays ({replicas} replicas): it keeps its fragments")
+        return {"shard": index, "replicas": replicas, "drained": False, "moves": []}
+    if replicas < 1:
+        raise DrainError(
+            "the StatefulSet scales to 0: no shard is left to take the fragments, which "
+            "stay on the shards' volumes (scale up again to serve them)"
+        )
+    shards = clients()
+    try:
+        if index >= len(shards):
+            raise DrainError(f"shard {index} is not among the {len(shards)} shards that answer")
+        if index == replicas:
+            say(
+                f"shard {index} leaves with every shard past {replicas - 1}: moving their fragments"
+            )
+            result = reshard(shards, replicas, say)
+            return {"shard": index, "replicas": replicas, "drained": True, **result}
+        say(f"shard {index} leaves: shard {replicas} moves its fragments; waiting")
+        deadline = clock() + timeout
+        while True:
+            held = sorted(
+                f.fragment for f in shards[index].describe(timeout=PROBE_SECONDS).fragments
+            )
+            if not held:
+                say(f"shard {index} owns no fragment any more")
+                return {"shard": index, "replicas": replicas, "drained": True, "moves": []}
+            if clock() >= deadline:
+                raise DrainError(
+                    f"fragments {held} are still on shard {index} after {timeout:g} s: "
+                    f"run atoll reshard --to {replicas} while it is up"
+                )
+            time.sleep(DRAIN_POLL_SECONDS)
+    finally:
+        for c in shards:
+            c.close()
+
+
+def operator_token(path: pathlib.Path) -> str:
+    """The first token in a shard's token file that is bound to no learner (operator calls
+    take no other)."""
+    from atoll.server.config import load_tokens
+
+    for token, learner in load_tokens(path).items():
+        if learner is None:
+            return token
+    raise DrainError(
+        f"{path}: every token is bound to a learner; moving fragments needs one bound to "
+        "none (a line holding only the token)"
+    )
+
+
+def statefulset_replicas(namespace: str, name: str) -> int | None:
+    """spec.replicas of StatefulSet `name` (None: it is gone, as when a run is deleted)."""
+    from kubernetes import client
+
+    from atoll.cluster.kube import KubeError, connect
+
+    api = client.AppsV1Api(connect().api_client)
+    try:
+        answer = api.read_namespaced_stateful_set(
+            name, namespace, _request_timeout=(5.0, 15.0), _preload_content=False
+        )
+        sts = json.loads(answer.data)  # only spec.replicas is read: no model to validate
+    except client.exceptions.ApiException as e:
+        if e.status == 404:
+            return None
+        hint = " (the syncer's Role must allow get on statefulsets)" if e.status == 403 else ""
+        raise KubeError(
+            f"reading StatefulSet {namespace}/{name}: {e.status} {e.reason}{hint}"
+        ) from None
+    except OSError as e:
+        raise KubeError(
+            f"reading StatefulSet {namespace}/{name}: {type(e).__name__}: {e}"
+        ) from None
+    except ValueError as e:
+        raise KubeError(f"reading StatefulSet {namespace}/{name}: not JSON ({e})") from None
+    replicas = (sts.get("spec") or {}).get("replicas", 1)  # the API's default is 1
+    if not isinstance(replicas, int) or replicas < 0:
+        raise KubeError(f"StatefulSet {namespace}/{name} has spec.replicas {replicas!r}")
+    return replicas
+
+
+SERVICE_ACCOUNT_NAMESPACE = pathlib.Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def drain_main(
+    spec: str,
+    index: int,
+    replicas: int | None,
+    statefulset: str,
+    namespace: str | None,
+    token_file: pathlib.Path | None,
+    tls_ca: pathlib.Path | None,
+    timeout: float,
+) -> int:
+    from atoll.cluster.kube import KubeError
+
+    say = lambda line: print(f"atoll drain: {line}", flush=True)  # noqa: E731
+    try:
+        if replicas is None:
+            if namespace is None:
+                namespace = (
+                    SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+                    if SERVICE_ACCOUNT_NAMESPACE.exists()
+                    else "atoll"
+                )
+            replicas = statefulset_replicas(namespace, statefulset)
+            if replicas is None:
+                say(f"StatefulSet {namespace}/{statefulset} is gone: the run is being deleted")
+                return 0
+        token = operator_token(token_file) if token_file else None
+        tls = TlsFiles(tls_ca) if tls_ca else None
+
+        def clients() -> list[ShardClient]:
+            return shard_clients(
+                spec,
+                replicas,
+                lambda a: ShardClient(a, "", token=token, tls=tls, deadline=120.0),
+            )
+
+        result = drain(index, replicas, clients, timeout, say)
+    except (DrainError, KubeError, ValueError, RuntimeError) as e:
+        say(str(e))
+        return 2
+    except grpc.RpcError as e:
+        say(f"{e.code().name}: {e.details()} (run atoll reshard --to {replicas} to finish)")
+        return 1
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+ENV_DRAIN_SHARDS = "ATOLL_DRAIN_SHARDS"
+ENV_NAMESPACE = "ATOLL_NAMESPACE"
+DEFAULT_DRAIN_SHARDS = "atoll-syncer-{i}.atoll-syncer:50051"
+
+
+def drain_defaults() -> dict:
+    """The drain's settings from the syncer pod's environment."""
+    return {
+        "shards": os.environ.get(ENV_DRAIN_SHARDS, DEFAULT_DRAIN_SHARDS),
+        "namespace": os.environ.get(ENV_NAMESPACE),
+        "token_file": os.environ.get("ATOLL_TOKEN_FILE"),
+    }

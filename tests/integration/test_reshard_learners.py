@@ -1,11 +1,19 @@
-"""Real learners train on while `atoll reshard` takes the service from 2 to 4 to 3
-shards (docs/resharding.md): fragments move between live shard processes, the learners
-follow each move, versions go on, and nothing acknowledged is lost."""
+"""Real learners train on while the service goes from 2 to 4 to 3 shards
+(docs/resharding.md): two shards start later and `atoll reshard` gives them fragments,
+then the last one leaves through `atoll drain` (the scale-down's preStop hook) and is
+killed. Fragments move between live shard processes; the learners, given the shards'
+address pattern and only the first two, find the new shards, follow each move, and
+versions go on with nothing acknowledged lost."""
 
 from __future__ import annotations
 
-from syncer_helpers import syncer_processes
+import json
+import subprocess
+import sys
+
+from syncer_helpers import REPO, syncer_processes
 from test_learner import Learner
+from test_scale_down import consecutive_ports
 
 from atoll.cluster import reshard
 from atoll.wire.client import ShardClient
@@ -27,26 +35,34 @@ def _state(clients: list[ShardClient]) -> dict:
 
 
 def test_learners_train_on_while_the_service_goes_from_2_to_4_to_3_shards(tmp_path):
+    pattern = f"127.0.0.1:{consecutive_ports(4)}{{i}}"
     with syncer_processes(tmp_path) as start:
-        # shards 2 and 3 join later in a real deployment; here they are up from the start,
-        # own nothing, and the learners know all four addresses
-        shards = [
-            start(
+
+        def shard(i: int):
+            # one --num-shards for every shard, as the StatefulSet's ConfigMap gives it
+            listen = pattern.replace("{i}", str(i))
+            return start(
                 tmp_path / f"s{i}",
                 "--shard-index",
                 str(i),
                 "--num-shards",
-                "2" if i < 2 else "4",
+                "2",
+                "--listen",
+                listen,
                 *FLAGS,
             )
-            for i in range(4)
-        ]
-        ports = [s.port for s in shards]
-        learners = [
-            Learner(tmp_path, f"l{i}", i, ports, STEPS, "--slowdown", "8").start() for i in range(2)
-        ]
-        clients = [ShardClient(f"127.0.0.1:{p}", "", deadline=60.0) for p in ports]
+
+        shards = [shard(i) for i in range(2)]
+        learners = []
+        for i in range(2):  # they know the pattern and that the run starts with 2 shards
+            learner = Learner(tmp_path, f"l{i}", i, [], STEPS, "--slowdown", "8")
+            at = learner.args.index("--shards")
+            learner.args[at + 1 : at + 2] = [pattern, "--num-shards", "2"]
+            learners.append(learner.start())
+        clients = [ShardClient(pattern.replace("{i}", str(i)), "", deadline=60.0) for i in range(4)]
         try:
+            learners[0].wait_for_step(20)
+            shards += [shard(i) for i in (2, 3)]  # kubectl scale --replicas=4
             learners[0].wait_for_step(40)
             before_up = _state(clients)
             assert sorted(before_up["owned"]) == [0, 1, 2, 3]
@@ -54,8 +70,21 @@ def test_learners_train_on_while_the_service_goes_from_2_to_4_to_3_shards(tmp_pa
             up = reshard.reshard(clients, 4, say=lambda _: None)
             assert len(up["moves"]) == 2 and sorted(up["owners"]) == [0, 1, 2, 3]
             learners[0].wait_for_step(120)
-            down = reshard.reshard(clients, 3, say=lambda _: None)
+            # kubectl scale --replicas=3: shard 3's preStop hook hands its fragment over
+            drained = subprocess.run(
+                [sys.executable, "-m", "atoll.cli", "drain", "--shards", pattern]
+                + ["--shard-index", "3", "--replicas", "3"],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                timeout=120,
+            )
+            assert drained.returncode == 0, drained.stdout + drained.stderr
+            down = json.loads(drained.stdout[drained.stdout.index("\n{") :])
             assert len(down["moves"]) == 1 and 3 not in down["owners"]
+            shards[3].kill()  # and the pod goes
+            clients[3].close()
+            clients = clients[:3]
             after = _state(clients)
             assert [learner.wait() for learner in learners] == [0, 0]
             final = _state(clients)
@@ -73,7 +102,10 @@ def test_learners_train_on_while_the_service_goes_from_2_to_4_to_3_shards(tmp_pa
         records = learner.records()
         done = records[-1]
         assert done["state"] == "done" and done["step"] == STEPS, done
-    # the learners followed the moves: a refusal naming the new owner, then the same call there
-    assert any("moved" in learner.log.read_text() for learner in learners)
+    # the learners followed the moves: a refusal naming the new owner, then the same call
+    # there; and reached shards 2 and 3 through the pattern
+    logs = [learner.log.read_text() for learner in learners]
+    assert any("moved" in text for text in logs)
+    assert all(f"shard 2 is at {pattern.replace('{i}', '2')}" in text for text in logs)
     for moved in up["moves"] + down["moves"]:
         assert moved["bytes"] > 0

@@ -1,0 +1,239 @@
+"""The scale-down path (docs/resharding.md, "Scaling the service in Kubernetes"): the
+shards a StatefulSet scale-down takes away hand their fragments to those that stay in
+their preStop hook (`atoll drain`), with real shard processes reached through an
+address pattern, and the StatefulSet's size read from a Kubernetes API (kmock)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from syncer_helpers import PLAN, REPO, syncer_processes
+from test_kube import Emulator, serve_namespace
+
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
+from atoll.wire.client import ShardClient
+
+FLAGS = ("--num-shards", "2", "--quorum", "1", "--grace-factor", "0", "--snapshot-every", "2")
+SHARDS = 4
+
+
+def consecutive_ports(n: int) -> int:
+    """A prefix X such that ports X0 ... X(n-1) are free on 127.0.0.1."""
+    for _ in range(200):
+        prefix = random.randrange(2000, 6000)
+        sockets = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", int(f"{prefix}{i}")))
+            return prefix
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+def atoll(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "atoll.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        timeout=180,
+    )
+
+
+def _statefulset(replicas: int) -> dict:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": "atoll-syncer", "namespace": "atoll"},
+        "spec": {
+            "replicas": replicas,
+            "serviceName": "atoll-syncer",
+            "selector": {"matchLabels": {"app.kubernetes.io/component": "syncer"}},
+            "template": {
+                "metadata": {"labels": {"app.kubernetes.io/component": "syncer"}},
+                "spec": {"containers": [{"name": "syncer", "image": "atoll"}]},
+            },
+        },
+    }
+
+
+@pytest.fixture
+def api(tmp_path):
+    """A Kubernetes API where StatefulSet atoll/atoll-syncer has 2 replicas (and namespace
+    gone-run has none), and a kubeconfig for it."""
+
+    def seed(k) -> None:
+        serve_namespace(k, "atoll", {"atoll.dev/enabled": "true"})
+        route = "get /apis/apps/v1/namespaces/atoll/statefulsets/atoll-syncer"
+        k[route] << (lambda: _statefulset(2))
+
+    emulator = Emulator(seed)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "kmock",
+                "clusters": [{"name": "kmock", "cluster": {"server": emulator.url}}],
+                "users": [{"name": "tester", "user": {"token": "test-token"}}],
+                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "tester"}}],
+            }
+        )
+    )
+    yield {"KUBECONFIG": str(kubeconfig), "KUBERNETES_SERVICE_HOST": ""}
+    emulator.close()
+
+
+def _seed(clients: list[ShardClient]) -> None:
+    """Seeds every fragment on shard p mod 2 (the run's first layout)."""
+    for p in range(PLAN.num_fragments):
+        values = np.random.default_rng(p).standard_normal(PLAN.fragment_sizes[p])
+        frame = codec.encode(values.astype(np.float32), codec.Codec.FP32)
+        clients[p % 2].init(PLAN, p, frame, codec.Codec.FP32)
+
+
+def _push(client: ShardClient, p: int, seq: int, base: int) -> pb.PushResponse:
+    delta = np.random.default_rng([p, seq]).standard_normal(PLAN.fragment_sizes[p]) * 0.01
+    header = pb.PushHeader(
+        fragment=p,
+        base_version=base,
+        seq=seq,
+        inner_steps=4,
+        tokens=400,
+        codec=pb.CODEC_INT4,
+        num_params=PLAN.fragment_sizes[p],
+        plan_fingerprint=PLAN.fingerprint,
+    )
+    return client.push(header, codec.encode(delta.astype(np.float32)))
+
+
+def _owned(clients: list[ShardClient]) -> dict[int, tuple[int, int]]:
+    """{fragment: (shard holding it, its version)}; no fragment on two shards."""
+    owned: dict[int, tuple[int, int]] = {}
+    for i, c in enumerate(clients):
+        for f in c.describe().fragments:
+            assert f.fragment not in owned, f"fragment {f.fragment} on two shards"
+            owned[f.fragment] = (i, f.version)
+    return owned
+
+
+def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, api):
+    prefix = consecutive_ports(SHARDS)
+    pattern = f"127.0.0.1:{prefix}{{i}}"
+    with syncer_processes(tmp_path) as start:
+        procs = [
+            start(
+                tmp_path / f"s{i}",
+                "--shard-index",
+                str(i),
+                "--listen",
+                pattern.replace("{i}", str(i)),
+                *FLAGS,
+            )
+            for i in range(SHARDS)
+        ]
+        clients = [
+            ShardClient(pattern.replace("{i}", str(i)), "l0", deadline=30.0) for i in range(SHARDS)
+        ]
+        try:
+            _seed(clients)
+            # scale up: `atoll reshard` finds shards 2 and 3 through the pattern
+            up = atoll("reshard", "--shards", pattern, "--to", "4")
+            assert up.returncode == 0, up.stdout + up.stderr
+            planned = json.loads(up.stdout[up.stdout.index("\n{") :])["owners"]
+            owners = {p: i for p, (i, _) in _owned(clients).items()}
+            assert (
+                sorted(owners.values()) == [0, 1, 2, 3] and [owners[p] for p in range(4)] == planned
+            )
+            acked = {}
+            for p, i in owners.items():  # quorum 1: each push closes a round
+                for seq in range(1, 3 + p):
+                    assert _push(clients[i], p, seq, seq - 1).accepted
+                acked[p] = 2 + p
+            # a shard that stays keeps its fragments (a restart, an eviction)
+            stays = atoll("drain", "--shards", pattern, "--shard-index", "1", env=api)
+            assert stays.returncode == 0, stays.stdout + stays.stderr
+            assert "stays (2 replicas)" in stays.stdout
+            # the StatefulSet went from 4 to 2: pods 2 and 3 run their preStop hooks at once
+            leaving = [
+                subprocess.Popen(
+                    [sys.executable, "-m", "atoll.cli", "drain", "--shards", pattern]
+                    + ["--shard-index", str(i), "--namespace", "atoll"],
+                    cwd=REPO,
+                    env={**os.environ, "PYTHONPATH": str(REPO), **api},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+                for i in (3, 2)
+            ]
+            outs = [p.communicate(timeout=180)[0] for p in leaving]
+            assert [p.returncode for p in leaving] == [0, 0], outs
+            waited, led = outs
+            assert "shard 2 moves its fragments" in waited and "owns no fragment" in waited
+            moves = json.loads(led[led.index("\n{") :])["moves"]
+            assert sorted((m["fragment"], m["from"]) for m in moves) == sorted(
+                (p, i) for p, i in owners.items() if i >= 2
+            )
+            assert {m["to"] for m in moves} == {0, 1}
+            after = _owned(clients)
+            # every fragment on a shard that stays, balanced, with every acknowledged push
+            assert {i for i, _ in after.values()} == {0, 1}
+            assert sorted(i for i, _ in after.values()) == [0, 0, 1, 1]
+            assert {p: v for p, (_, v) in after.items()} == acked
+            for i in (2, 3):  # the pods go
+                procs[i].kill()
+            # the map the shards that stay hold sends every fragment to them, versions go on
+            for p, (i, v) in after.items():
+                assert _push(clients[i], p, v + 1, v).accepted
+            again = _owned(clients[:2])
+            assert {p: v for p, (_, v) in again.items()} == {p: n + 1 for p, n in acked.items()}
+            # nothing left to do: the first leaving shard finds no shard past the others
+            done = atoll("reshard", "--shards", pattern, "--to", "2")
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert json.loads(done.stdout[done.stdout.index("\n{") :])["moves"] == []
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_drain_says_what_it_cannot_do(tmp_path, api):
+    pattern = "127.0.0.1:1{i}"  # nothing listens on ports 10-13
+    gone = atoll(
+        "drain", "--shards", pattern, "--shard-index", "3", "--namespace", "elsewhere", env=api
+    )
+    assert gone.returncode == 0 and "is gone" in gone.stdout, gone.stdout + gone.stderr
+    zero = atoll("drain", "--shards", pattern, "--shard-index", "0", "--replicas", "0")
+    assert zero.returncode == 2 and "scales to 0" in zero.stdout
+    alone = atoll("drain", "--shards", pattern, "--shard-index", "3", "--replicas", "1")
+    assert alone.returncode == 2 and "not among the 1 shards that answer" in alone.stdout
+    for bad, says in [
+        (["--shards", "h:1,h:2"], "pattern"),
+        (["--shards", pattern, "--shard-index", "0", "--timeout", "0"], "--timeout"),
+        (["--shards", pattern], "--shard-index"),
+    ]:
+        out = atoll("drain", *bad, env={"ATOLL_POD_NAME": "", "ATOLL_SHARD_INDEX": ""})
+        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr
+    token = tmp_path / "token"
+    token.write_text("learner-a " + "x" * 40 + "\n")
+    bound = atoll(
+        "drain", "--shards", pattern, "--shard-index", "3", "--replicas", "1",
+        "--token-file", str(token),
+    )  # fmt: skip
+    assert bound.returncode == 2 and "bound to a learner" in bound.stdout
