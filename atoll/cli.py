@@ -369,13 +369,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--shards takes HOST:PORT,... or a pattern, got {args.shards!r}")
         if "{i}" in args.shards and len(addresses) != 1:
             parser.error(f"--shards: a pattern is one address with {{i}}, got {args.shards!r}")
+        from atoll.cluster.reshard import DrainError, operator_token
+        from atoll.server.config import ConfigError
+
         try:
-            token = args.token_file.read_text().strip() if args.token_file else None
-        except OSError as e:
+            token = operator_token(args.token_file) if args.token_file else None
+        except (OSError, ConfigError, DrainError) as e:
             parser.error(f"--token-file: {e}")
         return reshard_main(args.shards, args.to, token)
     if args.command == "drain":
-        from atoll.cluster.reshard import drain_defaults, drain_main
+        from atoll.cluster.reshard import DrainError, drain_defaults, drain_main, operator_token
         from atoll.server.config import ConfigError, shard_index_from_env
 
         env = drain_defaults()
@@ -393,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         if token_file is not None and not token_file.is_file():
             parser.error(f"--token-file {token_file}: no such file")
+        try:
+            token = operator_token(token_file) if token_file else None
+        except (OSError, ConfigError, DrainError) as e:
+            parser.error(f"--token-file: {e}")
         if not args.timeout > 0:
             parser.error("--timeout must be above 0")
         return drain_main(
@@ -401,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             args.replicas,
             args.statefulset,
             args.namespace or env["namespace"],
-            token_file,
+            token,
             args.tls_ca,
             args.timeout,
         )

@@ -319,7 +319,7 @@ def drain_main(
     replicas: int | None,
     statefulset: str,
     namespace: str | None,
-    token_file: pathlib.Path | None,
+    token: str | None,
     tls_ca: pathlib.Path | None,
     timeout: float,
 ) -> int:
@@ -338,7 +338,6 @@ def drain_main(
             if replicas is None:
                 say(f"StatefulSet {namespace}/{statefulset} is gone: the run is being deleted")
                 return 0
-        token = operator_token(token_file) if token_file else None
         tls = TlsFiles(tls_ca) if tls_ca else None
 
         def clients() -> list[ShardClient]:

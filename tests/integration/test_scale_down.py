@@ -236,4 +236,5 @@ def test_drain_says_what_it_cannot_do(tmp_path, api):
         "drain", "--shards", pattern, "--shard-index", "3", "--replicas", "1",
         "--token-file", str(token),
     )  # fmt: skip
-    assert bound.returncode == 2 and "bound to a learner" in bound.stdout
+    assert bound.returncode == 2 and "bound to a learner" in bound.stderr
+    assert "Traceback" not in bound.stderr
