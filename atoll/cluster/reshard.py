@@ -219,14 +219,18 @@ def drain(
     timeout: float,
     say: Callable[[str], None] = print,
     clock: Callable[[], float] = time.monotonic,
+    ordered: bool = False,
 ) -> dict:
     """Shard `index` is stopping while its StatefulSet has `replicas` pods.
 
     A shard that stays (index < replicas) keeps its fragments: it restarts on its volume.
-    Of the shards a scale-down takes away, shard `replicas` (the first of them) moves
-    every fragment they own to the shards that stay, balanced (`reshard`), while the
-    others wait - serving their fragments until each has moved - so that one planner
-    makes every move. `clients()` gives every shard's client, in index order."""
+    Of the shards a scale-down takes away, one plans and makes every move (`reshard` to
+    `replicas`, balanced) while any other waits - serving its fragments until each has
+    moved - so that no two planners race for a map version. With podManagementPolicy
+    Parallel every leaving pod stops at once and shard `replicas` plans; with
+    OrderedReady (`ordered`) they stop one at a time, highest first, while the rest still
+    run, so each plans in its turn (the first moves everything). `clients()` gives every
+    shard's client, in index order."""
     if index < replicas:
         say(f"shard {index} stays ({replicas} replicas): it keeps its fragments")
         return {"shard": index, "replicas": replicas, "drained": False, "moves": []}
@@ -239,7 +243,7 @@ def drain(
     try:
         if index >= len(shards):
             raise DrainError(f"shard {index} is not among the {len(shards)} shards that answer")
-        if index == replicas:
+        if index == replicas or ordered:
             say(
                 f"shard {index} leaves with every shard past {replicas - 1}: moving their fragments"
             )
@@ -279,8 +283,9 @@ def operator_token(path: pathlib.Path) -> str:
     )
 
 
-def statefulset_replicas(namespace: str, name: str) -> int | None:
-    """spec.replicas of StatefulSet `name` (None: it is gone, as when a run is deleted)."""
+def statefulset_scale(namespace: str, name: str) -> tuple[int, bool] | None:
+    """(spec.replicas, whether its pods stop one at a time) of StatefulSet `name` (None:
+    it is gone, as when a run is deleted)."""
     from kubernetes import client
 
     from atoll.cluster.kube import KubeError, connect
@@ -304,10 +309,11 @@ def statefulset_replicas(namespace: str, name: str) -> int | None:
         ) from None
     except ValueError as e:
         raise KubeError(f"reading StatefulSet {namespace}/{name}: not JSON ({e})") from None
-    replicas = (sts.get("spec") or {}).get("replicas", 1)  # the API's default is 1
+    spec = sts.get("spec") or {}
+    replicas = spec.get("replicas", 1)  # the API's defaults: 1, OrderedReady
     if not isinstance(replicas, int) or replicas < 0:
         raise KubeError(f"StatefulSet {namespace}/{name} has spec.replicas {replicas!r}")
-    return replicas
+    return replicas, spec.get("podManagementPolicy", "OrderedReady") != "Parallel"
 
 
 SERVICE_ACCOUNT_NAMESPACE = pathlib.Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -326,6 +332,7 @@ def drain_main(
     from atoll.cluster.kube import KubeError
 
     say = lambda line: print(f"atoll drain: {line}", flush=True)  # noqa: E731
+    ordered = False  # --replicas given: the shipped StatefulSet's Parallel
     try:
         if replicas is None:
             if namespace is None:
@@ -334,10 +341,11 @@ def drain_main(
                     if SERVICE_ACCOUNT_NAMESPACE.exists()
                     else "atoll"
                 )
-            replicas = statefulset_replicas(namespace, statefulset)
-            if replicas is None:
+            scale = statefulset_scale(namespace, statefulset)
+            if scale is None:
                 say(f"StatefulSet {namespace}/{statefulset} is gone: the run is being deleted")
                 return 0
+            replicas, ordered = scale
         tls = TlsFiles(tls_ca) if tls_ca else None
 
         def clients() -> list[ShardClient]:
@@ -347,7 +355,7 @@ def drain_main(
                 lambda a: ShardClient(a, "", token=token, tls=tls, deadline=120.0),
             )
 
-        result = drain(index, replicas, clients, timeout, say)
+        result = drain(index, replicas, clients, timeout, say, ordered=ordered)
     except (DrainError, KubeError, ValueError, RuntimeError) as e:
         say(str(e))
         return 2

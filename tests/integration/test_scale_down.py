@@ -44,6 +44,10 @@ def consecutive_ports(n: int) -> int:
     raise RuntimeError("no run of free ports")
 
 
+def _flat(flags: dict) -> list[str]:
+    return [x for kv in flags.items() for x in kv]
+
+
 def atoll(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "atoll.cli", *args],
@@ -55,13 +59,14 @@ def atoll(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
-def _statefulset(replicas: int) -> dict:
+def _statefulset(namespace: str, replicas: int, policy: str | None) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": {"name": "atoll-syncer", "namespace": "atoll"},
+        "metadata": {"name": "atoll-syncer", "namespace": namespace},
         "spec": {
             "replicas": replicas,
+            **({"podManagementPolicy": policy} if policy else {}),
             "serviceName": "atoll-syncer",
             "selector": {"matchLabels": {"app.kubernetes.io/component": "syncer"}},
             "template": {
@@ -72,15 +77,21 @@ def _statefulset(replicas: int) -> dict:
     }
 
 
+def _answer(obj: dict):
+    return lambda: obj
+
+
 @pytest.fixture
 def api(tmp_path):
-    """A Kubernetes API where StatefulSet atoll/atoll-syncer has 2 replicas (and namespace
-    gone-run has none), and a kubeconfig for it."""
+    """A Kubernetes API where StatefulSet atoll-syncer has 2 replicas in namespaces atoll
+    (pods managed in parallel, as shipped) and ordered (the API's default, OrderedReady),
+    and none in any other; and a kubeconfig for it."""
 
     def seed(k) -> None:
         serve_namespace(k, "atoll", {"atoll.dev/enabled": "true"})
-        route = "get /apis/apps/v1/namespaces/atoll/statefulsets/atoll-syncer"
-        k[route] << (lambda: _statefulset(2))
+        for namespace, policy in (("atoll", "Parallel"), ("ordered", None)):
+            route = f"get /apis/apps/v1/namespaces/{namespace}/statefulsets/atoll-syncer"
+            k[route] << _answer(_statefulset(namespace, 2, policy))
 
     emulator = Emulator(seed)
     kubeconfig = tmp_path / "kubeconfig"
@@ -137,17 +148,12 @@ def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, a
     prefix = consecutive_ports(SHARDS)
     pattern = f"127.0.0.1:{prefix}{{i}}"
     with syncer_processes(tmp_path) as start:
-        procs = [
-            start(
-                tmp_path / f"s{i}",
-                "--shard-index",
-                str(i),
-                "--listen",
-                pattern.replace("{i}", str(i)),
-                *FLAGS,
-            )
-            for i in range(SHARDS)
-        ]
+
+        def shard(i: int):
+            listen = pattern.replace("{i}", str(i))
+            return start(tmp_path / f"s{i}", "--shard-index", str(i), "--listen", listen, *FLAGS)
+
+        procs = [shard(i) for i in range(SHARDS)]
         clients = [
             ShardClient(pattern.replace("{i}", str(i)), "l0", deadline=30.0) for i in range(SHARDS)
         ]
@@ -208,6 +214,25 @@ def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, a
             done = atoll("reshard", "--shards", pattern, "--to", "2")
             assert done.returncode == 0, done.stdout + done.stderr
             assert json.loads(done.stdout[done.stdout.index("\n{") :])["moves"] == []
+            # pods stopped one at a time (OrderedReady), highest first: shard 3's hook moves
+            # what shards 2 and 3 own while shard 2 still runs, and shard 2's finds nothing
+            for i in (2, 3):
+                procs[i] = shard(i)
+            up = atoll("reshard", "--shards", pattern, "--to", "4")
+            assert up.returncode == 0, up.stdout + up.stderr
+            ordered = {"--namespace": "ordered"}
+            first = atoll(
+                "drain", "--shards", pattern, "--shard-index", "3", *_flat(ordered), env=api
+            )
+            assert first.returncode == 0, first.stdout + first.stderr
+            assert len(json.loads(first.stdout[first.stdout.index("\n{") :])["moves"]) == 2
+            procs[3].kill()
+            second = atoll(
+                "drain", "--shards", pattern, "--shard-index", "2", *_flat(ordered), env=api
+            )
+            assert second.returncode == 0, second.stdout + second.stderr
+            assert json.loads(second.stdout[second.stdout.index("\n{") :])["moves"] == []
+            assert sorted(i for i, _ in _owned(clients[:3]).values()) == [0, 0, 1, 1]
         finally:
             for c in clients:
                 c.close()
