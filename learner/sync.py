@@ -272,6 +272,7 @@ class Synchronizer:
         self._watches: list[grpc.Future] = []  # open Watch calls, cancelled by close()
         self._map_generation = 0  # fragment map changes seen: Watch streams reopen on each
         self._watching = False  # Watch threads started: a shard found later gets one too
+        self._probing = threading.Lock()  # one probe past the known shards at a time
 
     def client_of(self, p: int) -> ShardClient:
         return self.client(self.shard_of(p))
@@ -389,7 +390,7 @@ class Synchronizer:
             described = described_map(d)
             if described is not None and described.num_fragments == self.plan.num_fragments:
                 maps.append(described)
-        maps += [m for _, m in self._probe()]
+        maps += self._probe()
         if maps:  # the run has a map: it says where each fragment is, whatever S was
             self._follow(FragmentMap.merge_all(maps), joining=True)
         else:  # a new run: p mod S0, S0 the layout shard 0 was started with; shards past
@@ -406,35 +407,45 @@ class Synchronizer:
                 self.fragment_map = FragmentMap.modulo(self.plan.num_fragments, first)
         return seeded
 
-    def _probe(self) -> list[tuple[int, FragmentMap]]:
+    def _probe(self) -> list[FragmentMap]:
         """With a --shards pattern: the maps of the shards past those known, asked in
-        index order until one does not answer (or serves another plan); each that
+        index order until one does not answer as the next shard of this plan; each that
         answers is kept as a client."""
-        found = []
-        while self.connect is not None and len(self.clients) < MAX_SHARDS:
-            i = len(self.clients)
-            client = self.connect(i)
-            try:
-                d = client.describe(timeout=5.0)
-            except grpc.RpcError:
-                d = None
-            described = None if d is None else described_map(d)
-            if (
-                d is None
-                or d.shard_index != i
-                or d.plan_fingerprint not in ("", self.plan.fingerprint)
-                or (described is not None and described.num_fragments != self.plan.num_fragments)
-            ):
-                client.close()
-                break
-            log.info("found shard %d at %s", i, client.address)
-            with self.lock:
-                self.clients.append(client)
-                watching = self._watching
-            if watching:
-                self._start_watcher(i, client)
-            if described is not None:
-                found.append((i, described))
+        found: list[FragmentMap] = []
+        if self.connect is None:
+            return found
+        with self._probing:  # (a refusal may still make a client meanwhile: `client`)
+            while len(self.clients) < MAX_SHARDS:
+                i = len(self.clients)
+                client = self.connect(i)
+                try:
+                    d = client.describe(timeout=5.0)
+                except grpc.RpcError:
+                    d = None
+                described = None if d is None else described_map(d)
+                if (
+                    d is None
+                    or d.shard_index != i
+                    or d.plan_fingerprint not in ("", self.plan.fingerprint)
+                    or (
+                        described is not None and described.num_fragments != self.plan.num_fragments
+                    )
+                ):
+                    client.close()
+                    break
+                with self.lock:
+                    kept = len(self.clients) == i
+                    if kept:
+                        self.clients.append(client)
+                    watching = self._watching
+                if kept:
+                    log.info("found shard %d at %s", i, client.address)
+                    if watching:
+                        self._start_watcher(i, client)
+                else:
+                    client.close()
+                if described is not None:
+                    found.append(described)
         return found
 
     def _ask_others(self, p: int) -> bool:
@@ -451,7 +462,7 @@ class Synchronizer:
                 continue
             if described is not None and described.num_fragments == self.plan.num_fragments:
                 maps.append(described)
-        maps += [m for _, m in self._probe()]
+        maps += self._probe()
         if maps:
             try:
                 self._follow(FragmentMap.merge_all(maps))

@@ -91,6 +91,8 @@ def test_learners_train_on_while_the_service_goes_from_2_to_4_to_3_shards(tmp_pa
         finally:
             for c in clients:
                 c.close()
+            for learner in learners:  # a failed check leaves none behind
+                learner.kill()
     # every fragment on the shard the map names, versions never went back and went on
     assert {p: i for p, (i, _) in final["owned"].items()} == dict(enumerate(down["owners"]))
     for p, (_, version) in final["owned"].items():
