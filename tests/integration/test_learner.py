@@ -14,6 +14,7 @@ import time
 import pytest
 from syncer_helpers import REPO, SyncerProcess, syncer_processes
 
+from atoll.wire.client import ShardClient
 from atoll.wire.records import read_jsonl
 
 LEARNER_FLAGS = [
@@ -140,10 +141,19 @@ def test_learners_train_through_a_shard_kill(tmp_path, learners):
             tmp_path / "s1b.log",
         )
         revived.start()
+        shard1 = ShardClient(f"127.0.0.1:{ports[1]}", "")
         try:
+            replayed = {f.fragment: f.version for f in shard1.describe().fragments}
             assert [learner.wait() for learner in learners] == [0, 0]
+            ended = {f.fragment: f.version for f in shard1.describe().fragments}
         finally:
+            shard1.close()
             revived.kill()
+    # versions went on advancing after the restart: rounds closed on the revived shard, with
+    # both learners' pushes (quorum 2), for each of its fragments (the learners' own figures
+    # depend on how the cadence settles on a loaded host)
+    assert sorted(replayed) == sorted(ended) == [1, 3]
+    assert all(ended[p] > replayed[p] for p in ended), (replayed, ended)
 
     for learner in learners:
         records = learner.records()
@@ -151,7 +161,7 @@ def test_learners_train_through_a_shard_kill(tmp_path, learners):
         assert final["state"] == "done" and final["step"] == 160
         first_loss = next(r["loss"] for r in records if "loss" in r)
         assert final["eval_loss"] < first_loss - 1.0, (first_loss, final["eval_loss"])  # it learned
-        assert final["version"] > before + 2  # versions went on advancing after the restart
+        assert final["version"] > before
         assert final["refused"] == 0 or final["resyncs"] == final["refused"]
         # bits on the wire per pushed parameter: 4-bit frames, zstd-framed
         params = final["params"]
