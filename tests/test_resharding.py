@@ -213,3 +213,60 @@ def test_a_learner_whose_shard_is_gone_asks_the_others_where_its_fragment_went()
         assert sync.fragment_map == FragmentMap(1, (0, 0, 0, 1), (0, 1, 0, 0))
     finally:
         sync.close()
+
+
+class Holding(FakeShard):
+    """A leaving shard that holds `held` until it has been asked `until` times."""
+
+    def __init__(self, index: int, held: list[int], until: int | None = None):
+        super().__init__(index)
+        self.held, self.until, self.asked = held, until, 0
+
+    def describe(self, timeout: float | None = None) -> pb.DescribeResponse:
+        self.asked += 1
+        gone = self.until is not None and self.asked >= self.until
+        fragments = [] if gone else [pb.FragmentInfo(fragment=p) for p in self.held]
+        return pb.DescribeResponse(shard_index=self.index, num_shards=2, fragments=fragments)
+
+
+def test_a_leaving_shard_that_plans_asks_again_when_a_shard_does_not_answer(monkeypatch):
+    from atoll.cluster import reshard as rs
+
+    calls = []
+
+    def reshard(shards, n, say):  # a target restarting answers UNAVAILABLE once
+        calls.append(n)
+        if len(calls) == 1:
+            raise Refused(grpc.StatusCode.UNAVAILABLE)
+        return {"map_version": 5, "owners": [0, 1, 0, 1], "moves": [{"fragment": 2}]}
+
+    monkeypatch.setattr(rs, "reshard", reshard)
+    monkeypatch.setattr(rs, "DRAIN_POLL_SECONDS", 0.0)
+    shards = [FakeShard(i) for i in range(4)]
+    out = rs.drain(2, 2, lambda: shards, timeout=60.0, say=lambda _: None)
+    assert calls == [2, 2] and out["drained"] and out["moves"] == [{"fragment": 2}]
+    # the others wait for it; a shard that stays does nothing
+    waiting = [*shards[:3], Holding(3, [1, 3], until=3)]
+    assert rs.drain(3, 2, lambda: waiting, timeout=60.0, say=lambda _: None)["drained"]
+    assert waiting[3].asked == 3 and calls == [2, 2]
+    assert not rs.drain(1, 2, lambda: shards, timeout=60.0, say=lambda _: None)["drained"]
+    # with OrderedReady the highest leaving shard plans (the others still run)
+    assert rs.drain(3, 2, lambda: shards, timeout=60.0, say=lambda _: None, ordered=True)
+    assert calls == [2, 2, 2]
+
+
+def test_a_leaving_shard_gives_up_at_its_timeout_saying_what_is_left(monkeypatch):
+    from atoll.cluster import reshard as rs
+
+    monkeypatch.setattr(rs, "DRAIN_POLL_SECONDS", 0.0)
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 10.0
+        return now[0]
+
+    stuck = [FakeShard(0), FakeShard(1), FakeShard(2), Holding(3, [1, 3])]
+    with pytest.raises(rs.DrainError, match=r"fragments \[1, 3\] are still on shard 3"):
+        rs.drain(3, 2, lambda: stuck, timeout=60.0, say=lambda _: None, clock=clock)
+    with pytest.raises(rs.DrainError, match="scales to 0"):
+        rs.drain(0, 0, lambda: stuck, timeout=60.0, say=lambda _: None)

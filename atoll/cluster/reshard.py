@@ -229,8 +229,9 @@ def drain(
     moved - so that no two planners race for a map version. With podManagementPolicy
     Parallel every leaving pod stops at once and shard `replicas` plans; with
     OrderedReady (`ordered`) they stop one at a time, highest first, while the rest still
-    run, so each plans in its turn (the first moves everything). `clients()` gives every
-    shard's client, in index order."""
+    run, so each plans in its turn (the first moves everything). A shard that does not
+    answer meanwhile (a target restarting) is asked again until `timeout`: a move is
+    finished where it stopped. `clients()` gives every shard's client, in index order."""
     if index < replicas:
         say(f"shard {index} stays ({replicas} replicas): it keeps its fragments")
         return {"shard": index, "replicas": replicas, "drained": False, "moves": []}
@@ -243,21 +244,29 @@ def drain(
     try:
         if index >= len(shards):
             raise DrainError(f"shard {index} is not among the {len(shards)} shards that answer")
-        if index == replicas or ordered:
-            say(
-                f"shard {index} leaves with every shard past {replicas - 1}: moving their fragments"
-            )
-            result = reshard(shards, replicas, say)
-            return {"shard": index, "replicas": replicas, "drained": True, **result}
-        say(f"shard {index} leaves: shard {replicas} moves its fragments; waiting")
         deadline = clock() + timeout
+        plans = index == replicas or ordered
+        say(
+            f"shard {index} leaves with every shard past {replicas - 1}: moving their fragments"
+            if plans
+            else f"shard {index} leaves: shard {replicas} moves its fragments; waiting"
+        )
+        held: list[int] | str = "unknown"
         while True:
-            held = sorted(
-                f.fragment for f in shards[index].describe(timeout=PROBE_SECONDS).fragments
-            )
-            if not held:
-                say(f"shard {index} owns no fragment any more")
-                return {"shard": index, "replicas": replicas, "drained": True, "moves": []}
+            try:
+                if plans:
+                    result = reshard(shards, replicas, say)
+                    return {"shard": index, "replicas": replicas, "drained": True, **result}
+                held = sorted(
+                    f.fragment for f in shards[index].describe(timeout=PROBE_SECONDS).fragments
+                )
+                if not held:
+                    say(f"shard {index} owns no fragment any more")
+                    return {"shard": index, "replicas": replicas, "drained": True, "moves": []}
+            except grpc.RpcError as e:
+                if clock() >= deadline:
+                    raise
+                say(f"{e.code().name}: {e.details()}; asking again")
             if clock() >= deadline:
                 raise DrainError(
                     f"fragments {held} are still on shard {index} after {timeout:g} s: "
