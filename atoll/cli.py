@@ -158,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
     drain.add_argument(
         "--timeout",
         type=float,
-        default=540.0,
+        default=480.0,
         help="seconds a leaving shard waits for its fragments to move (keep under the pod's "
         "terminationGracePeriodSeconds)",
     )
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--token-file: {e}")
         return reshard_main(args.shards, args.to, token)
     if args.command == "drain":
-        from atoll.cluster.reshard import DrainError, drain_defaults, drain_main, operator_token
+        from atoll.cluster.reshard import drain_defaults, drain_main
         from atoll.server.config import ConfigError, shard_index_from_env
 
         env = drain_defaults()
@@ -394,12 +394,6 @@ def main(argv: list[str] | None = None) -> int:
         token_file = args.token_file or (
             pathlib.Path(env["token_file"]) if env["token_file"] else None
         )
-        if token_file is not None and not token_file.is_file():
-            parser.error(f"--token-file {token_file}: no such file")
-        try:
-            token = operator_token(token_file) if token_file else None
-        except (OSError, ConfigError, DrainError) as e:
-            parser.error(f"--token-file: {e}")
         if not args.timeout > 0:
             parser.error("--timeout must be above 0")
         return drain_main(
@@ -408,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             args.replicas,
             args.statefulset,
             args.namespace or env["namespace"],
-            token,
+            token_file,
             args.tls_ca,
             args.timeout,
         )

@@ -329,6 +329,8 @@ class Synchronizer:
             watches = list(self._watches) if moved else []
         for call in watches:
             call.cancel()
+        for shard in sorted({now.owners[p] for p in moved}):
+            self.client(shard)  # a shard first named now: its client, and its Watch
         if joining:
             log.info("routing by the shards' fragment map (version %d)", now.version)
         elif moved:
@@ -365,13 +367,18 @@ class Synchronizer:
         Returns the fragments already seeded."""
         seeded, maps, layouts = set(), [], []
         for i, client in enumerate(list(self.clients)):
-            if layouts and i >= layouts[0]:
-                # past the first layout: a shard a reshard may use, perhaps not started yet
-                # (the maps of the shards moves took fragments from say where they went)
+            if layouts and (i >= layouts[0] or maps):
+                # past the first layout, a shard a reshard may use, perhaps not started yet;
+                # in a run with a map, one a scale-down may have taken away (the maps of the
+                # shards moves took fragments from say where they went)
                 try:
                     d = client.describe(timeout=5.0)
                 except grpc.RpcError:
-                    log.info("shard %d at %s is not up: it owns nothing yet", i, client.address)
+                    log.info(
+                        "shard %d at %s is not up: the shards' maps say what it owns",
+                        i,
+                        client.address,
+                    )
                     continue
             else:
                 d = self._retry(client.describe, f"describe shard {i}")

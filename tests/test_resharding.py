@@ -8,7 +8,7 @@ import pytest
 
 from atoll.learner.sync import SyncConfig, SyncError, Synchronizer
 from atoll.wire import syncer_pb2 as pb
-from atoll.wire.client import MAP_VERSION_KEY, OWNER_KEY
+from atoll.wire.client import FRAGMENT_KEY, MAP_VERSION_KEY, OWNER_KEY
 from atoll.wire.plan import FragmentMap, FragmentPlan, TensorSpec
 
 PLAN = FragmentPlan.build([TensorSpec(f"w{i}", (4, 8)) for i in range(4)], 4)
@@ -216,43 +216,84 @@ def test_a_learner_whose_shard_is_gone_asks_the_others_where_its_fragment_went()
 
 
 class Holding(FakeShard):
-    """A leaving shard that holds `held` until it has been asked `until` times."""
+    """A leaving shard that holds `held` until `moved` says so, or until it has been
+    asked `until` times."""
 
-    def __init__(self, index: int, held: list[int], until: int | None = None):
+    def __init__(self, index: int, held: list[int], until: int | None = None, moved=None):
         super().__init__(index)
-        self.held, self.until, self.asked = held, until, 0
+        self.held, self.until, self.asked, self.moved = held, until, 0, moved or {}
 
     def describe(self, timeout: float | None = None) -> pb.DescribeResponse:
         self.asked += 1
-        gone = self.until is not None and self.asked >= self.until
+        gone = self.moved.get("done") or (self.until is not None and self.asked >= self.until)
         fragments = [] if gone else [pb.FragmentInfo(fragment=p) for p in self.held]
         return pb.DescribeResponse(shard_index=self.index, num_shards=2, fragments=fragments)
 
 
-def test_a_leaving_shard_that_plans_asks_again_when_a_shard_does_not_answer(monkeypatch):
+def up(i: int) -> FakeShard:
+    """A shard that answers Describe, whatever its index."""
+    shard = FakeShard(i)
+    shard.map = dict(map_version=0, owners=[0, 1, 0, 1], moved_at=[0, 0, 0, 0])
+    return shard
+
+
+def _drain(index, shards: dict, **kw):
     from atoll.cluster import reshard as rs
 
-    calls = []
+    kw.setdefault("timeout", 60.0)
+    return rs.drain(
+        index,
+        lambda: 2,
+        lambda i: shards.get(i) or FakeShard(i, down=True),
+        say=lambda _: None,
+        **kw,
+    )
 
-    def reshard(shards, n, say):  # a target restarting answers UNAVAILABLE once
-        calls.append(n)
-        if len(calls) == 1:
+
+@pytest.fixture
+def planned(monkeypatch):
+    """atoll drain's reshard, faked: the first call meets a target restarting
+    (UNAVAILABLE), the next moves everything; `calls` lists the shards each was given."""
+    from atoll.cluster import reshard as rs
+
+    state: dict = {"calls": [], "done": False}
+
+    def reshard(shards, n, say, **kw):
+        state["calls"].append(len(shards))
+        if len(state["calls"]) == 1:
             raise Refused(grpc.StatusCode.UNAVAILABLE)
+        state["done"] = True
         return {"map_version": 5, "owners": [0, 1, 0, 1], "moves": [{"fragment": 2}]}
 
     monkeypatch.setattr(rs, "reshard", reshard)
     monkeypatch.setattr(rs, "DRAIN_POLL_SECONDS", 0.0)
-    shards = [FakeShard(i) for i in range(4)]
-    out = rs.drain(2, 2, lambda: shards, timeout=60.0, say=lambda _: None)
-    assert calls == [2, 2] and out["drained"] and out["moves"] == [{"fragment": 2}]
-    # the others wait for it; a shard that stays does nothing
-    waiting = [*shards[:3], Holding(3, [1, 3], until=3)]
-    assert rs.drain(3, 2, lambda: waiting, timeout=60.0, say=lambda _: None)["drained"]
-    assert waiting[3].asked == 3 and calls == [2, 2]
-    assert not rs.drain(1, 2, lambda: shards, timeout=60.0, say=lambda _: None)["drained"]
-    # with OrderedReady the highest leaving shard plans (the others still run)
-    assert rs.drain(3, 2, lambda: shards, timeout=60.0, say=lambda _: None, ordered=True)
-    assert calls == [2, 2, 2]
+    return state
+
+
+def test_the_first_leaving_shard_plans_every_move_and_asks_again_after_a_failure(planned):
+    shards = {0: FakeShard(0), 1: FakeShard(1)}
+    shards.update({i: Holding(i, [i], moved=planned) for i in (2, 3)})
+    out = _drain(2, shards)
+    assert out["drained"] and out["moves"] == [{"fragment": 2}]
+    assert planned["calls"] == [4, 4]  # shards 0-3 (shard 4 did not answer), twice
+    # a shard that stays does nothing, and asks no shard
+    assert not _drain(1, {})["drained"]
+
+
+def test_the_other_leaving_shards_wait_until_they_hold_nothing(planned):
+    shards = {0: FakeShard(0), 1: FakeShard(1), 2: up(2), 3: Holding(3, [1, 3], until=3)}
+    assert _drain(3, shards)["drained"] and shards[3].asked == 3
+    assert planned["calls"] == []  # shard 2 answers: it plans, not shard 3
+
+
+def test_with_the_first_leaving_shard_gone_the_next_plans(planned):
+    shards = {0: FakeShard(0), 1: FakeShard(1), 3: Holding(3, [3], moved=planned)}
+    assert _drain(3, shards)["drained"] and planned["calls"] == [4, 4]
+
+
+def test_pods_stopped_one_at_a_time_each_plan_in_turn(planned):
+    shards = {0: FakeShard(0), 1: FakeShard(1), 2: up(2), 3: Holding(3, [3], moved=planned)}
+    assert _drain(3, shards, ordered=True)["drained"] and planned["calls"] == [4, 4]
 
 
 def test_a_leaving_shard_gives_up_at_its_timeout_saying_what_is_left(monkeypatch):
@@ -265,8 +306,54 @@ def test_a_leaving_shard_gives_up_at_its_timeout_saying_what_is_left(monkeypatch
         now[0] += 10.0
         return now[0]
 
-    stuck = [FakeShard(0), FakeShard(1), FakeShard(2), Holding(3, [1, 3])]
-    with pytest.raises(rs.DrainError, match=r"fragments \[1, 3\] are still on shard 3"):
-        rs.drain(3, 2, lambda: stuck, timeout=60.0, say=lambda _: None, clock=clock)
+    stuck = {0: FakeShard(0), 1: FakeShard(1), 2: up(2), 3: Holding(3, [1, 3])}
+    with pytest.raises(rs.DrainError, match=r"shard 3 still holds fragments \[1, 3\] after 60 s"):
+        _drain(3, stuck, clock=clock)
     with pytest.raises(rs.DrainError, match="scales to 0"):
-        rs.drain(0, 0, lambda: stuck, timeout=60.0, say=lambda _: None)
+        rs.drain(0, lambda: 0, lambda i: FakeShard(i), 60.0, say=lambda _: None)
+
+
+def test_a_refusal_waiting_cannot_mend_ends_the_drain(monkeypatch):
+    from atoll.cluster import reshard as rs
+
+    def reshard(shards, n, say, **kw):
+        raise Refused(grpc.StatusCode.PERMISSION_DENIED)
+
+    monkeypatch.setattr(rs, "reshard", reshard)
+    shards = {0: FakeShard(0), 1: FakeShard(1), 2: Holding(2, [2])}
+    with pytest.raises(grpc.RpcError):
+        _drain(2, shards)
+
+
+def test_a_watch_refusal_naming_a_shard_first_heard_of_makes_its_client_and_watch():
+    made: dict[int, FakeShard] = {}
+
+    def connect(i: int) -> FakeShard:
+        made[i] = FakeShard(i)
+        return made[i]
+
+    sync = Synchronizer(
+        SyncConfig(period=4, max_backoff=0.01), PLAN, [FakeShard(0), FakeShard(1)], connect=connect
+    )
+    try:
+        refusal = Refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            ((OWNER_KEY, "2"), (MAP_VERSION_KEY, "1"), (FRAGMENT_KEY, "0")),
+        )
+        assert sync._moved(-1, refusal)  # a Watch's refusal: no call of fragment 0 follows
+        assert sync.shard_of(0) == 2 and 2 in made and sync.clients[2] is made[2]
+    finally:
+        sync.close()
+
+
+def test_a_learner_joins_a_run_scaled_below_its_first_layout():
+    # the run started on 2 shards; a scale-down moved everything to shard 0 and shard 1 is
+    # gone: a learner (re)joining must not wait for it
+    shards = [FakeShard(0), FakeShard(1, down=True)]
+    shards[0].map = dict(map_version=2, owners=[0, 0, 0, 0], moved_at=[0, 1, 0, 2])
+    sync = _sync(shards)
+    try:
+        sync.check_shards()
+        assert sync.fragment_map == FragmentMap(2, (0, 0, 0, 0), (0, 1, 0, 2))
+    finally:
+        sync.close()

@@ -23,11 +23,15 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from atoll.wire import syncer_pb2 as pb
 from atoll.wire.client import ShardClient, TlsFiles, described_map
 from atoll.wire.plan import FragmentMap
 
 PROBE_SECONDS = 5.0  # a shard past those that must answer that is silent this long is not up
 DRAIN_POLL_SECONDS = 1.0
+# A drain's calls give up after this: the last move started before its --timeout still
+# ends inside the pod's grace period (4 calls per move)
+DRAIN_CALL_SECONDS = 15.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +77,28 @@ def plan_moves(current: FragmentMap, num_shards: int) -> list[Move]:
     return sorted(moves, key=lambda m: m.fragment)
 
 
-def newest_map(clients: Sequence[ShardClient]) -> FragmentMap:
+class NoPlanError(RuntimeError):
+    """No shard holds a fragment plan yet: there is nothing to move."""
+
+
+def describe_all(clients: Sequence[ShardClient]) -> dict[int, pb.DescribeResponse]:
+    """{shard: its Describe} of the shards that answer (one that is down or restarting is
+    left out; any other refusal is raised)."""
+    out = {}
+    for i, c in enumerate(clients):
+        try:
+            out[i] = c.describe(timeout=PROBE_SECONDS)
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+    return out
+
+
+def newest_map(described: dict[int, pb.DescribeResponse]) -> FragmentMap:
     """The shards' maps merged, fragment by fragment (each knows the moves it took part in)."""
-    maps = [m for m in (described_map(c.describe()) for c in clients) if m is not None]
+    maps = [m for m in (described_map(d) for d in described.values()) if m is not None]
     if not maps:
-        raise RuntimeError("no shard has a fragment plan yet: start a learner first")
+        raise NoPlanError("no shard has a fragment plan yet: start a learner first")
     return FragmentMap.merge_all(maps)
 
 
@@ -122,12 +143,11 @@ def move(
     }
 
 
-def interrupted(clients: Sequence[ShardClient]) -> list[tuple[Move, FragmentMap]]:
+def interrupted(described: dict[int, pb.DescribeResponse]) -> list[tuple[Move, FragmentMap]]:
     """Moves a failure left half done: fragments frozen on their source, with the map
     each was frozen for."""
     found = []
-    for i, c in enumerate(clients):
-        d = c.describe()
+    for i, d in sorted(described.items()):
         mine = described_map(d)
         for f in d.fragments:
             if f.moving_version and mine is not None:
@@ -160,16 +180,34 @@ def shard_clients(
 
 
 def reshard(
-    clients: Sequence[ShardClient], num_shards: int, say: Callable[[str], None] = print
+    clients: Sequence[ShardClient],
+    num_shards: int,
+    say: Callable[[str], None] = print,
+    until: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> dict:
     """Finishes any move a failure interrupted, then plans and carries out the moves
-    that balance the fragments over `num_shards`."""
-    done = []
-    for m, frozen_for in interrupted(clients):
-        say(f"fragment {m.fragment}: finishing its move to shard {m.target}")
-        _, record = move(clients, frozen_for, m, say, new=frozen_for)
+    that balance the fragments over `num_shards`. A move from or to a shard that does not
+    answer is left for a rerun (`skipped`); none starts once `clock()` passes `until`."""
+    done: list[dict] = []
+    skipped: list[dict] = []
+    described = describe_all(clients)
+
+    def carry_out(current: FragmentMap, m: Move, new: FragmentMap | None = None) -> FragmentMap:
+        if m.source not in described or m.target not in described:
+            skipped.append(dataclasses.asdict(m))
+            say(f"fragment {m.fragment}: shard {m.source} or {m.target} does not answer")
+            return current
+        if until is not None and clock() >= until:
+            raise TimeoutError(f"out of time before moving fragment {m.fragment}")
+        current, record = move(clients, current, m, say, new=new)
         done.append(record)
-    current = newest_map(clients)
+        return current
+
+    for m, frozen_for in interrupted(described):
+        say(f"fragment {m.fragment}: finishing its move to shard {m.target}")
+        carry_out(frozen_for, m, new=frozen_for)
+    current = newest_map(described)
     if num_shards > len(clients):
         raise ValueError(f"--to {num_shards} shards, but {len(clients)} addresses were given")
     unreached = sorted({s for s in current.owners if s >= len(clients)})
@@ -181,9 +219,13 @@ def reshard(
     moves = plan_moves(current, num_shards)
     say(f"map version {current.version}: {len(moves)} moves to balance over {num_shards} shards")
     for m in moves:
-        current, record = move(clients, current, m, say)
-        done.append(record)
-    return {"map_version": current.version, "owners": list(current.owners), "moves": done}
+        current = carry_out(current, m)
+    return {
+        "map_version": current.version,
+        "owners": list(current.owners),
+        "moves": done,
+        "skipped": skipped,
+    }
 
 
 def main(spec: str, num_shards: int, token: str | None) -> int:
@@ -202,6 +244,9 @@ def main(spec: str, num_shards: int, token: str | None) -> int:
         for c in clients:
             c.close()
     print(json.dumps(result, indent=2))
+    if result["skipped"]:
+        print("atoll reshard: some shards did not answer: rerun when they are up", flush=True)
+        return 1
     return 0
 
 
@@ -212,69 +257,100 @@ class DrainError(RuntimeError):
     """The drain could not finish; the message says what is left and how to finish it."""
 
 
+TRANSIENT = (  # what a drain waits out: shards restarting, moves another planner began
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
+
+
 def drain(
     index: int,
-    replicas: int,
-    clients: Callable[[], list[ShardClient]],
+    replicas: Callable[[], int],
+    connect: Callable[[int], ShardClient],
     timeout: float,
     say: Callable[[str], None] = print,
     clock: Callable[[], float] = time.monotonic,
     ordered: bool = False,
 ) -> dict:
-    """Shard `index` is stopping while its StatefulSet has `replicas` pods.
+    """Shard `index` is stopping; `replicas()` says how many pods its StatefulSet keeps
+    (asked again each round: a second scale-down may come), `connect(i)` makes shard i's
+    client.
 
     A shard that stays (index < replicas) keeps its fragments: it restarts on its volume.
     Of the shards a scale-down takes away, one plans and makes every move (`reshard` to
-    `replicas`, balanced) while any other waits - serving its fragments until each has
-    moved - so that no two planners race for a map version. With podManagementPolicy
-    Parallel every leaving pod stops at once and shard `replicas` plans; with
-    OrderedReady (`ordered`) they stop one at a time, highest first, while the rest still
-    run, so each plans in its turn (the first moves everything). A shard that does not
-    answer meanwhile (a target restarting) is asked again until `timeout`: a move is
-    finished where it stopped. `clients()` gives every shard's client, in index order."""
-    if index < replicas:
-        say(f"shard {index} stays ({replicas} replicas): it keeps its fragments")
-        return {"shard": index, "replicas": replicas, "drained": False, "moves": []}
-    if replicas < 1:
-        raise DrainError(
-            "the StatefulSet scales to 0: no shard is left to take the fragments, which "
-            "stay on the shards' volumes (scale up again to serve them)"
-        )
-    shards = clients()
+    the replicas, balanced) so that no two planners race for a map version: with
+    podManagementPolicy Parallel every leaving pod stops at once and the lowest leaving
+    shard that answers plans; with OrderedReady (`ordered`) they stop one at a time,
+    highest first, while the rest still run, so each plans in its turn. Every leaving
+    shard, the planner too, returns only once it owns no fragment and moves none; until
+    `timeout` it asks again after anything transient (a shard restarting, a move another
+    planner began: the rerun finishes it)."""
+    deadline = clock() + timeout
+    made: dict[int, ShardClient] = {}
+
+    def client(i: int) -> ShardClient:
+        if i not in made:
+            made[i] = connect(i)
+        return made[i]
+
+    def answers(i: int) -> bool:
+        try:
+            client(i).describe(timeout=PROBE_SECONDS)
+            return True
+        except grpc.RpcError:
+            return False
+
+    moves: list[dict] = []
+    left = "its fragments"  # what the last round found on this shard
     try:
-        if index >= len(shards):
-            raise DrainError(f"shard {index} is not among the {len(shards)} shards that answer")
-        deadline = clock() + timeout
-        plans = index == replicas or ordered
-        say(
-            f"shard {index} leaves with every shard past {replicas - 1}: moving their fragments"
-            if plans
-            else f"shard {index} leaves: shard {replicas} moves its fragments; waiting"
-        )
-        held: list[int] | str = "unknown"
         while True:
+            kept = replicas()
+            if index < kept:
+                say(f"shard {index} stays ({kept} replicas): it keeps its fragments")
+                return {"shard": index, "replicas": kept, "drained": False, "moves": moves}
+            if kept < 1:
+                raise DrainError(
+                    "the StatefulSet scales to 0: no shard is left to take the fragments, "
+                    "which stay on the shards' volumes (scale up again to serve them)"
+                )
             try:
-                if plans:
-                    result = reshard(shards, replicas, say)
-                    return {"shard": index, "replicas": replicas, "drained": True, **result}
+                if ordered or not any(answers(i) for i in range(kept, index)):
+                    known = index + 1  # every shard up to the last that answers
+                    while answers(known):
+                        known += 1
+                    say(f"shard {index} plans the moves off shards {kept} to {known - 1}")
+                    shards = [client(i) for i in range(known)]
+                    try:
+                        result = reshard(shards, kept, say, until=deadline, clock=clock)
+                        moves += result["moves"]
+                    except NoPlanError:
+                        pass  # no fragment anywhere yet
                 held = sorted(
-                    f.fragment for f in shards[index].describe(timeout=PROBE_SECONDS).fragments
+                    f.fragment for f in client(index).describe(timeout=PROBE_SECONDS).fragments
                 )
                 if not held:
                     say(f"shard {index} owns no fragment any more")
-                    return {"shard": index, "replicas": replicas, "drained": True, "moves": []}
+                    return {"shard": index, "replicas": kept, "drained": True, "moves": moves}
+                left = f"fragments {held}"
+                say(f"shard {index} still holds {left}")
             except grpc.RpcError as e:
-                if clock() >= deadline:
+                if e.code() not in TRANSIENT:
                     raise
                 say(f"{e.code().name}: {e.details()}; asking again")
+                left = f"its fragments ({e.code().name})"
+            except (ValueError, RuntimeError) as e:  # a shard owning fragments is not up
+                say(f"{e}; asking again")
             if clock() >= deadline:
                 raise DrainError(
-                    f"fragments {held} are still on shard {index} after {timeout:g} s: "
-                    f"run atoll reshard --to {replicas} while it is up"
+                    f"shard {index} still holds {left} after {timeout:g} s: they stay on "
+                    f"its volume; run atoll reshard --to {kept} while it is up"
                 )
             time.sleep(DRAIN_POLL_SECONDS)
     finally:
-        for c in shards:
+        for c in made.values():
             c.close()
 
 
@@ -296,6 +372,7 @@ def statefulset_scale(namespace: str, name: str) -> tuple[int, bool] | None:
     """(spec.replicas, whether its pods stop one at a time) of StatefulSet `name` (None:
     it is gone, as when a run is deleted)."""
     from kubernetes import client
+    from urllib3.exceptions import HTTPError
 
     from atoll.cluster.kube import KubeError, connect
 
@@ -312,14 +389,15 @@ def statefulset_scale(namespace: str, name: str) -> tuple[int, bool] | None:
         raise KubeError(
             f"reading StatefulSet {namespace}/{name}: {e.status} {e.reason}{hint}"
         ) from None
-    except OSError as e:
+    except (OSError, HTTPError) as e:
         raise KubeError(
-            f"reading StatefulSet {namespace}/{name}: {type(e).__name__}: {e}"
+            f"reading StatefulSet {namespace}/{name}: cannot reach the Kubernetes API "
+            f"({type(e).__name__})"
         ) from None
     except ValueError as e:
         raise KubeError(f"reading StatefulSet {namespace}/{name}: not JSON ({e})") from None
     spec = sts.get("spec") or {}
-    replicas = spec.get("replicas", 1)  # the API's defaults: 1, OrderedReady
+    replicas = spec.get("replicas")  # the API server always fills it in (default 1)
     if not isinstance(replicas, int) or replicas < 0:
         raise KubeError(f"StatefulSet {namespace}/{name} has spec.replicas {replicas!r}")
     return replicas, spec.get("podManagementPolicy", "OrderedReady") != "Parallel"
@@ -334,42 +412,56 @@ def drain_main(
     replicas: int | None,
     statefulset: str,
     namespace: str | None,
-    token: str | None,
+    token_file: pathlib.Path | None,
     tls_ca: pathlib.Path | None,
     timeout: float,
 ) -> int:
     from atoll.cluster.kube import KubeError
+    from atoll.server.config import ConfigError
 
     say = lambda line: print(f"atoll drain: {line}", flush=True)  # noqa: E731
-    ordered = False  # --replicas given: the shipped StatefulSet's Parallel
     try:
+        ordered = False  # --replicas given: as shipped, Parallel
         if replicas is None:
-            if namespace is None:
-                namespace = (
-                    SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
-                    if SERVICE_ACCOUNT_NAMESPACE.exists()
-                    else "atoll"
-                )
-            scale = statefulset_scale(namespace, statefulset)
+            where = namespace or (
+                SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+                if SERVICE_ACCOUNT_NAMESPACE.exists()
+                else "atoll"
+            )
+            scale = statefulset_scale(where, statefulset)
             if scale is None:
-                say(f"StatefulSet {namespace}/{statefulset} is gone: the run is being deleted")
+                say(f"StatefulSet {where}/{statefulset} is gone: the run is being deleted")
                 return 0
-            replicas, ordered = scale
+            first, ordered = scale
+
+            def kept() -> int:
+                now = statefulset_scale(where, statefulset)
+                return first if now is None else now[0]
+
+        else:
+            first = replicas
+
+            def kept() -> int:
+                return first
+
+        if index < first:  # a restart, an eviction: nothing to hand over, no token needed
+            say(f"shard {index} stays ({first} replicas): it keeps its fragments")
+            return 0
+        token = operator_token(token_file) if token_file else None
+        if tls_ca is not None and not tls_ca.is_file():
+            raise DrainError(f"--tls-ca {tls_ca}: no such file (the Secret's ca.crt)")
         tls = TlsFiles(tls_ca) if tls_ca else None
 
-        def clients() -> list[ShardClient]:
-            return shard_clients(
-                spec,
-                replicas,
-                lambda a: ShardClient(a, "", token=token, tls=tls, deadline=120.0),
-            )
+        def connect(i: int) -> ShardClient:
+            address = spec.replace("{i}", str(i))
+            return ShardClient(address, "", token=token, tls=tls, deadline=DRAIN_CALL_SECONDS)
 
-        result = drain(index, replicas, clients, timeout, say, ordered=ordered)
-    except (DrainError, KubeError, ValueError, RuntimeError) as e:
+        result = drain(index, kept, connect, timeout, say, ordered=ordered)
+    except (DrainError, KubeError, ConfigError, OSError) as e:
         say(str(e))
         return 2
     except grpc.RpcError as e:
-        say(f"{e.code().name}: {e.details()} (run atoll reshard --to {replicas} to finish)")
+        say(f"{e.code().name}: {e.details()}")
         return 1
     print(json.dumps(result), flush=True)
     return 0
