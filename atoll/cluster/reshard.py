@@ -304,6 +304,7 @@ def drain(
             return False
 
     moves: list[dict] = []
+    planned: dict = {}  # the map the last plan left: map_version, owners
     left = "its fragments"  # what the last round found on this shard
     try:
         while True:
@@ -326,6 +327,7 @@ def drain(
                     try:
                         result = reshard(shards, kept, say, until=deadline, clock=clock)
                         moves += result["moves"]
+                        planned = {k: result[k] for k in ("map_version", "owners")}
                     except NoPlanError:
                         pass  # no fragment anywhere yet
                 held = sorted(
@@ -333,7 +335,13 @@ def drain(
                 )
                 if not held:
                     say(f"shard {index} owns no fragment any more")
-                    return {"shard": index, "replicas": kept, "drained": True, "moves": moves}
+                    return {
+                        "shard": index,
+                        "replicas": kept,
+                        "drained": True,
+                        "moves": moves,
+                        **planned,
+                    }
                 left = f"fragments {held}"
                 say(f"shard {index} still holds {left}")
             except grpc.RpcError as e:
