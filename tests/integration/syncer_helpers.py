@@ -163,6 +163,37 @@ def push(
     return stub.Push(iter(msgs), timeout=DEADLINE, metadata=metadata)
 
 
+def client_push(client, p: int, seq: int, base: int) -> pb.PushResponse:
+    """A learner's int4 push of a small random Δ for fragment p of PLAN, through a
+    ShardClient (the Δ is the same for the same p and seq)."""
+    delta = np.random.default_rng([p, seq]).standard_normal(PLAN.fragment_sizes[p]) * 0.01
+    header = pb.PushHeader(
+        fragment=p,
+        base_version=base,
+        seq=seq,
+        inner_steps=4,
+        tokens=400,
+        codec=pb.CODEC_INT4,
+        num_params=PLAN.fragment_sizes[p],
+        plan_fingerprint=PLAN.fingerprint,
+    )
+    return client.push(header, codec.encode(delta.astype(np.float32)))
+
+
+def run_atoll(
+    *args: str, env: dict | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    """`atoll ARGS` as a child process of this checkout; its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "atoll.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        timeout=timeout,
+    )
+
+
 def pull(
     stub, p: int, have: int | None = None, learner: str = "", metadata: Metadata = None
 ) -> tuple[pb.PullHeader, list[tuple[int, bytes]]]:

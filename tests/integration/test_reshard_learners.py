@@ -8,10 +8,8 @@ versions go on with nothing acknowledged lost."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from syncer_helpers import REPO, syncer_processes
+from syncer_helpers import run_atoll, syncer_processes
 from test_learner import Learner
 from test_scale_down import consecutive_ports
 
@@ -71,13 +69,8 @@ def test_learners_train_on_while_the_service_goes_from_2_to_4_to_3_shards(tmp_pa
             assert len(up["moves"]) == 2 and sorted(up["owners"]) == [0, 1, 2, 3]
             learners[0].wait_for_step(120)
             # kubectl scale --replicas=3: shard 3's preStop hook hands its fragment over
-            drained = subprocess.run(
-                [sys.executable, "-m", "atoll.cli", "drain", "--shards", pattern]
-                + ["--shard-index", "3", "--replicas", "3"],
-                capture_output=True,
-                text=True,
-                cwd=REPO,
-                timeout=120,
+            drained = run_atoll(
+                "drain", "--shards", pattern, "--shard-index", "3", "--replicas", "3"
             )
             assert drained.returncode == 0, drained.stdout + drained.stderr
             down = json.loads(drained.stdout[drained.stdout.index("\n{") :])

@@ -6,13 +6,11 @@ and finishes a move a failure interrupted."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import grpc
 import numpy as np
 import pytest
-from syncer_helpers import PLAN, REPO, syncer_processes
+from syncer_helpers import PLAN, client_push, run_atoll, syncer_processes
 
 from atoll.cluster import reshard
 from atoll.wire import codec
@@ -53,18 +51,7 @@ class Pair:
             self.clients[p % 2].init(PLAN, p, frame, codec.Codec.FP32)
 
     def push(self, shard: int, seq: int, base: int) -> pb.PushResponse:
-        delta = np.random.default_rng([P, seq]).standard_normal(PLAN.fragment_sizes[P]) * 0.01
-        header = pb.PushHeader(
-            fragment=P,
-            base_version=base,
-            seq=seq,
-            inner_steps=4,
-            tokens=400,
-            codec=pb.CODEC_INT4,
-            num_params=PLAN.fragment_sizes[P],
-            plan_fingerprint=PLAN.fingerprint,
-        )
-        ack = self.clients[shard].push(header, codec.encode(delta.astype(np.float32)))
+        ack = client_push(self.clients[shard], P, seq, base)
         if ack.accepted and ack.reason != pb.PUSH_REASON_DUPLICATE:
             self.acked.append(seq)
         return ack
@@ -145,13 +132,7 @@ def test_a_move_loses_no_acknowledged_push_when_either_shard_is_killed(pair, kil
 
 def test_atoll_reshard_balances_the_fragments_and_says_what_it_moved(pair):
     addresses = ",".join(f"127.0.0.1:{p.port}" for p in pair.procs)
-    out = subprocess.run(
-        [sys.executable, "-m", "atoll.cli", "reshard", "--shards", addresses, "--to", "1"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+    out = run_atoll("reshard", "--shards", addresses, "--to", "1")
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout[out.stdout.index("{") :])
     assert [(m["fragment"], m["from"], m["to"]) for m in result["moves"]] == [(1, 1, 0), (3, 1, 0)]
@@ -163,13 +144,7 @@ def test_atoll_reshard_balances_the_fragments_and_says_what_it_moved(pair):
     # and back to two shards: the planner moves the fewest fragments
     again = reshard.reshard(pair.clients, 2, say=lambda _: None)
     assert len(again["moves"]) == 2 and again["map_version"] == 4
-    bad = subprocess.run(
-        [sys.executable, "-m", "atoll.cli", "reshard", "--shards", addresses, "--to", "9"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=60,
-    )
+    bad = run_atoll("reshard", "--shards", addresses, "--to", "9")
     assert bad.returncode == 2 and "--to 9" in bad.stdout and "Traceback" not in bad.stderr
 
 
@@ -178,13 +153,7 @@ def test_atoll_status_shows_the_map_and_moves_in_progress(pair):
     addresses = ",".join(f"127.0.0.1:{p.port}" for p in pair.procs)
 
     def status() -> str:
-        out = subprocess.run(
-            [sys.executable, "-m", "atoll.cli", "status", "--shards", addresses],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=60,
-        )
+        out = run_atoll("status", "--shards", addresses)
         assert out.returncode == 0, out.stdout + out.stderr
         return out.stdout
 

@@ -15,11 +15,10 @@ import sys
 
 import numpy as np
 import pytest
-from syncer_helpers import PLAN, REPO, syncer_processes
+from syncer_helpers import PLAN, REPO, client_push, run_atoll, syncer_processes
 from test_kube import Emulator, serve_namespace
 
 from atoll.wire import codec
-from atoll.wire import syncer_pb2 as pb
 from atoll.wire.client import ShardClient
 
 FLAGS = ("--num-shards", "2", "--quorum", "1", "--grace-factor", "0", "--snapshot-every", "2")
@@ -47,17 +46,6 @@ def consecutive_ports(n: int) -> int:
 
 def _flat(flags: dict) -> list[str]:
     return [x for kv in flags.items() for x in kv]
-
-
-def atoll(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "atoll.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-        timeout=180,
-    )
 
 
 def _statefulset(namespace: str, replicas: int, policy: str | None) -> dict:
@@ -120,21 +108,6 @@ def _seed(clients: list[ShardClient]) -> None:
         clients[p % 2].init(PLAN, p, frame, codec.Codec.FP32)
 
 
-def _push(client: ShardClient, p: int, seq: int, base: int) -> pb.PushResponse:
-    delta = np.random.default_rng([p, seq]).standard_normal(PLAN.fragment_sizes[p]) * 0.01
-    header = pb.PushHeader(
-        fragment=p,
-        base_version=base,
-        seq=seq,
-        inner_steps=4,
-        tokens=400,
-        codec=pb.CODEC_INT4,
-        num_params=PLAN.fragment_sizes[p],
-        plan_fingerprint=PLAN.fingerprint,
-    )
-    return client.push(header, codec.encode(delta.astype(np.float32)))
-
-
 def _owned(clients: list[ShardClient]) -> dict[int, tuple[int, int]]:
     """{fragment: (shard holding it, its version)}; no fragment on two shards."""
     owned: dict[int, tuple[int, int]] = {}
@@ -161,7 +134,7 @@ def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, a
         try:
             _seed(clients)
             # scale up: `atoll reshard` finds shards 2 and 3 through the pattern
-            up = atoll("reshard", "--shards", pattern, "--to", "4")
+            up = run_atoll("reshard", "--shards", pattern, "--to", "4")
             assert up.returncode == 0, up.stdout + up.stderr
             planned = json.loads(up.stdout[up.stdout.index("\n{") :])["owners"]
             owners = {p: i for p, (i, _) in _owned(clients).items()}
@@ -171,10 +144,10 @@ def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, a
             acked = {}
             for p, i in owners.items():  # quorum 1: each push closes a round
                 for seq in range(1, 3 + p):
-                    assert _push(clients[i], p, seq, seq - 1).accepted
+                    assert client_push(clients[i], p, seq, seq - 1).accepted
                 acked[p] = 2 + p
             # a shard that stays keeps its fragments (a restart, an eviction)
-            stays = atoll("drain", "--shards", pattern, "--shard-index", "1", env=api)
+            stays = run_atoll("drain", "--shards", pattern, "--shard-index", "1", env=api)
             assert stays.returncode == 0, stays.stdout + stays.stderr
             assert "stays (2 replicas)" in stays.stdout
             # the StatefulSet went from 4 to 2: pods 2 and 3 run their preStop hooks at once
@@ -208,27 +181,27 @@ def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, a
                 procs[i].kill()
             # the map the shards that stay hold sends every fragment to them, versions go on
             for p, (i, v) in after.items():
-                assert _push(clients[i], p, v + 1, v).accepted
+                assert client_push(clients[i], p, v + 1, v).accepted
             again = _owned(clients[:2])
             assert {p: v for p, (_, v) in again.items()} == {p: n + 1 for p, n in acked.items()}
             # nothing left to do: the first leaving shard finds no shard past the others
-            done = atoll("reshard", "--shards", pattern, "--to", "2")
+            done = run_atoll("reshard", "--shards", pattern, "--to", "2")
             assert done.returncode == 0, done.stdout + done.stderr
             assert json.loads(done.stdout[done.stdout.index("\n{") :])["moves"] == []
             # pods stopped one at a time (OrderedReady), highest first: shard 3's hook moves
             # what shards 2 and 3 own while shard 2 still runs, and shard 2's finds nothing
             for i in (2, 3):
                 procs[i] = shard(i)
-            up = atoll("reshard", "--shards", pattern, "--to", "4")
+            up = run_atoll("reshard", "--shards", pattern, "--to", "4")
             assert up.returncode == 0, up.stdout + up.stderr
             ordered = {"--namespace": "ordered"}
-            first = atoll(
+            first = run_atoll(
                 "drain", "--shards", pattern, "--shard-index", "3", *_flat(ordered), env=api
             )
             assert first.returncode == 0, first.stdout + first.stderr
             assert len(json.loads(first.stdout[first.stdout.index("\n{") :])["moves"]) == 2
             procs[3].kill()
-            second = atoll(
+            second = run_atoll(
                 "drain", "--shards", pattern, "--shard-index", "2", *_flat(ordered), env=api
             )
             assert second.returncode == 0, second.stdout + second.stderr
@@ -241,23 +214,23 @@ def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, a
 
 def test_drain_says_what_it_cannot_do(tmp_path, api):
     pattern = "127.0.0.1:1{i}"  # nothing listens on ports 10-13
-    gone = atoll(
+    gone = run_atoll(
         "drain", "--shards", pattern, "--shard-index", "3", "--namespace", "elsewhere", env=api
     )
     assert gone.returncode == 0 and "is gone" in gone.stdout, gone.stdout + gone.stderr
-    zero = atoll("drain", "--shards", pattern, "--shard-index", "0", "--replicas", "0")
+    zero = run_atoll("drain", "--shards", pattern, "--shard-index", "0", "--replicas", "0")
     assert zero.returncode == 2 and "scales to 0" in zero.stdout
     dead_api = tmp_path / "kubeconfig-down"
     config = json.loads(pathlib.Path(api["KUBECONFIG"]).read_text())
     config["clusters"][0]["cluster"]["server"] = "http://127.0.0.1:1"  # nothing listens
     dead_api.write_text(json.dumps(config))
-    down = atoll(
+    down = run_atoll(
         "drain", "--shards", pattern, "--shard-index", "3", env={**api, "KUBECONFIG": str(dead_api)}
     )
     assert down.returncode == 2 and "cannot reach the Kubernetes API" in down.stdout, (
         down.stdout + down.stderr
     )
-    no_ca = atoll(
+    no_ca = run_atoll(
         "drain", "--shards", pattern, "--shard-index", "3", "--replicas", "1",
         "--tls-ca", str(tmp_path / "ca.crt"),
     )  # fmt: skip
@@ -269,18 +242,18 @@ def test_drain_says_what_it_cannot_do(tmp_path, api):
         (["--shards", pattern, "--shard-index", "0", "--timeout", "0"], "--timeout"),
         (["--shards", pattern], "--shard-index"),
     ]:
-        out = atoll("drain", *bad, env={"ATOLL_POD_NAME": "", "ATOLL_SHARD_INDEX": ""})
+        out = run_atoll("drain", *bad, env={"ATOLL_POD_NAME": "", "ATOLL_SHARD_INDEX": ""})
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr
     token = tmp_path / "token"
     token.write_text("learner-a " + "x" * 40 + "\n")
-    bound = atoll(
+    bound = run_atoll(
         "drain", "--shards", pattern, "--shard-index", "3", "--replicas", "1",
         "--token-file", str(token),
     )  # fmt: skip
     assert bound.returncode == 2 and "bound to a learner" in bound.stdout
     assert "Traceback" not in bound.stdout + bound.stderr
     # a shard that stays needs no operator token: a restart never fails on it
-    stays = atoll(
+    stays = run_atoll(
         "drain", "--shards", pattern, "--shard-index", "0", "--replicas", "1",
         "--token-file", str(token),
     )  # fmt: skip
