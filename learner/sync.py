@@ -75,6 +75,8 @@ MAX_SHARDS = 1024  # the highest shard index a --shards pattern is expanded for
 # Attempts of a call about a fragment whose shard does not answer before the learner asks
 # the other shards whether the fragment moved (its old owner may be gone: a scale-down)
 ASK_OTHERS_AFTER = 3
+# Seconds a shard that may be gone (scaled away, not started yet) has to answer Describe
+PROBE_SECONDS = 5.0
 
 
 class SyncError(RuntimeError):
@@ -372,7 +374,7 @@ class Synchronizer:
                 # in a run with a map, one a scale-down may have taken away (the maps of the
                 # shards moves took fragments from say where they went)
                 try:
-                    d = client.describe(timeout=5.0)
+                    d = client.describe(timeout=PROBE_SECONDS)
                 except grpc.RpcError:
                     log.info(
                         "shard %d at %s is not up: the shards' maps say what it owns",
@@ -394,9 +396,8 @@ class Synchronizer:
                 )
             seeded.update(f.fragment for f in d.fragments if f.initialized)
             layouts.append(d.num_shards)
-            described = described_map(d)
-            if described is not None and described.num_fragments == self.plan.num_fragments:
-                maps.append(described)
+            if (mine := self._plan_map(d)) is not None:
+                maps.append(mine)
         maps += self._probe()
         if maps:  # the run has a map: it says where each fragment is, whatever S was
             self._follow(FragmentMap.merge_all(maps), joining=True)
@@ -414,6 +415,13 @@ class Synchronizer:
                 self.fragment_map = FragmentMap.modulo(self.plan.num_fragments, first)
         return seeded
 
+    def _plan_map(self, d: pb.DescribeResponse) -> FragmentMap | None:
+        """The fragment map a shard describes, if it has one for this plan's fragments."""
+        described = described_map(d)
+        if described is None or described.num_fragments != self.plan.num_fragments:
+            return None
+        return described
+
     def _probe(self) -> list[FragmentMap]:
         """With a --shards pattern: the maps of the shards past those known, asked in
         index order until one does not answer as the next shard of this plan; each that
@@ -426,7 +434,7 @@ class Synchronizer:
                 i = len(self.clients)
                 client = self.connect(i)
                 try:
-                    d = client.describe(timeout=5.0)
+                    d = client.describe(timeout=PROBE_SECONDS)
                 except grpc.RpcError:
                     d = None
                 described = None if d is None else described_map(d)
@@ -464,11 +472,11 @@ class Synchronizer:
             if i == before:
                 continue
             try:
-                described = described_map(client.describe(timeout=5.0))
+                mine = self._plan_map(client.describe(timeout=PROBE_SECONDS))
             except grpc.RpcError:
                 continue
-            if described is not None and described.num_fragments == self.plan.num_fragments:
-                maps.append(described)
+            if mine is not None:
+                maps.append(mine)
         maps += self._probe()
         if maps:
             try:
