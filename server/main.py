@@ -17,6 +17,7 @@ from atoll.server.config import (
     ENV_TOKEN_FILE,
     ConfigError,
     ShardConfig,
+    load_tokens,
     shard_index_from_env,
 )
 from atoll.wire.codec import Codec
@@ -293,3 +294,15 @@ def run(cfg: ShardConfig) -> int:
     done.wait()
     server.stop()
     return 0
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`atoll syncer`: a bad flag or token file is a flag error (exit 2), before any replay."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = config_from_args(args)
+        if cfg.token_file is not None:
+            load_tokens(cfg.token_file)
+    except ConfigError as e:
+        parser.error(str(e))
+    return run(cfg)

@@ -1,1 +1,36 @@
 """Benchmarks (`atoll bench ...`), each printing one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+
+from atoll.commands import Command, add_commands, run
+
+BENCHES = (
+    Command("codec", "4-bit codec speed, wire size and error", "atoll.bench.codec"),
+    Command(
+        "quality",
+        "eval loss vs a data-parallel baseline at equal tokens, 4-bit and fp32, and the "
+        "bandwidth saved (several minutes)",
+        "atoll.bench.quality",
+    ),
+    Command(
+        "ingest",
+        "one shard process's push ingest rate vs raw gRPC, fsync latency and memory per parameter",
+        "atoll.bench.ingest",
+    ),
+    Command(
+        "streams",
+        "one shard process under a crowd of open Watch and stalled Push streams: health "
+        "latency, pushes and memory before, during and after",
+        "atoll.bench.streams",
+    ),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_commands(p, BENCHES, "bench")
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    return run(args, BENCHES, "bench")

@@ -7,12 +7,15 @@ this machine is shared and absolute numbers drift.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from atoll.commands import positive_int
 from atoll.wire import codec
 
 # `atoll bench codec` targets (docs/design.md §6), INT4 frames on all cores, M params/s.
@@ -154,3 +157,28 @@ def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> 
     # memcpy of the same run hold better than the rates. The load says how busy it was.
     result["load_average_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return result
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `atoll bench codec`."""
+    p.add_argument(
+        "--params",
+        type=positive_int,
+        default=64 << 20,
+        help="values per measurement (default 67108864)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="timed runs per figure; the best is kept (default 3)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (the only output format)"
+    )
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    print(json.dumps(bench_codec(args.params, args.repeats, args.seed), indent=2))
+    return 0

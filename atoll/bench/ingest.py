@@ -16,6 +16,8 @@ histogram_quantile over the measured phase only), its memory from /proc.
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import multiprocessing as mp
 import os
@@ -31,6 +33,7 @@ import grpc
 import numpy as np
 
 from atoll.bench.shard import start_shard
+from atoll.commands import positive_int
 from atoll.server.config import ShardConfig
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
@@ -597,3 +600,61 @@ def bench_ingest(
             "fsync_ms_p50": {"want": "reported", "met": fsync > 0},
         },
     }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `atoll bench ingest`."""
+    p.add_argument(
+        "--params",
+        type=positive_int,
+        default=100_000_000,
+        help="model size; a transformer-shaped tensor list of at least this "
+        "many parameters (default 100000000)",
+    )
+    p.add_argument(
+        "--learners",
+        type=positive_int,
+        default=4,
+        help="simulated learner processes, also the quorum (default 4)",
+    )
+    p.add_argument("--fragments", type=positive_int, default=8, help="fragments (default 8)")
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=4,
+        help="measured pushes per learner per fragment (default 4)",
+    )
+    p.add_argument(
+        "--warmup-rounds",
+        type=int,
+        choices=range(0, 10),
+        default=1,
+        metavar="N",
+        help="unmeasured rounds first, 0-9 (default 1)",
+    )
+    p.add_argument(
+        "--connections",
+        type=positive_int,
+        default=None,
+        help="push connections, spread evenly over the learner processes; at least "
+        "--learners (default: one per learner)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (the only output format)"
+    )
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        result = bench_ingest(
+            args.params,
+            args.learners,
+            args.fragments,
+            args.rounds,
+            args.warmup_rounds,
+            args.connections,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    print(json.dumps(result, indent=2))
+    return 0

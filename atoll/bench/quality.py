@@ -19,11 +19,14 @@ the start-up snapshot pulls included) is printed next to it.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import pathlib
 import sys
 import tempfile
 
+from atoll.commands import positive_int
 from atoll.local.config import UpConfig, prepare_run_dir
 from atoll.local.session import Session
 
@@ -134,3 +137,80 @@ def bench_quality(cfg: UpConfig, work_dir: pathlib.Path | None = None) -> dict:
             },
         },
     }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `atoll bench quality`."""
+    from atoll.server.config import OUTER_LR, OUTER_MOMENTUM, OUTER_MOMENTUM_DELAY
+
+    p.add_argument("--preset", default="tiny", help="model preset (default %(default)s)")
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        default=4000,
+        help="inner steps per learner (default %(default)s)",
+    )
+    p.add_argument("--learners", type=positive_int, default=4, help="M (default %(default)s)")
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=16,
+        help="sequences per learner step (default %(default)s)",
+    )
+    p.add_argument("--period", type=positive_int, default=64, help="H (default %(default)s)")
+    p.add_argument("--overlap", type=int, default=1, help="τ (default %(default)s)")
+    p.add_argument("--fragments", type=positive_int, default=4, help="P (default %(default)s)")
+    p.add_argument("--quorum", type=positive_int, default=2, help="K (default %(default)s)")
+    p.add_argument(
+        "--outer-lr", type=float, default=OUTER_LR, help="shards' outer lr (default %(default)s)"
+    )
+    p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=OUTER_MOMENTUM,
+        help="shards' outer Nesterov momentum (default %(default)s)",
+    )
+    p.add_argument(
+        "--momentum-delay",
+        type=positive_int,
+        default=OUTER_MOMENTUM_DELAY,
+        help="rounds per outer momentum update (delayed Nesterov) (default %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="init and data-order seed (default %(default)s)"
+    )
+    p.add_argument(
+        "--work-dir",
+        type=pathlib.Path,
+        default=None,
+        help="where the runs go (default: a temp dir)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (the only output format)"
+    )
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from atoll.local.config import UpConfigError
+
+    try:
+        cfg = UpConfig(
+            learners=args.learners,
+            preset=args.preset,
+            steps=args.steps,
+            slowdown=(1.0,) * args.learners,
+            batch_size=args.batch_size,
+            period=args.period,
+            overlap=args.overlap,
+            fragments=args.fragments,
+            quorum=args.quorum,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            momentum_delay=args.momentum_delay,
+            evals=4,
+            seed=args.seed,
+        )
+    except UpConfigError as e:
+        parser.error(str(e))
+    print(json.dumps(bench_quality(cfg, args.work_dir), indent=2))
+    return 0

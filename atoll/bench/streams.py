@@ -17,8 +17,10 @@ took given back once it leaves.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import pathlib
@@ -33,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from atoll.bench.ingest import _proc_status, _recv, _scrape
 from atoll.bench.shard import start_shard
+from atoll.commands import positive_int
 from atoll.server.config import ShardConfig
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
@@ -523,3 +526,46 @@ def bench_streams(
             },
         },
     }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `atoll bench streams`."""
+    p.add_argument(
+        "--watches", type=int, default=2000, help="open Watch streams (default %(default)s)"
+    )
+    p.add_argument(
+        "--stalled",
+        type=int,
+        default=200,
+        help="Push streams that send their header, then nothing (default %(default)s)",
+    )
+    p.add_argument(
+        "--seconds", type=float, default=20.0, help="length of each phase (default %(default)s)"
+    )
+    p.add_argument(
+        "--push-interval",
+        type=float,
+        default=1.0,
+        help="seconds between real pushes; each closes a round and notifies every "
+        "watcher (default %(default)s)",
+    )
+    p.add_argument(
+        "--crowd-processes",
+        type=positive_int,
+        default=4,
+        help="client processes holding the Watch streams (default %(default)s)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (the only output format)"
+    )
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        result = bench_streams(
+            args.watches, args.stalled, args.seconds, args.push_interval, args.crowd_processes
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    print(json.dumps(result, indent=2))
+    return 0

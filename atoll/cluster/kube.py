@@ -36,6 +36,8 @@ import re
 import sys
 import time
 
+from atoll.commands import add_tls_arguments, shard_addresses, tls_from_args
+
 NAME, PART_OF, COMPONENT = (
     "app.kubernetes.io/name",
     "app.kubernetes.io/part-of",
@@ -57,6 +59,10 @@ DELETE_GRACE_SECONDS = 1
 
 class KubeError(Exception):
     """A problem the user can fix (config, reachability, RBAC, labels); the message says how."""
+
+
+class NoKubeConfig(KubeError):
+    """No kubeconfig and no service account: there is no cluster to ask."""
 
 
 # --- the API ---
@@ -91,7 +97,7 @@ def connect(kubeconfig: str | None = None, context: str | None = None):
             if kubeconfig
             else (f"KUBECONFIG={path}" if os.environ.get("KUBECONFIG") else path)
         )
-        raise KubeError(
+        raise NoKubeConfig(
             f"no usable Kubernetes config ({where}: {e}); give --kubeconfig and --context, "
             "set KUBECONFIG, or run inside a pod with a service account"
         ) from None
@@ -203,14 +209,15 @@ def pod_address(pod, port_name: str, template: str = ADDRESS_TEMPLATE) -> str | 
 
 
 def describe_shard(
-    address: str, deadline: float = DESCRIBE_DEADLINE, token: str | None = None
+    address: str, deadline: float = DESCRIBE_DEADLINE, token: str | None = None, tls=None
 ) -> dict:
-    """{"describe": ...} from one shard's Describe, or {"error": ...} when it does not answer."""
+    """{"describe": ...} from one shard's Describe, or {"error": ...} when it does not answer
+    (`tls`: a wire.client.TlsFiles, or None for plaintext)."""
     import grpc
 
     from atoll.wire.client import ShardClient
 
-    shard = ShardClient(address, "", token=token, deadline=deadline)
+    shard = ShardClient(address, "", token=token, tls=tls, deadline=deadline)
     try:
         d = shard.describe()
     except grpc.RpcError as e:
@@ -241,11 +248,11 @@ def describe_shard(
     }
 
 
-def _describe_all(shards: list[dict], deadline: float, token: str | None) -> list[dict]:
+def _describe_all(shards: list[dict], deadline: float, token: str | None, tls=None) -> list[dict]:
     """Fills in each shard row's Describe (in parallel, so one dead shard costs one deadline)."""
     asked = [s for s in shards if s["address"] and s["ready"] is not False]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(asked)))) as pool:
-        answers = pool.map(lambda s: describe_shard(s["address"], deadline, token), asked)
+        answers = pool.map(lambda s: describe_shard(s["address"], deadline, token, tls), asked)
         for shard, answer in zip(asked, answers):
             shard.update(answer)
     for s in shards:
@@ -269,6 +276,7 @@ def status(
     address_template: str = ADDRESS_TEMPLATE,
     deadline: float = DESCRIBE_DEADLINE,
     token: str | None = None,
+    tls=None,
 ) -> dict:
     """Shards and learners of the run in `namespace`, with every ready shard's Describe.
 
@@ -301,13 +309,13 @@ def status(
     ]
     return {
         "namespace": namespace,
-        "shards": _describe_all(shards, deadline, token),
+        "shards": _describe_all(shards, deadline, token, tls),
         "learners": learners,
     }
 
 
 def status_of_addresses(
-    addresses: list[str], deadline: float = DESCRIBE_DEADLINE, token: str | None = None
+    addresses: list[str], deadline: float = DESCRIBE_DEADLINE, token: str | None = None, tls=None
 ) -> dict:
     """The same report for shards given as HOST:PORT, without Kubernetes (no pods, no learners)."""
     shards = [
@@ -322,7 +330,11 @@ def status_of_addresses(
         }
         for i, a in enumerate(addresses)
     ]
-    return {"namespace": None, "shards": _describe_all(shards, deadline, token), "learners": None}
+    return {
+        "namespace": None,
+        "shards": _describe_all(shards, deadline, token, tls),
+        "learners": None,
+    }
 
 
 def render_status(report: dict) -> str:
@@ -684,6 +696,11 @@ def _cluster_arguments(add) -> None:
 def add_status_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `atoll status`."""
     add = _adder(p, set())
+    add(
+        "--kubernetes",
+        action="store_true",
+        help="find shards and learners in a cluster (the default unless --shards is given)",
+    )
     _cluster_arguments(add)
     add(
         "--shards",
@@ -704,6 +721,7 @@ def add_status_arguments(p: argparse.ArgumentParser) -> None:
         help="file holding a bearer token, when the shards require one",
     )
     add("--json", action="store_true", help="print one JSON object instead of tables")
+    add_tls_arguments(p)
 
 
 def add_chaos_arguments(p: argparse.ArgumentParser) -> None:
@@ -749,19 +767,25 @@ def _fail(command: str, e: Exception) -> int:
 
 def status_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`atoll status`: 0 when every shard answered, 1 when some did not, 2 on a user error."""
+    if args.kubernetes and args.shards:
+        parser.error("give --kubernetes or --shards, not both")
     if args.deadline <= 0:
         parser.error(f"--deadline must be > 0 seconds, got {args.deadline}")
     _check_template(args.address_template, parser)
+    addresses = None
+    if args.shards is not None:
+        try:
+            addresses = shard_addresses(args.shards)
+        except argparse.ArgumentTypeError as e:
+            parser.error(str(e))
+    tls = tls_from_args(args, parser)
     try:
         token = args.token_file.read_text().strip() if args.token_file else None
     except OSError as e:
         parser.error(f"--token-file: {e}")
     try:
-        if args.shards is not None:
-            addresses = [a.strip() for a in args.shards.split(",") if a.strip()]
-            if not addresses or any(":" not in a for a in addresses):
-                parser.error(f"--shards takes HOST:PORT,..., got {args.shards!r}")
-            report = status_of_addresses(addresses, args.deadline, token)
+        if addresses is not None:
+            report = status_of_addresses(addresses, args.deadline, token, tls)
         else:
             report = status(
                 args.namespace,
@@ -772,7 +796,10 @@ def status_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 address_template=args.address_template,
                 deadline=args.deadline,
                 token=token,
+                tls=tls,
             )
+    except NoKubeConfig as e:
+        return _fail("status", KubeError(f"{e}; or ask shards directly: --shards HOST:PORT,..."))
     except KubeError as e:
         return _fail("status", e)
     print(json.dumps(report, indent=2) if args.json else render_status(report))

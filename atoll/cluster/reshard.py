@@ -14,6 +14,7 @@ drain) keeps them, since the pod comes back on the same volume.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -23,6 +24,13 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from atoll.commands import (
+    add_tls_arguments,
+    non_negative_int,
+    positive_int,
+    shard_addresses,
+    tls_from_args,
+)
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire.client import ShardClient, TlsFiles, described_map
 from atoll.wire.plan import FragmentMap
@@ -228,9 +236,50 @@ def reshard(
     }
 
 
-def main(spec: str, num_shards: int, token: str | None) -> int:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `atoll reshard`."""
+    p.add_argument(
+        "--shards",
+        required=True,
+        help="every shard's HOST:PORT, in index order (those it moves fragments to included), "
+        "or a pattern such as 'atoll-syncer-{i}.atoll-syncer:50051': shards 0 to N-1, and "
+        "past them those that answer",
+    )
+    p.add_argument(
+        "--to", type=positive_int, required=True, help="N: the shards that own fragments after"
+    )
+    p.add_argument(
+        "--token-file",
+        type=pathlib.Path,
+        default=None,
+        help="a bearer token bound to no learner (with the shards' --token-file on)",
+    )
+    add_tls_arguments(p)
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`atoll reshard`: 0 when every move is made, 1 when a shard did not answer (rerun), 2 on a
+    user error."""
+    from atoll.server.config import ConfigError
+
+    try:
+        addresses = shard_addresses(args.shards.replace("{i}", "0"))
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"{e} (or a pattern such as 'HOST-{{i}}:PORT')")
+    if "{i}" in args.shards and len(addresses) != 1:
+        parser.error(f"--shards: a pattern is one address with {{i}}, got {args.shards!r}")
+    tls = tls_from_args(args, parser)
+    try:
+        token = operator_token(args.token_file) if args.token_file else None
+    except (OSError, ConfigError, DrainError) as e:
+        parser.error(f"--token-file: {e}")
+    return run(args.shards, args.to, token, tls)
+
+
+def run(spec: str, num_shards: int, token: str | None, tls: TlsFiles | None = None) -> int:
+    """Reshards the shards `spec` names to `num_shards`, printing each step and the result."""
     clients = shard_clients(
-        spec, num_shards, lambda a: ShardClient(a, "", token=token, deadline=120.0)
+        spec, num_shards, lambda a: ShardClient(a, "", token=token, tls=tls, deadline=120.0)
     )
     try:
         result = reshard(clients, num_shards, say=lambda line: print(line, flush=True))
@@ -414,6 +463,85 @@ def statefulset_scale(namespace: str, name: str) -> tuple[int, bool] | None:
 SERVICE_ACCOUNT_NAMESPACE = pathlib.Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
+def add_drain_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `atoll drain`."""
+    p.add_argument(
+        "--shards",
+        default=None,
+        help="the shards' address pattern, 'HOST-{i}:PORT' "
+        "(env ATOLL_DRAIN_SHARDS; default atoll-syncer-{i}.atoll-syncer:50051)",
+    )
+    p.add_argument(
+        "--shard-index",
+        type=non_negative_int,
+        default=None,
+        help="this shard (default: ATOLL_SHARD_INDEX, or the ordinal ending ATOLL_POD_NAME)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=non_negative_int,
+        default=None,
+        help="the shards that stay (default: the StatefulSet's spec.replicas, read from the "
+        "Kubernetes API)",
+    )
+    p.add_argument("--statefulset", default="atoll-syncer", help="the shards' StatefulSet")
+    p.add_argument(
+        "--namespace",
+        default=None,
+        help="its namespace (env ATOLL_NAMESPACE; default: the pod's own)",
+    )
+    p.add_argument(
+        "--token-file",
+        type=pathlib.Path,
+        default=None,
+        help="the shards' token file; its first token bound to no learner is used "
+        "(env ATOLL_TOKEN_FILE)",
+    )
+    add_tls_arguments(p)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=480.0,
+        help="seconds a leaving shard waits for its fragments to move (keep under the pod's "
+        "terminationGracePeriodSeconds)",
+    )
+
+
+def drain_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`atoll drain`: 0 when this shard stays or handed its fragments over, 1 when a shard
+    refused, 2 when the drain could not finish or a flag is wrong."""
+    from atoll.server.config import ConfigError, shard_index_from_env
+
+    env = drain_defaults()
+    spec = args.shards or env["shards"]
+    if "{i}" not in spec or "," in spec or ":" not in spec:
+        parser.error(f"--shards takes a pattern such as 'HOST-{{i}}:PORT', got {spec!r}")
+    try:
+        index = args.shard_index if args.shard_index is not None else shard_index_from_env()
+    except ConfigError as e:
+        parser.error(str(e))
+    if index is None:
+        parser.error("give --shard-index (or set ATOLL_SHARD_INDEX or ATOLL_POD_NAME)")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_cert is not None and args.tls_ca is None:
+        parser.error("--tls-cert needs --tls-ca as well")
+    token_file = args.token_file or (pathlib.Path(env["token_file"]) if env["token_file"] else None)
+    if not args.timeout > 0:
+        parser.error("--timeout must be above 0")
+    tls = (args.tls_ca, args.tls_cert, args.tls_key)
+    return drain_main(
+        spec,
+        index,
+        args.replicas,
+        args.statefulset,
+        args.namespace or env["namespace"],
+        token_file,
+        tls,
+        args.timeout,
+    )
+
+
 def drain_main(
     spec: str,
     index: int,
@@ -421,9 +549,12 @@ def drain_main(
     statefulset: str,
     namespace: str | None,
     token_file: pathlib.Path | None,
-    tls_ca: pathlib.Path | None,
+    tls_files: tuple[pathlib.Path | None, pathlib.Path | None, pathlib.Path | None],
     timeout: float,
 ) -> int:
+    """Drains shard `index` if a scale-down takes it away. `tls_files` is (CA, client
+    certificate, key), each None or a path: read only once the shard is known to leave, so a
+    restart never fails on a file it does not need."""
     from atoll.cluster.kube import KubeError
     from atoll.server.config import ConfigError
 
@@ -456,9 +587,11 @@ def drain_main(
             say(f"shard {index} stays ({first} replicas): it keeps its fragments")
             return 0
         token = operator_token(token_file) if token_file else None
-        if tls_ca is not None and not tls_ca.is_file():
-            raise DrainError(f"--tls-ca {tls_ca}: no such file (the Secret's ca.crt)")
-        tls = TlsFiles(tls_ca) if tls_ca else None
+        for flag, path in zip(("--tls-ca", "--tls-cert", "--tls-key"), tls_files):
+            if path is not None and not path.is_file():
+                raise DrainError(f"{flag} {path}: no such file (in the Secret's mount)")
+        tls_ca, tls_cert, tls_key = tls_files
+        tls = TlsFiles(tls_ca, tls_cert, tls_key) if tls_ca else None
 
         def connect(i: int) -> ShardClient:
             address = spec.replace("{i}", str(i))

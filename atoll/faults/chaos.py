@@ -594,6 +594,20 @@ def _seconds_list(text: str) -> tuple[float, ...]:
 
 
 def add_arguments(p) -> None:
+    """`atoll chaos`: the local mode's flags, then --kubernetes and its own."""
+    from atoll.cluster.kube import add_chaos_arguments
+
+    p.add_argument(
+        "--kubernetes",
+        action="store_true",
+        help="delete random learner pods in a cluster (its controllers restart them) "
+        "and report goodput from the shards' metrics, instead of running processes here",
+    )
+    _add_local_arguments(p)
+    add_chaos_arguments(p)
+
+
+def _add_local_arguments(p) -> None:
     """The local mode's flags (`--mtbf`, `--seed` and `--json` are shared with --kubernetes)."""
     d = {f.name: f.default for f in dataclasses.fields(ChaosConfig)}
     have = {o for action in p._actions for o in action.option_strings}
@@ -742,8 +756,14 @@ def add_arguments(p) -> None:
 
 
 def main(args, parser) -> int:
-    """`atoll chaos` on this machine: exit 0 when nothing acknowledged was lost, 1 otherwise."""
+    """`atoll chaos` on this machine: exit 0 when nothing acknowledged was lost, 1 otherwise
+    (with --kubernetes, `atoll.cluster.kube.chaos_main`)."""
     import datetime
+
+    if args.kubernetes:
+        from atoll.cluster.kube import chaos_main
+
+        return chaos_main(args, parser)
 
     try:
         chaos = ChaosConfig(

@@ -351,12 +351,10 @@ def status_parser() -> argparse.ArgumentParser:
 
 def chaos_parser() -> argparse.ArgumentParser:
     """`atoll chaos` as the CLI builds it: the local mode's flags and the Kubernetes mode's."""
-    from atoll.faults.chaos import add_arguments as add_local_arguments
+    from atoll.faults.chaos import add_arguments
 
     p = argparse.ArgumentParser(prog="atoll chaos")
-    p.add_argument("--kubernetes", action="store_true")
-    add_local_arguments(p)
-    kube.add_chaos_arguments(p)
+    add_arguments(p)
     return p
 
 
