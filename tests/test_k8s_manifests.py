@@ -1254,9 +1254,26 @@ def test_gmp_collectors_may_scrape_the_shards():
     policy = one(objs, "NetworkPolicy", "atoll-gmp-collector")
     (rule,) = policy["spec"]["ingress"]
     assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
-    assert rule["from"][0]["namespaceSelector"]["matchLabels"] == {
-        "kubernetes.io/metadata.name": "gmp-system"
-    }
+    assert _selects(policy["spec"]["podSelector"], _syncer_pod_labels(objs))
+    # GKE's managed collection runs in gke-gmp-system; a collection installed by hand in
+    # gmp-system. Both, and no other namespace.
+    (source,) = rule["from"]
+    collector = {"app.kubernetes.io/name": "collector"}
+    for namespace, admitted in (
+        ("gke-gmp-system", True),
+        ("gmp-system", True),
+        ("kube-system", False),
+        ("atoll", False),
+    ):
+        labels = {"kubernetes.io/metadata.name": namespace}
+        assert (
+            _selects(source["namespaceSelector"], labels)
+            and _selects(source["podSelector"], collector)
+        ) is admitted, namespace
+
+
+def _syncer_pod_labels(objs) -> dict:
+    return one(objs, "StatefulSet", "atoll-syncer")["spec"]["template"]["metadata"]["labels"]
 
 
 def _alert_groups(component: str) -> list[dict]:
