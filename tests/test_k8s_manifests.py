@@ -14,6 +14,7 @@ are parsed by the real `atoll` parser into a validated config.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
 import json
@@ -334,10 +335,17 @@ def run_container(
     return args, seen_env
 
 
-def atoll_parser():
-    from atoll.cli import _parser
+def atoll_parser() -> argparse.ArgumentParser:
+    """The `atoll` command's parser, as `atoll.cli.main` builds it."""
+    from atoll import cli
 
-    return _parser()
+    if hasattr(cli, "_parser"):  # before the command table (atoll/commands.py)
+        return cli._parser()
+    from atoll.commands import add_commands
+
+    parser = argparse.ArgumentParser(prog="atoll")
+    add_commands(parser, cli.COMMANDS, "command")
+    return parser
 
 
 # -- every overlay ------------------------------------------------------------------
@@ -985,7 +993,7 @@ def test_tpu_jobset(overlay):
     objs = render(overlay)
     (jobset,) = find(objs, "JobSet")
     assert jobset["metadata"]["name"] == f"atoll-learner-{overlay.rsplit('-', 1)[1]}"
-    # No exclusive-topology annotation: it would allow one slice per node pool.
+    # No exclusive-topology annotation: a single-host pool holds many slices, one per node.
     assert not any("exclusive-topology" in k for k in jobset["metadata"].get("annotations", {}))
     (rj,) = jobset["spec"]["replicatedJobs"]
     assert rj["replicas"] >= 2, "one JobSet per region, one replicated Job per slice"
@@ -1024,6 +1032,15 @@ def test_multi_host_tpu_jobset(overlay, tmp_path, monkeypatch):
     assert jobset["metadata"]["name"] != single_jobset["metadata"]["name"]
     assert jobset["spec"]["network"]["enableDNSHostnames"] is True, (
         "pods of a slice find each other by name"
+    )
+    # A multi-host node pool is one slice on GKE: each Job takes a pool of its own, so the
+    # pods of a slice never land on the hosts of two pools (two half slices).
+    annotations = jobset["metadata"].get("annotations", {})
+    assert [k for k in annotations if "exclusive-topology" in k] == [
+        "alpha.jobset.sigs.k8s.io/exclusive-topology"
+    ]
+    assert annotations["alpha.jobset.sigs.k8s.io/exclusive-topology"] == (
+        "cloud.google.com/gke-nodepool"
     )
     (rj,) = jobset["spec"]["replicatedJobs"]
     job = rj["template"]["spec"]
