@@ -356,7 +356,10 @@ class SyncerProcess:
                 )
             if ports := parse_serving(line):
                 self.port = ports[0]
-        wait_serving(self.port, timeout=max(1.0, deadline - time.monotonic()))
+                # with TLS on, the plaintext health port (--health-port) answers the probe
+                health = re.search(r"health on port (\d+)", line)
+        probe = int(health.group(1)) if health else self.port
+        wait_serving(probe, timeout=max(1.0, deadline - time.monotonic()))
         return self.port
 
     @property
