@@ -457,12 +457,28 @@ def test_storage_classes_retain_their_disks():
         "whenDeleted": "Retain",
         "whenScaled": "Retain",
     }
-    for overlay in ("learners-tpu-v5p", "learners-cpu"):
-        state = one(render(overlay), "PersistentVolumeClaim", "atoll-learner-state")
-        assert state["spec"]["storageClassName"] == "atoll-learner-state"
-        assert state["spec"]["accessModes"] == [
-            "ReadWriteMany"
-        ]  # a recreated pod lands on any node
+    state = one(render_dir("learner-state"), "PersistentVolumeClaim", "atoll-learner-state")
+    assert state["spec"]["storageClassName"] == "atoll-learner-state"
+    assert state["spec"]["accessModes"] == ["ReadWriteMany"]  # a recreated pod lands on any node
+
+
+@needs_kubectl
+def test_learner_state_claim_is_applied_apart():
+    """`kubectl delete -k` of a learner overlay must leave every learner's checkpoint: the
+    claim is in k8s/learner-state, applied once per cluster, and in no overlay."""
+    objs = render_dir("learner-state")
+    _validate_all(objs, "k8s/learner-state")
+    _check_labels_and_namespace(objs)
+    (claim,) = objs
+    assert claim["kind"] == "PersistentVolumeClaim"
+    for overlay in OVERLAYS:
+        assert not find(render(overlay), "PersistentVolumeClaim"), overlay
+    for overlay in LEARNER_OVERLAYS:
+        if overlay == "all-in-one":  # keeps the state in the pod
+            continue
+        for t in learner_templates(render(overlay)):
+            _, volume = _state_volume(t)
+            assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
 
 
 @needs_kubectl
@@ -470,6 +486,7 @@ def test_storage_classes_retain_their_disks():
 def test_every_claim_a_pod_mounts_exists(overlay):
     objs = render(overlay)
     claims = {o["metadata"]["name"] for o in find(objs, "PersistentVolumeClaim")}
+    claims |= {o["metadata"]["name"] for o in render_dir("learner-state")}
     claims |= {
         c["metadata"]["name"]
         for o in find(objs, "StatefulSet")
