@@ -426,8 +426,6 @@ def test_status_of_shards_given_directly(shards, capsys):
     table = capsys.readouterr().out
     version, open_round = versions(shards[0][0])[0]
     assert f"0:v{version}/{open_round}" in table and "unreachable" in table
-    with pytest.raises(SystemExit):
-        run(kube.status_main, status_parser(), ["--shards", "nonsense"])
 
 
 def test_kubeconfig_from_the_environment(cluster, monkeypatch, capsys):
@@ -466,7 +464,16 @@ def test_config_and_api_errors_are_readable(cluster, tmp_path, monkeypatch, caps
     assert "context" in error(kube.status_main, status_parser(), config + ["--context", "nosuch"])
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    assert "no usable Kubernetes config" in error(kube.status_main, status_parser(), [])
+    err = error(kube.status_main, status_parser(), [])
+    assert "no usable Kubernetes config" in err and "--shards HOST:PORT" in err  # the other way
+
+
+def test_status_shards_must_be_host_and_port(capsys):
+    for bad in ("nonsense", "host:99999", "host:0", ":50051", "host:port", "a:1,b"):
+        with pytest.raises(SystemExit) as e:
+            run(kube.status_main, status_parser(), ["--shards", bad])
+        assert e.value.code == 2
+        assert "--shards" in capsys.readouterr().err
 
 
 # --- chaos ---
