@@ -20,7 +20,9 @@ are found in the first, learner pods in all of them.
       goodput = Δ Σ_shards atoll_accepted_compute_seconds_total / (learner pods × window)
 
   with the learner pods of every cluster named, so that the shards' accepted compute
-  (which every learner feeds) is divided by every learner that provides it.
+  (which every learner feeds) is divided by every learner that provides it. It reads
+  only the Kubernetes API and the shards' /metrics port (plain HTTP, beside TLS on the
+  gRPC port), so unlike status it takes no --tls-* flags.
 """
 
 from __future__ import annotations
