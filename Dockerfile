@@ -42,15 +42,30 @@ COPY server /src/server
 COPY learner /src/learner
 COPY wire /src/wire
 
+# The build stages install the sources, then check what they installed: the compiled
+# kernels load, a codec round trip goes through them (integers in [-7, 7] are exact in
+# INT4), `atoll --help` imports every command, and `pip check` finds every pin still met
+# (in the TPU image, after jax[tpu]). The checks run from /: in /src, the sources' atoll/
+# (without server, learner, wire or the kernels) would shadow the installed package.
+# tests/integration/test_image.py runs every RUN command here without a container engine.
 FROM deps AS build
 COPY --from=sources /src /src
-RUN /opt/atoll/bin/pip install --no-deps . \
- && /opt/atoll/bin/python -c "import wire._kernels"
+RUN /opt/atoll/bin/pip install --no-deps .
+WORKDIR /
+RUN /opt/atoll/bin/python -c "import atoll.wire._kernels" \
+ && /opt/atoll/bin/python -c "import numpy as np; from atoll.wire import codec; x = np.arange(-7, 8, dtype=np.float32); assert (codec.decode(codec.encode(x)) == x).all()" \
+ && /opt/atoll/bin/atoll --help > /dev/null \
+ && /opt/atoll/bin/pip check
 
 FROM deps-tpu AS build-tpu
 COPY --from=sources /src /src
-RUN /opt/atoll/bin/pip install --no-deps . \
- && /opt/atoll/bin/python -c "import wire._kernels, libtpu"
+RUN /opt/atoll/bin/pip install --no-deps .
+WORKDIR /
+RUN /opt/atoll/bin/python -c "import atoll.wire._kernels" \
+ && /opt/atoll/bin/python -c "import numpy as np; from atoll.wire import codec; x = np.arange(-7, 8, dtype=np.float32); assert (codec.decode(codec.encode(x)) == x).all()" \
+ && /opt/atoll/bin/atoll --help > /dev/null \
+ && /opt/atoll/bin/pip check \
+ && /opt/atoll/bin/python -c "import libtpu"
 
 FROM ${PYTHON_IMAGE} AS runtime
 # A fixed UID/GID so the manifests can say runAsUser/fsGroup 10001.
