@@ -1,29 +1,41 @@
-# The README's two commands: `make up` (set up, then run the main job) and
-# `make test` (set up, then run the test suite). Both create .venv on first use.
+# The README's two commands: `make up` (set up atoll, then run the main job) and
+# `make test` (set up atoll with its test extras, then run the test suite). Both create
+# .venv on first use; the targets that run tests, linters or codegen add the extras.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup up test test-fast lint typecheck format proto bench
+.PHONY: setup setup-test up test test-fast image-check lint typecheck format proto bench
 setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
 
+# atoll and its runtime dependencies alone
 $(VENV)/.installed: pyproject.toml setup.py wire/_kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+# then the test extras: pytest, ruff, mypy, grpcio-tools, kmock, ...
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	touch $@
 
 up: setup
 	$(BIN)/atoll up
 
-test: setup
+test: setup-test
 	$(BIN)/python -m pytest
 
 # everything but the whole-run tier (tests marked e2e)
-test-fast: setup
+test-fast: setup-test
 	$(BIN)/python -m pytest -m "not e2e"
 
-lint: setup
+# the Dockerfile's build and its checks, without a container engine (part of `make test`)
+image-check: setup-test
+	$(BIN)/python -m pytest tests/integration/test_image.py
+
+lint: setup-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(MAKE) typecheck
@@ -32,18 +44,18 @@ lint: setup
 # atoll.wire. The editable install maps them with an import hook mypy cannot see, so
 # build/typecheck/atoll/ links them in under their real names; [tool.mypy]'s mypy_path
 # puts that tree ahead of the repo's own ./atoll.
-typecheck: setup
+typecheck: setup-test
 	mkdir -p build/typecheck/atoll
 	touch build/typecheck/atoll/__init__.py
 	ln -sfn ../../../server build/typecheck/atoll/server
 	ln -sfn ../../../wire build/typecheck/atoll/wire
 	$(BIN)/mypy -p atoll.server -p atoll.wire
 
-format: setup
+format: setup-test
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-proto: setup
+proto: setup-test
 	$(BIN)/python -m atoll.wire.codegen
 
 bench: setup
