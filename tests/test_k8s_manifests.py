@@ -15,6 +15,8 @@ are parsed by the real `atoll` parser into a validated config.
 from __future__ import annotations
 
 import argparse
+import atexit
+import base64
 import copy
 import functools
 import json
@@ -182,15 +184,39 @@ def _kustomize(path: pathlib.Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
+# The files k8s/tokens.sh writes: secrets, never tracked, so a clean clone has none.
+TOKEN_FILES = ("token", "operator-token", "learner-tokens.env")
+
+
+def copy_k8s(to: pathlib.Path) -> pathlib.Path:
+    """k8s/ copied to `to`/k8s, without any token file the checkout may hold, then with
+    the token files k8s/tokens.sh writes for every learner overlay, as a run does."""
+    tree = to / "k8s"
+    shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns(*TOKEN_FILES))
+    out = subprocess.run(
+        [str(tree / "tokens.sh"), *LEARNER_OVERLAYS], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, f"k8s/tokens.sh failed:\n{out.stderr}"
+    return tree
+
+
+@functools.cache
+def k8s_tree() -> pathlib.Path:
+    """The copy of k8s/ every render reads (removed when the tests end)."""
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="atoll-k8s-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    return copy_k8s(tmp)
+
+
 @functools.cache
 def render(overlay: str, components: tuple[str, ...] = ()) -> tuple[dict, ...]:
-    """The overlay as `kubectl apply -k` sends it; with `components` added to its
-    kustomization.yaml (in a copy of k8s/), the way the docs say to add them."""
+    """The overlay as `kubectl apply -k` sends it, tokens written; with `components` added
+    to its kustomization.yaml (in a copy of k8s/), the way the docs say to add them."""
     if not components:
-        return tuple(_kustomize(K8S / "overlays" / overlay))
+        return tuple(_kustomize(k8s_tree() / "overlays" / overlay))
     with tempfile.TemporaryDirectory() as tmp:
         tree = pathlib.Path(tmp) / "k8s"
-        shutil.copytree(K8S, tree)
+        shutil.copytree(k8s_tree(), tree)
         path = tree / "overlays" / overlay / "kustomization.yaml"
         doc = yaml.safe_load(path.read_text())
         doc.setdefault("components", []).extend(f"../../components/{c}" for c in components)
@@ -200,7 +226,7 @@ def render(overlay: str, components: tuple[str, ...] = ()) -> tuple[dict, ...]:
 
 @functools.cache
 def render_dir(name: str) -> tuple[dict, ...]:
-    return tuple(_kustomize(K8S / name))
+    return tuple(_kustomize(k8s_tree() / name))
 
 
 def find(objs, kind: str, name: str | None = None) -> list[dict]:
@@ -928,6 +954,35 @@ def test_standby_command_line_is_a_valid_learner_config(tmp_path, monkeypatch):
     assert str(taken.status_file) == learner_status.replace("$(ATOLL_LEARNER_ID)", "us-west1-cpu-1")
 
 
+@needs_kubectl
+def test_a_standby_sends_the_token_of_the_id_it_takes(tmp_path, monkeypatch):
+    """Learner clusters hold learner-bound tokens only, so a standby that takes an id must
+    send that id's token: its token file is {id} in the learner Secret's mount."""
+    from atoll.learner.config import LearnerConfigError
+
+    objs = render("learners-cpu")
+    deployment = one(objs, "Deployment", "atoll-learner-standby")
+    template = deployment["spec"]["template"]
+    (c,) = template["spec"]["containers"]
+    mount, name = _token_mount(template)
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    for learner, token in _secret_data(one(objs, "Secret", name)).items():
+        (secret / learner).write_text(token)
+    env = container_env(c, objs, pod_fields(deployment, template, 0))
+    path = pathlib.PurePath(env["ATOLL_TOKEN_FILE"])
+    assert path.parent == pathlib.PurePath(mount) and path.name == "{id}"
+    args, seen = run_container(c, env, tmp_path)
+    try:
+        cfg = _learner_config(args, seen, secret / path.name, monkeypatch)
+    except LearnerConfigError as e:
+        if "{id}" not in str(e):
+            raise
+        pytest.xfail("the learner does not fill {id} in --token-file yet (learner/config.py)")
+    taken = cfg.as_learner("us-west1-cpu-1", 1)
+    assert taken.token_file == secret / "us-west1-cpu-1"
+
+
 def _learner_config(args: list[str], seen: dict, token: pathlib.Path, monkeypatch):
     """The LearnerConfig `atoll learner args` builds in a container whose environment is `seen`."""
     from atoll.learner.main import config_from_args
@@ -1603,7 +1658,13 @@ def test_the_shipped_placeholder_token_is_refused(tmp_path):
     from atoll.server.config import ConfigError, load_tokens
 
     with pytest.raises(ConfigError, match="placeholder"):
-        load_tokens(K8S / "base" / "common" / "token")
+        load_tokens(K8S / "base" / "common" / "token.example")
+    for example in (K8S / "overlays").glob("*/learner-tokens.env.example"):
+        for learner, token in _env_file(example.read_text()).items():
+            line = tmp_path / "line"
+            line.write_text(f"{learner} {token}\n")
+            with pytest.raises(ConfigError, match="placeholder"):
+                load_tokens(line)
     short = tmp_path / "short"
     short.write_text("learner-a " + "x" * 31 + "\n")
     with pytest.raises(ConfigError, match="32"):
@@ -1613,6 +1674,194 @@ def test_the_shipped_placeholder_token_is_refused(tmp_path):
         "# the run's token\n" + "0123456789abcdef" * 4 + "\nlearner-b " + "f" * 32 + "\n"
     )
     assert load_tokens(good) == {"0123456789abcdef" * 4: None, "f" * 32: "learner-b"}
+
+
+def _env_file(text: str) -> dict[str, str]:
+    """KEY=VALUE lines, as kustomize reads a generator's env file."""
+    return dict(line.split("=", 1) for line in text.splitlines() if line.strip() and line[0] != "#")
+
+
+def _secret_data(secret: dict) -> dict[str, str]:
+    return {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
+
+
+def _operator_token(tree: pathlib.Path) -> str:
+    from atoll.server.config import load_tokens
+
+    (operator,) = [
+        t for t, learner in load_tokens(tree / "base/common/token").items() if not learner
+    ]
+    return operator
+
+
+def _token_mount(template: dict) -> tuple[str, str]:
+    """(where the pod's one container mounts its token Secret, the Secret's name)."""
+    (c,) = template["spec"]["containers"]
+    (path,) = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == "token"]
+    (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "token"]
+    return path, volume["secret"]["secretName"]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", LEARNER_OVERLAYS)
+def test_learners_hold_only_their_own_bound_tokens(overlay):
+    """A learner cluster holds one token per learner it runs, each bound to that learner's
+    id in the shards' token file, and never the operator token, which may freeze and
+    export fragments. Each learner pod reads the token of its own id."""
+    from atoll.server.config import load_tokens
+
+    tokens = load_tokens(k8s_tree() / "base" / "common" / "token")
+    operator = _operator_token(k8s_tree())
+    objs = render(overlay)
+    if overlay != "all-in-one":  # the syncer's cluster: its shards hold the operator token
+        for s in find(objs, "Secret"):
+            assert operator not in _secret_data(s).values(), s["metadata"]["name"]
+    ids = set()
+    for owner, template, learners in learner_workloads(objs):
+        mount, name = _token_mount(template)
+        data = _secret_data(one(objs, "Secret", name))
+        assert operator not in data.values()
+        (c,) = template["spec"]["containers"]
+        for index in range(learners):
+            env = container_env(c, objs, pod_fields(owner, template, index))
+            learner = env["ATOLL_LEARNER_ID"]
+            path = pathlib.PurePath(env["ATOLL_TOKEN_FILE"])
+            assert path.parent == pathlib.PurePath(mount) and path.name == learner
+            assert tokens[data[learner]] == learner, f"{learner}'s token is not bound to it"
+            ids.add(learner)
+        assert set(data) == ids, "the Secret holds exactly this cluster's learners' tokens"
+    for t in learner_templates(objs):
+        if is_standby(t):  # the token of the id it takes, from the same Secret
+            mount, name = _token_mount(t)
+            assert env_of(t["spec"]["containers"][0])["ATOLL_TOKEN_FILE"]["value"] == (
+                f"{mount}/{{id}}"
+            )
+            assert _secret_data(one(objs, "Secret", name)).keys() == ids
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", SYNCER_OVERLAYS)
+def test_the_syncer_holds_the_operator_token(overlay):
+    """The shards read every token of the run; the preStop drain moves fragments with the
+    operator token (the file's one bare line); atoll status reads a file holding it alone."""
+    from atoll.cluster.reshard import operator_token
+    from atoll.server.config import load_tokens
+
+    objs = render(overlay, ("operator",))
+    sts = one(objs, "StatefulSet", "atoll-syncer")
+    mount, name = _token_mount(sts["spec"]["template"])
+    data = _secret_data(one(objs, "Secret", name))
+    assert (k8s_tree() / "base/common/token").read_text() == data["token"]
+    tokens = load_tokens(k8s_tree() / "base/common/token")
+    operator = _operator_token(k8s_tree())
+    assert data["operator-token"].strip() == operator
+    assert operator_token(k8s_tree() / "base/common/token") == operator
+    assert len(tokens) == 1 + sum(
+        len(_env_file((k8s_tree() / "overlays" / o / "learner-tokens.env").read_text()))
+        for o in LEARNER_OVERLAYS
+    )
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    assert env_of(c)["ATOLL_TOKEN_FILE"]["value"] == f"{mount}/token"
+    status = one(objs, "Job", "atoll-status")["spec"]["template"]
+    status_mount, status_secret = _token_mount(status)
+    assert status_secret == name
+    assert _flag(status["spec"]["containers"][0], "--token-file") == (
+        f"{status_mount}/operator-token"
+    )
+
+
+# Secrets made by hand (docs/kubernetes.md), which no overlay generates.
+MADE_BY_HAND = {"atoll-tls", "atoll-learner-tls", "atoll-kubeconfig"}
+
+
+@needs_kubectl
+@pytest.mark.parametrize(
+    "overlay, components",
+    [(o, ()) for o in OVERLAYS] + COMBINATIONS,
+    ids=[o for o in OVERLAYS] + [f"{o}+{'+'.join(c)}" for o, c in COMBINATIONS],
+)
+def test_token_secrets_carry_a_hash_that_every_reference_follows(overlay, components):
+    """A changed token is a new Secret name, so the pods that mount it roll: the name
+    carries the content's hash, and every reference to it (StatefulSet, Jobs, JobSets, the
+    standby Deployment, the operator Jobs) names it with the hash."""
+    objs = render(overlay, components)
+    secrets = {s["metadata"]["name"] for s in find(objs, "Secret")}
+    assert secrets
+    for name in secrets:
+        assert re.fullmatch(r"atoll-(learner-)?token-[a-z0-9]{10}", name), name
+    for t in pod_templates(objs):
+        for v in t["spec"]["volumes"]:
+            if "secret" in v:
+                assert v["secret"]["secretName"] in secrets | MADE_BY_HAND, v
+
+
+@needs_kubectl
+def test_a_changed_token_rolls_the_pods(tmp_path):
+    """New tokens (k8s/tokens.sh in another copy of k8s/) are new Secret names in every pod
+    template that mounts them."""
+    other = copy_k8s(tmp_path)
+    for overlay in ("syncer", "learners-tpu-v5p", "learners-cpu"):
+        before, after = render(overlay), _kustomize(other / "overlays" / overlay)
+        for a, b in zip(pod_templates(before), pod_templates(after), strict=True):
+            assert _token_mount(a)[1] != _token_mount(b)[1], overlay
+
+
+def test_tokens_script_keeps_tokens_and_adds_what_is_missing(tmp_path):
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns(*TOKEN_FILES))
+
+    def tokens_sh(*overlays: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(tree / "tokens.sh"), *overlays], capture_output=True, text=True, timeout=60
+        )
+
+    assert tokens_sh().returncode == 2
+    assert tokens_sh("no-such-overlay").returncode == 2
+    assert not (tree / "base/common/operator-token").exists()
+    assert tokens_sh("learners-tpu-v5p").returncode == 0
+    v5p = tree / "overlays/learners-tpu-v5p/learner-tokens.env"
+    first, operator = v5p.read_text(), (tree / "base/common/operator-token").read_text()
+    assert set(_env_file(first)) == set(
+        _env_file((K8S / "overlays/learners-tpu-v5p/learner-tokens.env.example").read_text())
+    )
+    # Another cluster joins, and the example grows by a slice: only those are new.
+    example = tree / "overlays/learners-tpu-v5p/learner-tokens.env.example"
+    example.write_text(example.read_text() + "us-east5-atoll-learner-v5p-2=REPLACE-ME\n")
+    assert tokens_sh("learners-tpu-v5p", "learners-cpu").returncode == 0
+    assert v5p.read_text().startswith(first) and len(_env_file(v5p.read_text())) == 3
+    assert (tree / "base/common/operator-token").read_text() == operator
+    from atoll.server.config import load_tokens
+
+    tokens = load_tokens(tree / "base/common/token")
+    learners = {
+        **_env_file(v5p.read_text()),
+        **_env_file((tree / "overlays/learners-cpu/learner-tokens.env").read_text()),
+    }
+    assert tokens == {operator.strip(): None} | {
+        token: learner for learner, token in learners.items()
+    }
+    for f in TOKEN_FILES[:2]:
+        assert (tree / "base/common" / f).stat().st_mode & 0o077 == 0, "readable by others"
+
+
+def test_token_files_are_never_tracked():
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    files = [
+        "k8s/base/common/token",
+        "k8s/base/common/operator-token",
+        *(f"k8s/overlays/{o}/learner-tokens.env" for o in LEARNER_OVERLAYS),
+    ]
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", *files], cwd=REPO, capture_output=True, text=True
+    )
+    assert sorted(ignored.stdout.split()) == sorted(files)
+    tracked = subprocess.run(
+        ["git", "ls-files", "--", *files], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert tracked.stdout == ""
+    for o in LEARNER_OVERLAYS:
+        assert (K8S / "overlays" / o / "learner-tokens.env.example").is_file()
 
 
 # -- docs ---------------------------------------------------------------------------
