@@ -77,13 +77,18 @@ MULTI_HOST_OVERLAYS = {
 }
 # Each component added to overlays the way an operator would add it (every component is used).
 COMBINATIONS = [
-    ("syncer", ("tls", "operator", "monitoring-gmp")),
+    ("syncer", ("tls", "operator-tls", "monitoring-gmp")),
+    ("syncer", ("operator-tls", "tls")),
     ("syncer", ("monitoring-prometheus-operator",)),
     ("all-in-one", ("operator", "monitoring-prometheus-operator")),
-    ("learners-tpu-v5p", ("kueue", "spot", "monitoring-gmp")),
+    ("all-in-one", ("tls", "operator-tls", "learner-tls")),
+    ("learners-tpu-v5p", ("kueue", "spot", "monitoring-gmp", "learner-tls")),
     ("learners-tpu-v6e", ("kueue", "flex-start", "monitoring-prometheus-operator")),
-    ("learners-cpu", ("kueue", "spot")),
+    ("learners-tpu-v6e-4x4", ("learner-tls",)),
+    ("learners-cpu", ("kueue", "spot", "learner-tls")),
 ]
+# Components that only patch what the overlay has (they add no object).
+PATCHES_ONLY = {"kueue", "spot", "flex-start", "tls", "learner-tls"}
 KUBERNETES_VERSIONS = ["1.27", "1.37"]
 NAMESPACE = "atoll"
 COMMON_LABELS = {"app.kubernetes.io/name": "atoll", "app.kubernetes.io/part-of": "atoll"}
@@ -414,7 +419,7 @@ def test_overlay_validates_strictly(overlay, kubernetes):
 )
 def test_overlay_with_components_validates_strictly(overlay, components):
     objs = render(overlay, components)
-    assert len(objs) > len(render(overlay)) or components in (("kueue", "spot"),)
+    assert len(objs) > len(render(overlay)) or set(components) <= PATCHES_ONLY
     _validate_all(objs, f"{overlay} with {components}")
     _check_labels_and_namespace(objs)
 
@@ -1293,6 +1298,70 @@ def test_operator_component():
         )
         .kubernetes
     )
+
+
+@needs_kubectl
+@pytest.mark.parametrize("order", [("tls", "operator-tls"), ("operator-tls", "tls")])
+def test_operator_jobs_reach_tls_shards(order):
+    """With the shards on TLS, atoll-status trusts their CA, in whichever order the two
+    components are listed, and sees no key of the shards'. Its args parse."""
+    objs = render("syncer", order)
+    sts = one(objs, "StatefulSet", "atoll-syncer")
+    (shard,) = sts["spec"]["template"]["spec"]["containers"]
+    shard_ca = next(a for a in shard["lifecycle"]["preStop"]["exec"]["command"] if "tls-ca" in a)
+    status = one(objs, "Job", "atoll-status")["spec"]["template"]["spec"]
+    (c,) = status["containers"]
+    (mount,) = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == "tls"]
+    (volume,) = [v for v in status["volumes"] if v["name"] == "tls"]
+    assert volume["secret"]["secretName"] == "atoll-tls"  # the shards' Secret...
+    assert volume["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]  # ...its CA alone
+    assert _flag(c, "--tls-ca") == f"{mount}/ca.crt" == shard_ca.split("=", 1)[1]
+    args = atoll_parser().parse_args(
+        [k8s_expand(a, {"POD_NAMESPACE": NAMESPACE}) for a in c["args"]]
+    )
+    assert args.command == "status" and str(args.tls_ca) == f"{mount}/ca.crt"
+    assert args.tls_cert is None and args.tls_key is None
+    # Everything else as the plaintext operator component has it.
+    plain = {o["metadata"]["name"]: o for o in find(render("syncer", ("operator",)), "Job")}
+    assert plain.keys() == {o["metadata"]["name"] for o in find(objs, "Job")}
+    assert [a for a in c["args"] if not a.startswith("--tls-ca=")] == (
+        plain["atoll-status"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    assert one(objs, "Job", "atoll-chaos") == plain["atoll-chaos"]  # /metrics is plain HTTP
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", LEARNER_OVERLAYS)
+def test_learners_speak_tls_with_learner_tls(overlay, tmp_path, monkeypatch):
+    """Every learner pod (JobSet, Job, standby) trusts the shards' CA from a Secret of its
+    own, which never holds the shards' key, and its command line is a TLS learner config."""
+    objs = render(overlay, ("learner-tls",))
+    (tmp_path / "ca.crt").write_text("pem")
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef" * 4 + "\n")
+    templates = learner_templates(objs)
+    assert templates
+    for t in templates:
+        (c,) = t["spec"]["containers"]
+        (mount,) = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == "tls"]
+        (volume,) = [v for v in t["spec"]["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == "atoll-learner-tls"
+        assert _flag(c, "--tls-ca") == f"{mount}/ca.crt"
+    for owner, template, _ in learner_workloads(objs):
+        (c,) = template["spec"]["containers"]
+        env = container_env(c, objs, pod_fields(owner, template, 0))
+        args, seen = run_container(c, env, tmp_path)
+        args = [f"--tls-ca={tmp_path / 'ca.crt'}" if a.startswith("--tls-ca=") else a for a in args]
+        cfg = _learner_config(args, seen, token, monkeypatch)
+        assert cfg.tls_ca == tmp_path / "ca.crt" and cfg.tls_cert is None
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", LEARNER_OVERLAYS)
+def test_learners_without_learner_tls_are_plaintext(overlay):
+    """Without the component nothing mounts a CA: TLS is a choice the overlay shows."""
+    for t in learner_templates(render(overlay)):
+        assert not any(a.startswith("--tls") for a in t["spec"]["containers"][0]["args"])
 
 
 # -- monitoring ---------------------------------------------------------------------
