@@ -1454,8 +1454,12 @@ def test_alerts_read_metrics_atoll_exposes():
         "AtollNoVersionProgress",
         "AtollRefusalsRising",
         "AtollWalFsyncSlow",
+        "AtollShardTargetAbsent",
+        "AtollFragmentVersionAbsent",
+        "AtollFragmentMoveStuck",
+        "AtollWalVolumeFilling",
     } <= set(rules)
-    known = exposed_metric_names() | {"up"}
+    known = exposed_metric_names() | {"up"} | KUBELET_VOLUME_METRICS
     for name, rule in rules.items():
         unknown = promql_metric_names(rule["expr"]) - known
         assert not unknown, f"alert {name} reads unknown metrics {sorted(unknown)}"
@@ -1464,6 +1468,10 @@ def test_alerts_read_metrics_atoll_exposes():
             "warning",
         )
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+        # Its runbook entry exists: docs/operations.md, a heading named after the alert.
+        page, anchor = rule["annotations"]["runbook"].split("#")
+        assert page == "docs/operations.md" and anchor == name.lower()
+        assert anchor in _anchors(REPO / page), f"{name}: no runbook entry {anchor}"
     assert 'job="atoll-syncer"' in rules["AtollShardNotServing"]["expr"]
     # `job` is the PodMonitoring's name under GMP and the scraped Service's name under the operator.
     assert one(render("syncer", ("monitoring-gmp",)), "PodMonitoring", "atoll-syncer")
@@ -1471,6 +1479,72 @@ def test_alerts_read_metrics_atoll_exposes():
         render("syncer", ("monitoring-prometheus-operator",)), "ServiceMonitor", "atoll-syncer"
     )
     assert one(render("syncer"), "Service", "atoll-syncer")
+
+
+# Prometheus's names for the kubelet's volume statistics (per PersistentVolumeClaim).
+KUBELET_VOLUME_METRICS = {
+    "kubelet_volume_stats_available_bytes",
+    "kubelet_volume_stats_capacity_bytes",
+}
+
+
+def _anchors(markdown: pathlib.Path) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings."""
+    return {
+        re.sub(r"[^a-z0-9 _-]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        for line in markdown.read_text().splitlines()
+        if line.startswith("#")
+    }
+
+
+def _alert(name: str) -> dict:
+    (rule,) = [
+        r
+        for g in _alert_groups("monitoring-prometheus-operator")
+        for r in g["rules"]
+        if r["alert"] == name
+    ]
+    return rule
+
+
+@needs_kubectl
+def test_a_shard_without_a_scrape_target_alerts():
+    """A Pending or unschedulable shard pod has no target, so no `up` series at all: the
+    alert asks absent() of every shard the syncer runs (its per-shard Services), by pod."""
+    objs = render("syncer")
+    shards = {
+        s["spec"]["selector"]["statefulset.kubernetes.io/pod-name"]
+        for s in find(objs, "Service")
+        if "statefulset.kubernetes.io/pod-name" in s["spec"].get("selector", {})
+    }
+    replicas = one(objs, "StatefulSet", "atoll-syncer")["spec"]["replicas"]
+    assert shards == {f"atoll-syncer-{i}" for i in range(replicas)}
+    expr = _alert("AtollShardTargetAbsent")["expr"]
+    terms = [term.strip() for term in expr.split(" or ")]
+    assert terms == [f'absent(up{{job="atoll-syncer", pod="{pod}"}})' for pod in sorted(shards)]
+
+
+def test_stranded_fragments_alert():
+    """A fragment that no shard reports, and one frozen for a move for 10 minutes."""
+    absent = _alert("AtollFragmentVersionAbsent")
+    assert promql_metric_names(absent["expr"]) == {"atoll_fragment_version"}
+    assert " unless " in absent["expr"] and "by (fragment)" in absent["expr"]
+    stuck = _alert("AtollFragmentMoveStuck")
+    assert promql_metric_names(stuck["expr"]) == {"atoll_fragments_moving"}
+    assert stuck["expr"].endswith("> 0") and stuck["for"] == "10m"
+
+
+@needs_kubectl
+def test_the_wal_volume_alert_selects_the_shards_claims():
+    expr = _alert("AtollWalVolumeFilling")["expr"]
+    assert promql_metric_names(expr) == KUBELET_VOLUME_METRICS
+    sts = one(render("syncer"), "StatefulSet", "atoll-syncer")
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    pattern = set(re.findall(r'persistentvolumeclaim=~"([^"]+)"', expr))
+    (pattern,) = pattern
+    for i in range(sts["spec"]["replicas"] + 2):  # the claims of pods a scale-up adds too
+        assert re.fullmatch(pattern, f"{claim['metadata']['name']}-{sts['metadata']['name']}-{i}")
+    assert not re.fullmatch(pattern, "atoll-learner-state")
 
 
 # -- the dashboard and the metrics it reads -------------------------------------------
