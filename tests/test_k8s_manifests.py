@@ -277,6 +277,16 @@ def is_standby(template: dict) -> bool:
     return template["metadata"]["labels"].get("atoll.dev/standby") == "true"
 
 
+def learner_settings(objs) -> dict[str, str]:
+    """The data of the one ConfigMap every learner pod of the overlay reads."""
+    (name,) = {
+        source["configMapRef"]["name"]
+        for t in learner_templates(objs)
+        for source in t["spec"]["containers"][0]["envFrom"]
+    }
+    return one(objs, "ConfigMap", name)["data"]
+
+
 def learner_workloads(objs) -> list[tuple[dict, dict, int]]:
     """(owner, pod template, learners it runs) of every learner JobSet or Job (standbys run
     none of their own)."""
@@ -464,6 +474,37 @@ def test_no_overlay_owns_a_namespace_or_cluster_object(overlay):
     assert not kinds & CLUSTER_SCOPED, f"{overlay} renders {kinds & CLUSTER_SCOPED}"
 
 
+# Overlays that may share a cluster: the syncer's and any learner cluster's (all-in-one
+# is a cluster of its own).
+CLUSTER_MATES = ["syncer"] + [o for o in LEARNER_OVERLAYS if o != "all-in-one"]
+
+
+@needs_kubectl
+@pytest.mark.parametrize(
+    "first, second",
+    [(a, b) for i, a in enumerate(CLUSTER_MATES) for b in CLUSTER_MATES[i + 1 :]],
+)
+def test_overlays_in_one_cluster_share_no_object(first, second):
+    """Two overlays applied to one cluster (CPU learners beside TPU ones, learners beside
+    the shards) never overwrite, or delete, each other's objects."""
+    names = [{(o["kind"], o["metadata"]["name"]) for o in render(x)} for x in (first, second)]
+    assert not names[0] & names[1], f"both make {sorted(names[0] & names[1])}"
+
+
+@needs_kubectl
+def test_no_manifest_sets_grpc_keepalive():
+    """The shards' keepalive policy (server code) must admit the learners' 30 s pings on
+    idle Watch streams; a flag or environment variable here could override it."""
+    for overlay, components in [(o, ()) for o in OVERLAYS] + COMBINATIONS:
+        for t in pod_templates(render(overlay, components)):
+            for c in all_containers(t):
+                words = (
+                    c.get("command", []) + c.get("args", []) + [e["name"] for e in c.get("env", [])]
+                )
+                words += [str(e.get("value", "")) for e in c.get("env", [])]
+                assert not [w for w in words if "keepalive" in w.lower()], (overlay, c["name"])
+
+
 @needs_kubectl
 def test_namespace_is_applied_apart():
     (namespace,) = render_dir("namespace")
@@ -481,6 +522,8 @@ def test_storage_classes_retain_their_disks():
         assert c["reclaimPolicy"] == "Retain", c["metadata"]["name"]
         assert c["volumeBindingMode"] == "WaitForFirstConsumer"
     assert classes["atoll-wal"]["parameters"]["type"] == "pd-ssd"
+    # No VPC wired in: the driver's default, or the network the docs' patch names.
+    assert "network" not in classes["atoll-learner-state"]["parameters"]
     sts = one(render("syncer"), "StatefulSet", "atoll-syncer")
     (claim,) = sts["spec"]["volumeClaimTemplates"]
     assert claim["spec"]["storageClassName"] == "atoll-wal"
@@ -642,6 +685,50 @@ def test_syncer_command_line_is_a_valid_shard_config(overlay, components, tmp_pa
     if "tls" in components:
         health = {p["name"]: p["containerPort"] for p in c["ports"]}["health"]
         assert cfg.health_port == health
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", SYNCER_OVERLAYS)
+def test_shards_stay_put(overlay):
+    """Shards never go to VMs taken away at short notice, spread over zones and nodes,
+    get Guaranteed QoS, and the cluster autoscaler leaves their nodes alone."""
+    objs = render(overlay)
+    template = one(objs, "StatefulSet", "atoll-syncer")["spec"]["template"]
+    spec = template["spec"]
+    (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    on_demand = {"kubernetes.io/hostname": "n"}
+    for node, allowed in (
+        (on_demand, True),
+        ({**on_demand, "cloud.google.com/gke-spot": "false"}, True),
+        ({**on_demand, "cloud.google.com/gke-spot": "true"}, False),
+        ({**on_demand, "cloud.google.com/gke-preemptible": "true"}, False),
+        ({**on_demand, "cloud.google.com/gke-flex-start": "true"}, False),
+        ({**on_demand, "cloud.google.com/gke-provisioning": "spot"}, False),
+        ({**on_demand, "cloud.google.com/gke-provisioning": "standard"}, True),
+    ):
+        assert _selects({"matchExpressions": term["matchExpressions"]}, node) is allowed, node
+    spread = {c["topologyKey"]: c for c in spec["topologySpreadConstraints"]}
+    assert set(spread) == {"topology.kubernetes.io/zone", "kubernetes.io/hostname"}
+    for c in spread.values():
+        assert _selects(c["labelSelector"], template["metadata"]["labels"])
+    (c,) = spec["containers"]
+    assert c["resources"]["requests"] == c["resources"]["limits"], "Guaranteed QoS"
+    annotations = template["metadata"]["annotations"]
+    assert annotations["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "false"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay, components", [("syncer", ()), ("syncer", ("tls",))])
+def test_a_long_log_replay_is_not_killed(overlay, components):
+    """The liveness probe waits for the startup probe, which gives a replay an hour: a
+    shard restarted mid-replay would start it over, and never finish a long one."""
+    (c,) = one(render(overlay, components), "StatefulSet", "atoll-syncer")["spec"]["template"][
+        "spec"
+    ]["containers"]
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600
 
 
 @needs_kubectl
@@ -812,7 +899,7 @@ def test_learner_pods(overlay):
     objs = render(overlay)
     templates = learner_templates(objs)
     assert templates, f"{overlay} has no learner pods"
-    config = one(objs, "ConfigMap", "atoll-learner-config")["data"]
+    config = learner_settings(objs)
     syncer_config = next(
         o
         for o in render("syncer")
@@ -1041,7 +1128,7 @@ def test_learner_clusters_read_disjoint_data_shards():
     ranges, sizes = [], set()
     for overlay in TPU_OVERLAYS:
         objs = render(overlay)
-        config = one(objs, "ConfigMap", "atoll-learner-config")["data"]
+        config = learner_settings(objs)
         base, sizes = (
             int(config["ATOLL_LEARNER_INDEX_BASE"]),
             sizes | {int(config["ATOLL_NUM_LEARNERS"])},
@@ -1931,7 +2018,7 @@ def test_token_secrets_carry_a_hash_that_every_reference_follows(overlay, compon
     secrets = {s["metadata"]["name"] for s in find(objs, "Secret")}
     assert secrets
     for name in secrets:
-        assert re.fullmatch(r"atoll-(learner-)?token-[a-z0-9]{10}", name), name
+        assert re.fullmatch(r"atoll-(learner-token(-[a-z0-9-]+)?|token)-[a-z0-9]{10}", name), name
     for t in pod_templates(objs):
         for v in t["spec"]["volumes"]:
             if "secret" in v:
