@@ -53,12 +53,17 @@ COMMANDS = (
 )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    """The `atoll` command's parser (each command's flags load when it parses or helps)."""
+    p = argparse.ArgumentParser(
         prog="atoll", description="Decoupled DiLoCo training across islands of accelerators."
     )
-    add_commands(parser, COMMANDS, "command")
-    return run(parser.parse_args(argv), COMMANDS, "command")
+    add_commands(p, COMMANDS, "command")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parser().parse_args(argv), COMMANDS, "command")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,16 @@ def add_commands(parser: argparse.ArgumentParser, table: Sequence[Command], dest
         p.set_defaults(**{f"{dest}_parser": p})
 
 
+def subparser(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
+    """The parser of `atoll NAME NAME ...`, its flags loaded (for tests and docs)."""
+    for name in names:
+        [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        parser = sub.choices[name]
+        if isinstance(parser, _LazyParser):
+            parser._load()
+    return parser
+
+
 def run(args: argparse.Namespace, table: Sequence[Command], dest: str) -> int:
     """Calls the chosen row's main with the parsed args and its own parser (so a flag error
     reads `atoll COMMAND: error: ...`)."""

@@ -10,6 +10,7 @@ import re
 import yaml
 
 from atoll import cli
+from atoll.commands import subparser
 from atoll.local.config import UpConfig
 from atoll.server import main as syncer_main
 from atoll.server.config import (
@@ -30,19 +31,12 @@ def _configmap(path: pathlib.Path, name: str) -> dict[str, str]:
     return dict(re.match(r"([^=]+)=(\S+)", line).groups() for line in generator["literals"])
 
 
-def _subparser(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
-    for name in names:
-        [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-        parser = sub.choices[name]
-    return parser
-
-
 def test_the_outer_optimiser_defaults_agree_everywhere():
     assert (OUTER_LR, OUTER_MOMENTUM) == (0.7, 0.9)  # DiLoCo's outer Nesterov
     fields = {f.name: f.default for f in ShardConfig.__dataclass_fields__.values()}
     assert (fields["outer_lr"], fields["outer_momentum"]) == (OUTER_LR, OUTER_MOMENTUM)
     assert (UpConfig().outer_lr, UpConfig().outer_momentum) == (OUTER_LR, OUTER_MOMENTUM)
-    quality = _subparser(cli._parser(), "bench", "quality").parse_args([])
+    quality = subparser(cli.parser(), "bench", "quality").parse_args([])
     assert (quality.outer_lr, quality.outer_momentum) == (OUTER_LR, OUTER_MOMENTUM)
     syncer = argparse.ArgumentParser()
     syncer_main.add_arguments(syncer)

@@ -380,13 +380,7 @@ def atoll_parser() -> argparse.ArgumentParser:
     """The `atoll` command's parser, as `atoll.cli.main` builds it."""
     from atoll import cli
 
-    if hasattr(cli, "_parser"):  # before the command table (atoll/commands.py)
-        return cli._parser()
-    from atoll.commands import add_commands
-
-    parser = argparse.ArgumentParser(prog="atoll")
-    add_commands(parser, cli.COMMANDS, "command")
-    return parser
+    return cli.parser()
 
 
 # -- every overlay ------------------------------------------------------------------
