@@ -278,8 +278,10 @@ def shard_last_seqs(sync) -> dict[int, int]:
 
     out = {}
     for f in sync.frags:
-        try:
-            out[f.p] = int(sync.client_of(f.p).pull(f.p, f.version).last_seq)
+        try:  # (a stop raises Stopped here)
+            out[f.p] = int(
+                sync.call_shard(lambda f=f: sync.client_of(f.p).pull(f.p, f.version).last_seq)
+            )
         except (grpc.RpcError, IncompletePull):
             pass
     return out

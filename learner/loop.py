@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-import signal
 import sys
 import threading
 import time
@@ -18,10 +17,11 @@ import time
 import numpy as np
 import prometheus_client as prom
 
-from atoll.learner import checkpoint, distributed, standby
+from atoll.learner import checkpoint, distributed, standby, stopping
 from atoll.learner.config import LearnerConfig
 from atoll.learner.data import Batches, load_corpus
 from atoll.learner.model import preset
+from atoll.learner.stopping import Stop, Stopped
 from atoll.learner.sync import SyncConfig, SyncError, Synchronizer
 from atoll.learner.train import TrainConfig, Trainer
 from atoll.wire.client import ShardClient, TlsFiles
@@ -32,19 +32,22 @@ log = logging.getLogger("atoll.learner")
 PROGRESS_SECONDS = 2.0  # how often the live line is redrawn
 
 
-def _stop_on_signals(also: list[threading.Event]) -> threading.Event:
-    """SIGTERM/SIGINT finish the current step (or end a wait on the syncer), then the
-    learner leaves cleanly. `also` holds more events to set (the sync engine's)."""
-    stop = threading.Event()
+@dataclasses.dataclass
+class _Held:
+    """What a run holds until it ends, however it ends."""
 
-    def handle(*_):
-        stop.set()
-        for event in also:
-            event.set()
+    claim: standby.Claim | None = None
+    sync: Synchronizer | None = None
+    checkpointer: checkpoint.Checkpointer | None = None
+    done: bool = False  # every step trained: the id is not to be taken over
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handle)
-    return stop
+    def release(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        if self.claim is not None:
+            self.claim.release(done=self.done)  # not done: a standby may take the id over
 
 
 def _resume_point(path: pathlib.Path | None, learner_id: str) -> tuple[int, int]:
@@ -93,7 +96,23 @@ class _Metrics:
 
 
 def run(cfg: LearnerConfig) -> int:
-    """Trains until cfg.steps (or a signal); returns the process exit code."""
+    """Trains until cfg.steps (or a signal); returns the process exit code.
+
+    SIGTERM or SIGINT ends any wait (learner/stopping.py): during training the learner
+    finishes its step, checkpoints, evaluates and leaves; before it, it leaves at once.
+    Either way the exit code is 0. Call it from the main thread (it takes the signals)."""
+    stop, held = Stop(), _Held()
+    with stopping.on_signals(stop):
+        try:
+            return _run(cfg, stop, held)
+        except Stopped as e:
+            log.info("learner %s %s; leaving", cfg.learner_id, e)
+            return 0
+        finally:
+            held.release()
+
+
+def _run(cfg: LearnerConfig, stop: Stop, held: _Held) -> int:
     if cfg.compile_cache is not None:
         _use_compile_cache(cfg.compile_cache)
     claim, own_id = None, None
@@ -102,9 +121,10 @@ def run(cfg: LearnerConfig) -> int:
     one_process = cfg.distributed is None
     if cfg.checkpoint_dir is not None and not cfg.standby and one_process:
         # one live process per id: a restarted learner whose id a standby took waits as a standby
-        claim = standby.acquire(
-            cfg.checkpoint_dir, cfg.learner_id, cfg.learner_index, cfg.num_learners
+        held.claim = claim = standby.acquire(
+            cfg.checkpoint_dir, cfg.learner_id, cfg.learner_index, cfg.num_learners, stop=stop.event
         )
+        stop.check("claiming its id")
         if claim is None:
             log.warning(
                 "learner id %s is held by a live process (%s); waiting as a standby",
@@ -136,23 +156,23 @@ def run(cfg: LearnerConfig) -> int:
         seed=cfg.seed,
     )
     trainer = Trainer(model_cfg, train_cfg, batches, heldout=corpus.heldout, slowdown=cfg.slowdown)
+    trainer.sleep = stop.wait  # a slowed step's wait ends on a stop too
+    stop.check("loading data")
     # A multi-host learner: process 0 alone talks to the syncer and writes status; the
     # others take its decisions and fragments after every step (learner/distributed.py).
     multi, leader = distributed.process_count() > 1, distributed.is_leader()
-    stopping: list[threading.Event] = []
-    stop = None
     if cfg.standby:
         # ready to train at once: data loaded, step compiled; then wait for a vacancy
         trainer.compile()
-        stop = _stop_on_signals(stopping)
+        stop.check("compiling")
         log.info(
             "standby %s ready (compiled in %.1f s); waiting for a failed learner in %s",
             cfg.learner_id,
             trainer.compile_time_s,
             cfg.checkpoint_dir,
         )
-        claim = standby.wait_for_vacancy(
-            cfg.checkpoint_dir, cfg.num_learners, stop, until_done=own_id
+        held.claim = claim = standby.wait_for_vacancy(
+            cfg.checkpoint_dir, cfg.num_learners, stop.event, until_done=own_id
         )
         if claim is None:
             log.info(
@@ -206,7 +226,7 @@ def run(cfg: LearnerConfig) -> int:
                     f"{trainer.steps_done}; every process of a learner must mount the same --checkpoint-dir"
                 )
         if leader:
-            checkpointer = checkpoint.Checkpointer(
+            held.checkpointer = checkpointer = checkpoint.Checkpointer(
                 cfg.checkpoint_dir, cfg.learner_id, cfg.checkpoint_every, identity
             )
     if ckpt is None:
@@ -257,12 +277,11 @@ def run(cfg: LearnerConfig) -> int:
         if cfg.status_file is not None and leader:
             append_jsonl(cfg.status_file, record)
 
-    if stop is None:
-        stop = _stop_on_signals(
-            stopping
-        )  # only now: a refused start leaves the caller's handlers alone
     emit("joining")
     trainer.compile()
+    if stop.is_set():
+        emit("stopped")
+        stop.check("compiling")
     if plan is not None and leader:
         tls = TlsFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None
         token = cfg.token_file.read_text().strip() if cfg.token_file else None
@@ -272,7 +291,7 @@ def run(cfg: LearnerConfig) -> int:
 
         pattern = cfg.shard_pattern
         clients = [connect(a) for a in cfg.shards]
-        sync = Synchronizer(
+        held.sync = sync = Synchronizer(
             SyncConfig(
                 period=cfg.period,
                 overlap=cfg.overlap,
@@ -286,12 +305,16 @@ def run(cfg: LearnerConfig) -> int:
             on_push=_push_logger(cfg),
             connect=None if pattern is None else lambda i: connect(pattern.replace("{i}", str(i))),
         )
-        stopping.append(sync.stopping)
-        trainer.params = sync.join(trainer.params)
+        stop.on_stop(sync.stop)  # calls in flight end at once, not at their deadline
+        log.info("learner %s joining the syncer at %s", cfg.learner_id, ", ".join(cfg.shards))
+        try:
+            trainer.params = sync.join(trainer.params)
+            last_seqs = checkpoint.shard_last_seqs(sync) if ckpt is not None else {}
+        except Stopped:
+            emit("stopped")
+            raise Stopped(f"stopped by {stop.reason} while joining the syncer") from None
         if ckpt is not None:
-            carried = checkpoint.resume_sync(
-                ckpt, sync, theta_ckpt, trail, checkpoint.shard_last_seqs(sync)
-            )
+            carried = checkpoint.resume_sync(ckpt, sync, theta_ckpt, trail, last_seqs)
             for p, vector in carried.items():
                 trainer.set_tensors(plan.unflatten_fragment(p, vector))
             log.info(
@@ -342,7 +365,7 @@ def run(cfg: LearnerConfig) -> int:
                         due = eval_pending and (
                             sync.pushes_started > pushes or trainer.steps_done >= cfg.steps
                         )
-                    except SyncError:
+                    except (SyncError, Stopped):
                         if not stop.is_set():
                             raise
                         stopping_now = True
@@ -378,7 +401,7 @@ def run(cfg: LearnerConfig) -> int:
                         trainer.steps_done >= cfg.steps,
                     )
                     excluded += sync.stats["blocked_seconds"] - blocked
-                except SyncError:
+                except (SyncError, Stopped):
                     if not stop.is_set():
                         raise
                     state = "stopped"  # a signal ended a wait on the syncer
@@ -447,7 +470,7 @@ def run(cfg: LearnerConfig) -> int:
         log.info(
             "learner %s %s at step %d: eval loss %.6f (%.4f bits/byte)%s",
             cfg.learner_id,
-            state,
+            f"stopped by {stop.reason}" if state == "stopped" else state,
             trainer.steps_done,
             final["loss"],
             final["bits_per_byte"],
@@ -456,14 +479,7 @@ def run(cfg: LearnerConfig) -> int:
             else "",
         )
     finally:
-        if sync is not None:
-            sync.close()
-        if checkpointer is not None:
-            checkpointer.close()
-        if claim is not None:
-            claim.release(
-                done=trainer.steps_done >= cfg.steps
-            )  # else a standby may take the id over
+        held.done = trainer.steps_done >= cfg.steps
     return 0
 
 

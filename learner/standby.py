@@ -110,8 +110,10 @@ def acquire(
     index: int,
     num_learners: int,
     retry: float = HOLD_RETRY_SECONDS,
+    stop: threading.Event | None = None,
 ) -> Claim | None:
-    """This learner's claim on its id, or None if a live process holds it."""
+    """This learner's claim on its id, or None if a live process holds it (or `stop` came
+    while it waited)."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{learner_id}{SUFFIX}"
@@ -132,7 +134,10 @@ def acquire(
             return claim
         if time.monotonic() >= deadline:
             return None
-        time.sleep(POLL_SECONDS)
+        if stop is None:
+            time.sleep(POLL_SECONDS)
+        elif stop.wait(POLL_SECONDS):
+            return None
 
 
 def take_vacancy(directory: pathlib.Path, num_learners: int) -> Claim | None:

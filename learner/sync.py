@@ -38,10 +38,12 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 import numpy as np
 
+from atoll.learner.stopping import Stopped
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire.client import (
@@ -57,6 +59,7 @@ from atoll.wire.plan import FragmentMap, FragmentPlan
 
 log = logging.getLogger("atoll.learner")
 Params = dict  # nested str-keyed dict of arrays, the model's parameter tree
+T = TypeVar("T")
 RETRYABLE = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -275,6 +278,7 @@ class Synchronizer:
         self._map_generation = 0  # fragment map changes seen: Watch streams reopen on each
         self._watching = False  # Watch threads started: a shard found later gets one too
         self._probing = threading.Lock()  # one probe past the known shards at a time
+        self._probe_client: ShardClient | None = None  # the shard being probed (stop() closes it)
 
     def client_of(self, p: int) -> ShardClient:
         return self.client(self.shard_of(p))
@@ -285,6 +289,8 @@ class Synchronizer:
         with self.lock:
             if i < len(self.clients):
                 return self.clients[i]
+            if self.stopping.is_set():  # stop() closed the channels: no new ones after it
+                raise Stopped(f"shard {i}: learner stopping")
             if not self._reachable(i):
                 raise SyncError(f"shard {i}: this learner has no address for it")
             assert self.connect is not None
@@ -374,7 +380,7 @@ class Synchronizer:
                 # in a run with a map, one a scale-down may have taken away (the maps of the
                 # shards moves took fragments from say where they went)
                 try:
-                    d = client.describe(timeout=PROBE_SECONDS)
+                    d = self.call_shard(lambda c=client: c.describe(timeout=PROBE_SECONDS))
                 except grpc.RpcError:
                     log.info(
                         "shard %d at %s is not up: the shards' maps say what it owns",
@@ -430,13 +436,21 @@ class Synchronizer:
         if self.connect is None:
             return found
         with self._probing:  # (a refusal may still make a client meanwhile: `client`)
-            while len(self.clients) < MAX_SHARDS:
+            while len(self.clients) < MAX_SHARDS and not self.stopping.is_set():
                 i = len(self.clients)
                 client = self.connect(i)
+                with self.lock:
+                    self._probe_client = client
                 try:
-                    d = client.describe(timeout=PROBE_SECONDS)
+                    d = self.call_shard(lambda: client.describe(timeout=PROBE_SECONDS))
                 except grpc.RpcError:
                     d = None
+                except Stopped:
+                    client.close()
+                    raise
+                finally:
+                    with self.lock:
+                        self._probe_client = None
                 described = None if d is None else described_map(d)
                 if (
                     d is None
@@ -448,8 +462,8 @@ class Synchronizer:
                 ):
                     client.close()
                     break
-                with self.lock:
-                    kept = len(self.clients) == i
+                with self.lock:  # (stop() closes only the clients listed when it ran)
+                    kept = len(self.clients) == i and not self.stopping.is_set()
                     if kept:
                         self.clients.append(client)
                     watching = self._watching
@@ -472,7 +486,9 @@ class Synchronizer:
             if i == before:
                 continue
             try:
-                mine = self._plan_map(client.describe(timeout=PROBE_SECONDS))
+                mine = self._plan_map(
+                    self.call_shard(lambda c=client: c.describe(timeout=PROBE_SECONDS))
+                )
             except grpc.RpcError:
                 continue
             if mine is not None:
@@ -628,11 +644,28 @@ class Synchronizer:
         is durable). These pushes are marked `last`: the shards stop waiting for this
         learner in those fragments' rounds, so the last learner to finish closes its round
         alone rather than waiting for the leases of those that left.
-        `tokens_per_step` None: no tail pushes (the old end of run)."""
+        `tokens_per_step` None: no tail pushes (the old end of run). A stop ends it at
+        once with what was adopted so far."""
         deadline = time.monotonic() + timeout
         updates: dict[int, np.ndarray] = {}
         flat_now: dict[int, np.ndarray] = {}
-        while True:
+        try:
+            self._finish(step, params, deadline, tokens_per_step, updates, flat_now)
+        except Stopped:
+            log.info("stopped before the last pushes were adopted (an acknowledged one is kept)")
+        return updates
+
+    def _finish(
+        self,
+        step: int,
+        params: Params,
+        deadline: float,
+        tokens_per_step: int | None,
+        updates: dict[int, np.ndarray],
+        flat_now: dict[int, np.ndarray],
+    ) -> None:
+        """`finish`'s loop; what it adopts goes into `updates`."""
+        while not self.stopping.is_set():
             # Each fragment's tail goes out as soon as that fragment is idle, not once all
             # are: a round holding one of our pushes may wait for another learner's tail,
             # which waits on a round that needs ours.
@@ -650,7 +683,7 @@ class Synchronizer:
             pending = [f.task for f in self.frags if f.task is not None]
             left = deadline - time.monotonic()
             if not pending or left <= 0:
-                return updates
+                return
             concurrent.futures.wait(
                 pending, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED
             )
@@ -770,8 +803,8 @@ class Synchronizer:
         """Asks fragment p's shard when this learner's first push of it is due (a pull
         from the version just announced: no frames unless another round closed since)."""
         try:  # one try: on failure the first push goes on step counts (t_p) instead
-            pulled = self.client_of(frag.p).pull(frag.p, have)
-        except (grpc.RpcError, IncompletePull):
+            pulled = self.call_shard(lambda: self.client_of(frag.p).pull(frag.p, have))
+        except (grpc.RpcError, IncompletePull, Stopped):
             return
         self._count("bytes_received", sum(len(f) for _, _, f in pulled.frames))
         if pulled.next_due_seconds > 0 and frag.due_at is None:
@@ -813,7 +846,10 @@ class Synchronizer:
                         timeout=5.0,
                     )
                 continue
-            call = client.watch(fragments)
+            try:
+                call = self.call_shard(lambda: client.watch(fragments))
+            except Stopped:
+                return
             with self.lock:
                 self._watches = [c for c in self._watches if c.is_active()] + [call]
             try:
@@ -855,7 +891,7 @@ class Synchronizer:
                     return False
                 self.known.wait(1.0)
         if self.stopping.is_set():
-            raise SyncError("learner stopping")
+            raise Stopped(f"waiting for fragment {p} at version {version}")
         return True
 
     def versions(self) -> dict[int, tuple[int, int]]:
@@ -879,7 +915,7 @@ class Synchronizer:
         attempt = 0
         while True:
             try:
-                return call()
+                return self.call_shard(call, what)
             except grpc.RpcError as e:
                 if self._moved(fragment, e):
                     continue
@@ -901,7 +937,7 @@ class Synchronizer:
                 error = str(e)
             attempt += 1
             if self.stopping.is_set():
-                raise SyncError(f"{what}: learner stopping")
+                raise Stopped(what)
             log.warning("%s failed (%s); retry %d", what, error, attempt)
             self.stopping.wait(self._backoff(attempt))
 
@@ -916,18 +952,36 @@ class Synchronizer:
             flat.update(self.plan.unflatten_fragment(p, vector))
         return _replace(params, flat, "")
 
-    def close(self) -> None:
+    def call_shard(self, call: Callable[[], T], what: str = "a call to a shard") -> T:
+        """call(), where one that a stop cut short, or that finds its channel closed by
+        `stop()`, raises Stopped."""
+        if self.stopping.is_set():
+            raise Stopped(what)
+        try:
+            return call()
+        except (grpc.RpcError, ValueError, IncompletePull):  # ValueError: a closed channel
+            if self.stopping.is_set():
+                raise Stopped(what) from None
+            raise
+
+    def stop(self) -> None:
+        """Ends every wait at once, from any thread: the channels close (calls in flight
+        end CANCELLED, not at their deadline), and retries, waits on rounds and Watch
+        threads stop with `Stopped`. Final: `close()` is all that is left to call."""
         self.stopping.set()
         with self.known:
-            watches = list(self._watches)
-            self.known.notify_all()  # watchers waiting for a map change
+            watches, clients = list(self._watches), list(self.clients)
+            if self._probe_client is not None:
+                clients.append(self._probe_client)
+            self.known.notify_all()  # _wait_for, and watchers waiting for a map change
         for call in watches:
             call.cancel()
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        with self.lock:
-            clients = list(self.clients)
         for client in clients:
             client.close()
+
+    def close(self) -> None:
+        self.stop()
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _replace(tree: Params, flat: dict[str, np.ndarray], prefix: str) -> Params:

@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -314,6 +314,8 @@ class Trainer:
                 f"slowdown must be a finite number >= 1 (1 = full speed), got {slowdown!r}"
             )
         self.model_cfg, self.train_cfg, self.slowdown = model_cfg, train_cfg, float(slowdown)
+        # the slowdown's wait; a learner makes it end on its stop
+        self.sleep: Callable[[float], object] = time.sleep
         self.mesh = data_mesh(devices)
         _check_rows(train_cfg.batch_size, self.mesh)
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -443,7 +445,7 @@ class Trainer:
         loss, grad_norm = float(out["loss"]), float(out["grad_norm"])  # waits for the step
         elapsed = time.perf_counter() - start
         if self.slowdown > 1:
-            time.sleep((self.slowdown - 1) * elapsed)
+            self.sleep((self.slowdown - 1) * elapsed)
         wall = time.perf_counter() - start
         self._params, self.opt_state = params, opt_state
         tokens = self.train_cfg.batch_size * self.model_cfg.context
