@@ -5,6 +5,7 @@ their defaults in a cluster; `atoll.learner.main` turns flags into one, `atoll.l
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 
 from atoll.learner.distributed import (
@@ -155,6 +156,18 @@ class LearnerConfig:
             ("--tls-key", self.tls_key),
         ):
             need(path is None or pathlib.Path(path).is_file(), f"{flag} {path}: no such file")
+        # paths the learner writes: refused here, not by a traceback once it has loaded
+        for flag, path, check in (
+            ("--checkpoint-dir", self.checkpoint_dir, directory_problem),
+            ("--compile-cache", self.compile_cache, directory_problem),
+            ("--status-file", self.status_file, file_problem),
+            ("--push-log", self.push_log, file_problem),
+        ):
+            try:
+                problem = None if path is None else check(pathlib.Path(path))
+            except OSError as e:  # e.g. a directory on the way that may not be searched
+                problem = e.strerror
+            need(problem is None, f"{flag} {path}: {problem}")
 
     def as_learner(self, learner_id: str, learner_index: int) -> LearnerConfig:
         """This config for learner `learner_id` ({id} in the status and push-log paths filled in)."""
@@ -170,6 +183,35 @@ class LearnerConfig:
             status_file=fill(self.status_file),
             push_log=fill(self.push_log),
         )
+
+
+def directory_problem(path: pathlib.Path) -> str | None:
+    """Why the learner cannot write in directory `path` (made if missing), or None."""
+    if path.exists():
+        if not path.is_dir():
+            return "not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else "not writable"
+    existing = next(p for p in path.parents if p.exists())  # "/" or "." at the latest
+    if not existing.is_dir():
+        return f"cannot be made: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot be made: {existing} is not writable"
+    return None
+
+
+def file_problem(path: pathlib.Path) -> str | None:
+    """Why the learner cannot append to file `path` (made if missing), or None. A path
+    whose directory holds {id} is not checked: each learner id has its own."""
+    if "{id}" in str(path.parent):
+        return None
+    if "{id}" not in path.name:
+        if path.is_dir():
+            return "a directory, not a file"
+        if path.exists():
+            return None if os.access(path, os.W_OK) else "not writable"
+    if not path.parent.is_dir():
+        return f"no directory {path.parent}"
+    return None if os.access(path.parent, os.W_OK | os.X_OK) else f"{path.parent} is not writable"
 
 
 def shard_addresses(spec: str, num_shards: int | None) -> tuple[str, ...]:
