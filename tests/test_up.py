@@ -70,20 +70,37 @@ def test_a_run_directory_resumes_only_with_the_same_settings(tmp_path):
     assert not resuming and cfg.steps == 30
     assert json.loads((run / "config.json").read_text())["steps"] == 30
     again, resuming = prepare_run_dir(
-        run, {"steps": 30, "slowdown": (1, 1, 2, 2)}
+        run, {"steps": 30, "slowdown": (1, 1, 2, 2)}, resume=True
     )  # same, spelled out
     assert resuming and again == cfg
     with pytest.raises(
         UpConfigError, match=r"--steps 40 \(the run has 30\).*--learners 2 \(the run has 4\)"
     ):
-        prepare_run_dir(run, {"steps": 40, "learners": 2})
+        prepare_run_dir(run, {"steps": 40, "learners": 2}, resume=True)
+    with pytest.raises(UpConfigError, match="already holds a run: resume it with"):
+        prepare_run_dir(run, {"steps": 30})  # a new run where one is
     (run / "report.json").write_text(json.dumps({"complete": True}))
     with pytest.raises(UpConfigError, match="holds a finished run"):
-        prepare_run_dir(run, {})
+        prepare_run_dir(run, {}, resume=True)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(UpConfigError, match="not an atoll run directory"):
         prepare_run_dir(tmp_path / "other", {})
+    with pytest.raises(UpConfigError, match="holds no atoll run"):
+        prepare_run_dir(tmp_path / "other", {}, resume=True)
+
+
+def test_a_run_directory_is_made_only_where_asked(tmp_path):
+    with pytest.raises(UpConfigError, match="does not exist: --run-dir resumes a run"):
+        prepare_run_dir(tmp_path / "gone", {}, resume=True)
+    with pytest.raises(UpConfigError, match="does not exist: make it first"):
+        prepare_run_dir(tmp_path / "a" / "run", {}, parents=False)
+    assert not any(tmp_path.iterdir())
+    (tmp_path / "empty").mkdir()
+    _, resuming = prepare_run_dir(tmp_path / "empty", {"preset": "tiny"}, parents=False)
+    assert not resuming and (tmp_path / "empty" / "config.json").is_file()
+    prepare_run_dir(tmp_path / "runs" / "20261125-000000", {})  # the default: runs/ is made
+    assert (tmp_path / "runs" / "20261125-000000" / "shards").is_dir()
 
 
 def _record(t, state, step, **kw):

@@ -208,60 +208,90 @@ def baseline_spec(cfg: UpConfig) -> LearnerSpec:
     )
 
 
-def prepare_run_dir(run_dir: pathlib.Path, overrides: dict) -> tuple[UpConfig, bool]:
-    """(config, resuming): a new run from `overrides`, or the stored one after checking them.
+def prepare_run_dir(
+    run_dir: pathlib.Path, overrides: dict, *, resume: bool = False, parents: bool = True
+) -> tuple[UpConfig, bool]:
+    """(config, resuming): a new run from `overrides`, or with `resume` the stored one
+    after checking them.
 
-    Raises UpConfigError for a finished run, a directory that is not a run, or flags
-    that contradict the stored config.
+    A new run needs `run_dir` missing or empty, and its parent there unless `parents`;
+    a resume needs the run there. Raises UpConfigError, saying which flag to use, for
+    either one's directory given to the other, a finished run, a directory that is not
+    a run, or flags that contradict the stored config.
     """
     config_path = run_dir / "config.json"
+    if resume:
+        return _resumed(run_dir, overrides), True
     if config_path.exists():
-        stored = json.loads(config_path.read_text())
-        if stored.get("format") != FORMAT:
-            raise UpConfigError(
-                f"{config_path} is format {stored.get('format')!r}, this atoll reads {FORMAT}; "
-                "use a new --run-dir"
-            )
-        cfg = UpConfig.from_json(stored)
-        conflicts = []
-        for key, value in overrides.items():
-            try:
-                same = getattr(UpConfig(**{**dataclasses.asdict(cfg), key: value}), key) == getattr(
-                    cfg, key
-                )
-            except UpConfigError:  # e.g. --learners that the stored --slowdown list does not fit
-                same = False
-            if not same:
-                conflicts.append(
-                    f"--{key.replace('_', '-')} {_flag_text(value)} (the run has "
-                    f"{_flag_text(getattr(cfg, key))})"
-                )
-        if conflicts:
-            raise UpConfigError(
-                f"{run_dir} holds a run started with other settings: "
-                + "; ".join(conflicts)
-                + f". Resume it with the same flags (or none: `atoll up --run-dir {run_dir}`), "
-                "or start a new run with another --run-dir"
-            )
-        report = run_dir / "report.json"
-        if report.exists() and json.loads(report.read_text()).get("complete"):
-            raise UpConfigError(
-                f"{run_dir} holds a finished run (see {report}); start a new one with another "
-                "--run-dir, or none for runs/<timestamp>"
-            )
-        return cfg, True
+        raise UpConfigError(
+            f"{run_dir} already holds a run: resume it with `atoll up --run-dir {run_dir}`, "
+            "or give a new directory"
+        )
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UpConfigError(f"{run_dir} is a file: give a new directory for the run")
     if run_dir.exists() and any(run_dir.iterdir()):
         raise UpConfigError(
-            f"{run_dir} exists and is not an atoll run directory (no config.json); "
-            "give an empty or new --run-dir"
+            f"{run_dir} holds files and is not an atoll run directory (no config.json); "
+            "give an empty or new directory"
+        )
+    if not parents and not run_dir.parent.is_dir():
+        raise UpConfigError(
+            f"{run_dir.parent} does not exist: make it first, or give a directory in one that does"
         )
     cfg = UpConfig(**overrides)
-    for sub in ("shards", "learners", "logs"):
-        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=parents, exist_ok=True)
+    # config.json first: a directory left by a crash here is empty or a run, never a stray
     tmp = config_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(cfg.to_json(), indent=1))
     os.replace(tmp, config_path)
+    for sub in ("shards", "learners", "logs"):
+        (run_dir / sub).mkdir(exist_ok=True)
     return cfg, False
+
+
+def _resumed(run_dir: pathlib.Path, overrides: dict) -> UpConfig:
+    """The stored config of the run in `run_dir`, once `overrides` are found to agree."""
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        what = "does not exist" if not run_dir.exists() else "holds no atoll run (no config.json)"
+        raise UpConfigError(
+            f"--run-dir {run_dir} {what}: --run-dir resumes a run; start a new one with "
+            f"`atoll up --new-run-dir {run_dir}`, or `atoll up` for runs/<timestamp>"
+        )
+    stored = json.loads(config_path.read_text())
+    if stored.get("format") != FORMAT:
+        raise UpConfigError(
+            f"{config_path} is format {stored.get('format')!r}, this atoll reads {FORMAT}; "
+            "start a new run with --new-run-dir"
+        )
+    cfg = UpConfig.from_json(stored)
+    conflicts = []
+    for key, value in overrides.items():
+        try:
+            same = getattr(UpConfig(**{**dataclasses.asdict(cfg), key: value}), key) == getattr(
+                cfg, key
+            )
+        except UpConfigError:  # e.g. --learners that the stored --slowdown list does not fit
+            same = False
+        if not same:
+            conflicts.append(
+                f"--{key.replace('_', '-')} {_flag_text(value)} (the run has "
+                f"{_flag_text(getattr(cfg, key))})"
+            )
+    if conflicts:
+        raise UpConfigError(
+            f"{run_dir} holds a run started with other settings: "
+            + "; ".join(conflicts)
+            + f". Resume it with the same flags (or none: `atoll up --run-dir {run_dir}`), "
+            "or start a new run with --new-run-dir"
+        )
+    report = run_dir / "report.json"
+    if report.exists() and json.loads(report.read_text()).get("complete"):
+        raise UpConfigError(
+            f"{run_dir} holds a finished run (see {report}); start a new one with "
+            "--new-run-dir, or `atoll up` for runs/<timestamp>"
+        )
+    return cfg
 
 
 def _flag_text(value) -> str:

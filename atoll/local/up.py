@@ -9,7 +9,9 @@ This module is the settings and the command: `UpConfig` (the embedded default ru
 the run directory (`prepare_run_dir`: new, or a resume checked against config.json)
 and the flags. `atoll.local.session` runs it; `atoll.local.processes` holds the children.
 
-The run directory holds everything, so a run can be resumed (`atoll up --run-dir X`):
+`atoll up` starts a new run in runs/<timestamp>, `atoll up --new-run-dir X` one in X (new
+or empty, in a directory that exists). The run directory holds everything, so a run can
+be resumed (`atoll up --run-dir X`; X must hold a run):
 
     config.json          the UpConfig the run was started with (a resume must match it)
     pids.json            every child process this session started (for tests and humans)
@@ -55,11 +57,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """`atoll up` flags; every setting defaults to UpConfig's (None here = not given, so a
     resume can tell which flags were asked for)."""
     d = {f.name: f.default for f in dataclasses.fields(UpConfig)}
-    p.add_argument(
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
         "--run-dir",
         type=pathlib.Path,
         default=None,
-        help="run directory (default runs/<timestamp>); an unfinished one is resumed",
+        metavar="DIR",
+        help="resume the unfinished run in DIR (one `atoll up` started there)",
+    )
+    where.add_argument(
+        "--new-run-dir",
+        type=pathlib.Path,
+        default=None,
+        metavar="DIR",
+        help="start a new run in DIR, a new or empty directory whose parent exists "
+        "(default: a new run in runs/<timestamp>)",
     )
     p.add_argument("--shards", type=int, help=f"S, syncer shard processes (default {d['shards']})")
     p.add_argument("--learners", type=int, help=f"M, learner processes (default {d['learners']})")
@@ -150,11 +162,18 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The CLI entry: exit 0 finished, 1 failed, 130/143 stopped by SIGINT/SIGTERM."""
     names = {f.name for f in dataclasses.fields(UpConfig)}
     overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    run_dir = args.run_dir or pathlib.Path("runs") / datetime.datetime.now().strftime(
-        "%Y%m%d-%H%M%S"
+    run_dir = (
+        args.run_dir
+        or args.new_run_dir
+        or pathlib.Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     )
     try:
-        cfg, resuming = prepare_run_dir(run_dir, overrides)
+        cfg, resuming = prepare_run_dir(
+            run_dir,
+            overrides,
+            resume=args.run_dir is not None,
+            parents=args.new_run_dir is None,  # runs/ is made; a directory given must be there
+        )
     except UpConfigError as e:
         parser.error(str(e))
     lock = open(run_dir / ".lock", "w")

@@ -416,7 +416,7 @@ def test_flags_that_cannot_work_are_refused_with_a_readable_message(
     where = (
         ["--data-dir", str(tmp_path / "data")]
         if args[0] == "syncer"
-        else ["--run-dir", str(tmp_path / "run")]
+        else ["--new-run-dir", str(tmp_path / "run")]
     )
     with pytest.raises(SystemExit) as e:
         main([*args, *where])

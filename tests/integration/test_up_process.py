@@ -45,13 +45,18 @@ def _pid_alive(pid: int) -> bool:
 
 
 class Up:
-    def __init__(self, run_dir: pathlib.Path, *flags: str):
+    """`atoll up` as a child: a new run in `run_dir`, or with `resume` the one there."""
+
+    def __init__(self, run_dir: pathlib.Path, *flags: str, resume: bool = False):
         self.run_dir = run_dir
         self.log = run_dir.parent / f"{run_dir.name}-up.log"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "atoll.cli", "up", "--run-dir", str(run_dir), *flags],
+                [
+                    *(sys.executable, "-m", "atoll.cli", "up"),
+                    *("--run-dir" if resume else "--new-run-dir", str(run_dir), *flags),
+                ],
                 cwd=REPO,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -196,7 +201,7 @@ def test_ctrl_c_stops_every_child_and_the_run_resumes(tmp_path, ups):
         refused.stderr
     )
 
-    ups.append(resumed := Up(run, "--no-table"))
+    ups.append(resumed := Up(run, "--no-table", resume=True))
     assert resumed.wait() == 0, resumed.output()
     report = resumed.report()
     assert report["complete"] and report["interrupted"] is None
