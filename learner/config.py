@@ -149,8 +149,13 @@ class LearnerConfig:
             "--tls-cert and --tls-key go together",
         )
         need(self.tls_cert is None or self.tls_ca is not None, "--tls-cert needs --tls-ca as well")
+        # {id} in the token file: a standby sends the token of the id it takes over
+        token_dir = self.token_file is not None and "{id}" in pathlib.Path(self.token_file).name
+        if token_dir:
+            parent = pathlib.Path(self.token_file).parent
+            need(parent.is_dir(), f"--token-file {self.token_file}: no directory {parent}")
         for flag, path in (
-            ("--token-file", self.token_file),
+            ("--token-file", None if token_dir else self.token_file),
             ("--tls-ca", self.tls_ca),
             ("--tls-cert", self.tls_cert),
             ("--tls-key", self.tls_key),
@@ -170,7 +175,8 @@ class LearnerConfig:
             need(problem is None, f"{flag} {path}: {problem}")
 
     def as_learner(self, learner_id: str, learner_index: int) -> LearnerConfig:
-        """This config for learner `learner_id` ({id} in the status and push-log paths filled in)."""
+        """This config for learner `learner_id` ({id} in the token, status and push-log paths
+        filled in)."""
 
         def fill(path):
             return None if path is None else pathlib.Path(str(path).replace("{id}", learner_id))
@@ -182,6 +188,7 @@ class LearnerConfig:
             standby=False,
             status_file=fill(self.status_file),
             push_log=fill(self.push_log),
+            token_file=fill(self.token_file),
         )
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import prometheus_client as prom
 
 from atoll.learner import checkpoint, distributed, standby, stopping
-from atoll.learner.config import LearnerConfig
+from atoll.learner.config import LearnerConfig, LearnerConfigError
 from atoll.learner.data import Batches, load_corpus
 from atoll.learner.model import preset
 from atoll.learner.stopping import Stop, Stopped
@@ -284,7 +284,10 @@ def _run(cfg: LearnerConfig, stop: Stop, held: _Held) -> int:
         stop.check("compiling")
     if plan is not None and leader:
         tls = TlsFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None
-        token = cfg.token_file.read_text().strip() if cfg.token_file else None
+        try:
+            token = cfg.token_file.read_text().strip() if cfg.token_file else None
+        except OSError as e:  # a standby took an id whose token the Secret does not hold
+            raise LearnerConfigError(f"--token-file {cfg.token_file}: {e.strerror}") from None
 
         def connect(address: str) -> ShardClient:
             return ShardClient(address, cfg.learner_id, token=token, tls=tls, deadline=cfg.deadline)
