@@ -250,8 +250,12 @@ def load_tokens(path: pathlib.Path) -> dict[str, str | None]:
     min_chars = 32  # `openssl rand -hex 32` gives 64
     placeholder = re.compile(r"replace[-_ ]?me|change[-_ ]?me|placeholder|example", re.IGNORECASE)
     how = f"put a real one there, e.g. `openssl rand -hex 32 > {path}`"
+    try:
+        text = pathlib.Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read it as a token file ({e})") from None
     tokens: dict[str, str | None] = {}
-    for number, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import logging
 import os
 import pathlib
 import signal
+import tempfile
 import threading
+from typing import TYPE_CHECKING
 
 from atoll.server.config import (
     ENV_DATA_DIR,
@@ -22,6 +25,9 @@ from atoll.server.config import (
 )
 from atoll.wire.codec import Codec
 from atoll.wire.records import serving_line
+
+if TYPE_CHECKING:
+    from atoll.server.service import SyncerServer
 
 log = logging.getLogger("atoll.syncer")
 
@@ -261,17 +267,60 @@ def _release_freed_memory() -> None:
     mallopt(m_trim_threshold, MMAP_THRESHOLD_BYTES)
 
 
-def run(cfg: ShardConfig) -> int:
-    """Serves until SIGTERM/SIGINT, then stops cleanly (a final snapshot)."""
+def _make_data_dir(path: pathlib.Path) -> None:
+    """Makes --data-dir where missing; a ConfigError, leaving nothing made, when it cannot
+    hold a shard's files."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            f"--data-dir {path} is not a directory: name a directory (made if missing)"
+        )
+    missing = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+    step = "make it"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # a nameless file (O_TMPFILE): a directory that takes no files is found now, not
+        # by the write-ahead log with a traceback
+        step = "create files in it"
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        for made in missing:
+            with contextlib.suppress(OSError):
+                made.rmdir()
+        raise ConfigError(f"--data-dir {path}: cannot {step} ({e.strerror})") from None
+
+
+def _open(cfg: ShardConfig) -> SyncerServer:
+    """The shard's server, bound to its ports; a ConfigError when another process holds
+    the data directory or a port, or gRPC cannot load the TLS files."""
     from atoll.server.service import SyncerServer
+    from atoll.server.storage import StorageError
+
+    try:
+        return SyncerServer(cfg)
+    except StorageError as e:
+        if type(e) is not StorageError:  # damage the log found on opening: its own message
+            raise
+        raise ConfigError(f"--data-dir {cfg.data_dir}: {e}") from None  # the directory's lock
+
+
+def run(cfg: ShardConfig) -> int:
+    """Serves until SIGTERM/SIGINT, then stops cleanly (a final snapshot). A ConfigError
+    when this host refuses what cfg asks (a port taken, a data directory it cannot write),
+    before anything is served."""
+    from atoll.server.service import check_ports
 
     _release_freed_memory()
-    cfg.data_dir.mkdir(parents=True, exist_ok=True)
-    server = SyncerServer(cfg)
+    check_ports(cfg)
+    _make_data_dir(cfg.data_dir)
+    server = _open(cfg)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    server.start()
+    try:
+        server.start()
+    except ConfigError:  # the metrics port: nothing served yet
+        server.stop(grace=0)
+        raise
     if server.shard.recovery_error is not None:
         print(
             f"syncer shard {cfg.shard_index}/{cfg.num_shards} did not recover and serves nothing "
@@ -297,7 +346,9 @@ def run(cfg: ShardConfig) -> int:
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """`atoll syncer`: a bad flag or token file is a flag error (exit 2), before any replay."""
+    """`atoll syncer`: a bad flag or token file is a flag error (exit 2), before any replay;
+    so is what the host refuses (a port taken, a data directory it cannot write), told in
+    one line without the usage."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = config_from_args(args)
@@ -305,4 +356,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             load_tokens(cfg.token_file)
     except ConfigError as e:
         parser.error(str(e))
-    return run(cfg)
+    try:
+        return run(cfg)
+    except ConfigError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")

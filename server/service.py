@@ -26,9 +26,11 @@ import collections
 import concurrent.futures
 import contextlib
 import ctypes
+import errno
 import json
 import logging
 import re
+import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
 from typing import Any, NoReturn, TypeVar, cast
@@ -39,7 +41,7 @@ from grpc_health.v1 import _async as aio_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from atoll.server.config import ShardConfig, load_tokens
+from atoll.server.config import ConfigError, ShardConfig, load_tokens
 from atoll.server.fragment import Answer
 from atoll.server.shard import PushHeader, RecoveryError, Shard, ShardError
 from atoll.wire import codec
@@ -64,6 +66,10 @@ PENDING_CALLS = 10_000  # new calls queued before the event loop takes them up, 
 TICK_FAILURES_UNHEALTHY = 3  # round-timer failures in a row that make health NOT_SERVING
 TICK_RETRY_SECONDS = 0.5  # the round timer's pause after a failure
 TRIM_SECONDS = 10.0  # how often freed heap memory is handed back to the OS
+
+# A shard owns its ports: grpc sets SO_REUSEPORT on Linux by default, so a second shard
+# started on a served port would start fine and the kernel would split calls between them.
+OWN_PORT = (("grpc.so_reuseport", 0),)
 
 T = TypeVar("T")
 
@@ -97,6 +103,93 @@ def event_loop() -> asyncio.AbstractEventLoop:
 def _run(coroutine: Coroutine[Any, Any, T]) -> T:
     """Runs a coroutine on the event loop from another thread and returns its result."""
     return asyncio.run_coroutine_threadsafe(coroutine, event_loop()).result()
+
+
+# --- ports ---------------------------------------------------------------------
+
+
+_LISTEN_HINTS = {
+    errno.EADDRINUSE: "another process, perhaps another shard, serves that port: stop it or "
+    "choose another port",
+    errno.EADDRNOTAVAIL: "{host} is not an address of this host: give one of its own, or "
+    "0.0.0.0 for all of them",
+    errno.EACCES: "ports below 1024 need privileges: choose a higher one",
+}
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _refusal(e: OSError, host: str) -> str:
+    """The OS's reason for refusing to bind, and what to do about it."""
+    hint = _LISTEN_HINTS.get(e.errno or 0)
+    return f"{e.strerror}; {hint.format(host=host)}" if hint else str(e.strerror or e)
+
+
+def _why_not_listening(host: str, port: int) -> str | None:
+    """Why this host will not listen on host:port, as a plain socket learns it (grpc's own
+    bind error names no cause), or None when it would now. A name is refused when none
+    of its addresses can be had (grpc fails then too) or when another process holds one."""
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"cannot resolve {host!r} ({e.strerror})"
+    refused: list[OSError] = []
+    for family, kind, proto, _, address in found:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds
+            try:
+                s.bind(address)
+            except OSError as e:
+                refused.append(e)
+    in_use = [e for e in refused if e.errno == errno.EADDRINUSE]
+    if in_use or (refused and len(refused) == len(found)):
+        return _refusal((in_use or refused)[0], host)
+    return None
+
+
+def check_ports(cfg: ShardConfig) -> None:
+    """A ConfigError naming the first of cfg's ports this host will not let a shard listen
+    on (taken, or on an address the host lacks), found before anything is bound or made:
+    a grpc server bound and never started keeps its port until the process ends."""
+    for flag, port in (
+        ("--listen", cfg.port),
+        ("--health-port", cfg.health_port),
+        ("--metrics-port", cfg.metrics_port),
+    ):
+        why = None if port is None else _why_not_listening(cfg.host, port)
+        if why is not None:
+            raise ConfigError(f"{flag}: cannot listen on {_address(cfg.host, port or 0)}: {why}")
+
+
+def _listen(
+    server: grpc.aio.Server,
+    flag: str,
+    host: str,
+    port: int,
+    creds: grpc.ServerCredentials | None = None,
+    tls_flags: str = "",
+) -> int:
+    """Binds `server` to host:port and returns the port; a ConfigError naming `flag`, the
+    address and the reason when it cannot (`tls_flags` names the files of `creds`)."""
+    address = _address(host, port)
+    try:
+        bound: int = (
+            server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+        )
+    except RuntimeError:  # "Failed to bind to address": grpc names no cause
+        why = _why_not_listening(host, port)
+        if why is None and tls_flags:
+            raise ConfigError(
+                f"{tls_flags}: gRPC cannot load them; each must be PEM, and the key the "
+                "certificate's own, unencrypted"
+            ) from None
+        raise ConfigError(
+            f"{flag}: cannot listen on {address}: "
+            + (why or "gRPC refused it (GRPC_VERBOSITY=debug logs its reason)")
+        ) from None
+    return bound
 
 
 # --- serving-layer state ------------------------------------------------------------
@@ -800,7 +893,13 @@ class SyncerServer:
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._tick_loop, name="round-timer", daemon=True)
         self._housekeeping: concurrent.futures.Future[None] | None = None
-        self.port = _run(self._build(tokens))
+        try:
+            self.port = _run(self._build(tokens))
+        except BaseException:  # a port this host refuses: give back what was taken
+            self.workers.shutdown()
+            if shard is None:
+                self.shard.close()
+            raise
 
         def listener() -> None:  # under the shard's lock: hand the poke to the event loop
             self.loop.call_soon_threadsafe(self.servicer.board.poke)
@@ -821,6 +920,7 @@ class SyncerServer:
             # refused at random as CANCELLED) a tenth of a 2,000-stream crowd was lost
             ("grpc.server.max_pending_requests", PENDING_CALLS),
             ("grpc.server.max_pending_requests_hard_limit", 2 * PENDING_CALLS),
+            *OWN_PORT,
         ]
         self.health = aio_health.HealthServicer()
         self.servicer = SyncerServicer(self.shard, cfg, tokens, self.workers, self.metrics)
@@ -833,6 +933,7 @@ class SyncerServer:
             (SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server
         )
         await self._publish_health()
+        creds, tls_flags = None, ""
         if cfg.tls:
             assert (
                 cfg.tls_key is not None and cfg.tls_cert is not None
@@ -842,21 +943,19 @@ class SyncerServer:
                 root_certificates=cfg.tls_client_ca.read_bytes() if cfg.tls_client_ca else None,
                 require_client_auth=cfg.tls_client_ca is not None,
             )
-            port: int = self.server.add_secure_port(cfg.listen, creds)
-        else:
-            port = self.server.add_insecure_port(cfg.listen)
-        if port == 0:
-            raise OSError(f"could not listen on {cfg.listen}")
+            tls_flags = f"--tls-cert {cfg.tls_cert}, --tls-key {cfg.tls_key}" + (
+                f", --tls-client-ca {cfg.tls_client_ca}" if cfg.tls_client_ca else ""
+            )
+        port = _listen(self.server, "--listen", cfg.host, cfg.port, creds, tls_flags)
         self.health_server = None
         if cfg.health_port is not None:
             # Plaintext health only, mirroring the main port's: probes read NOT_SERVING
             # even where the main port needs TLS and client certificates.
-            self.health_server = grpc.aio.server()
+            self.health_server = grpc.aio.server(options=OWN_PORT)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-            self.health_port = self.health_server.add_insecure_port(f"{host}:{cfg.health_port}")
-            if self.health_port == 0:
-                raise OSError(f"could not listen on {host}:{cfg.health_port} for --health-port")
+            self.health_port = _listen(
+                self.health_server, "--health-port", cfg.host, cfg.health_port
+            )
         return port
 
     @property
@@ -882,10 +981,17 @@ class SyncerServer:
             await self.health_server.start()
 
     def start(self) -> None:
-        """Serves at once (NOT_SERVING), recovers, then reports SERVING."""
-        _run(self._start_servers())
+        """Serves at once (NOT_SERVING), recovers, then reports SERVING; a ConfigError,
+        serving nothing, when the metrics port cannot be had."""
         if self.cfg.metrics_port is not None:
-            self.metrics_port = self.shard.metrics.serve(self.cfg.metrics_port, self.cfg.host)
+            host, port = self.cfg.host, self.cfg.metrics_port
+            try:
+                self.metrics_port = self.shard.metrics.serve(port, host)
+            except OSError as e:
+                raise ConfigError(
+                    f"--metrics-port: cannot listen on {_address(host, port)}: {_refusal(e, host)}"
+                ) from None
+        _run(self._start_servers())
         try:
             replayed = self.shard.recover()
         except RecoveryError as e:
