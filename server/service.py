@@ -66,6 +66,12 @@ PENDING_CALLS = 10_000  # new calls queued before the event loop takes them up, 
 TICK_FAILURES_UNHEALTHY = 3  # round-timer failures in a row that make health NOT_SERVING
 TICK_RETRY_SECONDS = 0.5  # the round timer's pause after a failure
 TRIM_SECONDS = 10.0  # how often freed heap memory is handed back to the OS
+# Learners ping every 30 s (ShardClient's grpc.keepalive_time_ms in wire/client.py) so an
+# idle Watch outlives NATs and load balancers. grpc's server default allows one ping per
+# 5 min without data and answers the third early one with GOAWAY too_many_pings: a Watch
+# that heard no new version for ~3 min was dropped. tests/integration/test_keepalive.py
+# keeps this equal to the client's value.
+LEARNER_KEEPALIVE_MS = 30_000
 
 # A shard owns its ports: grpc sets SO_REUSEPORT on Linux by default, so a second shard
 # started on a served port would start fine and the kernel would split calls between them.
@@ -105,7 +111,17 @@ def _run(coroutine: Coroutine[Any, Any, T]) -> T:
     return asyncio.run_coroutine_threadsafe(coroutine, event_loop()).result()
 
 
-# --- ports ---------------------------------------------------------------------
+# --- ports and pings ---------------------------------------------------------------
+
+
+def keepalive_policy(client_ms: int) -> list[tuple[str, int]]:
+    """Server options that accept a client's keepalive pings every `client_ms`, with or
+    without data or calls in flight; a client pinging more than twice as often still gets
+    grpc's GOAWAY (timers and the network may bring two pings closer than the interval)."""
+    return [
+        ("grpc.http2.min_ping_interval_without_data_ms", client_ms // 2),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
 
 
 _LISTEN_HINTS = {
@@ -920,6 +936,7 @@ class SyncerServer:
             # refused at random as CANCELLED) a tenth of a 2,000-stream crowd was lost
             ("grpc.server.max_pending_requests", PENDING_CALLS),
             ("grpc.server.max_pending_requests_hard_limit", 2 * PENDING_CALLS),
+            *keepalive_policy(LEARNER_KEEPALIVE_MS),
             *OWN_PORT,
         ]
         self.health = aio_health.HealthServicer()
