@@ -333,7 +333,7 @@ def test_a_failing_round_timer_turns_health_not_serving_until_it_recovers(
 def test_the_health_port_answers_in_plaintext_beside_a_tls_port_and_serves_only_health(
     serve, tmp_path
 ):
-    from test_syncer_security import _cert, _key, _write
+    from pki import _cert, _key, _write
 
     key = _key()
     cert, key_path = _write(
