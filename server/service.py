@@ -47,7 +47,7 @@ from atoll.server.shard import PushHeader, RecoveryError, Shard, ShardError
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire import syncer_pb2_grpc as pb_grpc
-from atoll.wire.client import CHUNK_BYTES
+from atoll.wire.client import CHUNK_BYTES, KEEPALIVE_MS
 from atoll.wire.plan import FragmentMap
 
 log = logging.getLogger("atoll.syncer")
@@ -66,12 +66,11 @@ PENDING_CALLS = 10_000  # new calls queued before the event loop takes them up, 
 TICK_FAILURES_UNHEALTHY = 3  # round-timer failures in a row that make health NOT_SERVING
 TICK_RETRY_SECONDS = 0.5  # the round timer's pause after a failure
 TRIM_SECONDS = 10.0  # how often freed heap memory is handed back to the OS
-# Learners ping every 30 s (ShardClient's grpc.keepalive_time_ms in wire/client.py) so an
-# idle Watch outlives NATs and load balancers. grpc's server default allows one ping per
-# 5 min without data and answers the third early one with GOAWAY too_many_pings: a Watch
-# that heard no new version for ~3 min was dropped. tests/integration/test_keepalive.py
-# keeps this equal to the client's value.
-LEARNER_KEEPALIVE_MS = 30_000
+# Learners ping every KEEPALIVE_MS (wire/client.py) so an idle Watch outlives NATs and
+# load balancers. grpc's server default allows one ping per 5 min without data and answers
+# the third early one with GOAWAY too_many_pings: a Watch that heard no new version for
+# ~3 min was dropped.
+LEARNER_KEEPALIVE_MS = KEEPALIVE_MS
 
 # A shard owns its ports: grpc sets SO_REUSEPORT on Linux by default, so a second shard
 # started on a served port would start fine and the kernel would split calls between them.

@@ -50,6 +50,11 @@ _SERVICE_CONFIG = json.dumps(
 )
 
 
+# A learner pings its shards this often so an idle Watch outlives NATs and load balancers;
+# the shard's keepalive policy (server/service.py) accepts pings this frequent.
+KEEPALIVE_MS = 30_000
+
+
 class IncompletePull(ConnectionError):
     """A Pull stream ended before its frames did; retry it like UNAVAILABLE."""
 
@@ -110,7 +115,7 @@ class ShardClient:
             ("grpc.enable_retries", 1),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
             ("grpc.per_rpc_retry_buffer_size", 64 << 20),
         ]
         self.channel = (

@@ -47,7 +47,7 @@ def test_the_shard_permits_the_pings_a_learners_client_sends(tmp_path, monkeypat
 
     (ping_ms,) = [c["grpc.keepalive_time_ms"] for c in channels]
     assert ping_ms == service.LEARNER_KEEPALIVE_MS, (
-        "the learners' keepalive changed: set service.LEARNER_KEEPALIVE_MS to it"
+        "the shard must take the client's keepalive interval (wire.client.KEEPALIVE_MS)"
     )
     (syncer,) = [s for s in servers if "grpc.max_concurrent_streams" in s]  # the main port's
     # pings as often as the client's, with no data moving, and with no call open
