@@ -243,8 +243,8 @@ def _int_env(name: str) -> int:
 def load_tokens(path: pathlib.Path) -> dict[str, str | None]:
     """Reads a token file: {token: learner id or None (any learner)}.
 
-    Refuses, at start, a token that is a placeholder (the REPLACE-ME line shipped in
-    k8s/base/common/token) or shorter than 32 characters: either would let anyone who
+    Refuses, at start, a token that is a placeholder (the REPLACE-ME line of
+    k8s/base/common/token.example) or shorter than 32 characters: either would let anyone who
     guesses it push outer gradients.
     """
     min_chars = 32  # `openssl rand -hex 32` gives 64
