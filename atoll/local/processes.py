@@ -71,6 +71,7 @@ class Child:
         ] = []  # a command that runs the child elsewhere, e.g. `ip netns exec NS`
         self.proc: subprocess.Popen | None = None
         self.log_offset = 0  # where this start's output begins in the log
+        self.stop_sent = False  # this start was sent SIGTERM by stop_children
 
     def start(self, pids: PidFile) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,6 +82,7 @@ class Child:
                 f"{' '.join(self.args[2:])}\n".encode()
             )
             log.flush()
+            self.stop_sent = False
             self.proc = subprocess.Popen(
                 [*self.prefix, sys.executable, "-m", "atoll.cli", *self.args],
                 stdin=subprocess.DEVNULL,
@@ -114,10 +116,12 @@ class Child:
 
 def stop_children(
     children: list[Child], seconds: float, hurry: threading.Event | None = None
-) -> None:
-    """SIGTERM, wait up to `seconds` (or until `hurry`), SIGKILL the stragglers, reap all."""
+) -> list[Child]:
+    """SIGTERM, wait up to `seconds` (or until `hurry`), SIGKILL the stragglers, reap all;
+    returns the stragglers (those that did not stop by themselves)."""
     live = [c for c in children if c.alive()]
     for c in live:
+        c.stop_sent = True
         try:
             c.proc.send_signal(signal.SIGTERM)
         except ProcessLookupError:
@@ -129,13 +133,15 @@ def stop_children(
         and not (hurry and hurry.is_set())
     ):
         time.sleep(0.05)
+    stragglers = [c for c in live if c.alive()]
+    for c in stragglers:
+        try:
+            c.proc.kill()
+        except ProcessLookupError:
+            pass
     for c in live:
-        if c.alive():
-            try:
-                c.proc.kill()
-            except ProcessLookupError:
-                pass
         c.proc.wait()
+    return stragglers
 
 
 class PidFile:
@@ -274,6 +280,7 @@ class Learner(Child):
         self.push_log = run_dir / "learners" / f"{spec.name}.pushes.jsonl"
         self.status.poll()
         self.state = "waiting"  # waiting, starting, then the records' joining/training/done/stopped, or crashed
+        self.stepped = False  # this process wrote a training record (took a step)
         self.eval_loss: float | None = None
         self.life_start: float | None = None
         baseline = spec.index < 0
@@ -289,6 +296,10 @@ class Learner(Child):
             single_thread=not baseline,
         )
 
+    def start(self, pids: PidFile) -> None:
+        super().start(pids)
+        self.stepped = False
+
     def take_over(self, standby: Standby) -> None:
         """From now on this learner is the process of `standby`, which took over its id."""
         self.proc, self.log_path, self.log_offset = (
@@ -296,7 +307,7 @@ class Learner(Child):
             standby.log_path,
             standby.log_offset,
         )
-        self.state = "starting"
+        self.state, self.stepped, self.stop_sent = "starting", False, False
 
     @property
     def finished(self) -> bool:
@@ -313,6 +324,8 @@ class Learner(Child):
                 self.life_start = r["time"]
             if r.get("eval_loss") is not None:
                 self.eval_loss = r["eval_loss"]
+            if r.get("state") == "training":
+                self.stepped = True
             if self.state not in ("crashed", "killed"):
                 self.state = r.get("state", self.state)
 

@@ -37,6 +37,9 @@ DEFINITIONS = {
     "learners to keep: H steps of the fastest live learners), measured by each "
     "shard between its first and last close; mean over fragments (1 = one merge "
     "per fragment per period)",
+    "open_rounds": "fragments whose round was still open when the global model was read, and the "
+    "pushes waiting in it (not in the model): the read waits a few sync periods for open rounds "
+    "to close (at most a lease), never longer; lockstep's rounds wait for every learner for good",
     "shards": "each shard's last metrics sample; counters (rounds, pushes, bytes) count since its process "
     "last started, versions are durable",
 }
@@ -152,13 +155,15 @@ def build_report(
     sessions = _read_jsonl(run_dir / "sessions.jsonl")
     records = {s.name: read_status(run_dir / "learners" / f"{s.name}.jsonl") for s in specs}
     learners = {s.name: learner_summary(records[s.name], cfg.fragments, s.steps) for s in specs}
+    # the session's word on how each process ended, where its records cannot tell: a
+    # learner stopped before its first step wrote no final record
     for name, state in (states or {}).items():
-        if (
-            name in learners
-            and state in ("crashed", "killed")
-            and learners[name]["state"] != "done"
-        ):
+        if name not in learners or learners[name]["state"] == "done":
+            continue
+        if state in ("crashed", "killed"):
             learners[name]["state"] = "crashed"
+        elif state == "stopped":
+            learners[name]["state"] = "stopped"
     M = cfg.learners
     learner_wall = sum(
         (s.get("learners_end") or s["end"]) - s["learners_start"]
@@ -180,6 +185,7 @@ def build_report(
         "eval_loss": (global_eval or {}).get("eval_loss"),
         "eval_bits_per_byte": (global_eval or {}).get("eval_bits_per_byte"),
         "versions": (global_eval or {}).get("versions"),
+        "open_rounds": (global_eval or {}).get("open_rounds"),
         "tokens": tokens,
         "steps": total_steps,
         "goodput": (

@@ -4,8 +4,10 @@ A small state machine driven by a 1 s tick: shards start (their ports read from 
 line each prints), then learners; every tick reads learners' status files and shards'
 /metrics, redraws the table, and handles children that exit (a learner: the others go
 on; a shard: restarted once on the same port, it recovers from disk). Then the global
-model is evaluated, shards stop, the optional baseline trains, and the report is written.
-SIGINT/SIGTERM at any point: learners stop first, then shards; the report says so.
+model is read through the shards' fragment map (rounds still open are waited for a few
+sync periods at most, then reported) and evaluated, shards stop, the optional baseline
+trains, and the report is written. SIGINT/SIGTERM at any point: learners stop first (one
+stopped before its first step is stopped, not crashed), then shards; the report says so.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from atoll.local import progress
 from atoll.local.config import UpConfig, baseline_spec, learner_specs
 from atoll.local.processes import Child, Learner, PidFile, Shard, stop_children
 from atoll.local.report import write_report
+from atoll.wire.client import described_map
+from atoll.wire.plan import FragmentMap
 
 TICK = 1.0  # seconds between table redraws and child checks
 STALL_SECONDS = 60.0  # no learner step for this long while all train: say so
@@ -38,6 +42,7 @@ class Session:
         self.screen = progress.Screen(out) if live else None
         self.stop_signal: int | None = None
         self.hurry = threading.Event()
+        self.stopping = threading.Event()  # set by the first SIGINT/SIGTERM (ends waits)
         self.wake = threading.Event()
         self.events: list[str] = []
         self.shards: list[Shard] = []
@@ -58,6 +63,7 @@ class Session:
     def _on_signal(self, signum, _frame) -> None:
         if self.stop_signal is None:
             self.stop_signal = signum
+            self.stopping.set()
         else:
             self.hurry.set()  # a second Ctrl-C: stop waiting for children, kill them
         self.wake.set()
@@ -85,7 +91,6 @@ class Session:
             if self._running() and self.cfg.baseline:
                 self._start_baseline()  # before this process imports JAX: no fork() after its threads
             if self._running() and all(s.state == "serving" for s in self.shards):
-                self.say("learners finished; evaluating the global model from the shards")
                 global_eval = self._evaluate_global()
             self._stop(self.shards, SHARD_STOP_SECONDS)
             if self._running() and self.baseline is not None:
@@ -174,7 +179,8 @@ class Session:
         for l in self.learners + ([self.baseline] if self.baseline else []):
             l.update()
             steps += (l.status.last or {}).get("step", 0)
-            if l.proc is not None and l.state not in ("crashed", "exited") and not l.alive():
+            # a learner sent SIGTERM is judged by _stop (_learner_stopped), not here
+            if l.proc is not None and not l.stop_sent and l.state != "crashed" and not l.alive():
                 l.update()
                 if l.returncode == 0 and l.state in ("done", "stopped"):
                     continue
@@ -279,23 +285,75 @@ class Session:
             return
         if self.stop_signal is not None or self.failure is not None:
             self.say(f"stopping {', '.join(c.name for c in live)}")
-        stop_children(live, seconds, self.hurry)
+        stragglers = stop_children(live, seconds, self.hurry)
         for c in live:
             if isinstance(c, Shard):
                 c.state = "stopped"
             elif isinstance(c, Learner):
-                c.update()
-                if c.state not in ("done", "stopped"):
-                    c.state = "killed"
-                    self.say(f"{c.name} did not stop within {seconds:.0f} s of SIGTERM; killed it")
+                self._learner_stopped(c, seconds, killed=c in stragglers)
         self._tick(draw=False)
 
+    def _learner_stopped(self, l: Learner, seconds: float, killed: bool) -> None:
+        """What became of a learner sent SIGTERM: it left cleanly, was still starting, or not."""
+        l.update()
+        if l.state in ("done", "stopped"):
+            pass  # its final record says so (it may have lingered on its way out)
+        elif killed:
+            l.state = "killed"
+            self.say(f"{l.name} did not stop within {seconds:.0f} s of SIGTERM; killed it")
+        elif not l.stepped:
+            # SIGTERM before its first step (before it set its handler, or while joining):
+            # nothing it trained is lost, the same as a clean stop
+            l.state = "stopped"
+            if l.returncode not in (0, -signal.SIGTERM):
+                self.say(
+                    f"{l.name} exited with status {l.returncode} as it stopped before its first "
+                    "step; its log ends:",
+                    l.tail(),
+                )
+        else:
+            l.state = "crashed"
+            self.say(
+                f"{l.name} exited with status {l.returncode} as it stopped, at step "
+                f"{(l.status.last or {}).get('step', 0)}, without a final record. Its log "
+                f"({l.log_path}) ends:",
+                l.tail(),
+            )
+
+    def _period_seconds(self) -> float | None:
+        """The run's sync period in seconds: the shards' cadence, else H of the fastest
+        learner's last step time; None before either is known."""
+        cadences = [
+            m["cadence_seconds"] for m in self._metrics.values() if m.get("cadence_seconds")
+        ]
+        if cadences:
+            return max(cadences)
+        steps = [(l.status.last or {}).get("step_seconds") for l in self.learners if l.status.last]
+        steps = [t for t in steps if t]
+        return self.cfg.period * min(steps) if steps else None
+
     def _evaluate_global(self) -> dict | None:
+        wait = round_wait_seconds(self.cfg.lease_seconds, self._period_seconds())
+        self.say(
+            "learners finished; evaluating the global model from the shards (waiting up to "
+            f"{wait:.0f} s for rounds still open)"
+        )
         try:
-            return evaluate_global(self.cfg, [f"127.0.0.1:{s.port}" for s in self.shards])
+            addresses = [f"127.0.0.1:{s.port}" for s in self.shards]
+            result = evaluate_global(self.cfg, addresses, wait, stop=self.stopping)
         except Exception as e:  # a report without the global figure beats no report
             self.say(f"could not evaluate the global model: {type(e).__name__}: {e}")
             return None
+        if result["open_rounds"]:
+            self.say(
+                f"read the global model with rounds still open after {result['waited_seconds']:.0f} s "
+                "(their pushes are not in it): "
+                + ", ".join(
+                    f"fragment {p} ({n} push{'es' if n > 1 else ''})"
+                    for p, n in sorted(result["open_rounds"].items())
+                )
+            )
+        return result
 
     def _finish(self, global_eval: dict | None) -> dict:
         self._draw(final=True)
@@ -328,13 +386,79 @@ class Session:
         return report
 
 
-OPEN_ROUND_MARGIN_SECONDS = (
-    5.0  # past a lease, what a shard's round timer may take to close a round
-)
+# Reading the global model at the end. A round still open when the learners have left
+# closes within its grace window (less than a period) or, below its quorum, once the
+# leases of the learners that left lapse, if they ever do (lockstep's never do). So the
+# read waits for open rounds a few sync periods at most, and no longer than a lease
+# (plus the shard's timer) where that is shorter; then it reads them as they are.
+OPEN_ROUND_PERIODS = 3.0  # sync periods the read waits for open rounds to close
+OPEN_ROUND_MIN_SECONDS = 5.0  # the least it waits (a period is unknown, or very short)
+OPEN_ROUND_MARGIN_SECONDS = 5.0  # past a lease, what a round timer may take to close a round
+EVAL_CALL_SECONDS = 30.0  # deadline of each Describe and Pull of the read (a busy shard answers)
+EVAL_POLL_SECONDS = 0.2  # between two Describes of the shards while rounds are open
 
 
-def evaluate_global(cfg: UpConfig, addresses: list[str]) -> dict:
-    """The global model, pulled fragment by fragment (FP32 snapshots), on the learners' held-out batches."""
+def round_wait_seconds(lease_seconds: float, period_seconds: float | None) -> float:
+    """How long the global model's read waits for rounds still open to close.
+
+    Args:
+      lease_seconds: the shards' lease; a round below quorum closes once the leases of
+        the learners that left lapse, so no wait is longer than it (plus a margin).
+      period_seconds: the run's sync period in seconds (H steps of the fastest learners),
+        None when unknown.
+
+    Returns:
+      OPEN_ROUND_PERIODS periods (at least OPEN_ROUND_MIN_SECONDS), or the lease plus
+      OPEN_ROUND_MARGIN_SECONDS when that is shorter; e.g. round_wait_seconds(1e9, 2.0)
+      == 6.0 (lockstep: its leases never lapse) and round_wait_seconds(10.0, 8.0) == 15.0.
+    """
+    bound = max(OPEN_ROUND_MIN_SECONDS, OPEN_ROUND_PERIODS * (period_seconds or 0.0))
+    return min(lease_seconds + OPEN_ROUND_MARGIN_SECONDS, bound)
+
+
+def global_map(describes: list, num_fragments: int) -> FragmentMap:
+    """Which shard holds each fragment: the shards' maps merged (the newest statement about
+    each fragment wins), or p mod S while no shard has one. `describes`: each shard's
+    DescribeResponse, in index order.
+
+    Raises RuntimeError when the map names a shard that is not among them."""
+    maps = [m for m in map(described_map, describes) if m and m.num_fragments == num_fragments]
+    fmap = (
+        FragmentMap.merge_all(maps) if maps else FragmentMap.modulo(num_fragments, len(describes))
+    )
+    away = {p: o for p, o in enumerate(fmap.owners) if o >= len(describes)}
+    if away:
+        raise RuntimeError(
+            f"the fragment map (version {fmap.version}) puts fragments on shards this run does "
+            f"not have: {', '.join(f'{p} on shard {o}' for p, o in sorted(away.items()))}"
+        )
+    return fmap
+
+
+def open_rounds(describes: list, fmap: FragmentMap) -> dict[int, int]:
+    """{fragment: pushes in its open round} for the rounds open on each fragment's owner."""
+    out = {}
+    for p, owner in enumerate(fmap.owners):
+        for info in describes[owner].fragments:
+            if info.fragment == p and info.round_size:
+                out[p] = info.round_size
+    return out
+
+
+def evaluate_global(
+    cfg: UpConfig,
+    addresses: list[str],
+    wait_seconds: float,
+    stop: threading.Event | None = None,
+) -> dict:
+    """The global model, pulled fragment by fragment (FP32 snapshots) from the shards its
+    fragment map names, on the learners' held-out batches.
+
+    The learners' last pushes may sit in rounds still open: the read waits up to
+    `wait_seconds` for them to close (see round_wait_seconds), or until `stop` is set
+    (a Ctrl-C), then reads each fragment as it is. Returns eval_loss,
+    eval_bits_per_byte, versions ({fragment: version}), open_rounds ({fragment: pushes
+    left in its round, not in the model}) and waited_seconds."""
     from atoll.learner.data import eval_batches, load_corpus
     from atoll.learner.model import init_params, preset
     from atoll.learner.train import evaluate
@@ -344,24 +468,35 @@ def evaluate_global(cfg: UpConfig, addresses: list[str]) -> dict:
 
     model_cfg = preset(cfg.preset)
     plan = FragmentPlan.build(init_params(model_cfg, cfg.seed), cfg.fragments)
-    clients = [
-        ShardClient(a, "", deadline=60.0) for a in addresses
-    ]  # anonymous: no lease, no round waits
+    stop = stop or threading.Event()
+    # anonymous: no lease, no round waits
+    clients = [ShardClient(a, "", deadline=EVAL_CALL_SECONDS) for a in addresses]
+    started = time.monotonic()
     try:
-        # The learners' last pushes may sit in rounds that close once the leases of the
-        # learners that left before them lapse: the global model is read after those close.
-        deadline = time.monotonic() + cfg.lease_seconds + OPEN_ROUND_MARGIN_SECONDS
-        while time.monotonic() < deadline and any(
-            f.round_size for c in clients for f in c.describe().fragments
-        ):
-            time.sleep(0.2)
+        while True:
+            describes = [c.describe() for c in clients]
+            fmap = global_map(describes, cfg.fragments)
+            still_open = open_rounds(describes, fmap)
+            left = wait_seconds - (time.monotonic() - started)
+            if not still_open or left <= 0 or stop.is_set():
+                break
+            stop.wait(min(EVAL_POLL_SECONDS, left))
+        waited = time.monotonic() - started
+        described = {
+            p: info.version
+            for p, owner in enumerate(fmap.owners)
+            for info in describes[owner].fragments
+            if info.fragment == p
+        }
         vectors, versions = [], {}
         for p in range(cfg.fragments):
-            pulled = clients[p % len(clients)].pull(p)
+            pulled = clients[fmap.owner(p)].pull(p)
             if not pulled.snapshot or len(pulled.frames) != 1:
                 raise RuntimeError(f"fragment {p}: expected one snapshot frame")
             vectors.append(codec.decode(pulled.frames[0][2], num_values=plan.fragment_sizes[p]))
             versions[p] = pulled.version
+            if pulled.version > described.get(p, pulled.version):
+                still_open.pop(p, None)  # its round closed since the Describe
     finally:
         for c in clients:
             c.close()
@@ -377,4 +512,6 @@ def evaluate_global(cfg: UpConfig, addresses: list[str]) -> dict:
         "eval_loss": result["loss"],
         "eval_bits_per_byte": result["bits_per_byte"],
         "versions": versions,
+        "open_rounds": still_open,
+        "waited_seconds": round(waited, 2),
     }
