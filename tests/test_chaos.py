@@ -173,3 +173,40 @@ def test_audit_finds_acknowledged_pushes_in_log_and_snapshot(tmp_path):
         "accepted": True,
     }  # newer than anything held
     assert lost_acks(acks + [ghost, refused, unlogged], durable) == [ghost, unlogged]
+
+
+class FakeShard:
+    """What the injector touches of a shard process: killed, restarted, serving again."""
+
+    def __init__(self, index: int):
+        self.index, self.port, self.state, self.restarts, self.up = index, 5000, "stopped", 0, False
+
+    def alive(self) -> bool:
+        return self.up
+
+    def restart(self, _pids) -> None:
+        self.up, self.state, self.restarts = True, "restarting", self.restarts + 1
+
+    def check_serving(self) -> bool:
+        if self.state == "restarting":
+            self.state = "serving"  # recovered from its data directory
+        return self.state == "serving"
+
+
+def test_a_killed_shard_is_back_for_the_read_and_never_restarted_once_shards_stop(tmp_path):
+    chaos = ChaosConfig(mtbf=1e9, shard_kill_at=(), shard_restart_delay=0.0)
+    session = ChaosSession(
+        UpConfig(learners=2, preset="tiny"), chaos, tmp_path, io.StringIO(), inject=True
+    )
+    session.shards = [FakeShard(0)]
+    # killed just before the duration was up: still down when the learners stop
+    session.shard_back_at = {0: 0.0}
+    session._shards_back()  # the learners stopped: the shard comes back before the read
+    assert session.shards[0].state == "serving" and session.shard_back_at == {}
+    # a shard killed and not yet back when the session stops its shards stays down
+    late = FakeShard(0)
+    session.shards, session.shard_back_at = [late], {0: 0.0}
+    session.shards_down = True
+    session.t0 = 0.0
+    session._inject(100.0)
+    assert late.restarts == 0 and not late.alive()

@@ -49,7 +49,7 @@ import numpy as np
 
 from atoll.local.config import UpConfig, UpConfigError, learner_specs, prepare_run_dir
 from atoll.local.processes import Learner, Shard, Standby, checkpoint_dir, stop_children
-from atoll.local.session import Session
+from atoll.local.session import SHARD_START_SECONDS, Session
 from atoll.wire.records import read_jsonl
 
 
@@ -155,7 +155,8 @@ class ChaosSession(Session):
         self.t0: float | None = None  # the failure clock's start: every learner training
         self.end: float | None = None  # when the duration was up
         self.restart_at: dict[str, float] = {}  # learner name -> when to start it again
-        self.shard_back_at: dict[int, float] = {}
+        self.shard_back_at: dict[int, float] = {}  # killed shard -> when to restart it
+        self.shards_down = False  # the session is stopping its shards: none is restarted
         self.shard_kills_left = sorted(chaos.shard_kill_at)
         self.kills: list[dict] = []  # every SIGKILL: time, who, step
         self.restarts: list[dict] = []  # every restart: time, who
@@ -203,13 +204,28 @@ class ChaosSession(Session):
         )
 
     def _stop(self, children, seconds: float) -> None:
-        if self.spares and any(isinstance(c, Learner) for c in children):
+        learners = any(isinstance(c, Learner) for c in children)
+        if any(isinstance(c, Shard) for c in children):
+            self.shards_down = True  # from now on a killed shard stays down
+        if self.spares and learners:
             spares, self.spares = (
                 self.spares,
                 [],
             )  # before the learners: a stopped learner's id is not taken
             stop_children(spares, seconds, self.hurry)
         super()._stop(children, seconds)
+        if learners and not self.shards_down:
+            self._shards_back()
+
+    def _shards_back(self) -> None:
+        """Before the global model is read: every killed shard restarted and serving (a
+        shard killed near the end may still be down or recovering)."""
+        deadline = time.monotonic() + SHARD_START_SECONDS
+        while self.shard_back_at and self._running() and time.monotonic() < deadline:
+            for s in self.shards:
+                s.check_serving()
+            self._restart_shards(time.time())
+            self.wake.wait(0.1)
 
     def _learners_busy(self) -> bool:
         # a run stopped by tokens goes past the duration (up to 3x) to reach them
@@ -303,9 +319,13 @@ class ChaosSession(Session):
                 self.say(
                     f"chaos: SIGKILL shard {s.index}; back in {self.chaos.shard_restart_delay:g} s"
                 )
+        self._restart_shards(now)
+
+    def _restart_shards(self, now: float) -> None:
+        """Restarts each killed shard once its delay is up, until the shards are stopped."""
         for index, back in list(self.shard_back_at.items()):
             s = self.shards[index]
-            if now >= back and not s.alive() and s.state != "restarting":
+            if now >= back and not s.alive() and s.state != "restarting" and not self.shards_down:
                 s.restart(self.pids)
                 self.say(f"chaos: restarted shard {index} on port {s.port}")
             if s.state == "serving" and s.alive() and s.restarts > 0:
@@ -437,13 +457,17 @@ def account(
         "acked_pushes_lost": len(lost_acks(pushes, durable)),
         "final_eval_loss": (report.get("global") or {}).get("eval_loss"),
         "final_versions": versions,
+        # rounds still open when the global model was read (lockstep's wait for every learner)
+        "open_rounds": {
+            int(p): n for p, n in ((report.get("global") or {}).get("open_rounds") or {}).items()
+        },
         "steps": {
             name: max((r.get("step", 0) for r in rs), default=0) for name, rs in status.items()
         },
         "kills": [{**k, "time": round(k["time"] - session.t0, 2)} for k in session.kills]
         if session.t0
         else [],
-        "outcome": report.get("outcome"),
+        "outcome": (report.get("sessions") or [{}])[-1].get("outcome"),
     }
 
 
@@ -864,6 +888,12 @@ def summary(r: dict) -> str:
         f"final eval loss {r['lockstep_final_eval_loss']}",
         f"  acknowledged pushes lost: {r['acked_pushes_lost']}",
     ]
+    for name, run in r["runs"].items():
+        if run.get("open_rounds"):
+            lines.append(
+                f"  {name}: global model read with rounds still open (pushes not in it): "
+                + ", ".join(f"fragment {p}: {n}" for p, n in sorted(run["open_rounds"].items()))
+            )
     if "wan" in r["runs"]["atoll"]:
         lines.append(
             f"  WAN: {r['runs']['atoll']['wan']}; learners computing "

@@ -100,3 +100,64 @@ def test_chaos_run_survives_learner_and_shard_kills(tmp_path):
     assert (
         result["final_eval_loss"] is not None and result["final_eval_loss"] < 4.0
     )  # from ~5.5 at init
+
+
+def test_chaos_with_its_lockstep_run_finishes_and_reports_both(tmp_path):
+    # the lockstep run (every learner in every round, leases that never lapse) ends with
+    # both learners killed 10 s in and down until after the end: rounds that one learner
+    # pushed to and the other never will are left open, and must not hold up the report
+    schedule = FailureSchedule(0, 2, 15.0)
+    assert 5 < min(schedule._next) < 15 - 1, "pick a seed that kills a learner near the end"
+    work = tmp_path / "chaos"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "atoll.cli",
+            "chaos",
+            "--learners",
+            "2",
+            "--shards",
+            "2",
+            "--duration",
+            "15",
+            "--mtbf",
+            "15",
+            "--seed",
+            "0",
+            "--shard-kill-at",
+            "6",
+            "--shard-restart-delay",
+            "1",
+            "--standbys",
+            "0",
+            "--no-failure-free",
+            "--work-dir",
+            str(work),
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert {n: r["outcome"] for n, r in result["runs"].items()} == {
+        "atoll": "finished",
+        "lockstep": "finished",
+    }
+    lockstep = result["runs"]["lockstep"]
+    # the faults fired in the lockstep run too: a learner kill (all of them: checkpoint-restart)
+    # and the shard kill
+    assert [k["cause"] for k in lockstep["kills"] if "learner" in k] == ["learner-0"] * 2
+    assert lockstep["shard_restarts"] == 1
+    # both phases report their figures
+    for figure in ("goodput", "lockstep_goodput", "uptime", "lockstep_uptime"):
+        assert result[figure] is not None and 0 < result[figure] <= 1, figure
+    assert result["final_eval_loss"] is not None and result["lockstep_final_eval_loss"] is not None
+    assert result["acked_pushes_lost"] == 0
+    # rounds read while open are named in the figures and in its report, never waited out
+    report = json.loads((work / "lockstep" / "report.json").read_text())
+    assert report["global"]["open_rounds"] == lockstep["open_rounds"]
+    assert any("evaluating the global model" in e for e in report["events"])
