@@ -14,6 +14,7 @@ from atoll.local.config import (
     prepare_run_dir,
 )
 from atoll.local.report import build_report, learner_summary, lives, write_report
+from atoll.local.up import summary
 
 
 def test_the_default_run():
@@ -189,3 +190,12 @@ def test_the_report_and_its_plots(tmp_path):
         assert (run / name).read_bytes()[:4] == b"\x89PNG"
     interrupted = build_report(run, cfg, learner_specs(cfg), interrupted="SIGINT")
     assert not interrupted["complete"] and interrupted["interrupted"] == "SIGINT"
+    assert "rounds still open" not in summary(report, run)
+    held = write_report(
+        run,
+        cfg,
+        learner_specs(cfg),
+        global_eval={"eval_loss": 2.3, "versions": {}, "open_rounds": {2: 1}},
+    )
+    assert "read with rounds still open" in summary(held, run)
+    assert "fragment 2: 1 pushes" in summary(held, run)

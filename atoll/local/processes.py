@@ -22,7 +22,7 @@ from atoll.local import progress
 from atoll.local.config import LearnerSpec, UpConfig
 from atoll.wire.records import parse_serving
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]  # the checkout (atoll/local/ is two below)
 # 4 learners and 2 shards share 2 cores: one compute thread per child, not XLA's and
 # BLAS's pools oversubscribing them. Measured on 2 cores: the same CPU time per small-model
 # step either way (20.0 vs 20.1 user-s for 20 steps), so one thread costs nothing.

@@ -239,6 +239,11 @@ def summary(report: dict, run_dir: pathlib.Path) -> str:
             + (f" ({per_version:.2f} per version)" if per_version else "")
         )
     lines = [head, "  " + " | ".join(parts), f"  report: {run_dir / 'report.json'}"]
+    if g.get("open_rounds"):
+        lines.append(
+            "  read with rounds still open (their pushes are not in the model): "
+            + ", ".join(f"fragment {p}: {n} pushes" for p, n in g["open_rounds"].items())
+        )
     if report.get("plots"):
         lines.append("  plots:  " + ", ".join(str(run_dir / p) for p in report["plots"]))
     return "\n".join(lines)
