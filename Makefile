@@ -27,9 +27,10 @@ up: setup
 test: setup-test
 	$(BIN)/python -m pytest
 
-# everything but the whole-run tier (tests marked e2e)
+# the unit tests alone: not the whole-run tier (e2e) nor tests/integration/'s real servers
+# and processes (marked integration by tests/integration/conftest.py)
 test-fast: setup-test
-	$(BIN)/python -m pytest -m "not e2e"
+	$(BIN)/python -m pytest -m "not e2e and not integration"
 
 # the Dockerfile's build and its checks, without a container engine (part of `make test`)
 image-check: setup-test
