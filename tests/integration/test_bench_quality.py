@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -10,6 +11,12 @@ import pytest
 from syncer_helpers import REPO
 
 pytestmark = pytest.mark.e2e  # a whole run: `make test-fast` skips it
+
+INIT_LOSS = math.log(256)  # ln 256 ≈ 5.55 nats, uniform over the bytes: above it, diverged
+# how far the 4-bit runs may trail the fp32 one in the same test. Measured at this budget
+# (four runs of this command on a loaded 2-core host, delayed Nesterov): 4-bit - fp32 from
+# -0.45 to -0.02, mixed-speed - fp32 from -0.64 to -0.06 (fp32 3.27 to 3.44, baseline 3.45)
+MARGIN_4BIT = 0.5
 
 
 def test_quality_bench_compares_four_runs_at_equal_tokens(tmp_path):
@@ -38,12 +45,15 @@ def test_quality_bench_compares_four_runs_at_equal_tokens(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     r = json.loads(result.stdout)
     for key in ("baseline_eval_loss", "atoll_fp32_eval_loss"):
-        assert 0 < r[key] < 5.6, (key, r[key])  # learned something from ln 256 ≈ 5.55
-    # At this toy budget (5 periods) the 4-bit runs with Nesterov 0.9 are not stable yet:
-    # measured from 3.6 to 10.8 across runs of the same command (issue 13 is open on it),
-    # so they are only checked to be real losses here, not to have learned.
+        assert 0 < r[key] < INIT_LOSS, (key, r[key])  # learned something
+    # 4-bit outer gradients (and mixed-speed islands) train about as well as fp32 ones: a
+    # diverged outer step (once 3.6 to 10.8 here with Nesterov every round) fails this
     for key in ("atoll_4bit_eval_loss", "atoll_mixed_speed_eval_loss"):
-        assert 0 < r[key] < float("inf"), (key, r[key])
+        assert 0 < r[key] < min(INIT_LOSS, r["atoll_fp32_eval_loss"] + MARGIN_4BIT), (
+            key,
+            r[key],
+            r["atoll_fp32_eval_loss"],
+        )
     # the mixed-speed run trains the same tokens: its slow learner takes longer, not fewer steps
     assert (
         r["budget"]["tokens"]
