@@ -3,6 +3,8 @@ and SIGKILL while they fly loses none that was acknowledged."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import socket
 import threading
 import time
 
@@ -13,6 +15,7 @@ from syncer_helpers import PLAN, connect, init, pull, push, shard_state, syncer_
 
 from atoll.server.audit import durable_pushes, lost_acks
 from atoll.wire import syncer_pb2 as pb
+from atoll.wire.metrics import read_metrics
 
 LEARNERS = ("g0", "g1", "g2")
 # quorum 2 of 3: some pushes wait for their own fsync, some ride on their round's close;
@@ -27,11 +30,30 @@ FLAGS = [
 ]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsyncs_and_pushes(metrics_port: int) -> tuple[int, int]:
+    """(WAL fsyncs run, pushes accepted) from one scrape of the shard's own counters."""
+    samples = read_metrics(f"127.0.0.1:{metrics_port}", timeout=10)
+    fsyncs = sum(s.value for s in samples if s.name == "atoll_wal_fsync_seconds_count")
+    accepted = sum(
+        s.value
+        for s in samples
+        if s.name == "atoll_pushes_total" and s.labels["reason"] in ("fresh", "stale_discounted")
+    )
+    return int(fsyncs), int(accepted)
+
+
 @pytest.mark.timeout(120)
-def test_sigkill_among_concurrent_pushes_loses_no_acknowledged_one(tmp_path):
+def test_sigkill_among_concurrent_pushes_shares_fsyncs_and_loses_no_acknowledged_one(tmp_path):
     data = tmp_path / "shard"
+    metrics_port = _free_port()
     with syncer_processes(tmp_path) as start:
-        shard = start(data, *FLAGS)
+        shard = start(data, *FLAGS, f"--metrics-port={metrics_port}")
         channel, stub = connect(shard.port)
         for p in range(PLAN.num_fragments):
             init(stub, PLAN, p, np.zeros(PLAN.fragment_sizes[p], np.float32))
@@ -60,27 +82,31 @@ def test_sigkill_among_concurrent_pushes_loses_no_acknowledged_one(tmp_path):
                 if killed.is_set():
                     return
 
-        threads = [
-            threading.Thread(target=stream, args=(m, p))
-            for m in LEARNERS
-            for p in range(PLAN.num_fragments)
-        ]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # the injector: kill once enough acks are in
-            with lock:
-                if sum(a["accepted"] for a in acks) >= 60:
-                    break
-            time.sleep(0.01)
-        killed.set()
-        assert shard.kill() == -9
-        for t in threads:
-            t.join(30)
+        with concurrent.futures.ThreadPoolExecutor(len(LEARNERS) * PLAN.num_fragments) as pool:
+            streams = [
+                pool.submit(stream, m, p) for m in LEARNERS for p in range(PLAN.num_fragments)
+            ]
+            try:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:  # the injector: kill once enough acks are in
+                    with lock:
+                        if sum(a["accepted"] for a in acks) >= 60:
+                            break
+                    time.sleep(0.01)
+                fsyncs, pushed = _fsyncs_and_pushes(metrics_port)  # while the pushes still fly
+            finally:  # the streams end only once the shard is gone
+                killed.set()
+                status = shard.kill()
+            assert status == -9
+            for s in streams:
+                s.result(timeout=30)  # a stream's failed check fails the test here
         channel.close()
         accepted = [a for a in acks if a["accepted"]]
         assert len(accepted) >= 60, "the pushes did not get going before the kill"
         assert broken, "the kill came between pushes, not while any was in flight"
+        # group commit: every accepted push (and every round close) waits for an fsync of its
+        # record, and concurrent ones share one, so fewer fsyncs ran than pushes were accepted
+        assert 0 < fsyncs < pushed, (fsyncs, pushed)
 
         # every acknowledged push is in the log or behind the newest snapshot
         assert lost_acks(acks, durable_pushes(data)) == []
