@@ -1,0 +1,39 @@
+"""Suite-wide hooks. With ATOLL_NO_SKIPS set (`.ci/run` sets it) a skipped test fails: a runner
+that lacks what a test needs (kubectl, network namespaces) must not pass by checking nothing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+NO_SKIPS = "ATOLL_NO_SKIPS"  # "1": every skip is a failure that names the skip's reason
+
+
+def _no_skips() -> bool:
+    return os.environ.get(NO_SKIPS, "") not in ("", "0")
+
+
+def _failed_instead(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """Turns a skipped report into a failed one, in place, keeping the skip's reason."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"skipped while {NO_SKIPS} is set (CI runs every test): {reason}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    report: pytest.TestReport = yield
+    # an xfail is reported as skipped too; it is the test's own claim, not a missing tool
+    if report.skipped and not hasattr(report, "wasxfail") and _no_skips():
+        _failed_instead(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectReport:
+    report: pytest.CollectReport = yield
+    if report.skipped and _no_skips():  # a module-level skip or importorskip
+        _failed_instead(report)
+    return report
