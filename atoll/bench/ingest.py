@@ -34,6 +34,7 @@ import numpy as np
 
 from atoll.bench.shard import start_shard
 from atoll.commands import positive_int
+from atoll.local.processes import _die_with_parent
 from atoll.server.config import ShardConfig
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
@@ -92,6 +93,7 @@ def _chunked(header: pb.PushHeader, frame: bytes, chunk_bytes: int):
 
 def _serve_raw(conn) -> None:
     """A no-op client-streaming gRPC server: drains each stream, acks its byte count."""
+    _die_with_parent()  # a bench killed mid-phase takes its children with it
 
     def drain(requests, context):
         return str(sum(len(r) for r in requests)).encode()
@@ -161,6 +163,7 @@ def _learner(
 
     Its pushes go over `connections` connections of its own, one thread each, fragment p
     on connection p mod `connections`; each push is timed from its first message to its ack."""
+    _die_with_parent()
     plan = FragmentPlan.from_json(plan_json)
     P = plan.num_fragments
     frames = []

@@ -36,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from atoll.bench.ingest import _proc_status, _recv, _scrape
 from atoll.bench.shard import start_shard
 from atoll.commands import positive_int
+from atoll.local.processes import _die_with_parent
 from atoll.server.config import ShardConfig
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
@@ -62,6 +63,7 @@ def _crowd(
 ) -> None:
     """`count` Watch streams, or Push streams that stall after their header, opened on
     one asyncio loop; reports when they are open, closes them when told to."""
+    _die_with_parent()  # a bench killed mid-phase takes its children with it
     asyncio.run(
         _crowd_async(
             conn, address, kind, count, first, frame_bytes, FragmentPlan.from_json(plan_json)
@@ -145,6 +147,7 @@ async def _crowd_async(conn, address, kind, count, first, frame_bytes, plan) -> 
 
 def _prober(conn, address: str) -> None:
     """Checks health every PROBE_INTERVAL until told to stop; sends the latencies."""
+    _die_with_parent()
     channel = grpc.insecure_channel(address)
     stub = health_pb2_grpc.HealthStub(channel)
     request = health_pb2.HealthCheckRequest(service=SERVICE)
