@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import tempfile
 
 from atoll.learner.distributed import (
     DistributedConfig,
@@ -197,13 +198,23 @@ def directory_problem(path: pathlib.Path) -> str | None:
     if path.exists():
         if not path.is_dir():
             return "not a directory"
-        return None if os.access(path, os.W_OK | os.X_OK) else "not writable"
+        return None if _writable(path) else "not writable"
     existing = next(p for p in path.parents if p.exists())  # "/" or "." at the latest
     if not existing.is_dir():
         return f"cannot be made: {existing} is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not _writable(existing):
         return f"cannot be made: {existing} is not writable"
     return None
+
+
+def _writable(directory: pathlib.Path) -> bool:
+    """Whether a file can be made in `directory`, tried for real: permission bits say
+    nothing to root, and /proc or a read-only mount refuse root too."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return True
+    except OSError:
+        return False
 
 
 def file_problem(path: pathlib.Path) -> str | None:
