@@ -100,6 +100,32 @@ def api(tmp_path):
     emulator.close()
 
 
+@pytest.fixture
+def spawn():
+    """spawn(args, env) -> a started `atoll ARGS` (output on stdout); killed at the test's
+    end whatever happened (an assert, a communicate() timeout), so none outlives it."""
+    procs: list[subprocess.Popen] = []
+
+    def start(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "atoll.cli", *args],
+                cwd=REPO,
+                env={**os.environ, "PYTHONPATH": str(REPO), **env},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+        return procs[-1]
+
+    yield start
+    for proc in procs:
+        proc.kill()  # a no-op on one that exited
+        proc.wait()
+        proc.stdout.close()
+
+
 def _seed(clients: list[ShardClient]) -> None:
     """Seeds every fragment on shard p mod 2 (the run's first layout)."""
     for p in range(PLAN.num_fragments):
@@ -118,7 +144,7 @@ def _owned(clients: list[ShardClient]) -> dict[int, tuple[int, int]]:
     return owned
 
 
-def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, api):
+def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, api, spawn):
     prefix = consecutive_ports(SHARDS)
     pattern = f"127.0.0.1:{prefix}{{i}}"
     with syncer_processes(tmp_path) as start:
@@ -152,14 +178,9 @@ def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, a
             assert "stays (2 replicas)" in stays.stdout
             # the StatefulSet went from 4 to 2: pods 2 and 3 run their preStop hooks at once
             leaving = [
-                subprocess.Popen(
-                    [sys.executable, "-m", "atoll.cli", "drain", "--shards", pattern]
-                    + ["--shard-index", str(i), "--namespace", "atoll"],
-                    cwd=REPO,
-                    env={**os.environ, "PYTHONPATH": str(REPO), **api},
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
+                spawn(
+                    ["drain", "--shards", pattern, "--shard-index", str(i), "--namespace", "atoll"],
+                    api,
                 )
                 for i in (3, 2)
             ]
