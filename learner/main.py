@@ -16,6 +16,7 @@ import pathlib
 import socket
 import sys
 
+from atoll.commands import add_tls_arguments
 from atoll.learner.config import (
     ENV_CHECKPOINT_DIR,
     ENV_CHECKPOINT_EVERY,
@@ -175,11 +176,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="file holding this learner's bearer token (env ATOLL_TOKEN_FILE)",
     )
-    p.add_argument(
-        "--tls-ca", type=pathlib.Path, help="PEM CA of the shards' certificates (enables TLS)"
-    )
-    p.add_argument("--tls-cert", type=pathlib.Path, help="PEM client certificate (mutual TLS)")
-    p.add_argument("--tls-key", type=pathlib.Path, help="PEM private key of --tls-cert")
+    add_tls_arguments(p)  # the same flags as every tool that calls shards
     p.add_argument(
         "--status-file",
         type=pathlib.Path,
