@@ -5,18 +5,23 @@ to one shard; every answer must be a well-formed response or a precise status (n
 UNKNOWN, INTERNAL or a dropped connection), the shard stays SERVING, takes a good push
 afterwards, and after a kill -9 restarts holding every push it acknowledged.
 One shard process per test; a bounded number of examples keeps it to seconds.
+
+Each test runs twice: on the fixed examples (derandomized, the same every run) and on a
+fresh seed, printed with the test's output; ATOLL_FUZZ_SEED=<seed> replays a failure.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import random
 import time
 
 import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from syncer_helpers import (
     DEADLINE,
@@ -49,7 +54,8 @@ PRECISE = {
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.ABORTED,
 }
-SETTINGS = settings(
+FUZZ_SEED = "ATOLL_FUZZ_SEED"  # an integer: the fresh-seed run replays it instead of a new one
+FIXED = settings(
     max_examples=50,
     deadline=None,
     derandomize=True,
@@ -290,6 +296,19 @@ def _settled(stub) -> dict:
     raise AssertionError("the shard's state kept changing with no pushes")
 
 
+@pytest.fixture(params=["fixed", "fresh"])
+def examples(request):
+    """A decorator for a @given test: the fixed examples, or a fresh seed's (printed, so the
+    failure report shows how to replay it)."""
+    if request.param == "fixed":
+        return FIXED
+    run_seed = int(os.environ.get(FUZZ_SEED) or random.SystemRandom().randrange(2**32))
+    print(
+        f"fuzz seed {run_seed}: replay with {FUZZ_SEED}={run_seed} pytest '{request.node.nodeid}'"
+    )
+    return lambda test: seed(run_seed)(settings(FIXED, derandomize=False)(test))
+
+
 @pytest.fixture
 def shard(tmp_path):
     with syncer_processes(tmp_path) as start:
@@ -301,13 +320,13 @@ def shard(tmp_path):
         channel.close()
 
 
-def test_fuzzed_pushes_get_precise_answers_and_acknowledged_ones_survive_kill_9(shard):
+def test_fuzzed_pushes_get_precise_answers_and_acknowledged_ones_survive_kill_9(shard, examples):
     proc, channel, stub, restart = shard
     acked: list[
         tuple[list[pb.PushRequest], pb.PushResponse]
     ] = []  # streams taken as new, and the answer
 
-    @SETTINGS
+    @examples
     @given(msgs=push_streams())
     def fuzz(msgs):
         resp = _answer(lambda: stub.Push(iter(msgs), timeout=DEADLINE))
@@ -319,7 +338,7 @@ def test_fuzzed_pushes_get_precise_answers_and_acknowledged_ones_survive_kill_9(
 
     newest: dict[tuple[str, int], int] = {}  # the highest seq each learner used per fragment
 
-    @SETTINGS
+    @examples
     @given(push_=well_formed_pushes())
     def fuzz_values(push_):
         p, learner = push_["p"], push_["learner"]
@@ -386,11 +405,11 @@ def test_fuzzed_pushes_get_precise_answers_and_acknowledged_ones_survive_kill_9(
         channel2.close()
 
 
-def test_fuzzed_init_pull_watch_and_describe_get_precise_answers(shard):
+def test_fuzzed_init_pull_watch_and_describe_get_precise_answers(shard, examples):
     proc, channel, stub, _ = shard
     before = shard_state(stub)
 
-    @SETTINGS
+    @examples
     @given(call=other_calls())
     def fuzz(call):
         kind, req = call
