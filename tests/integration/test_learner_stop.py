@@ -18,7 +18,10 @@ from syncer_helpers import REPO, syncer_processes
 
 from atoll.wire.records import read_jsonl
 
-STOP_SECONDS = 10.0  # SIGTERM to exit; a stopped learner takes 1-2 s, more on a loaded host
+# SIGTERM to exit: a stopped learner takes 1-2 s on an idle host; the bound is a sanity
+# one, a loaded host's margin, still well short of the 60 s RPC deadline each wait would
+# otherwise run out (learner/config.py `deadline`)
+STOP_SECONDS = 30.0
 FLAGS = ["--preset", "tiny", "--period", "4", "--fragments", "2", "--eval-every", "0", "--quiet"]
 
 
