@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import datetime
+import functools
 import ipaddress
 import json
 import pathlib
@@ -24,7 +24,6 @@ import socket
 import ssl
 import statistics
 import threading
-import time
 
 import aiohttp.test_utils
 import kmock
@@ -362,6 +361,35 @@ def run(main, parser, argv: list[str]) -> int:
     return main(parser.parse_args(argv), parser)
 
 
+class ChaosTime:
+    """`atoll chaos`'s clock and sleep: a sleep moves the clock at once, so the deletions a
+    seed draws are the same on a loaded host as on an idle one (real time let slow API
+    calls eat the window). `during()` runs in the first sleep, after the first scrape:
+    work done then falls in the window."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.during = lambda: None
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.during()
+        self.during = lambda: None
+        self.now += seconds
+
+
+@pytest.fixture
+def chaos_time(monkeypatch) -> ChaosTime:
+    """`atoll chaos` (chaos_main) runs on a ChaosTime."""
+    fake = ChaosTime()
+    monkeypatch.setattr(
+        kube, "chaos", functools.partial(kube.chaos, clock=fake.clock, sleep=fake.sleep)
+    )
+    return fake
+
+
 # --- status ---
 
 
@@ -479,7 +507,7 @@ def test_status_shards_must_be_host_and_port(capsys):
 # --- chaos ---
 
 
-def test_chaos_deletes_only_learner_pods_and_measures_goodput(cluster, shards, capsys):
+def test_chaos_deletes_only_learner_pods_and_measures_goodput(cluster, shards, capsys, chaos_time):
     argv = [
         "--kubernetes",
         "--kubeconfig",
@@ -496,17 +524,14 @@ def test_chaos_deletes_only_learner_pods_and_measures_goodput(cluster, shards, c
         "1",
         "--json",
     ]
-    parser = chaos_parser()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(run, kube.chaos_main, parser, argv)
-        # its third pod listing comes after the first scrape: work pushed from here on is counted
-        deadline = time.monotonic() + 10
-        while len(cluster.requests("GET", NS)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        pushes = 2
+    pushes = 2
+
+    def work() -> None:  # pushed in the window, after the first scrape: counted
         for seq in range(2, 2 + pushes):
             push_to(shards, 0, seq)
-        assert running.result(timeout=60) == 0
+
+    chaos_time.during = work
+    assert run(kube.chaos_main, chaos_parser(), argv) == 0
     r = json.loads(capsys.readouterr().out)
 
     deletes = [q.name for q in cluster.requests("DELETE")]
@@ -639,7 +664,7 @@ def test_status_lists_the_learners_of_every_cluster(cluster, capsys):
     assert "other-learner" not in table
 
 
-def test_chaos_across_clusters_deletes_learners_where_they_run(cluster, shards, capsys):
+def test_chaos_across_clusters_deletes_learners_where_they_run(cluster, shards, capsys, chaos_time):
     argv = [
         "--kubernetes",
         "--kubeconfig",
@@ -769,7 +794,9 @@ def test_role_check_refuses_what_the_role_does_not_grant():
     assert not _allowed(role, "GET", "/api/v1/namespaces/atoll/secrets")
 
 
-def test_operator_jobs_run_in_cluster_with_the_operator_role(shards, tmp_path, monkeypatch, capsys):
+def test_operator_jobs_run_in_cluster_with_the_operator_role(
+    shards, tmp_path, monkeypatch, capsys, chaos_time
+):
     """As the operator component's Jobs run them: no kubeconfig, the pod's service account
     (token and CA files, KUBERNETES_SERVICE_HOST/PORT), an API server over HTTPS."""
     from kubernetes.config import incluster_config
