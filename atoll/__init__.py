@@ -1,0 +1,47 @@
+"""atoll: Decoupled DiLoCo across islands of accelerators.
+
+Use it from your own JAX training loop with `atoll.Learner` (see its docstring and the
+README's "Use atoll in your own training loop"); run shards with `atoll syncer`.
+Names are imported on first use, so the command line stays quick.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from atoll.learner import (
+        Codec,
+        Learner,
+        LearnerConfigError,
+        LearnerStateError,
+        ParamsError,
+        PlanMismatch,
+        Stopped,
+        SyncError,
+        TlsFiles,
+    )
+
+__all__ = [
+    "Learner",
+    "LearnerStateError",
+    "LearnerConfigError",
+    "ParamsError",
+    "PlanMismatch",
+    "SyncError",
+    "Stopped",
+    "TlsFiles",
+    "Codec",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import atoll.learner
+
+    return getattr(atoll.learner, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,54 @@
+"""The learner: `Learner`, the public API for your own training loop (learner/api.py),
+and `atoll learner`, the built-in model and data on top of the same sync engine.
+
+Names are imported on first use, so `import atoll` and the command line stay quick.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from atoll.learner.api import Learner, LearnerStateError
+    from atoll.learner.config import LearnerConfigError
+    from atoll.learner.pytree import ParamsError
+    from atoll.learner.stopping import Stopped
+    from atoll.learner.sync import PlanMismatch, SyncError
+    from atoll.wire.client import TlsFiles
+    from atoll.wire.codec import Codec
+
+# public name -> the module that defines it
+_HOMES = {
+    "Learner": "atoll.learner.api",
+    "LearnerStateError": "atoll.learner.api",
+    "LearnerConfigError": "atoll.learner.config",
+    "ParamsError": "atoll.learner.pytree",
+    "PlanMismatch": "atoll.learner.sync",
+    "SyncError": "atoll.learner.sync",
+    "Stopped": "atoll.learner.stopping",
+    "TlsFiles": "atoll.wire.client",
+    "Codec": "atoll.wire.codec",
+}
+__all__ = [
+    "Learner",
+    "LearnerStateError",
+    "LearnerConfigError",
+    "ParamsError",
+    "PlanMismatch",
+    "SyncError",
+    "Stopped",
+    "TlsFiles",
+    "Codec",
+]
+assert set(__all__) == set(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

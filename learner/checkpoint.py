@@ -71,7 +71,7 @@ class PushTrail:
         # Synchronizer.after_step numbers the pushes it starts in fragment order
         for seq, p in zip(range(seq_before + 1, sync.seq + 1), started):
             self.seq[p] = seq
-            self.theta[p] = np.asarray(plan.flatten_fragment(params, p), np.float32).copy()
+            self.theta[p] = np.asarray(sync.read_fragment(params, p), np.float32).copy()
 
 
 @dataclasses.dataclass

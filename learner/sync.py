@@ -38,7 +38,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -86,6 +86,55 @@ class SyncError(RuntimeError):
     """The syncer refused this learner for a reason retrying cannot fix; the message says which."""
 
 
+class PlanMismatch(SyncError):
+    """The shards serve another fragment plan than this learner's params make; the
+    message names the first tensor that differs."""
+
+
+def plan_difference(
+    run: dict[str, tuple[tuple[int, ...], bool, int]], run_fragments: int, plan: FragmentPlan
+) -> str:
+    """The first difference between the run's tensors and `plan`'s, in words.
+
+    Args:
+      run: {tensor name: (shape, embedding, fragment)} as the shards describe them (the
+        fragments of shards that did not answer are missing).
+      run_fragments: P of the run.
+      plan: this learner's plan.
+
+    Returns:
+      A sentence naming the first tensor, in name order, that differs.
+
+    Example:
+      >>> plan = FragmentPlan.build({"a": np.zeros(4), "b": np.zeros(2)}, 1)
+      >>> plan_difference({"a": ((4,), False, 0), "b": ((3,), False, 0)}, 1, plan)
+      "tensor 'b' has shape (2,) here, (3,) in the run"
+    """
+    mine = {s.name: (s.spec.shape, s.spec.embedding, s.fragment) for s in plan.slots}
+    complete = len({fragment for _, _, fragment in run.values()}) == run_fragments
+    for name in sorted(set(run) | set(mine)):
+        if name not in mine:
+            return f"tensor {name!r} {run[name][0]} is in the run, not in this learner's params"
+        if name not in run:
+            if not complete:
+                continue  # perhaps in a fragment whose shard did not answer
+            return f"tensor {name!r} {mine[name][0]} is in this learner's params, not in the run"
+        (shape, emb, _), (run_shape, run_emb, _) = mine[name], run[name]
+        if shape != run_shape:
+            return f"tensor {name!r} has shape {shape} here, {run_shape} in the run"
+        if emb != run_emb:
+            return (
+                f"tensor {name!r} is merged as {'an embedding' if run_emb else 'a non-embedding'} "
+                "in the run, not here (is_embedding differs)"
+            )
+    if run_fragments != plan.num_fragments:
+        return f"the run has {run_fragments} fragments, this learner {plan.num_fragments}"
+    for name in sorted(set(run) & set(mine)):
+        if mine[name][2] != run[name][2]:
+            return f"tensor {name!r} is in fragment {mine[name][2]} here, {run[name][2]} in the run"
+    return "model or fragment count differ"
+
+
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
     period: int = 32  # H: inner steps between two syncs of one fragment, >= 1
@@ -98,14 +147,16 @@ class SyncConfig:
 
     def __post_init__(self):
         if self.period < 1:
-            raise ValueError(f"--period (H) must be at least 1, got {self.period}")
+            raise ValueError(f"period (H) must be at least 1, got {self.period}")
         if not 0 <= self.overlap < self.period:
             raise ValueError(
-                f"--overlap (τ) must be in [0, H={self.period}), got {self.overlap}: "
+                f"overlap (τ) must be in [0, H={self.period}), got {self.overlap}: "
                 "a fragment must be adopted before its next sync"
             )
         if not 0 <= self.mix < 1:
-            raise ValueError(f"--mix (α) must be in [0, 1), got {self.mix}")
+            raise ValueError(f"mix (α) must be in [0, 1), got {self.mix}")
+        if self.patience <= 0:
+            raise ValueError(f"patience must be > 0 seconds, got {self.patience}")
         if self.max_backoff <= 0:
             raise ValueError(f"max_backoff must be > 0, got {self.max_backoff}")
 
@@ -179,10 +230,12 @@ class StepTimer:
         self.recent: collections.deque[float] = collections.deque(maxlen=window)
 
     def add(self, step: int, seconds: float) -> float:
-        """Records step `step` (counted from 1 since joining); returns the estimate."""
-        if step > self.warmup or not self.recent:
+        """Records step `step` (counted from 1 since joining); returns the estimate (the
+        step's own time until a counted step is in: a compile never enters the window,
+        which a loop that compiles in its first step, as a library user's does, needs)."""
+        if step > self.warmup:
             self.recent.append(seconds)
-        return float(np.mean(self.recent))
+        return float(np.mean(self.recent)) if self.recent else float(seconds)
 
 
 @dataclasses.dataclass
@@ -229,6 +282,10 @@ class Synchronizer:
 
     `connect(i)`, if given, makes a client for shard i past `clients` (from a --shards
     pattern): shards a reshard brings in later are found by it (docs/resharding.md).
+
+    `read_fragment(params, p)`, if given, reads fragment p of whatever the caller passes
+    as `params` as a fresh float32 vector (default `plan.flatten_fragment`, for nested
+    dicts): the public API (learner/api.py) passes any pytree, read only at sync points.
     """
 
     def __init__(
@@ -238,8 +295,10 @@ class Synchronizer:
         clients: list[ShardClient],
         on_push: Callable[[dict], None] | None = None,
         connect: Callable[[int], ShardClient] | None = None,
+        read_fragment: Callable[[Any, int], np.ndarray] | None = None,
     ):
         self.cfg, self.plan, self.on_push, self.connect = cfg, plan, on_push, connect
+        self.read_fragment = read_fragment or plan.flatten_fragment
         self.clients = list(clients)  # by shard index; grows through `connect`
         self.num_shards = len(clients)  # the shards given at start
         try:  # where each fragment is: p mod S until a shard names a newer map
@@ -396,9 +455,9 @@ class Synchronizer:
                     f"{self.num_shards}: list the shards in index order"
                 )
             if d.plan_fingerprint and d.plan_fingerprint != self.plan.fingerprint:
-                raise SyncError(
+                raise PlanMismatch(
                     f"shard {i} at {client.address} serves plan {d.plan_fingerprint}, this learner "
-                    f"has {self.plan.fingerprint}: model preset or fragment count differ"
+                    f"has {self.plan.fingerprint}: {self._difference(d)}"
                 )
             seeded.update(f.fragment for f in d.fragments if f.initialized)
             layouts.append(d.num_shards)
@@ -420,6 +479,25 @@ class Synchronizer:
             with self.lock:
                 self.fragment_map = FragmentMap.modulo(self.plan.num_fragments, first)
         return seeded
+
+    def _difference(self, first: pb.DescribeResponse) -> str:
+        """What differs between the run's plan (as the shards describe their fragments)
+        and this learner's, naming the first tensor that does."""
+        described = [first]
+        for i, c in enumerate(list(self.clients)):
+            if i == first.shard_index:
+                continue
+            try:
+                described.append(self.call_shard(lambda c=c: c.describe(timeout=PROBE_SECONDS)))
+            except grpc.RpcError:
+                continue  # its fragments go uncompared
+        run = {
+            t.name: (tuple(t.shape), t.embedding, f.fragment)
+            for d in described
+            for f in d.fragments
+            for t in f.tensors
+        }
+        return plan_difference(run, first.num_fragments, self.plan)
 
     def _plan_map(self, d: pb.DescribeResponse) -> FragmentMap | None:
         """The fragment map a shard describes, if it has one for this plan's fragments."""
@@ -503,8 +581,13 @@ class Synchronizer:
 
     def join(self, params: Params) -> Params:
         """Seeds unseeded fragments with `params`, then adopts every fragment's current version."""
+        return self.apply(params, dict(enumerate(self.join_fragments(params))))
+
+    def join_fragments(self, params: Any) -> list[np.ndarray]:
+        """`join`, returning every fragment's current global vector (fresh copies) rather
+        than a tree; `params` is read with `read_fragment`."""
         seeded = self.check_shards()
-        vectors = self.plan.flatten(params)
+        vectors = [self.read_fragment(params, p) for p in range(self.plan.num_fragments)]
         for p, vector in enumerate(vectors):
             if p in seeded:  # someone seeded it already: no need to offer our copy
                 continue
@@ -529,7 +612,7 @@ class Synchronizer:
             with self.lock:
                 self.latest[p] = max(self.latest.get(p, 0), frag.version)
         self._start_watchers()
-        return self.apply(params, dict(enumerate(vectors)))
+        return vectors
 
     # --- the step hook ---
 
@@ -604,7 +687,7 @@ class Synchronizer:
         just adopted, if `updates` holds it), wait for its round, pull."""
         theta = updates.get(frag.p)
         if theta is None:
-            theta = flat_now.setdefault(frag.p, self.plan.flatten_fragment(params, frag.p))
+            theta = flat_now.setdefault(frag.p, self.read_fragment(params, frag.p))
         steps = step - (frag.last_sync_step or 0)
         tokens = steps * tokens_per_step
         frag.last_sync_step = step
@@ -622,7 +705,7 @@ class Synchronizer:
         outcome: _Outcome = frag.task.result()
         frag.task = None
         if outcome.correction is not None:
-            now = flat_now.setdefault(frag.p, self.plan.flatten_fragment(params, frag.p))
+            now = flat_now.setdefault(frag.p, self.read_fragment(params, frag.p))
             updates[frag.p] = now + outcome.correction
         else:
             updates[frag.p] = outcome.values

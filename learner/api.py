@@ -1,0 +1,630 @@
+"""The learner as a library: `atoll.Learner` puts Decoupled DiLoCo into your own JAX
+training loop (docs/design.md §4). Three calls: `join` once, `step` after every inner
+step, `finish` at the end.
+
+    learner = atoll.Learner("127.0.0.1:7070", "learner-0", period=16, fragments=4)
+    params = learner.join(params)                 # the run's current global weights
+    for batch in batches:
+        params, opt_state = train_step(params, opt_state, batch)
+        params = learner.step(params)             # fragments adopted since, if any
+    params = learner.finish(params)               # the last steps pushed and adopted
+
+The params are any pytree of float arrays (nested dicts, a Flax NNX `State`, an Equinox
+module); how a tree becomes fragments is learner/pytree.py. The optimiser, its state and
+the data stay yours: at an adoption the fragment's tensors change and the optimiser
+state is kept as it is, as in DiLoCo. Underneath is the same `Synchronizer` that
+`atoll learner` runs (learner/sync.py), on process 0 of a multi-host learner
+(learner/distributed.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from atoll.learner import checkpoint, distributed, standby
+from atoll.learner.config import LearnerConfig, LearnerConfigError, shard_addresses
+from atoll.learner.pytree import ParamsError, PyTree, TreeLayout, as_like
+from atoll.learner.stopping import Stopped
+from atoll.learner.sync import SyncConfig, Synchronizer
+from atoll.wire.client import ShardClient, TlsFiles
+from atoll.wire.codec import Codec
+from atoll.wire.plan import FragmentPlan
+
+__all__ = ["Learner", "LearnerStateError", "ParamsError"]
+
+log = logging.getLogger("atoll.learner")
+_SYNC = SyncConfig()  # the sync settings' defaults, declared once (learner/sync.py)
+_NEW, _JOINED, _FINISHED, _CLOSED = "new", "joined", "finished", "closed"
+
+
+class LearnerStateError(RuntimeError):
+    """A call out of order: `step` before `join`, anything after `finish` or `close`."""
+
+
+class _View:
+    """The params of one call, flattened and checked only when a fragment is read or
+    written (a step with no sync due never flattens them)."""
+
+    __slots__ = ("layout", "params", "what", "_leaves")
+
+    def __init__(self, layout: TreeLayout, params: PyTree, what: str):
+        self.layout, self.params, self.what = layout, params, what
+        self._leaves: list[Any] | None = None
+
+    def leaves(self) -> list[Any]:
+        if self._leaves is None:
+            self._leaves = self.layout.leaves(self.params, self.what)
+        return self._leaves
+
+
+def _read(view: _View, p: int) -> np.ndarray:
+    return view.layout.read(view.leaves(), p)
+
+
+@dataclasses.dataclass
+class _Progress:
+    """What a checkpoint captures of the caller's side (the names checkpoint.py reads)."""
+
+    steps_done: int = 0
+    tokens_total: int = 0
+    params: Any = None  # the synced leaves, in tree order
+    opt_state: Any = ()  # the caller's `state`, if it passes one
+
+
+class Learner:
+    """One learner of a Decoupled DiLoCo run, driven by your training loop.
+
+    Each of the P fragments (whole tensors of your params, bin-packed by size) syncs
+    every H inner steps at its own offset in the period: its outer gradient (the global
+    fragment it last adopted minus its current value) goes to the shard that owns it,
+    4-bit encoded, while training goes on; τ steps later (or at the first step after
+    the round closed) `step` returns the params with the new global fragment adopted,
+    plus whatever the overlapped steps added. Only a push whose round is very late makes
+    `step` wait.
+
+    Args:
+      shards: the syncer shards' addresses in shard index order: "host:port,host:port",
+        a list of them, or a pattern "host-{i}:port" with `num_shards` (shards a reshard
+        adds later are then found by it).
+      learner_id: this learner's stable name: the shards know it by it, across restarts.
+      num_shards: how many shards a pattern names (only with a pattern).
+      period: H, inner steps between two syncs of one fragment, >= 1.
+      overlap: τ, steps trained while a sync is in flight before its result is adopted,
+        in [0, H).
+      fragments: P, fragments the params are split into; at least the number of shards
+        and at most the number of float leaves.
+      mix: α, share of the local fragment kept when adopting a global one, in [0, 1).
+      codec: the outer gradients' wire codec (`Codec.INT4`, `Codec.MXFP4`, `Codec.FP32`).
+      token: this learner's bearer token, if the shards ask for one.
+      tls: CA (and client certificate and key, for mutual TLS) of the shards' TLS.
+      is_embedding: tensor name -> merged by plain average (default: names holding
+        "embed"); every other tensor is merged by radial-directional averaging.
+      checkpoint_dir: a directory for this learner's id claim and checkpoints: a
+        restarted learner (same id) resumes its synced leaves, step count, sync state
+        and the `state` you pass to `step`, carrying its local progress onto the global
+        weights. None: a restart rejoins at the global weights alone.
+      checkpoint_every: steps between background checkpoints (0: none).
+      standby: with `checkpoint_dir`, `join` waits until a learner of this run (one with
+        the same `num_learners`) fails and takes over its id, data shard and checkpoint.
+      index: which data shard this learner reads, in [0, num_learners): recorded in its
+        claim so a standby that takes the id over reads it back as `learner.index`.
+      num_learners: learners in the run (standbys take only ids of the same run).
+      deadline: seconds per call to a shard.
+      patience: seconds (at least; 4 periods of steps if longer) to wait for a round.
+      wait_for_rounds: block on a round a whole period late (synchronous semantics).
+
+    Raises:
+      LearnerConfigError (a ValueError) for a setting that cannot work, saying why.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, atoll
+      >>> params = {"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}
+      >>> opt = optax.adamw(1e-2)
+      >>> opt_state = opt.init(params)
+      >>> learner = atoll.Learner("127.0.0.1:7070", "learner-0", period=8, fragments=2)
+      >>> params = learner.join(params)
+      >>> for x, y in my_batches():                       # your own data
+      ...     grads = jax.grad(loss_fn)(params, x, y)
+      ...     updates, opt_state = opt.update(grads, opt_state, params)
+      ...     params = optax.apply_updates(params, updates)
+      ...     params = learner.step(params, tokens=len(x))
+      >>> params = learner.finish(params)
+    """
+
+    def __init__(
+        self,
+        shards: str | Sequence[str],
+        learner_id: str,
+        *,
+        num_shards: int | None = None,
+        period: int = _SYNC.period,
+        overlap: int = _SYNC.overlap,
+        fragments: int = LearnerConfig.fragments,
+        mix: float = _SYNC.mix,
+        codec: Codec | str = _SYNC.codec,
+        token: str | None = None,
+        tls: TlsFiles | None = None,
+        is_embedding: Callable[[str], bool] | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = LearnerConfig.checkpoint_every,
+        standby: bool = False,
+        index: int = 0,
+        num_learners: int = 1,
+        deadline: float = LearnerConfig.deadline,
+        patience: float = _SYNC.patience,
+        wait_for_rounds: bool = _SYNC.wait_for_rounds,
+    ):
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise LearnerConfigError(message)
+
+        need(isinstance(learner_id, str) and learner_id != "", "learner_id must be a non-empty str")
+        if isinstance(shards, str):
+            self.pattern = shards if "{i}" in shards else None
+            self.addresses = shard_addresses(shards, num_shards)
+        else:
+            need(
+                not isinstance(shards, (bytes, bytearray))
+                and all(isinstance(a, str) for a in shards),
+                f"shards must be a str or a list of 'host:port' str, got {shards!r}",
+            )
+            self.pattern = None
+            self.addresses = shard_addresses(",".join(shards), num_shards)
+        need(
+            len(self.addresses) >= 1,
+            "shards names no shard: give 'host:port' of each, in index order",
+        )
+        need(
+            isinstance(fragments, int) and fragments >= len(self.addresses),
+            f"fragments ({fragments!r}) must be an int, at least the number of shards "
+            f"({len(self.addresses)}): each shard owns one fragment or more",
+        )
+        try:
+            wire_codec = Codec[codec.upper()] if isinstance(codec, str) else Codec(codec)
+        except (KeyError, ValueError):
+            raise LearnerConfigError(
+                f"codec {codec!r}: want one of {', '.join(c.name for c in Codec)}"
+            ) from None
+        try:
+            self.sync_config = SyncConfig(
+                period=period,
+                overlap=overlap,
+                mix=mix,
+                codec=wire_codec,
+                patience=patience,
+                wait_for_rounds=wait_for_rounds,
+            )
+        except ValueError as e:
+            raise LearnerConfigError(str(e)) from None
+        need(deadline > 0, f"deadline must be > 0 seconds, got {deadline}")
+        need(checkpoint_every >= 0, f"checkpoint_every must be >= 0 steps, got {checkpoint_every}")
+        need(num_learners >= 1, f"num_learners must be >= 1, got {num_learners}")
+        need(
+            0 <= index < num_learners,
+            f"index must be in [0, num_learners={num_learners}), got {index}",
+        )
+        need(
+            not standby or checkpoint_dir is not None,
+            "standby=True needs checkpoint_dir: the directory where learners claim their ids",
+        )
+        need(
+            tls is None or isinstance(tls, TlsFiles), "tls must be an atoll.TlsFiles(ca, cert, key)"
+        )
+        self.checkpoint_dir = None if checkpoint_dir is None else pathlib.Path(checkpoint_dir)
+        if self.checkpoint_dir is not None:
+            from atoll.learner.config import directory_problem
+
+            problem = directory_problem(self.checkpoint_dir)
+            need(problem is None, f"checkpoint_dir {self.checkpoint_dir}: {problem}")
+        self.learner_id, self.index, self.num_learners = learner_id, index, num_learners
+        self.fragments, self.is_embedding = fragments, is_embedding
+        self.token, self.tls, self.deadline = token, tls, deadline
+        self.checkpoint_every, self.standby = checkpoint_every, standby
+        self.steps = 0  # inner steps this learner id has taken (a resumed checkpoint's too)
+        self._phase = _NEW
+        self._failed: str | None = None  # why join failed, if it did
+        self._multi = False  # several processes (learner/distributed.py), known at join
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards _phase and _sync against stop() from other threads
+        self._layout: TreeLayout | None = None
+        self._sync: Synchronizer | None = None
+        self._claim: standby.Claim | None = None
+        self._checkpointer: checkpoint.Checkpointer | None = None
+        self._trail: checkpoint.PushTrail | None = None
+        self._ckpt: checkpoint.Checkpoint | None = None
+        self._progress = _Progress()
+        self._local = 0  # steps since join: the Synchronizer's step count
+        self._boundary = 0.0  # perf_counter at the last step boundary
+        self._blocked = 0.0  # seconds the last call waited on rounds (not the caller's step)
+        self._tokens = 1  # tokens of the last step (what the tail pushes count per step)
+        self._stats: dict[str, float] = {}  # the sync engine's, once it is closed
+        self._versions: dict[int, tuple[int, int]] = {}
+
+    # --- the three calls ---
+
+    def join(self, params: PyTree) -> PyTree:
+        """Joins the run: returns `params` with every synced tensor at its current global
+        value.
+
+        The first learner of a run seeds each fragment with its own values; later ones
+        (and a restarted one) start from the run's current versions, so every learner of
+        a run should pass the same model, initialised alike or not. With
+        `checkpoint_dir`, a learner whose checkpoint is there resumes it: its step count,
+        and each fragment's local progress since its last sync carried onto the current
+        global weights (where no push since delivered it already).
+
+        Args:
+          params: your model's parameters, any pytree of arrays (learner/pytree.py
+            says which leaves are synced and how they are named). Every later call takes
+            a tree of this structure, shapes and dtypes.
+
+        Returns:
+          A new tree of the same structure, dtypes and shardings; leaves left out of the
+          plan are the ones given.
+
+        Raises:
+          ParamsError: a leaf that cannot be synced, or a tree that differs from the run's
+            fragment plan (naming the first tensor that differs).
+          PlanMismatch (a SyncError): the shards serve another plan; the message names
+            the first tensor that differs.
+          SyncError: the shards refused this learner in a way retrying cannot fix.
+          LearnerStateError: called twice, or after `close`.
+        """
+        with self._lock:
+            self._expect(_NEW, "join")
+            self._phase = _JOINED  # a second join, even during this one, is refused
+        try:
+            return self._join(params)
+        except BaseException as e:
+            self._failed = f"{type(e).__name__}: {e}"
+            self.close()
+            raise
+
+    def step(
+        self, params: PyTree, *, tokens: int = 1, last: bool = False, state: PyTree = None
+    ) -> PyTree:
+        """Call after every inner step: returns `params` with the fragments adopted since.
+
+        When no sync is due this reads nothing from the device and returns `params`
+        itself. At a fragment's sync point it copies that fragment's tensors to the host
+        and hands them to a background push; when a sync's round comes back it returns a
+        new tree whose fragment tensors are the new global ones plus the steps trained
+        meanwhile (your optimiser state is kept as it is, as in DiLoCo). It blocks only
+        when a fragment's previous round is very late (see `wait_for_rounds`).
+
+        Args:
+          params: the tree `join` returned, as your steps left it (same structure, shapes
+            and dtypes; checked when a fragment is read or written).
+          tokens: what this step trained on (tokens, or examples): the merge weighs each
+            push by its tokens, so learners of one run should count alike.
+          last: True on your last step, if you know it: its pushes tell the shards to
+            stop waiting for this learner.
+          state: any pytree of arrays to checkpoint with this step (your optimiser state,
+            your data position), read back after a restart with `restore_state`; only
+            with `checkpoint_dir`.
+
+        Returns:
+          `params`, or a new tree with adopted fragments replaced.
+
+        Raises:
+          ParamsError: the tree differs from the one joined with (naming the leaf).
+          SyncError: the shards refused this learner in a way retrying cannot fix.
+          Stopped: `stop()` ended a wait on the shards.
+          LearnerStateError: before `join`, or after `finish` or `close`.
+        """
+        self._expect(_JOINED, "step")
+        now = time.perf_counter()
+        seconds = max(now - self._boundary - self._blocked, 1e-6)  # the caller's step alone
+        self._boundary, self._blocked = now, 0.0
+        self._local += 1
+        self.steps += 1
+        self._tokens = max(1, int(tokens))
+        view = _View(self._layout, params, "params given to step()")
+        updates: dict[int, np.ndarray] = {}
+        sync, seq_before = self._sync, 0
+        if sync is not None:
+            blocked, seq_before = sync.stats["blocked_seconds"], sync.seq
+            updates = sync.after_step(self._local, view, seconds, self._tokens, final=last)
+            self._blocked = sync.stats["blocked_seconds"] - blocked
+        if self._multi:
+            updates, _ = distributed.broadcast_step(updates, (), self.plan.fragment_sizes)
+        if updates:
+            params = self._layout.write(view.leaves(), updates)
+            view = _View(self._layout, params, "params given to step()")
+        if self._checkpointer is not None and sync is not None:
+            self._trail.after_step(sync, self.plan, seq_before, self._local, view)
+            self._progress.steps_done = self.steps
+            self._progress.tokens_total += self._tokens
+            if self._checkpointer.due(self.steps):
+                self._save(view, state)
+        return params
+
+    def finish(self, params: PyTree, *, timeout: float = 60.0, state: PyTree = None) -> PyTree:
+        """Ends this learner's part in the run: pushes each fragment's steps since its
+        last sync, waits up to `timeout` seconds for those rounds, and returns `params`
+        with what came back adopted. Then releases the shards' connections (and the id
+        claim, marked done: no standby takes it over).
+
+        Without these last pushes the global model would never hold the run's tail (up
+        to a period of each fragment's last steps). A round that has not closed by the
+        deadline still holds the push (the shards keep it durably).
+
+        Args:
+          params: the tree the last `step` returned.
+          timeout: seconds to wait for the last rounds.
+          state: as for `step`: with `checkpoint_dir`, the final checkpoint holds it.
+
+        Returns:
+          `params` with the last rounds adopted.
+
+        Raises:
+          LearnerStateError: before `join`, or after `finish` or `close`.
+        """
+        self._expect(_JOINED, "finish")
+        view = _View(self._layout, params, "params given to finish()")
+        updates: dict[int, np.ndarray] = {}
+        if self._sync is not None:
+            updates = self._sync.finish(
+                self._local, view, timeout, self._tokens if self._local else None
+            )
+        if self._multi:
+            updates, _ = distributed.broadcast_step(updates, (), self.plan.fragment_sizes)
+        if updates:
+            params = self._layout.write(view.leaves(), updates)
+        if self._checkpointer is not None and self._local:
+            self._save(_View(self._layout, params, "params given to finish()"), state, wait=True)
+        with self._lock:
+            self._phase = _FINISHED
+        self._release(done=True)
+        return params
+
+    # --- around them ---
+
+    def restore_state(self, template: PyTree) -> PyTree:
+        """The `state` this learner's checkpoint holds, in `template`'s structure, dtypes
+        and shardings, or `template` itself when `join` resumed no checkpoint (or it
+        held no state). Call after `join`.
+
+        Example:
+          >>> params = learner.join(params)
+          >>> opt_state = learner.restore_state(opt.init(params))
+          >>> start = learner.steps                  # where your data goes on from
+        """
+        if self._phase == _NEW:
+            raise LearnerStateError("call join(params) before restore_state()")
+        if self._ckpt is None or not self._ckpt.opt_leaves:
+            return template
+        leaves, treedef = jax.tree_util.tree_flatten(template)
+        saved = self._ckpt.opt_leaves
+        if len(saved) != len(leaves) or any(
+            np.shape(a) != np.shape(b) for a, b in zip(saved, leaves)
+        ):
+            raise ParamsError(
+                f"the checkpoint's state has {len(saved)} leaves of shapes "
+                f"{[np.shape(a) for a in saved][:4]}..., the template {len(leaves)} of "
+                f"{[np.shape(b) for b in leaves][:4]}...: pass a template made the way the "
+                "state you checkpointed was (the same optimiser, over the same params)"
+            )
+        return jax.tree_util.tree_unflatten(
+            treedef, [as_like(np.asarray(a), b) for a, b in zip(saved, leaves)]
+        )
+
+    def stop(self) -> None:
+        """Ends every wait on the shards at once, from any thread (a signal handler's
+        too): a `join`, `step` or `finish` waiting raises `Stopped`. Call `close` after."""
+        self._stop.set()
+        with self._lock:
+            sync = self._sync
+        if sync is not None:
+            sync.stop()
+
+    def close(self) -> None:
+        """Leaves without the last pushes (use `finish` to push them): stops the sync
+        threads, closes the connections, releases the id claim (a standby may take it
+        over). Safe to call more than once; a `with` block calls it."""
+        with self._lock:
+            if self._phase == _CLOSED:
+                return
+            self._phase = _CLOSED
+        self._release(done=False)
+
+    def __enter__(self) -> Learner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def plan(self) -> FragmentPlan:
+        """The fragment plan made from the params given to `join`."""
+        if self._layout is None:
+            raise LearnerStateError("the plan is made by join(params): call join first")
+        return self._layout.plan
+
+    @property
+    def unsynced(self) -> tuple[str, ...]:
+        """Names of the leaves left out of the plan (not float): carried through as given."""
+        return () if self._layout is None else self._layout.unsynced
+
+    @property
+    def versions(self) -> dict[int, tuple[int, int]]:
+        """{fragment: (global version adopted, newest version known)}, as they were at
+        the end after `finish` or `close`; {} off process 0."""
+        return self._versions if self._sync is None else self._sync.versions()
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Running totals: bytes sent and received, pushes, refusals, resyncs, adoptions,
+        stalls and seconds blocked (the last ones after `finish` or `close`); {} off
+        process 0."""
+        return dict(self._stats if self._sync is None else self._sync.stats)
+
+    # --- inside ---
+
+    def _expect(self, phase: str, call: str) -> None:
+        if self._phase == phase:
+            return
+        raise LearnerStateError(
+            {
+                _NEW: f"{call}() before join(): call params = learner.join(params) first",
+                _JOINED: f"{call}() after join(): join once per Learner",
+                _FINISHED: f"{call}() after finish(): this learner has left the run; "
+                "make a new Learner to join again",
+                _CLOSED: f"{call}() after close(): make a new Learner to join again"
+                + (f" (join failed: {self._failed})" if self._failed else ""),
+            }[self._phase]
+        )
+
+    def _join(self, params: PyTree) -> PyTree:
+        self._layout = layout = TreeLayout(params, self.fragments, self.is_embedding)
+        self._multi = multi = distributed.process_count() > 1
+        leader = distributed.is_leader()
+        view = _View(layout, params, "params given to join()")
+        leaves = view.leaves()
+        if multi:
+            for i in layout.synced:
+                leaf = leaves[i]
+                if hasattr(leaf, "is_fully_addressable") and not (
+                    leaf.is_fully_addressable or leaf.is_fully_replicated
+                ):
+                    raise ParamsError(
+                        f"leaf {layout.names[i]!r} is split over several processes: a "
+                        "multi-host learner syncs params replicated on every process (as "
+                        "`atoll learner`'s are); replicate it across processes"
+                    )
+        if self.checkpoint_dir is not None and not multi:
+            self._claim_id()
+        if self.checkpoint_dir is not None:
+            self._resume(layout, leaves)
+            if self._ckpt is not None:
+                leaves = list(leaves)
+                for i, saved in zip(layout.synced, self._ckpt.params_leaves):
+                    leaves[i] = as_like(np.asarray(saved), leaves[i])
+                view = _View(layout, layout.write(leaves, {}), "params given to join()")
+        vectors = [np.zeros(size, np.float32) for size in layout.plan.fragment_sizes]
+        if leader:
+            vectors = self._join_shards(view)
+        if multi:
+            vectors = distributed.broadcast(vectors)
+        self._boundary = time.perf_counter()
+        return layout.write(view.leaves(), dict(enumerate(vectors)))
+
+    def _claim_id(self) -> None:
+        """One live process per id: the claim, or (standby) the id of a failed learner."""
+        if self.standby:
+            log.info(
+                "standby %s waiting for a failed learner in %s",
+                self.learner_id,
+                self.checkpoint_dir,
+            )
+            self._claim = standby.wait_for_vacancy(
+                self.checkpoint_dir, self.num_learners, self._stop
+            )
+            if self._claim is None:
+                raise Stopped(f"standby {self.learner_id} stopped before taking over a learner")
+            log.info("standby %s takes over learner %s", self.learner_id, self._claim.learner_id)
+            self.learner_id = self._claim.learner_id
+            self.index = int(self._claim.info["learner_index"])
+            return
+        self._claim = standby.acquire(
+            self.checkpoint_dir, self.learner_id, self.index, self.num_learners, stop=self._stop
+        )
+        if self._claim is None:
+            raise LearnerStateError(
+                f"learner id {self.learner_id!r} is held by a live process "
+                f"({standby.holder(self.checkpoint_dir, self.learner_id)}): give another id, "
+                "or standby=True to wait for a failed learner's"
+            )
+
+    def _identity(self) -> dict:
+        return {
+            "learner_id": self.learner_id,
+            "learner_index": self.index,
+            "num_learners": self.num_learners,
+            "plan_fingerprint": self.plan.fingerprint,
+        }
+
+    def _resume(self, layout: TreeLayout, leaves: list[Any]) -> None:
+        """Reads this id's checkpoint (checked to be of this plan) and makes the writer."""
+        path = checkpoint.path_for(self.checkpoint_dir, self.learner_id)
+        self._ckpt = ckpt = checkpoint.read(path)
+        if ckpt is not None:
+            checkpoint.check(ckpt, self._identity(), path)
+            if len(ckpt.params_leaves) != len(layout.synced):
+                raise checkpoint.CheckpointError(f"{path} holds another model's params")
+            self.steps = self._progress.steps_done = ckpt.step
+            self._progress.tokens_total = int(ckpt.meta.get("tokens", 0))
+        self._trail = checkpoint.PushTrail(layout.plan.num_fragments)
+        if distributed.is_leader() and self.checkpoint_every:
+            self._checkpointer = checkpoint.Checkpointer(
+                self.checkpoint_dir, self.learner_id, self.checkpoint_every, self._identity()
+            )
+
+    def _join_shards(self, view: _View) -> list[np.ndarray]:
+        """Process 0: connects, joins (seeding what nobody has), resumes the checkpoint's
+        sync state; returns every fragment's vector to start from."""
+        tls, token = self.tls, self.token
+
+        def connect(address: str) -> ShardClient:
+            return ShardClient(
+                address, self.learner_id, token=token, tls=tls, deadline=self.deadline
+            )
+
+        pattern = self.pattern
+        sync = Synchronizer(
+            self.sync_config,
+            self.plan,
+            [connect(a) for a in self.addresses],
+            connect=None if pattern is None else lambda i: connect(pattern.replace("{i}", str(i))),
+            read_fragment=_read,
+        )
+        with self._lock:
+            self._sync = sync
+        if self._stop.is_set():
+            sync.stop()
+        log.info("learner %s joining the syncer at %s", self.learner_id, ", ".join(self.addresses))
+        theta_ckpt = None
+        if self._ckpt is not None:
+            theta_ckpt = [_read(view, p) for p in range(self.plan.num_fragments)]
+        vectors = sync.join_fragments(view)
+        if self._ckpt is not None:
+            carried = checkpoint.resume_sync(
+                self._ckpt, sync, theta_ckpt, self._trail, checkpoint.shard_last_seqs(sync)
+            )
+            for p, vector in carried.items():
+                vectors[p] = vector
+            log.info(
+                "learner %s resumed its checkpoint at step %d: local progress kept for "
+                "fragments %s",
+                self.learner_id,
+                self._ckpt.step,
+                sorted(carried),
+            )
+        return vectors
+
+    def _save(self, view: _View, state: PyTree, wait: bool = False) -> None:
+        leaves = view.leaves()
+        self._progress.params = [leaves[i] for i in self._layout.synced]
+        self._progress.opt_state = () if state is None else state
+        self._checkpointer.save(self._progress, self._sync, self._trail, wait=wait)
+
+    def _release(self, done: bool) -> None:
+        with self._lock:
+            sync, self._sync = self._sync, None
+        if sync is not None:
+            sync.close()
+            self._stats, self._versions = dict(sync.stats), sync.versions()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+        if self._claim is not None:
+            self._claim.release(done=done)

@@ -1,0 +1,241 @@
+"""atoll.Learner without shards: its settings, the order of its calls, and how a params
+pytree becomes fragments (learner/pytree.py). Against real shards:
+tests/integration/test_learner_api.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import atoll
+from atoll.learner.pytree import ParamsError, TreeLayout, leaf_name
+from atoll.learner.sync import plan_difference
+from atoll.wire.plan import FragmentPlan
+
+PARAMS = {"w1": jnp.ones((4, 8)), "b1": jnp.zeros(8), "w2": jnp.ones((8, 2)), "b2": jnp.zeros(2)}
+
+
+def test_import_atoll_is_light_and_exports_the_api():
+    code = (
+        "import sys, atoll; assert 'jax' not in sys.modules, 'import atoll pulled in jax'; "
+        "assert atoll.Learner.__module__ == 'atoll.learner.api'; "
+        "assert all(getattr(atoll, n) is not None for n in atoll.__all__); print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
+    assert set(atoll.__all__) == set(atoll.learner.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'Lerner'"):
+        atoll.Lerner  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(shards="", learner_id="a"), "names no shard"),
+        (dict(shards="localhost", learner_id="a"), "HOST:PORT"),
+        (dict(shards="h-{i}:7070", learner_id="a"), "give --num-shards"),
+        (dict(shards=[b"h:1"], learner_id="a"), "list of 'host:port' str"),
+        (dict(shards="h:1", learner_id=""), "learner_id"),
+        (dict(shards="h:1,h:2,h:3", learner_id="a", fragments=2), "at least the number of shards"),
+        (dict(shards="h:1", learner_id="a", period=0), "period"),
+        (dict(shards="h:1", learner_id="a", period=4, overlap=4), "overlap"),
+        (dict(shards="h:1", learner_id="a", mix=1.0), "mix"),
+        (dict(shards="h:1", learner_id="a", codec="int8"), "codec 'int8': want one of"),
+        (dict(shards="h:1", learner_id="a", patience=0), "patience"),
+        (dict(shards="h:1", learner_id="a", deadline=0), "deadline"),
+        (dict(shards="h:1", learner_id="a", checkpoint_every=-1), "checkpoint_every"),
+        (dict(shards="h:1", learner_id="a", index=2, num_learners=2), "index"),
+        (dict(shards="h:1", learner_id="a", standby=True), "standby=True needs checkpoint_dir"),
+        (dict(shards="h:1", learner_id="a", tls="ca.pem"), "TlsFiles"),
+    ],
+)
+def test_a_setting_that_cannot_work_is_refused_at_construction(kwargs, match):
+    with pytest.raises(atoll.LearnerConfigError, match=match):
+        atoll.Learner(**kwargs)
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(atoll.LearnerConfigError, match="not a directory"):
+        atoll.Learner("h:1", "a", checkpoint_dir=tmp_path / "file")
+
+
+def test_settings_by_name_and_pattern():
+    learner = atoll.Learner("h-{i}:7070", "a", num_shards=2, codec="fp32")
+    assert learner.addresses == ("h-0:7070", "h-1:7070") and learner.pattern == "h-{i}:7070"
+    assert learner.sync_config.codec == atoll.Codec.FP32
+    assert atoll.Learner(["h:1", "h:2"], "a").addresses == ("h:1", "h:2")
+
+
+def test_calls_out_of_order_say_what_to_call():
+    learner = atoll.Learner("h:1", "a")
+    with pytest.raises(atoll.LearnerStateError, match=r"step\(\) before join\(\)"):
+        learner.step(PARAMS)
+    with pytest.raises(atoll.LearnerStateError, match=r"finish\(\) before join\(\)"):
+        learner.finish(PARAMS)
+    with pytest.raises(atoll.LearnerStateError, match="before restore_state"):
+        learner.restore_state({})
+    with pytest.raises(atoll.LearnerStateError, match="call join first"):
+        learner.plan  # noqa: B018
+    learner.close()
+    learner.close()  # twice is fine
+    with pytest.raises(atoll.LearnerStateError, match=r"join\(\) after close\(\)"):
+        learner.join(PARAMS)
+
+
+def test_a_failed_join_says_why_on_every_later_call():
+    learner = atoll.Learner("h:1", "a")
+    with pytest.raises(ParamsError, match="no float arrays"):
+        learner.join({"step": jnp.array(0)})
+    with pytest.raises(atoll.LearnerStateError, match="join failed: ParamsError"):
+        learner.step(PARAMS)
+
+
+# --- the tree ---
+
+
+def test_leaves_are_named_by_their_path_and_only_float_leaves_are_synced():
+    tree = {
+        "blocks": [{"w": jnp.ones((3, 2))}, {"w": jnp.ones((3, 2), jnp.bfloat16)}],
+        "step": jnp.array(3),
+        "key": jax.random.key(0),
+        "raw_key": jax.random.PRNGKey(0),
+        "mask": np.ones(4, bool),
+        "empty": jnp.zeros((0, 4)),
+        "scale": np.float32(2.0),
+    }
+    layout = TreeLayout(tree, 2)
+    assert [s.name for s in layout.plan.slots] == ["blocks/0/w", "blocks/1/w", "scale"]
+    assert set(layout.unsynced) == {"step", "key", "raw_key", "mask", "empty"}
+    assert leaf_name(()) == "params"
+
+
+def test_layout_reads_and_writes_fragments_keeping_dtypes_and_types():
+    tree = {"a": jnp.arange(6.0).reshape(2, 3).astype(jnp.bfloat16), "b": np.ones(3, np.float32)}
+    tree["n"] = jnp.array(7)
+    layout = TreeLayout(tree, 1)
+    leaves = layout.leaves(tree)
+    vector = layout.read(leaves, 0)
+    assert vector.dtype == np.float32 and vector.tolist() == [0, 1, 2, 3, 4, 5, 1, 1, 1]
+    out = layout.write(leaves, {0: vector + 1})
+    assert out["a"].dtype == jnp.bfloat16 and isinstance(out["a"], jax.Array)
+    assert isinstance(out["b"], np.ndarray) and out["b"].tolist() == [2, 2, 2]
+    assert out["n"] is tree["n"]  # left out of the plan: the same object
+    np.testing.assert_array_equal(
+        np.asarray(out["a"], np.float32), np.arange(1.0, 7.0).reshape(2, 3)
+    )
+
+
+@pytest.mark.parametrize(
+    "tree, fragments, match",
+    [
+        ({"w": jnp.ones(3), "lr": 0.1}, 1, "leaf 'lr' is a float, not an array"),
+        ({"w": jnp.ones(3), "z": jnp.ones(2, jnp.complex64)}, 1, "complex"),
+        ({"w": jnp.ones(3), "a/b": jnp.ones(2)}, 1, "key 'a/b'.*rename it"),
+        ({"w": jnp.ones(3), "": jnp.ones(2)}, 1, "key ''.*non-empty"),
+        ((jnp.ones(3), {"0": jnp.ones(2)}, [jnp.ones(1)]), 1, None),
+        ({"n": jnp.array(1)}, 1, "no float arrays to sync"),
+        ({"w": jnp.ones(3)}, 2, r"fragments=2: .*use num_fragments <= 1"),
+    ],
+)
+def test_a_tree_that_cannot_be_synced_is_refused_naming_the_leaf(tree, fragments, match):
+    if match is None:  # tuple and dict keys that name alike: "0/0"... all distinct here
+        assert len(TreeLayout(tree, fragments).plan.slots) == 3
+        return
+    with pytest.raises(ParamsError, match=match):
+        TreeLayout(tree, fragments)
+
+
+def test_two_leaves_named_alike_are_refused():
+    class Pair:  # a pytree node whose two children have one name
+        def __init__(self, a, b):
+            self.a, self.b = a, b
+
+    jax.tree_util.register_pytree_with_keys(
+        Pair,
+        lambda p: (
+            ((jax.tree_util.GetAttrKey("x"), p.a), (jax.tree_util.GetAttrKey("x"), p.b)),
+            None,
+        ),
+        lambda _, children: Pair(*children),
+    )
+    with pytest.raises(ParamsError, match="both named 'x'"):
+        TreeLayout(Pair(jnp.ones(2), jnp.ones(3)), 1)
+
+
+@pytest.mark.parametrize(
+    "changed, match",
+    [
+        ({**PARAMS, "b1": jnp.zeros(9)}, r"leaf 'b1' is float32\(9,\), was float32\(8,\)"),
+        ({**PARAMS, "b1": jnp.zeros(8, jnp.bfloat16)}, r"leaf 'b1' is bfloat16\(8,\)"),
+        ({k: v for k, v in PARAMS.items() if k != "b2"}, "leaf 'b2' is missing"),
+        ({**PARAMS, "b0": jnp.zeros(1)}, "leaf 'b0' is new"),
+        ({**PARAMS, "w3": jnp.zeros(1)}, "leaf 'w3' is new"),
+        ([PARAMS[k] for k in sorted(PARAMS)], "leaf 'b1' is missing"),
+    ],
+)
+def test_a_tree_unlike_the_joined_one_is_refused_naming_the_first_leaf(changed, match):
+    layout = TreeLayout(PARAMS, 2)
+    with pytest.raises(ParamsError, match=match):
+        layout.leaves(changed, "params given to step()")
+
+
+def test_a_tree_of_another_kind_with_the_same_names_is_refused():
+    from collections import OrderedDict
+
+    layout = TreeLayout(PARAMS, 2)
+    with pytest.raises(ParamsError, match="same kind of tree"):
+        layout.leaves(OrderedDict(sorted(PARAMS.items())))
+
+
+def test_plan_difference_names_the_first_tensor_that_differs():
+    plan = FragmentPlan.build({"a": np.zeros(4), "b": np.zeros(2), "embed": np.zeros(3)}, 2)
+    run = {s.name: (s.spec.shape, s.spec.embedding, s.fragment) for s in plan.slots}
+    assert "'b' has shape (2,) here, (5,)" in plan_difference(
+        {**run, "b": ((5,), False, 1)}, 2, plan
+    )
+    assert "'a0' (1,) is in the run" in plan_difference({**run, "a0": ((1,), False, 0)}, 2, plan)
+    less = {k: v for k, v in run.items() if k != "b"}
+    assert "'b' (2,) is in this learner's params, not in the run" in plan_difference(less, 2, plan)
+    assert "embedding" in plan_difference({**run, "embed": ((3,), False, 1)}, 2, plan)
+    assert "the run has 3 fragments" in plan_difference(run, 3, plan)
+    # a shard that did not answer: its fragment's tensors are not called missing
+    only_0 = {k: v for k, v in run.items() if v[2] == 0}
+    assert plan_difference(only_0, 2, plan) == "model or fragment count differ"
+
+
+def test_sharded_leaves_keep_their_sharding_when_written():
+    """Two CPU devices in a child process: a leaf split over both stays split."""
+    code = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from atoll.learner.pytree import TreeLayout
+assert len(jax.devices()) == 2
+mesh = Mesh(np.array(jax.devices()), ("x",))
+split = NamedSharding(mesh, P("x"))
+tree = {"w": jax.device_put(jnp.arange(8.0).reshape(4, 2), split), "b": jnp.ones(3)}
+layout = TreeLayout(tree, 2)
+leaves = layout.leaves(tree)
+vectors = {p: layout.read(leaves, p) + 1 for p in range(2)}
+out = layout.write(leaves, vectors)
+assert out["w"].sharding == split, out["w"].sharding
+assert len(out["w"].addressable_shards) == 2
+np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(1.0, 9.0).reshape(4, 2))
+print("ok")
+"""
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    import os
+
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+    assert out.stdout.strip() == "ok", out.stderr
