@@ -49,6 +49,17 @@ COMMANDS = (
         add="add_drain_arguments",
         main="drain_command",
     ),
+    Command(
+        "export",
+        "write the global model, one version of every fragment read from the shards, as an "
+        "Orbax checkpoint with its fragment plan; prints what it read as JSON",
+        "atoll.export",
+    ),
+    Command(
+        "sample",
+        "print text from a built-in preset model written by `atoll export` or `atoll up`",
+        "atoll.sample",
+    ),
     Command("bench", "measure a component; prints JSON", "atoll.bench"),
 )
 
