@@ -40,6 +40,9 @@ DEFINITIONS = {
     "open_rounds": "fragments whose round was still open when the global model was read, and the "
     "pushes waiting in it (not in the model): the read waits a few sync periods for open rounds "
     "to close (at most a lease), never longer; lockstep's rounds wait for every learner for good",
+    "model": "the directory the global model was written to as it was read (an Orbax checkpoint with its "
+    "fragment plan, atoll/model_dir.py; `atoll sample --model DIR` prints text from it); null when "
+    "this session read or wrote none",
     "shards": "each shard's last metrics sample; counters (rounds, pushes, bytes) count since its process "
     "last started, versions are durable",
 }
@@ -186,6 +189,7 @@ def build_report(
         "eval_bits_per_byte": (global_eval or {}).get("eval_bits_per_byte"),
         "versions": (global_eval or {}).get("versions"),
         "open_rounds": (global_eval or {}).get("open_rounds"),
+        "model": (global_eval or {}).get("model"),
         "tokens": tokens,
         "steps": total_steps,
         "goodput": (

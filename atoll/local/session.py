@@ -5,8 +5,8 @@ line each prints), then learners; every tick reads learners' status files and sh
 /metrics, redraws the table, and handles children that exit (a learner: the others go
 on; a shard: restarted once on the same port, it recovers from disk). Then the global
 model is read through the shards' fragment map (rounds still open are waited for a few
-sync periods at most, then reported) and evaluated, shards stop, the optional baseline
-trains, and the report is written. SIGINT/SIGTERM at any point: learners stop first (one
+sync periods at most, then reported), written into the run directory's model/ and
+evaluated, shards stop, the optional baseline trains, and the report is written. SIGINT/SIGTERM at any point: learners stop first (one
 stopped before its first step is stopped, not crashed), then shards; the report says so.
 """
 
@@ -18,12 +18,12 @@ import signal
 import threading
 import time
 
+# global_map and open_rounds: the read's pure parts, imported from here by tests/test_session.py
+from atoll.export import GlobalModel, global_map, open_rounds, read_global  # noqa: F401
 from atoll.local import progress
 from atoll.local.config import UpConfig, baseline_spec, learner_specs
 from atoll.local.processes import Child, Learner, PidFile, Shard, stop_children
 from atoll.local.report import write_report
-from atoll.wire.client import described_map
-from atoll.wire.plan import FragmentMap
 
 TICK = 1.0  # seconds between table redraws and child checks
 STALL_SECONDS = 60.0  # no learner step for this long while all train: say so
@@ -32,6 +32,7 @@ SAMPLE_EVERY = 2.0  # seconds between shard metric samples in shards.jsonl
 LEARNER_STOP_SECONDS = 30.0  # SIGTERM -> SIGKILL: a learner finishes its step, evaluates, leaves
 SHARD_STOP_SECONDS = 15.0  # SIGTERM -> SIGKILL: a shard writes its final snapshot
 SHARD_START_SECONDS = 120.0  # a shard must print its port within this (imports on a busy machine)
+MODEL_DIR = "model"  # where in the run directory the final global model is written
 
 
 class Session:
@@ -338,22 +339,48 @@ class Session:
             "learners finished; evaluating the global model from the shards (waiting up to "
             f"{wait:.0f} s for rounds still open)"
         )
+        addresses = [f"127.0.0.1:{s.port}" for s in self.shards]
         try:
-            addresses = [f"127.0.0.1:{s.port}" for s in self.shards]
-            result = evaluate_global(self.cfg, addresses, wait, stop=self.stopping)
+            model = read_global_model(self.cfg, addresses, wait, stop=self.stopping)
         except Exception as e:  # a report without the global figure beats no report
-            self.say(f"could not evaluate the global model: {type(e).__name__}: {e}")
+            self.say(f"could not read the global model: {type(e).__name__}: {e}")
             return None
-        if result["open_rounds"]:
+        if model.open_rounds:
             self.say(
-                f"read the global model with rounds still open after {result['waited_seconds']:.0f} s "
+                f"read the global model with rounds still open after {model.waited_seconds:.0f} s "
                 "(their pushes are not in it): "
                 + ", ".join(
                     f"fragment {p} ({n} push{'es' if n > 1 else ''})"
-                    for p, n in sorted(result["open_rounds"].items())
+                    for p, n in sorted(model.open_rounds.items())
                 )
             )
-        return result
+        saved = self._save_model(model)
+        try:
+            result = evaluate_global(self.cfg, addresses, wait, model=model)
+        except Exception as e:
+            self.say(f"could not evaluate the global model: {type(e).__name__}: {e}")
+            result = {
+                "versions": model.versions,
+                "open_rounds": model.open_rounds,
+                "waited_seconds": model.waited_seconds,
+            }
+        return {**result, "model": saved}
+
+    def _save_model(self, model: GlobalModel) -> str | None:
+        """Writes the global model into the run directory's model/ (atoll.model_dir; a
+        resumed run's replaces the previous session's); returns its path, None on failure."""
+        from atoll import model_dir
+
+        path = self.run_dir / MODEL_DIR
+        try:
+            model_dir.write(
+                path, model.params(), model.plan, model.record(), self.cfg.preset, replace=True
+            )
+        except Exception as e:  # the report still comes, saying the model was not kept
+            self.say(f"could not write the global model to {path}: {type(e).__name__}: {e}")
+            return None
+        self.say(f"wrote the global model to {path} (atoll sample --model {path} --prompt ...)")
+        return str(path)
 
     def _finish(self, global_eval: dict | None) -> dict:
         self._draw(final=True)
@@ -395,7 +422,6 @@ OPEN_ROUND_PERIODS = 3.0  # sync periods the read waits for open rounds to close
 OPEN_ROUND_MIN_SECONDS = 5.0  # the least it waits (a period is unknown, or very short)
 OPEN_ROUND_MARGIN_SECONDS = 5.0  # past a lease, what a round timer may take to close a round
 EVAL_CALL_SECONDS = 30.0  # deadline of each Describe and Pull of the read (a busy shard answers)
-EVAL_POLL_SECONDS = 0.2  # between two Describes of the shards while rounds are open
 
 
 def round_wait_seconds(lease_seconds: float, period_seconds: float | None) -> float:
@@ -416,33 +442,27 @@ def round_wait_seconds(lease_seconds: float, period_seconds: float | None) -> fl
     return min(lease_seconds + OPEN_ROUND_MARGIN_SECONDS, bound)
 
 
-def global_map(describes: list, num_fragments: int) -> FragmentMap:
-    """Which shard holds each fragment: the shards' maps merged (the newest statement about
-    each fragment wins), or p mod S while no shard has one. `describes`: each shard's
-    DescribeResponse, in index order.
+def read_global_model(
+    cfg: UpConfig,
+    addresses: list[str],
+    wait_seconds: float,
+    stop: threading.Event | None = None,
+) -> GlobalModel:
+    """The run's global model, read fragment by fragment (FP32 snapshots) from the shards
+    its fragment map names (atoll.export.read_global), waiting up to `wait_seconds` for
+    rounds still open (see round_wait_seconds) or until `stop` is set (a Ctrl-C)."""
+    from atoll.learner.model import init_params, preset
+    from atoll.wire.client import ShardClient
+    from atoll.wire.plan import FragmentPlan
 
-    Raises RuntimeError when the map names a shard that is not among them."""
-    maps = [m for m in map(described_map, describes) if m and m.num_fragments == num_fragments]
-    fmap = (
-        FragmentMap.merge_all(maps) if maps else FragmentMap.modulo(num_fragments, len(describes))
-    )
-    away = {p: o for p, o in enumerate(fmap.owners) if o >= len(describes)}
-    if away:
-        raise RuntimeError(
-            f"the fragment map (version {fmap.version}) puts fragments on shards this run does "
-            f"not have: {', '.join(f'{p} on shard {o}' for p, o in sorted(away.items()))}"
-        )
-    return fmap
-
-
-def open_rounds(describes: list, fmap: FragmentMap) -> dict[int, int]:
-    """{fragment: pushes in its open round} for the rounds open on each fragment's owner."""
-    out = {}
-    for p, owner in enumerate(fmap.owners):
-        for info in describes[owner].fragments:
-            if info.fragment == p and info.round_size:
-                out[p] = info.round_size
-    return out
+    plan = FragmentPlan.build(init_params(preset(cfg.preset), cfg.seed), cfg.fragments)
+    # anonymous: no lease, no round waits
+    clients = [ShardClient(a, "", deadline=EVAL_CALL_SECONDS) for a in addresses]
+    try:
+        return read_global(clients, wait_seconds, stop, plan=plan)
+    finally:
+        for c in clients:
+            c.close()
 
 
 def evaluate_global(
@@ -450,56 +470,18 @@ def evaluate_global(
     addresses: list[str],
     wait_seconds: float,
     stop: threading.Event | None = None,
+    model: GlobalModel | None = None,
 ) -> dict:
-    """The global model, pulled fragment by fragment (FP32 snapshots) from the shards its
-    fragment map names, on the learners' held-out batches.
-
-    The learners' last pushes may sit in rounds still open: the read waits up to
-    `wait_seconds` for them to close (see round_wait_seconds), or until `stop` is set
-    (a Ctrl-C), then reads each fragment as it is. Returns eval_loss,
-    eval_bits_per_byte, versions ({fragment: version}), open_rounds ({fragment: pushes
-    left in its round, not in the model}) and waited_seconds."""
+    """The global model (`model`, or read from the shards by read_global_model) on the
+    learners' held-out batches. Returns eval_loss, eval_bits_per_byte, versions
+    ({fragment: version}), open_rounds ({fragment: pushes left in its round, not in the
+    model}) and waited_seconds."""
     from atoll.learner.data import eval_batches, load_corpus
-    from atoll.learner.model import init_params, preset
+    from atoll.learner.model import preset
     from atoll.learner.train import evaluate
-    from atoll.wire import codec
-    from atoll.wire.client import ShardClient
-    from atoll.wire.plan import FragmentPlan
 
+    model = model or read_global_model(cfg, addresses, wait_seconds, stop)
     model_cfg = preset(cfg.preset)
-    plan = FragmentPlan.build(init_params(model_cfg, cfg.seed), cfg.fragments)
-    stop = stop or threading.Event()
-    # anonymous: no lease, no round waits
-    clients = [ShardClient(a, "", deadline=EVAL_CALL_SECONDS) for a in addresses]
-    started = time.monotonic()
-    try:
-        while True:
-            describes = [c.describe() for c in clients]
-            fmap = global_map(describes, cfg.fragments)
-            still_open = open_rounds(describes, fmap)
-            left = wait_seconds - (time.monotonic() - started)
-            if not still_open or left <= 0 or stop.is_set():
-                break
-            stop.wait(min(EVAL_POLL_SECONDS, left))
-        waited = time.monotonic() - started
-        described = {
-            p: info.version
-            for p, owner in enumerate(fmap.owners)
-            for info in describes[owner].fragments
-            if info.fragment == p
-        }
-        vectors, versions = [], {}
-        for p in range(cfg.fragments):
-            pulled = clients[fmap.owner(p)].pull(p)
-            if not pulled.snapshot or len(pulled.frames) != 1:
-                raise RuntimeError(f"fragment {p}: expected one snapshot frame")
-            vectors.append(codec.decode(pulled.frames[0][2], num_values=plan.fragment_sizes[p]))
-            versions[p] = pulled.version
-            if pulled.version > described.get(p, pulled.version):
-                still_open.pop(p, None)  # its round closed since the Describe
-    finally:
-        for c in clients:
-            c.close()
     corpus = load_corpus(None, vocab=model_cfg.vocab)
     batches = eval_batches(
         corpus.heldout,
@@ -507,11 +489,11 @@ def evaluate_global(
         batch_size=cfg.batch_size,
         num_batches=cfg.eval_batches,
     )
-    result = evaluate(plan.unflatten(vectors), batches, model_cfg)
+    result = evaluate(model.params(), batches, model_cfg)
     return {
         "eval_loss": result["loss"],
         "eval_bits_per_byte": result["bits_per_byte"],
-        "versions": versions,
-        "open_rounds": still_open,
-        "waited_seconds": round(waited, 2),
+        "versions": model.versions,
+        "open_rounds": model.open_rounds,
+        "waited_seconds": model.waited_seconds,
     }

@@ -21,6 +21,7 @@ be resumed (`atoll up --run-dir X`; X must hold a run):
     learners/<id>.jsonl  each learner's status records
     checkpoints/         each learner's checkpoint and id claim (a restart resumes from them)
     logs/<name>.log      each child's stdout and stderr
+    model/               the final global model (atoll.model_dir: an Orbax checkpoint)
     report.json, loss.png, wire.png, lag.png
 """
 
@@ -239,6 +240,8 @@ def summary(report: dict, run_dir: pathlib.Path) -> str:
             + (f" ({per_version:.2f} per version)" if per_version else "")
         )
     lines = [head, "  " + " | ".join(parts), f"  report: {run_dir / 'report.json'}"]
+    if g.get("model"):
+        lines.append(f"  model:  {g['model']} (atoll sample --model {g['model']} --prompt TEXT)")
     if g.get("open_rounds"):
         lines.append(
             "  read with rounds still open (their pushes are not in the model): "
