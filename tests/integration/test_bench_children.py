@@ -85,7 +85,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO)}
 
 
-def test_a_benchs_shard_dies_when_the_bench_is_killed(tmp_path):
+def test_the_shard_a_bench_started_dies_when_the_bench_is_killed(tmp_path):
     wrapper = subprocess.Popen(
         [sys.executable, "-c", WRAPPER, str(tmp_path)],
         cwd=REPO,
