@@ -308,6 +308,7 @@ def run(cfg: ShardConfig) -> int:
     when this host refuses what cfg asks (a port taken, a data directory it cannot write),
     before anything is served."""
     from atoll.server.service import check_ports
+    from atoll.server.shard import RecoveryStopped
 
     _release_freed_memory()
     check_ports(cfg)
@@ -317,10 +318,19 @@ def run(cfg: ShardConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     try:
-        server.start()
+        server.start(stop=done)  # a signal ends a long replay too
     except ConfigError:  # the metrics port: nothing served yet
         server.stop(grace=0)
         raise
+    except RecoveryStopped as e:
+        log.info(
+            "shard %d/%d: recovery %s, on a signal; nothing written (the next start replays them)",
+            cfg.shard_index,
+            cfg.num_shards,
+            e,
+        )
+        server.stop()
+        return 0
     if server.shard.recovery_error is not None:
         print(
             f"syncer shard {cfg.shard_index}/{cfg.num_shards} did not recover and serves nothing "

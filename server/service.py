@@ -996,9 +996,10 @@ class SyncerServer:
         if self.health_server is not None:
             await self.health_server.start()
 
-    def start(self) -> None:
+    def start(self, stop: threading.Event | None = None) -> None:
         """Serves at once (NOT_SERVING), recovers, then reports SERVING; a ConfigError,
-        serving nothing, when the metrics port cannot be had."""
+        serving nothing, when the metrics port cannot be had. Once `stop` is set the
+        replay ends with RecoveryStopped (still NOT_SERVING: `stop()` follows)."""
         if self.cfg.metrics_port is not None:
             host, port = self.cfg.host, self.cfg.metrics_port
             try:
@@ -1009,7 +1010,7 @@ class SyncerServer:
                 ) from None
         _run(self._start_servers())
         try:
-            replayed = self.shard.recover()
+            replayed = self.shard.recover(stop)
         except RecoveryError as e:
             # Stay up and NOT_SERVING with the reason, rather than exit into a restart loop
             # that would replay the same record: the operator decides (see the message).

@@ -123,6 +123,10 @@ class RecoveryError(RuntimeError):
     """A log record that cannot be applied; the message names it and the way forward."""
 
 
+class RecoveryStopped(Exception):
+    """Recovery ended early because the process is stopping; nothing was written."""
+
+
 def _same_move(held: FragmentMap | None, p: int, new: FragmentMap) -> bool:
     """Whether `held` already says what `new` says of fragment p (the same move)."""
     return (
@@ -262,8 +266,12 @@ class Shard:
 
     # --- recovery ---
 
-    def recover(self) -> int:
+    def recover(self, stop: threading.Event | None = None) -> int:
         """Loads the newest snapshot and replays the log after it; returns records replayed.
+
+        A replay can take as long as the log is: once `stop` is set (a SIGTERM) it ends
+        between two records with RecoveryStopped, the shard as before recovery (not ready,
+        so no final snapshot of half a replay) and its files untouched.
 
         Every record was checked before it was logged, so every record applies. If one
         does not (a log from an older build, a disk error), recovery stops and raises
@@ -273,10 +281,13 @@ class Shard:
         it: an operator's decision, since that record may be an acknowledged push."""
         with self.lock:
             try:
-                replayed = self._replay(set(self.cfg.quarantine_records))
+                replayed = self._replay(set(self.cfg.quarantine_records), stop)
             except RecoveryError as e:
                 self._reset()  # half a replay is no state to serve from
                 self.recovery_error = str(e)
+                raise
+            except RecoveryStopped:
+                self._reset()
                 raise
             now = self.clock()
             for frag in self.fragments.values():
@@ -289,7 +300,7 @@ class Shard:
             self.ready = True
             return replayed
 
-    def _replay(self, skip: set[int]) -> int:
+    def _replay(self, skip: set[int], stop: threading.Event | None = None) -> int:
         snap = self.snapshots.latest()
         if snap is not None:
             try:
@@ -300,6 +311,8 @@ class Shard:
                 ) from e
         replayed = 0
         for lsn, record in self.wal.replay(self.last_lsn):
+            if stop is not None and stop.is_set():
+                raise RecoveryStopped(f"stopped after replaying {replayed} log records")
             if lsn in skip:
                 self._quarantine(lsn, record)
             else:
