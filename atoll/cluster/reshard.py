@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import signal
 import time
 from collections.abc import Callable, Sequence
 
@@ -306,6 +307,19 @@ class DrainError(RuntimeError):
     """The drain could not finish; the message says what is left and how to finish it."""
 
 
+class DrainStopped(BaseException):
+    """SIGTERM ended the drain (raised in the main thread, through any wait or call in
+    flight); a BaseException, so no handler of a shard's errors takes it for one."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stopped_by(signum: int, _frame: object) -> None:
+    raise DrainStopped(signum)
+
+
 TRANSIENT = (  # what a drain waits out: shards restarting, moves another planner began
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -559,6 +573,8 @@ def drain_main(
     from atoll.server.config import ConfigError
 
     say = lambda line: print(f"atoll drain: {line}", flush=True)  # noqa: E731
+    stay = "N"  # the shards that stay, once known (for the way out of a stopped drain)
+    previous = signal.signal(signal.SIGTERM, _stopped_by)
     try:
         ordered = False  # --replicas given: as shipped, Parallel
         if replicas is None:
@@ -583,6 +599,7 @@ def drain_main(
             def kept() -> int:
                 return first
 
+        stay = str(first)
         if index < first:  # a restart, an eviction: nothing to hand over, no token needed
             say(f"shard {index} stays ({first} replicas): it keeps its fragments")
             return 0
@@ -604,6 +621,16 @@ def drain_main(
     except grpc.RpcError as e:
         say(f"{e.code().name}: {e.details()}")
         return 1
+    except (DrainStopped, KeyboardInterrupt) as e:
+        # a move cut short is finished by the next reshard (every step is durable)
+        signum = e.signum if isinstance(e, DrainStopped) else signal.SIGINT
+        say(
+            f"stopped by {signal.Signals(signum).name}: what shard {index} still owns stays on "
+            f"its volume; run atoll reshard --to {stay} while it is up"
+        )
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(json.dumps(result), flush=True)
     return 0
 
