@@ -544,7 +544,7 @@ def run_chaos(
         if wan is not None and name != "failure_free":
             results[name]["wan"] = wan.describe()
         if session.stop_signal is not None:
-            results[name]["interrupted"] = True
+            results[name]["interrupted"] = signal.Signals(session.stop_signal).name
             break
     a = results["atoll"]
     out_json = {
@@ -780,8 +780,9 @@ def _add_local_arguments(p) -> None:
 
 
 def main(args, parser) -> int:
-    """`atoll chaos` on this machine: exit 0 when nothing acknowledged was lost, 1 otherwise
-    (with --kubernetes, `atoll.cluster.kube.chaos_main`)."""
+    """`atoll chaos` on this machine: exit 0 when nothing acknowledged was lost, 1 otherwise,
+    128 + the signal when SIGINT/SIGTERM stopped it (with --kubernetes,
+    `atoll.cluster.kube.chaos_main`)."""
     import datetime
 
     if args.kubernetes:
@@ -841,8 +842,9 @@ def main(args, parser) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(summary(result))
-    if any(r.get("interrupted") for r in result["runs"].values()):
-        return 130
+    stopped = [r["interrupted"] for r in result["runs"].values() if r.get("interrupted")]
+    if stopped:
+        return 128 + signal.Signals[stopped[0]]  # as `atoll up`: 130 for SIGINT, 143 for SIGTERM
     return 0 if result["acked_pushes_lost"] == 0 else 1
 
 
