@@ -705,7 +705,11 @@ class Synchronizer:
         outcome: _Outcome = frag.task.result()
         frag.task = None
         if outcome.correction is not None:
-            now = flat_now.setdefault(frag.p, self.read_fragment(params, frag.p))
+            # θ_p as the caller will hold it: a fragment adopted once already in this call
+            # (finish: the sync in flight, then its tail's) adds to that, not to `params`
+            now = updates.get(frag.p)
+            if now is None:
+                now = flat_now.setdefault(frag.p, self.read_fragment(params, frag.p))
             updates[frag.p] = now + outcome.correction
         else:
             updates[frag.p] = outcome.values
