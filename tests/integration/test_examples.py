@@ -1,0 +1,65 @@
+"""The examples in examples/, run as the README shows: a real `atoll syncer` shard and two
+learners as processes, at a tiny size; both learners' global loss at the end is well
+below the loss they started from."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from syncer_helpers import REPO, syncer_processes
+
+pytestmark = pytest.mark.e2e  # whole runs of real processes: `make test-fast` skips them
+
+EXAMPLES = {
+    "plain_optax.py": 0.5,  # the end's loss is below this share of the start's
+    "flax_nnx.py": 0.5,
+}
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_two_learners_of_an_example_train_through_a_shard(tmp_path, example):
+    if example == "flax_nnx.py":
+        pytest.importorskip("flax", reason="flax comes with atoll's test extras")
+    with syncer_processes(tmp_path) as start:
+        shard = start(tmp_path / "shard", "--quorum", "2", "--lease-seconds", "10")
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
+        }
+        args = ["--shards", f"127.0.0.1:{shard.port}", "--steps", "300", "--period", "8"]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(REPO / "examples" / example),
+                    *args,
+                    "--learner-id",
+                    name,
+                    "--index",
+                    str(i),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=tmp_path,
+                env=env,
+            )
+            for i, name in enumerate("ab")
+        ]
+        try:
+            outputs = [p.communicate(timeout=240) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+        start_loss = float(re.search(r"loss at start ([\d.]+)", out).group(1))
+        end_loss = float(re.search(r"global loss at the end ([\d.]+)", out).group(1))
+        assert end_loss < EXAMPLES[example] * start_loss, out
