@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -311,3 +312,79 @@ print("ok")
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env
     )
     assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+MULTIHOST_CHILD = """
+import hashlib, sys, time
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from atoll.learner import distributed
+import atoll
+
+shard, coordinator, process = sys.argv[1], sys.argv[2], int(sys.argv[3])
+distributed.initialize(distributed.DistributedConfig(coordinator, 2, process))
+mesh = Mesh(np.array(jax.devices()), ("data",))  # one device per process: the island's two hosts
+whole = NamedSharding(mesh, P())
+def replicated(x):
+    return jax.make_array_from_callback(x.shape, whole, lambda index: x[index])
+# each process starts from its own values: join must give both process 0's
+start = np.random.default_rng(process).standard_normal((3, 8, 4)).astype(np.float32)
+params = {"w": replicated(start[0]), "v": replicated(start[1]), "b": replicated(start[2, 0])}
+step = jax.jit(lambda p: jax.tree.map(lambda x: x * 0.95 + 0.01, p), out_shardings=whole)
+learner = atoll.Learner(shard, "mh", period=4, overlap=1, fragments=2)
+params = learner.join(params)
+for _ in range(16):
+    params = step(params)
+    time.sleep(0.01)
+    params = learner.step(params)
+params = learner.finish(params)
+assert all(x.sharding == whole for x in jax.tree.leaves(params))
+digest = hashlib.sha256(b"".join(np.asarray(params[k]).tobytes() for k in sorted(params)))
+print("adopted", learner.stats.get("adopted", "-"), "params", digest.hexdigest()[:16], flush=True)
+"""
+
+
+@pytest.mark.e2e
+def test_a_two_process_learner_joins_and_adopts_on_every_process(tmp_path):
+    """Process 0 alone talks to the shard; process 1 starts from and adopts what it did."""
+    import socket
+
+    from syncer_helpers import REPO, syncer_processes
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with syncer_processes(tmp_path) as start:
+        shard = start(tmp_path / "s0", "--quorum", "1", "--lease-seconds", "5")
+        env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    MULTIHOST_CHILD,
+                    f"127.0.0.1:{shard.port}",
+                    f"127.0.0.1:{port}",
+                    str(i),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for i in range(2)
+        ]
+        try:
+            outputs = [p.communicate(timeout=180) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    lead, other = (
+        re.search(r"^adopted (\S+) params (\S+)$", out, re.M).groups() for out, _ in outputs
+    )
+    assert int(lead[0]) >= 4 and other[0] == "-", (lead, other)  # process 1 has no sync
+    assert lead[1] == other[1], (lead, other)  # the same params, bit for bit
