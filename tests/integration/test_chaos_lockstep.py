@@ -57,6 +57,15 @@ def test_a_lockstep_run_restarts_every_learner_from_its_checkpoint_and_goes_on(t
         ("learner-1", "learner-0"),
     ], lockstep["kills"]
     assert lockstep["learner_restarts"] == 2 and lockstep["learners_rejoined"] == 2
+    # both phases finish and report their figures; rounds read while open are named in the
+    # figures and in the lockstep report, never waited out (its leases never lapse)
+    assert result["runs"]["atoll"]["outcome"] == "finished"
+    for figure in ("goodput", "lockstep_goodput", "uptime", "lockstep_uptime"):
+        assert result[figure] is not None and 0 < result[figure] <= 1, figure
+    assert result["final_eval_loss"] is not None and result["lockstep_final_eval_loss"] is not None
+    report = json.loads((work / "lockstep" / "report.json").read_text())
+    assert report["global"]["open_rounds"] == lockstep["open_rounds"]
+    assert any("evaluating the global model" in e for e in report["events"])
 
     killed_at = {k["learner"]: k["step"] for k in lockstep["kills"]}
     for name, step in killed_at.items():
