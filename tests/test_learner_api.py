@@ -1,6 +1,6 @@
 """atoll.Learner without shards: its settings, the order of its calls, and how a params
 pytree becomes fragments (learner/pytree.py). Against real shards:
-tests/integration/test_learner_api.py."""
+tests/integration/test_learner_api_shards.py."""
 
 from __future__ import annotations
 
