@@ -57,8 +57,14 @@ COVERAGE: dict[str, tuple[str, str | None]] = {
         "test_reshard_learners.py::test_learners_train_on_while_the_service_goes_from_2_to_4_to_3_shards",
         "test_signals.py::test_atoll_drain_waiting_for_shards_that_never_answer_stops_within_seconds",
     ),
-    "export": ("test_export_shards.py::test_export_writes_what_the_shards_serve_and_sample_runs_it", None),
-    "sample": ("test_export_shards.py::test_export_writes_what_the_shards_serve_and_sample_runs_it", None),
+    "export": (
+        "test_export_shards.py::test_export_writes_what_the_shards_serve_and_sample_runs_it",
+        None,
+    ),
+    "sample": (
+        "test_export_shards.py::test_export_writes_what_the_shards_serve_and_sample_runs_it",
+        None,
+    ),
     "bench codec": ("test_commands.py::test_atoll_bench_codec_reports_every_codec", None),
     "bench quality": (
         "test_bench_quality.py::test_quality_bench_compares_four_runs_at_equal_tokens",
