@@ -1,5 +1,6 @@
-"""A learner's settings (`LearnerConfig`) and the environment variables that give
-their defaults in a cluster; `atoll.learner.main` turns flags into one, `atoll.learner.loop` runs it.
+"""A learner's settings (`LearnerConfig`), their defaults and the environment variables
+that give their defaults in a cluster; `atoll.learner.main` turns flags into one,
+`LearnerConfig.to_args()` turns one back into flags, `atoll.learner.loop` runs it.
 """
 
 from __future__ import annotations
@@ -7,12 +8,40 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import re
 import tempfile
+from typing import TYPE_CHECKING
 
 from atoll.learner.distributed import (
     DistributedConfig,
 )
-from atoll.wire.codec import Codec
+from atoll.wire.codec import DEFAULT_CODEC, Codec
+
+if TYPE_CHECKING:
+    from atoll.learner.sync import SyncConfig
+
+# The learner's defaults, declared once: LearnerConfig (`atoll learner`), SyncConfig
+# (learner/sync.py), atoll.Learner (learner/api.py) and UpConfig (`atoll up`) read them,
+# and tests/test_defaults.py holds every entry point to them. The built-in benches (`atoll
+# bench quality`, `atoll chaos`) keep budgets of their own and say so where they set them.
+#
+# H = 32: on `atoll bench quality`'s budget the gap to data-parallel training grows with H
+# and so does the bandwidth saved: 1.49 / 0.36 / -0.15 % over seeds 0-2 at H = 32 with a
+# 277-285x saving, 2.04 / 1.48 / 0.28 % at 48 (docs/rounds.md), so 32 is the largest H
+# that stays within about 1 %. `atoll up` and atoll.Learner ran 32; `atoll learner` said 16.
+PERIOD = 32  # H: inner steps between two syncs of one fragment
+OVERLAP = 1  # τ: steps trained while a sync is in flight
+MIX = 0.0  # α: share of local weights kept when adopting (0: the global fragment, as DiLoCo)
+FRAGMENTS = 4  # P: fragments the model is synced in, staggered over the period
+CODEC = DEFAULT_CODEC  # outer-gradient codec: the wire's default (int4)
+SYNC_PATIENCE = 30.0  # seconds (at least; 4 periods of steps if longer) to wait on a round
+CHECKPOINT_EVERY = 50  # steps between background checkpoints
+DEADLINE = 60.0  # seconds per RPC to a shard
+PRESET = "small"  # model preset (learner.model.PRESETS)
+BATCH_SIZE = 16  # sequences per inner step
+STEPS = 200  # inner steps to run
+EVAL_BATCHES = 8  # held-out batches per evaluation
+SEED = 0  # model init seed and data order
 
 ENV_LEARNER_ID = "ATOLL_LEARNER_ID"  # default learner id (Kubernetes: the pod name)
 
@@ -48,21 +77,21 @@ class LearnerConfig:
     shard_pattern: str | None = None
     learner_index: int = 0  # which disjoint data shard this learner reads, in [0, num_learners)
     num_learners: int = 1  # M, learners in the run (data shards; baseline batch multiplier)
-    preset: str = "small"  # model preset (learner.model.PRESETS)
-    batch_size: int = 16  # sequences per inner step on this learner
-    steps: int = 200  # inner steps to run, >= 1
-    lr: float = 3e-3  # inner AdamW peak learning rate
+    preset: str = PRESET  # model preset (learner.model.PRESETS)
+    batch_size: int = BATCH_SIZE  # sequences per inner step on this learner, >= 1
+    steps: int = STEPS  # inner steps to run, >= 1
+    lr: float = 3e-3  # inner AdamW peak learning rate, > 0
     warmup: int = 20  # inner warm-up steps
-    period: int = 16  # H: inner steps between syncs of one fragment
-    overlap: int = 1  # τ: steps trained while a sync is in flight, in [0, H)
-    mix: float = 0.0  # α: share of local weights kept when adopting a global fragment
-    fragments: int = 4  # P: fragments (>= shards); every learner and shard must agree
-    codec: Codec = Codec.INT4  # outer-gradient codec
-    seed: int = 0  # model init seed (the same on every learner) and data order
+    period: int = PERIOD  # H: inner steps between syncs of one fragment, >= 1
+    overlap: int = OVERLAP  # τ: steps trained while a sync is in flight, in [0, H)
+    mix: float = MIX  # α: share of local weights kept when adopting a global fragment, in [0, 1)
+    fragments: int = FRAGMENTS  # P: fragments (>= shards); every learner and shard must agree
+    codec: Codec = CODEC  # outer-gradient codec
+    seed: int = SEED  # model init seed (the same on every learner) and data order
     data: pathlib.Path | None = None  # text file, directory or .npy tokens; None: the stdlib
     cache_dir: pathlib.Path | None = None  # corpus cache (default ~/.cache/atoll)
     eval_every: int = 50  # steps between held-out evaluations; 0: only at the end
-    eval_batches: int = 8  # held-out batches per evaluation
+    eval_batches: int = EVAL_BATCHES  # held-out batches per evaluation
     slowdown: float = 1.0  # >= 1: stretch each step (an older accelerator generation)
     baseline: bool = False  # data-parallel reference: no syncer, M× batch
     token_file: pathlib.Path | None = None  # a file holding this learner's bearer token
@@ -74,15 +103,15 @@ class LearnerConfig:
         None  # JSON lines, one per answered push (for `atoll chaos` audits)
     )
     sync_patience: float = (
-        30.0  # seconds (at least; 4 periods of steps if longer) to wait on a round
+        SYNC_PATIENCE  # seconds (at least; 4 periods of steps if longer) to wait on a round, > 0
     )
     wait_for_rounds: bool = False  # block on a round a whole period late (synchronous semantics)
     compile_cache: pathlib.Path | None = (
         None  # persistent XLA compilation cache: restarts skip compiling
     )
     metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: any free port
-    deadline: float = 60.0  # seconds per RPC
-    lease_exit_wait: float = 10.0  # seconds to wait at the end for syncs in flight
+    deadline: float = DEADLINE  # seconds per RPC, > 0
+    lease_exit_wait: float = 10.0  # seconds to wait at the end for syncs in flight, >= 0
     progress: bool = True  # print the live progress line
     distributed: DistributedConfig | None = (
         None  # the slice's processes (learner/distributed.py); None: one
@@ -90,7 +119,9 @@ class LearnerConfig:
     checkpoint_dir: pathlib.Path | None = (
         None  # durable learner state and id claims (learner/checkpoint.py)
     )
-    checkpoint_every: int = 50  # steps between background checkpoints, >= 0 (0: only when stopped)
+    checkpoint_every: int = (
+        CHECKPOINT_EVERY  # steps between background checkpoints, >= 0 (0: only when stopped)
+    )
     standby: bool = False  # wait, compiled, to take over a failed learner's id (learner/standby.py)
 
     def __post_init__(self):
@@ -114,17 +145,17 @@ class LearnerConfig:
             self.baseline or self.fragments >= len(self.shards),
             f"--fragments ({self.fragments}) must be at least the number of shards ({len(self.shards)})",
         )
-        need(self.period >= 1, f"--period must be >= 1, got {self.period}")
-        need(
-            0 <= self.overlap < self.period,
-            f"--overlap must be in [0, --period={self.period}), got {self.overlap}: a fragment is "
-            "adopted before its next sync",
-        )
-        need(0 <= self.mix < 1, f"--mix must be in [0, 1), got {self.mix}")
+        # H, τ, α and the patience are the synchronizer's settings: SyncConfig checks them
+        try:
+            self.sync_config()
+        except ValueError as e:
+            raise LearnerConfigError(_as_flags(str(e))) from None
         need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         need(self.slowdown >= 1, f"--slowdown must be >= 1 (1 = full speed), got {self.slowdown}")
+        need(self.deadline > 0, f"--deadline must be > 0 seconds, got {self.deadline}")
         need(
-            self.sync_patience > 0, f"--sync-patience must be > 0 seconds, got {self.sync_patience}"
+            self.lease_exit_wait >= 0,
+            f"--lease-exit-wait must be >= 0 seconds, got {self.lease_exit_wait}",
         )
         need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
         need(
@@ -175,6 +206,53 @@ class LearnerConfig:
                 problem = e.strerror
             need(problem is None, f"{flag} {path}: {problem}")
 
+    def sync_config(self) -> SyncConfig:
+        """The synchronizer's settings of this learner."""
+        from atoll.learner.sync import SyncConfig  # here: sync.py reads this module's defaults
+
+        return SyncConfig(
+            period=self.period,
+            overlap=self.overlap,
+            mix=self.mix,
+            codec=self.codec,
+            patience=self.sync_patience,
+            wait_for_rounds=self.wait_for_rounds,
+        )
+
+    def to_args(self) -> list[str]:
+        """The `atoll learner` flags that give this config: what a launcher (`atoll up`,
+        `atoll chaos`) runs, so each setting is declared and checked here once.
+
+        Every setting is spelled out, defaults too: --learner-index, --checkpoint-every
+        and others default from ATOLL_* variables, which must not change what a launcher
+        asked for. A setting that is None or False has no flag and is left out, and so is a
+        TPU slice's `DistributedConfig()`: the child reads those from its environment.
+        """
+        args = ["--learner-id", self.learner_id]  # first: `atoll up` logs a child's flags after it
+        if self.shard_pattern is not None:
+            args += ["--shards", self.shard_pattern, "--num-shards", str(len(self.shards))]
+        elif self.shards:
+            args += ["--shards", ",".join(self.shards)]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _SPELLED_APART or value is None or value is False:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if value is True:
+                args.append(flag)
+            elif isinstance(value, Codec):
+                args += [flag, value.name.lower()]
+            else:
+                args += [flag, str(value)]
+        if not self.progress:
+            args.append("--quiet")
+        multi = self.distributed
+        if multi is not None and multi.coordinator is not None:
+            args += ["--coordinator", multi.coordinator]
+            args += ["--num-processes", str(multi.num_processes)]
+            args += ["--process-id", str(multi.process_id)]
+        return args
+
     def as_learner(self, learner_id: str, learner_index: int) -> LearnerConfig:
         """This config for learner `learner_id` ({id} in the token, status and push-log paths
         filled in)."""
@@ -191,6 +269,24 @@ class LearnerConfig:
             push_log=fill(self.push_log),
             token_file=fill(self.token_file),
         )
+
+
+# the fields whose flags are not their names: `to_args` spells them itself
+_SPELLED_APART = ("learner_id", "shards", "shard_pattern", "progress", "distributed")
+# SyncConfig names its settings as atoll.Learner's arguments; `atoll learner` takes them as flags
+_SYNC_FLAGS = {
+    "period": "--period",
+    "overlap": "--overlap",
+    "mix": "--mix",
+    "patience": "--sync-patience",
+}
+
+
+def _as_flags(message: str) -> str:
+    """A SyncConfig error in `atoll learner`'s words: 'overlap (τ) must be in [0, H=4)' ->
+    '--overlap must be in [0, --period=4)'."""
+    message = re.sub(r"^(\w+)( \(.\))?", lambda m: _SYNC_FLAGS.get(m[1], m[0]), message)
+    return message.replace("H=", "--period=")
 
 
 def directory_problem(path: pathlib.Path) -> str | None:

@@ -55,7 +55,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The learner's flags; defaults are LearnerConfig's."""
+    """The learner's flags, defaulting to LearnerConfig's (its `to_args()` renders them)."""
     d = {f.name: f.default for f in dataclasses.fields(LearnerConfig)}
     p.add_argument(
         "--shards",
@@ -75,8 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--learner-index",
         type=int,
-        default=int(os.environ.get(ENV_LEARNER_INDEX, "0")),
-        help="data shard of this learner in [0, num-learners) (env ATOLL_LEARNER_INDEX)",
+        default=_env_int(ENV_LEARNER_INDEX, d["learner_index"]),
+        help="data shard of this learner in [0, num-learners) (env ATOLL_LEARNER_INDEX; "
+        "default %(default)s)",
     )
     p.add_argument(
         "--num-learners",
@@ -134,7 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--codec",
         choices=["int4", "mxfp4", "fp32"],
-        default="int4",
+        default=d["codec"].name.lower(),
         help="outer-gradient codec (default %(default)s)",
     )
     p.add_argument(
@@ -200,6 +201,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d["sync_patience"],
         help="seconds to wait on a round holding our push before training on without it "
         "(at least 4 periods of steps; default %(default)s)",
+    )
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=d["deadline"],
+        help="seconds per call to a shard (default %(default)s)",
+    )
+    p.add_argument(
+        "--lease-exit-wait",
+        type=float,
+        default=d["lease_exit_wait"],
+        help="seconds to wait at the end for syncs in flight (default %(default)s)",
     )
     p.add_argument(
         "--metrics-port", type=int, default=None, help="Prometheus /metrics port (off by default)"
@@ -295,6 +308,8 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
         wait_for_rounds=a.wait_for_rounds,
         compile_cache=a.compile_cache,
         metrics_port=a.metrics_port,
+        deadline=a.deadline,
+        lease_exit_wait=a.lease_exit_wait,
         progress=not a.quiet,
         distributed=config_from(a.coordinator, a.num_processes, a.process_id, os.environ),
         checkpoint_dir=a.checkpoint_dir,

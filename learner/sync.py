@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from atoll.learner.config import CODEC, MIX, OVERLAP, PERIOD, SYNC_PATIENCE
 from atoll.learner.stopping import Stopped
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
@@ -137,12 +138,15 @@ def plan_difference(
 
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
-    period: int = 32  # H: inner steps between two syncs of one fragment, >= 1
-    overlap: int = 1  # τ: steps training continues before adopting a push's result, in [0, H)
-    mix: float = 0.0  # α: share of the local fragment kept when adopting, in [0, 1)
-    codec: codec.Codec = codec.Codec.INT4  # outer-gradient codec on the wire
+    # the defaults are the learner's (learner/config.py), declared once
+    period: int = PERIOD  # H: inner steps between two syncs of one fragment, >= 1
+    overlap: int = OVERLAP  # τ: steps training continues before adopting a push's result, in [0, H)
+    mix: float = MIX  # α: share of the local fragment kept when adopting, in [0, 1)
+    codec: codec.Codec = CODEC  # outer-gradient codec on the wire
     max_backoff: float = 5.0  # seconds, cap of the retry backoff (jittered), > 0
-    patience: float = 30.0  # seconds (at least; 4 periods of steps if longer) to wait for a round
+    patience: float = (
+        SYNC_PATIENCE  # seconds (at least; 4 periods of steps if longer) to wait for a round
+    )
     wait_for_rounds: bool = False  # synchronous semantics: block when a round is a period late
 
     def __post_init__(self):

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
+import pathlib
 
 import pytest
 
 from atoll.cli import main
+from atoll.learner.config import LearnerConfig, LearnerConfigError
+from atoll.learner.distributed import DistributedConfig
+from atoll.learner.main import add_arguments, config_from_args
+from atoll.wire.codec import Codec
 
 
 @dataclasses.dataclass
@@ -35,6 +42,12 @@ def run(capsys):
             ("--shards", "127.0.0.1:1", "--overlap", "16", "--period", "16"),
             "--overlap must be in [0, --period=16)",
         ),
+        # H, τ, α and the patience are checked by SyncConfig, and named here as flags
+        (("--shards", "127.0.0.1:1", "--period", "0"), "--period must be at least 1, got 0"),
+        (("--shards", "127.0.0.1:1", "--mix", "1"), "--mix must be in [0, 1), got 1.0"),
+        (("--shards", "127.0.0.1:1", "--sync-patience", "0"), "--sync-patience must be > 0"),
+        (("--baseline", "--deadline", "0"), "--deadline must be > 0 seconds"),
+        (("--baseline", "--lease-exit-wait", "-1"), "--lease-exit-wait must be >= 0 seconds"),
         (("--shards", "atoll-{i}:7070"), "give --num-shards too"),
         (("--shards", "nohost"), "must be HOST:PORT"),
         (
@@ -132,3 +145,130 @@ def test_a_shard_pattern_is_kept_to_reach_shards_added_later():
     assert cfg.shard_pattern == "atoll-syncer-{i}.s:7070"
     listed = config_from_args(parser.parse_args(["--shards", "a:1,b:2"]))
     assert listed.shards == ("a:1", "b:2") and listed.shard_pattern is None
+
+
+@pytest.fixture
+def parse(monkeypatch):
+    """`atoll learner`'s flags to a LearnerConfig, in an environment with no ATOLL_* or
+    TPU variables (they would give the flags left out other defaults)."""
+    for name in list(os.environ):
+        if name.startswith(("ATOLL_", "TPU_")):
+            monkeypatch.delenv(name)
+
+    def go(args: list[str]) -> LearnerConfig:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)  # now: flags read their environment defaults here
+        return config_from_args(parser.parse_args(args))
+
+    return go
+
+
+def _configs(tmp: pathlib.Path) -> dict[str, LearnerConfig]:
+    for name in ("ca.pem", "cert.pem", "key.pem", "token"):
+        (tmp / name).write_text("x")
+    (tmp / "tokens").mkdir()
+    shards = ("127.0.0.1:7070", "127.0.0.1:7071")
+    plain = LearnerConfig(shards=shards, learner_id="island-a")
+    return {
+        "defaults": plain,
+        "baseline": LearnerConfig(shards=(), learner_id="b", baseline=True, num_learners=4),
+        "settings": dataclasses.replace(
+            plain,
+            learner_index=2,
+            num_learners=3,
+            preset="tiny",
+            batch_size=8,
+            steps=7,
+            lr=1e-4,
+            warmup=3,
+            period=5,
+            overlap=0,
+            mix=0.25,
+            fragments=6,
+            codec=Codec.FP32,
+            seed=11,
+            eval_every=0,
+            eval_batches=3,
+            slowdown=2.5,
+            sync_patience=1e9,
+            wait_for_rounds=True,
+            metrics_port=0,
+            deadline=0.5,
+            lease_exit_wait=0.0,
+            progress=False,
+            checkpoint_every=0,
+        ),
+        "paths": dataclasses.replace(
+            plain,
+            data=tmp / "corpus.txt",
+            cache_dir=tmp / "cache",
+            status_file=tmp / "{id}.jsonl",
+            push_log=tmp / "{id}.pushes.jsonl",
+            compile_cache=tmp / "xla",
+            checkpoint_dir=tmp / "ckpt",
+        ),
+        "tls and token": dataclasses.replace(
+            plain,
+            tls_ca=tmp / "ca.pem",
+            tls_cert=tmp / "cert.pem",
+            tls_key=tmp / "key.pem",
+            token_file=tmp / "token",
+        ),
+        "standby": dataclasses.replace(
+            plain,
+            standby=True,
+            checkpoint_dir=tmp / "ckpt",
+            token_file=tmp / "tokens" / "{id}",
+            status_file=tmp / "{id}.jsonl",
+        ),
+        "multihost and a shard pattern": dataclasses.replace(
+            plain,
+            shards=("atoll-syncer-0.s:7070", "atoll-syncer-1.s:7070", "atoll-syncer-2.s:7070"),
+            shard_pattern="atoll-syncer-{i}.s:7070",
+            distributed=DistributedConfig("10.0.0.2:8476", 2, 1),
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "defaults",
+        "baseline",
+        "settings",
+        "paths",
+        "tls and token",
+        "standby",
+        "multihost and a shard pattern",
+    ],
+)
+def test_a_config_renders_the_command_line_that_gives_it_back(parse, tmp_path, name):
+    cfg = _configs(tmp_path)[name]
+    assert parse(cfg.to_args()) == cfg
+
+
+def test_every_learner_setting_has_a_flag_to_render():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    dests = {a.dest for a in parser._actions}
+    spelled_apart = {"shard_pattern": "shards", "progress": "quiet", "distributed": "coordinator"}
+    for f in dataclasses.fields(LearnerConfig):
+        assert spelled_apart.get(f.name, f.name) in dests, f"LearnerConfig.{f.name} has no flag"
+
+
+def test_to_args_spells_out_defaults_the_environment_could_change(parse, monkeypatch):
+    cfg = LearnerConfig(shards=("127.0.0.1:7070",), learner_id="a")
+    monkeypatch.setenv("ATOLL_CHECKPOINT_EVERY", "7")
+    monkeypatch.setenv("ATOLL_LEARNER_INDEX", "3")
+    monkeypatch.setenv("ATOLL_SHARDS", "127.0.0.1:9999")
+    assert parse(cfg.to_args()) == cfg
+    read = parse(["--learner-id", "a", "--num-learners", "4"])
+    assert (read.checkpoint_every, read.learner_index, read.shards) == (7, 3, ("127.0.0.1:9999",))
+
+
+def test_a_sync_setting_is_checked_once_by_the_synchronizer():
+    cfg = LearnerConfig(shards=("127.0.0.1:7070",), learner_id="a", period=8, overlap=3)
+    sync = cfg.sync_config()
+    assert (sync.period, sync.overlap, sync.patience) == (8, 3, cfg.sync_patience)
+    with pytest.raises(LearnerConfigError, match=r"--overlap must be in \[0, --period=8\), got 8"):
+        dataclasses.replace(cfg, overlap=8)
