@@ -1,17 +1,27 @@
 """One source of defaults: the outer optimiser the shard, `atoll up`, `atoll bench quality`
-and the Kubernetes ConfigMap use is the paper's (lr 0.7, Nesterov momentum 0.9)."""
+and the Kubernetes ConfigMap use is the paper's (lr 0.7, Nesterov momentum 0.9); the
+learner's settings (H, τ, α, P, codec, ...) are learner/config.py's wherever a learner is
+made: `atoll learner`, SyncConfig, atoll.Learner and `atoll up`."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
+import os
 import pathlib
 import re
 
+import pytest
 import yaml
 
-from atoll import cli
+from atoll import Learner, cli
 from atoll.commands import subparser
-from atoll.local.config import UpConfig
+from atoll.learner import config as home
+from atoll.learner import main as learner_main
+from atoll.learner.config import LearnerConfig
+from atoll.learner.sync import SyncConfig
+from atoll.local.config import UpConfig, learner_specs
 from atoll.server import main as syncer_main
 from atoll.server.config import (
     GRACE_FACTOR,
@@ -63,3 +73,110 @@ def test_the_outer_optimiser_defaults_agree_everywhere():
     )
     # and the optimiser itself takes them when called bare
     assert outer_optimizer.__defaults__ == (OUTER_LR, OUTER_MOMENTUM, OUTER_MOMENTUM_DELAY)
+
+
+# the learner settings several entry points default: LearnerConfig field -> its home
+LEARNER_DEFAULTS = {
+    "preset": home.PRESET,
+    "batch_size": home.BATCH_SIZE,
+    "steps": home.STEPS,
+    "period": home.PERIOD,
+    "overlap": home.OVERLAP,
+    "mix": home.MIX,
+    "fragments": home.FRAGMENTS,
+    "codec": home.CODEC,
+    "seed": home.SEED,
+    "eval_batches": home.EVAL_BATCHES,
+    "sync_patience": home.SYNC_PATIENCE,
+    "checkpoint_every": home.CHECKPOINT_EVERY,
+    "deadline": home.DEADLINE,
+}
+# atoll.Learner's arguments and SyncConfig's fields named otherwise than LearnerConfig's
+RENAMED = {"patience": "sync_patience", "index": "learner_index"}
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No ATOLL_* or TPU variables: the flags' defaults are then the config's alone."""
+    for name in list(os.environ):
+        if name.startswith(("ATOLL_", "TPU_")):
+            monkeypatch.delenv(name)
+
+
+def test_the_learner_defaults_have_one_home():
+    assert (home.PERIOD, home.OVERLAP, home.FRAGMENTS, home.CODEC.name) == (32, 1, 4, "INT4"), (
+        "README and docs/rounds.md give figures at these settings: change them together"
+    )
+    fields = {f.name: f.default for f in dataclasses.fields(LearnerConfig)}
+    assert {k: fields[k] for k in LEARNER_DEFAULTS} == LEARNER_DEFAULTS
+
+
+def test_atoll_learner_flags_default_to_learner_config(clean_env):
+    parser = argparse.ArgumentParser()
+    learner_main.add_arguments(parser)
+    given = learner_main.config_from_args(
+        parser.parse_args(["--shards", "a:1", "--learner-id", "x"])
+    )
+    assert given == LearnerConfig(shards=("a:1",), learner_id="x"), "every flag's default"
+
+
+def test_the_synchronizer_and_the_library_default_as_atoll_learner_does():
+    sync = {RENAMED.get(f.name, f.name): f.default for f in dataclasses.fields(SyncConfig)}
+    fields = {f.name: f.default for f in dataclasses.fields(LearnerConfig)}
+    shared = set(sync) & set(fields)
+    assert shared >= {"period", "overlap", "mix", "codec", "sync_patience", "wait_for_rounds"}
+    assert {k: sync[k] for k in shared} == {k: fields[k] for k in shared}
+    api = {
+        RENAMED.get(name, name): p.default
+        for name, p in inspect.signature(Learner.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    shared = set(api) & set(fields)
+    assert shared >= {"period", "overlap", "mix", "fragments", "codec", "deadline", "num_learners"}
+    assert {k: api[k] for k in shared} == {k: fields[k] for k in shared}
+
+
+def test_atoll_up_runs_learners_at_the_learner_defaults():
+    up = UpConfig()
+    on_up = {k: getattr(up, k) for k in LEARNER_DEFAULTS if hasattr(up, k)}
+    assert on_up == {k: LEARNER_DEFAULTS[k] for k in on_up} | {"codec": home.CODEC.name.lower()}
+    # and what each learner it starts is given (batch and steps per learner: its spec's)
+    spec = learner_specs(up)[0]
+    learner = up.learner_config(spec, ["127.0.0.1:1", "127.0.0.1:2"])
+    assert learner == dataclasses.replace(
+        LearnerConfig(shards=learner.shards, learner_id=spec.name),
+        num_learners=up.learners,
+        eval_every=spec.eval_every,
+    )
+    assert UpConfig().max_staleness == ShardConfig.max_staleness
+
+
+# The built-in benches keep budgets of their own, where a test of the learner's defaults
+# would not show what they measure; each is stated where the bench sets it:
+BENCH_BUDGETS = {
+    # README "bench quality" and docs/rounds.md: the gap and the saving at H = 64, 4,000 steps
+    ("bench", "quality"): {"period": 64, "steps": 4000, "preset": "tiny"},
+    # atoll/faults/chaos.py: at H = 32 round overhead, not failures, decides goodput
+    # (and its --seed is the failure schedule's, not the learners')
+    ("chaos",): {"period": 64, "steps": 20000, "preset": "tiny", "seed": None},
+}
+
+
+@pytest.mark.parametrize("command", list(BENCH_BUDGETS))
+def test_the_benches_differ_from_the_learner_defaults_only_in_their_budgets(command):
+    flags = vars(subparser(cli.parser(), *command).parse_args([]))
+    budget = BENCH_BUDGETS[command]
+    assert {k: flags[k] for k in budget} == budget
+    shared = set(flags) & set(LEARNER_DEFAULTS) - set(budget)
+    assert shared >= {"overlap", "fragments", "batch_size"}
+    assert {k: flags[k] for k in shared} == {k: LEARNER_DEFAULTS[k] for k in shared}
+
+
+def test_the_kubernetes_learners_agree_on_the_run_settings_they_do_not_set_for_themselves():
+    config = _configmap(REPO / "k8s/base/learner/kustomization.yaml", "atoll-learner-config")
+    # H, steps and the checkpoint interval are the example deployment's own settings
+    assert int(config["ATOLL_OVERLAP"]) == home.OVERLAP
+    assert int(config["ATOLL_FRAGMENTS"]) == home.FRAGMENTS
+    assert config["ATOLL_CODEC"] == home.CODEC.name.lower()
+    assert config["ATOLL_PRESET"] == home.PRESET
+    assert int(config["ATOLL_BATCH_SIZE"]) == home.BATCH_SIZE

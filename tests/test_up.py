@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 
 import pytest
 
+from atoll.learner.main import add_arguments, config_from_args
 from atoll.local.config import (
     UpConfig,
     UpConfigError,
@@ -13,6 +16,7 @@ from atoll.local.config import (
     learner_specs,
     prepare_run_dir,
 )
+from atoll.local.processes import Learner, Standby
 from atoll.local.report import build_report, learner_summary, lives, write_report
 from atoll.local.up import summary
 
@@ -46,14 +50,19 @@ def test_defaults_follow_the_learner_count():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(shards=4, fragments=2), "--fragments (2) must be at least --shards (4)"),
+        (dict(shards=4, fragments=2), "--fragments (2) must be at least the number of shards (4)"),
         (dict(slowdown=(0.5,)), "--slowdown factors must be >= 1"),
         (dict(learners=2, slowdown=(1, 1, 2)), "--slowdown lists 3 factors for 2 learners"),
         (
             dict(learners=4, slowdown=(1, 2)),
             "--slowdown lists 2 factors for 4 learners: give one factor for all",
         ),
+        # the learners' settings, checked by LearnerConfig as `atoll learner` would
         (dict(period=4, overlap=4), "--overlap must be in [0, --period=4)"),
+        (dict(period=0), "--period must be at least 1"),
+        (dict(sync_patience=0), "--sync-patience must be > 0"),
+        (dict(checkpoint_every=-1), "--checkpoint-every must be >= 0"),
+        (dict(batch_size=0), "--batch-size must be >= 1"),
         (dict(learners=2, quorum=3), "--quorum must be in [1, --learners=2]"),
         (dict(preset="huge"), "unknown --preset 'huge'"),
     ],
@@ -63,6 +72,37 @@ def test_settings_that_cannot_work_say_how_to_fix_them(fields, message):
         UpConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
     ):
         UpConfig(**fields)
+
+
+def test_each_learner_runs_the_command_line_of_its_config(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    cfg, _ = prepare_run_dir(
+        run,
+        {"preset": "tiny", "learners": 2, "period": 8, "codec": "fp32", "wait_for_rounds": True},
+    )
+    addresses = ["127.0.0.1:7070", "127.0.0.1:7071"]
+    learner = Learner(learner_specs(cfg)[1], cfg, run, addresses)
+    c = learner.config
+    assert (c.learner_id, c.learner_index, c.num_learners, c.shards) == (
+        "learner-1",
+        1,
+        2,
+        tuple(addresses),
+    )
+    assert (c.period, c.codec.name, c.wait_for_rounds, c.steps) == (8, "FP32", True, 100)
+    assert (c.status_file, c.push_log) == (learner.status.path, learner.push_log)
+    assert (c.checkpoint_dir, c.compile_cache) == (run / "checkpoints", run / "compile-cache")
+    for name in [n for n in os.environ if n.startswith(("ATOLL_", "TPU_"))]:
+        monkeypatch.delenv(name)  # defaults of flags left out (a token file, a TPU slice)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(c.to_args())) == c
+    baseline = Learner(baseline_spec(cfg), cfg, run, []).config
+    assert baseline.baseline and baseline.shards == () and not baseline.wait_for_rounds
+    assert baseline.push_log is None and baseline.checkpoint_dir is None
+    standby = Standby("standby-0", learner_specs(cfg)[0], cfg, run, addresses)
+    assert standby.args[:3] == ["learner", "--learner-id", "standby-0"]
+    assert "--standby" in standby.args and str(run / "learners" / "{id}.jsonl") in standby.args
 
 
 def test_a_run_directory_resumes_only_with_the_same_settings(tmp_path):

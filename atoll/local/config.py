@@ -11,7 +11,23 @@ import json
 import math
 import os
 import pathlib
+from collections.abc import Sequence
 
+from atoll.learner.config import (
+    BATCH_SIZE,
+    CHECKPOINT_EVERY,
+    CODEC,
+    EVAL_BATCHES,
+    FRAGMENTS,
+    OVERLAP,
+    PERIOD,
+    PRESET,
+    SEED,
+    STEPS,
+    SYNC_PATIENCE,
+    LearnerConfig,
+    LearnerConfigError,
+)
 from atoll.server.config import (
     GRACE_FACTOR,
     OUTER_LR,
@@ -33,38 +49,36 @@ class UpConfigError(ValueError):
 class UpConfig:
     shards: int = 2  # S: syncer shard processes, >= 1, <= fragments
     learners: int = 4  # M: learner processes, >= 1
-    preset: str = "small"  # model preset (learner.model.PRESETS)
-    steps: int = 200  # inner steps of a full-speed learner, >= 1
+    preset: str = PRESET  # model preset (learner.model.PRESETS)
+    steps: int = STEPS  # inner steps of a full-speed learner, >= 1
     slowdown: tuple[
         float, ...
     ] = ()  # >= 1: one factor for all learners or one each; () = last M//2 at 2x
     same_time: bool = True  # a learner slowed s× runs steps/s steps, so all islands finish together
-    batch_size: int = 16  # sequences per inner step per learner
-    period: int = 32  # H: inner steps between two syncs of a fragment
-    overlap: int = 1  # τ: steps trained while a sync is in flight, in [0, H)
-    fragments: int = 4  # P: fragments, >= shards
-    codec: str = "int4"  # outer-gradient and published-delta codec: int4, mxfp4, fp32
+    # the learners' settings default to the learner's own (learner/config.py), and
+    # LearnerConfig checks them: `learner_config` is what each learner runs
+    batch_size: int = BATCH_SIZE  # sequences per inner step per learner
+    period: int = PERIOD  # H: inner steps between two syncs of a fragment
+    overlap: int = OVERLAP  # τ: steps trained while a sync is in flight, in [0, H)
+    fragments: int = FRAGMENTS  # P: fragments, >= shards
+    codec: str = CODEC.name.lower()  # outer-gradient and published-delta codec: int4, mxfp4, fp32
     quorum: int = 0  # K: learners to close a round, <= learners; 0 = min(2, M)
     grace_factor: float = (
         GRACE_FACTOR  # γ: multiplies the grace window a round waits for stragglers
     )
     lease_seconds: float = 10.0  # a learner silent this long is not waited for
-    max_staleness: int = 4  # versions a push's base may lag before it is refused
-    sync_patience: float = (
-        30.0  # seconds a learner waits on a round holding its push, then trains on
-    )
+    max_staleness: int = ShardConfig.max_staleness  # versions a push's base may lag, >= 0
+    sync_patience: float = SYNC_PATIENCE  # seconds a learner waits on a round holding its push
     wait_for_rounds: bool = False  # learners block on a round a period late (the lockstep baseline)
-    checkpoint_every: int = (
-        50  # steps between learner checkpoints (run_dir/checkpoints), >= 0; 0: none
-    )
+    checkpoint_every: int = CHECKPOINT_EVERY  # steps between checkpoints (run_dir/checkpoints)
     outer_lr: float = OUTER_LR  # shards' outer SGD learning rate, > 0
     outer_momentum: float = OUTER_MOMENTUM  # shards' outer Nesterov momentum, in [0, 1)
     momentum_delay: int = (
         OUTER_MOMENTUM_DELAY  # rounds per outer momentum update (delayed Nesterov), >= 1
     )
     evals: int = 6  # held-out evaluations per learner during the run (plus the final one)
-    eval_batches: int = 8  # held-out batches per evaluation (rounded up to a multiple of M)
-    seed: int = 0  # model init and data order
+    eval_batches: int = EVAL_BATCHES  # held-out batches per evaluation (rounded up to M's multiple)
+    seed: int = SEED  # model init and data order
     baseline: bool = False  # then train the data-parallel baseline (M× batch) for the loss plot
 
     def __post_init__(self):
@@ -75,16 +89,6 @@ class UpConfig:
         need(self.shards >= 1, f"--shards must be at least 1, got {self.shards}")
         need(self.learners >= 1, f"--learners must be at least 1, got {self.learners}")
         need(self.steps >= 1, f"--steps must be at least 1, got {self.steps}")
-        need(self.batch_size >= 1, f"--batch-size must be at least 1, got {self.batch_size}")
-        need(
-            self.fragments >= self.shards,
-            f"--fragments ({self.fragments}) must be at least --shards ({self.shards}): a shard owns fragments",
-        )
-        need(self.period >= 1, f"--period must be at least 1, got {self.period}")
-        need(
-            0 <= self.overlap < self.period,
-            f"--overlap must be in [0, --period={self.period}), got {self.overlap}",
-        )
         need(
             self.codec in ("int4", "mxfp4", "fp32"),
             f"--codec must be int4, mxfp4 or fp32, got {self.codec!r}",
@@ -101,11 +105,6 @@ class UpConfig:
         need(
             0 <= self.quorum <= self.learners,
             f"--quorum must be in [1, --learners={self.learners}], got {self.quorum}",
-        )
-        need(self.sync_patience > 0, f"--sync-patience must be > 0, got {self.sync_patience}")
-        need(
-            self.checkpoint_every >= 0,
-            f"--checkpoint-every must be >= 0 (0: no checkpoints), got {self.checkpoint_every}",
         )
         need(self.evals >= 0, f"--evals must be >= 0, got {self.evals}")
         need(self.eval_batches >= 1, f"--eval-batches must be at least 1, got {self.eval_batches}")
@@ -128,10 +127,13 @@ class UpConfig:
         object.__setattr__(
             self, "eval_batches", self.learners * -(-self.eval_batches // self.learners)
         )
-        # the shards' settings are the shard's own: declared and checked once, in ShardConfig
+        # the shards' and learners' settings are their own: declared and checked once, in
+        # ShardConfig and LearnerConfig (which leaves H, τ and the patience to SyncConfig)
         try:
             self.shard_config(0, pathlib.Path("shards/0"), 0)
-        except ConfigError as e:
+            for spec in learner_specs(self):
+                self.learner_config(spec, [f"127.0.0.1:{i + 1}" for i in range(self.shards)])
+        except (ConfigError, LearnerConfigError) as e:
             raise UpConfigError(str(e)) from None
 
     def shard_config(self, index: int, data_dir: pathlib.Path, port: int) -> ShardConfig:
@@ -150,6 +152,33 @@ class UpConfig:
             outer_momentum=self.outer_momentum,
             momentum_delay=self.momentum_delay,
             publish_codec=Codec[self.codec.upper()],
+        )
+
+    def learner_config(self, spec: LearnerSpec, addresses: Sequence[str]) -> LearnerConfig:
+        """Learner `spec`'s settings in this run, without its files in the run directory
+        (`atoll.local.processes` adds them); `LearnerConfig.to_args()` is its command line.
+        The baseline (index -1) trains alone: no shards, no syncs."""
+        baseline = spec.index < 0
+        return LearnerConfig(
+            shards=() if baseline else tuple(addresses),
+            learner_id=spec.name,
+            learner_index=max(spec.index, 0),
+            num_learners=self.learners,
+            preset=self.preset,
+            batch_size=spec.batch_size,
+            steps=spec.steps,
+            period=self.period,
+            overlap=self.overlap,
+            fragments=self.fragments,
+            codec=Codec[self.codec.upper()],
+            seed=self.seed,
+            eval_every=spec.eval_every,
+            eval_batches=spec.eval_batches,
+            slowdown=spec.slowdown,
+            baseline=baseline,
+            sync_patience=self.sync_patience,
+            wait_for_rounds=self.wait_for_rounds and not baseline,
+            checkpoint_every=self.checkpoint_every,
         )
 
     def to_json(self) -> dict:

@@ -8,6 +8,7 @@ stops learners first, then shards) and get SIGTERM if `atoll up` dies, however i
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import datetime
 import json
 import os
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 
+from atoll.learner.config import LearnerConfig
 from atoll.local import progress
 from atoll.local.config import LearnerSpec, UpConfig
 from atoll.wire.records import parse_serving
@@ -201,7 +203,7 @@ def checkpoint_dir(run_dir: pathlib.Path) -> pathlib.Path:
     return run_dir / "checkpoints"
 
 
-def learner_args(
+def learner_config(
     spec: LearnerSpec,
     cfg: UpConfig,
     run_dir: pathlib.Path,
@@ -209,64 +211,19 @@ def learner_args(
     learner_id: str,
     status: pathlib.Path,
     push_log: pathlib.Path,
-) -> list[str]:
-    """The `atoll learner` command line of `spec` (a standby's: learner_id its own, {id} in the paths)."""
-    baseline = spec.index < 0
-    args = [
-        "learner",
-        "--learner-id",
-        learner_id,
-        "--num-learners",
-        str(cfg.learners),
-        "--preset",
-        cfg.preset,
-        "--batch-size",
-        str(spec.batch_size),
-        "--steps",
-        str(spec.steps),
-        "--seed",
-        str(cfg.seed),
-        "--eval-every",
-        str(spec.eval_every),
-        "--eval-batches",
-        str(spec.eval_batches),
-        "--slowdown",
-        str(spec.slowdown),
-        "--status-file",
-        str(status),
-    ]
-    if baseline:
-        args += ["--baseline"]
-    else:
-        args += [
-            "--learner-index",
-            str(spec.index),
-            "--shards",
-            ",".join(addresses),
-            "--period",
-            str(cfg.period),
-            "--overlap",
-            str(cfg.overlap),
-            "--fragments",
-            str(cfg.fragments),
-            "--codec",
-            cfg.codec,
-            "--push-log",
-            str(push_log),
-            "--sync-patience",
-            str(cfg.sync_patience),
-        ]
-        if cfg.wait_for_rounds:
-            args += ["--wait-for-rounds"]
-        if cfg.checkpoint_every > 0:
-            args += [
-                "--checkpoint-dir",
-                str(checkpoint_dir(run_dir)),
-                "--checkpoint-every",
-                str(cfg.checkpoint_every),
-            ]
-    args += ["--compile-cache", str(run_dir / "compile-cache")]  # restarts load, not compile
-    return args
+) -> LearnerConfig:
+    """The settings of `spec`'s `atoll learner` (a standby's: learner_id its own, {id} in
+    the paths), with its files in `run_dir`; `to_args()` is its command line."""
+    syncing = spec.index >= 0  # the baseline trains alone
+    checkpoints = syncing and cfg.checkpoint_every > 0
+    return dataclasses.replace(
+        cfg.learner_config(spec, addresses),
+        learner_id=learner_id,
+        status_file=status,
+        push_log=push_log if syncing else None,
+        checkpoint_dir=checkpoint_dir(run_dir) if checkpoints else None,
+        compile_cache=run_dir / "compile-cache",  # restarts load, not compile
+    )
 
 
 class Learner(Child):
@@ -283,20 +240,32 @@ class Learner(Child):
         self.stepped = False  # this process wrote a training record (took a step)
         self.eval_loss: float | None = None
         self.life_start: float | None = None
+        self.cfg, self.run_dir, self.addresses = cfg, run_dir, addresses
         baseline = spec.index < 0
-        args = learner_args(
-            spec, cfg, run_dir, addresses, spec.name, self.status.path, self.push_log
-        )
         # the baseline runs alone, after the learners: let it use every core
         super().__init__(
             spec.name,
             "baseline" if baseline else "learner",
-            args,
+            [],  # made at each start, from `config`
             run_dir / "logs" / f"{spec.name}.log",
             single_thread=not baseline,
         )
 
+    @property
+    def config(self) -> LearnerConfig:
+        """This learner's settings; its command line is their `to_args()`."""
+        return learner_config(
+            self.spec,
+            self.cfg,
+            self.run_dir,
+            self.addresses,
+            self.name,
+            self.status.path,
+            self.push_log,
+        )
+
     def start(self, pids: PidFile) -> None:
+        self.args = ["learner", *self.config.to_args()]
         super().start(pids)
         self.stepped = False
 
@@ -357,7 +326,8 @@ class Standby(Child):
     ):
         status = run_dir / "learners" / "{id}.jsonl"
         push_log = run_dir / "learners" / "{id}.pushes.jsonl"
-        args = learner_args(spec, cfg, run_dir, addresses, name, status, push_log) + ["--standby"]
+        config = learner_config(spec, cfg, run_dir, addresses, name, status, push_log)
+        args = ["learner", *dataclasses.replace(config, standby=True).to_args()]
         super().__init__(name, "standby", args, run_dir / "logs" / f"{name}.log")
 
     def ready(self) -> bool:
