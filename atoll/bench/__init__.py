@@ -25,6 +25,12 @@ BENCHES = (
         "latency, pushes and memory before, during and after",
         "atoll.bench.streams",
     ),
+    Command(
+        "learner",
+        "what atoll.Learner costs a training loop against a real shard: per-step overhead "
+        "with no sync due and the pause at a sync point",
+        "atoll.bench.learner",
+    ),
 )
 
 
