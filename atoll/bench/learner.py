@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import atoll
 from atoll.bench.shard import start_shard
 from atoll.commands import positive_int
+from atoll.learner import config as defaults
 from atoll.learner.model import PRESETS, init_params
 from atoll.learner.sync import SyncConfig
 from atoll.learner.train import (
@@ -168,7 +169,7 @@ def _target(got: float | None, want: float) -> dict:
 
 
 def bench_learner(
-    preset: str = "small", steps: int = DEFAULT_STEPS, period: int = SyncConfig.period
+    preset: str = defaults.PRESET, steps: int = DEFAULT_STEPS, period: int = defaults.PERIOD
 ) -> dict:
     """Times `steps` pairs of train steps, one bare and one with `learner.step` after it.
 
@@ -291,8 +292,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--preset",
         choices=sorted(PRESETS),
-        default="small",
-        help="the model trained (learner/model.py; default small)",
+        default=defaults.PRESET,
+        help=f"the model trained (learner/model.py; default {defaults.PRESET})",
     )
     p.add_argument(
         "--steps",
@@ -303,9 +304,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--period",
         type=positive_int,
-        default=SyncConfig.period,
+        default=defaults.PERIOD,
         help="H, learner steps between two syncs of one fragment, >= 2 "
-        f"(default: atoll.Learner's, {SyncConfig.period})",
+        f"(default {defaults.PERIOD}, the learners')",
     )
     p.add_argument(
         "--json", action="store_true", help="print one JSON object (the only output format)"
