@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from atoll.learner.config import CODEC, MIX, OVERLAP, PERIOD, SYNC_PATIENCE
+from atoll.learner.defaults import CODEC, MIX, OVERLAP, PERIOD, SYNC_PATIENCE
 from atoll.learner.stopping import Stopped
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb

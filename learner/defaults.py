@@ -1,0 +1,27 @@
+"""The learner's defaults, declared once: LearnerConfig (`atoll learner`, learner/config.py
+re-exports them), SyncConfig (learner/sync.py), atoll.Learner (learner/api.py) and
+UpConfig (`atoll up`) read them, and tests/test_defaults.py holds every entry point to
+them. The built-in benches (`atoll bench quality`, `atoll chaos`) keep budgets of their own
+and say so where they set them."""
+
+from __future__ import annotations
+
+from atoll.wire.codec import DEFAULT_CODEC
+
+# H = 32: on `atoll bench quality`'s budget the gap to data-parallel training grows with H
+# and so does the bandwidth saved: 1.49 / 0.36 / -0.15 % over seeds 0-2 at H = 32 with a
+# 277-285x saving, 2.04 / 1.48 / 0.28 % at 48 (docs/rounds.md), so 32 is the largest H
+# that stays within about 1 %. `atoll up` and atoll.Learner ran 32; `atoll learner` said 16.
+PERIOD = 32  # H: inner steps between two syncs of one fragment
+OVERLAP = 1  # τ: steps trained while a sync is in flight
+MIX = 0.0  # α: share of local weights kept when adopting (0: the global fragment, as DiLoCo)
+FRAGMENTS = 4  # P: fragments the model is synced in, staggered over the period
+CODEC = DEFAULT_CODEC  # outer-gradient codec: the wire's default (int4)
+SYNC_PATIENCE = 30.0  # seconds (at least; 4 periods of steps if longer) to wait on a round
+CHECKPOINT_EVERY = 50  # steps between background checkpoints
+DEADLINE = 60.0  # seconds per RPC to a shard
+PRESET = "small"  # model preset (learner.model.PRESETS)
+BATCH_SIZE = 16  # sequences per inner step
+STEPS = 200  # inner steps to run
+EVAL_BATCHES = 8  # held-out batches per evaluation
+SEED = 0  # model init seed and data order
