@@ -163,10 +163,10 @@ def push(
     return stub.Push(iter(msgs), timeout=DEADLINE, metadata=metadata)
 
 
-def client_push(client, p: int, seq: int, base: int) -> pb.PushResponse:
-    """A learner's int4 push of a small random Δ for fragment p of PLAN, through a
+def client_push(client, p: int, seq: int, base: int, plan: FragmentPlan = PLAN) -> pb.PushResponse:
+    """A learner's int4 push of a small random Δ for fragment p of `plan`, through a
     ShardClient (the Δ is the same for the same p and seq)."""
-    delta = np.random.default_rng([p, seq]).standard_normal(PLAN.fragment_sizes[p]) * 0.01
+    delta = np.random.default_rng([p, seq]).standard_normal(plan.fragment_sizes[p]) * 0.01
     header = pb.PushHeader(
         fragment=p,
         base_version=base,
@@ -174,8 +174,8 @@ def client_push(client, p: int, seq: int, base: int) -> pb.PushResponse:
         inner_steps=4,
         tokens=400,
         codec=pb.CODEC_INT4,
-        num_params=PLAN.fragment_sizes[p],
-        plan_fingerprint=PLAN.fingerprint,
+        num_params=plan.fragment_sizes[p],
+        plan_fingerprint=plan.fingerprint,
     )
     return client.push(header, codec.encode(delta.astype(np.float32)))
 

@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 import pytest
-from syncer_helpers import syncer_processes
+from syncer_helpers import client_push, syncer_processes
 
 from atoll.cluster import reshard
 from atoll.faults.chaos import lockstep_config
@@ -16,7 +16,6 @@ from atoll.learner.model import init_params, preset
 from atoll.local.config import UpConfig
 from atoll.local.session import evaluate_global
 from atoll.wire import codec
-from atoll.wire import syncer_pb2 as pb
 from atoll.wire.client import ShardClient
 from atoll.wire.plan import FragmentMap, FragmentPlan
 
@@ -37,18 +36,7 @@ def shards(tmp_path):
 
 
 def _push(client: ShardClient, plan: FragmentPlan, p: int, seq: int, base: int) -> None:
-    delta = np.random.default_rng([p, seq]).standard_normal(plan.fragment_sizes[p]) * 0.01
-    header = pb.PushHeader(
-        fragment=p,
-        base_version=base,
-        seq=seq,
-        inner_steps=8,
-        tokens=8 * 16 * 32,
-        codec=pb.CODEC_INT4,
-        num_params=plan.fragment_sizes[p],
-        plan_fingerprint=plan.fingerprint,
-    )
-    assert client.push(header, codec.encode(delta.astype(np.float32))).accepted
+    assert client_push(client, p, seq, base, plan).accepted
 
 
 def test_the_global_model_is_read_through_the_map_and_open_rounds_are_reported(shards):

@@ -12,14 +12,13 @@ import socket
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from syncer_helpers import run_atoll, syncer_processes
+from syncer_helpers import client_push, run_atoll, syncer_processes
 
 from atoll import model_dir
 from atoll.faults.chaos import lockstep_config
 from atoll.learner.model import PRESETS, init_params
 from atoll.local.config import UpConfig
 from atoll.wire import codec
-from atoll.wire import syncer_pb2 as pb
 from atoll.wire.client import ShardClient
 from atoll.wire.plan import FragmentPlan, named_leaves
 
@@ -54,18 +53,7 @@ def _seed(addresses: list[str]) -> None:
 
 
 def _push(client: ShardClient, p: int, seq: int, base: int) -> None:
-    delta = np.random.default_rng([p, seq]).standard_normal(PLAN.fragment_sizes[p]) * 0.01
-    header = pb.PushHeader(
-        fragment=p,
-        base_version=base,
-        seq=seq,
-        inner_steps=8,
-        tokens=8 * 16 * 32,
-        codec=pb.CODEC_INT4,
-        num_params=PLAN.fragment_sizes[p],
-        plan_fingerprint=PLAN.fingerprint,
-    )
-    assert client.push(header, codec.encode(delta.astype(np.float32))).accepted
+    assert client_push(client, p, seq, base, PLAN).accepted
 
 
 def _served(addresses: list[str]) -> tuple[dict[int, int], list[np.ndarray]]:
