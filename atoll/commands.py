@@ -134,15 +134,20 @@ def add_tls_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_tls_pairs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """A flag error when the --tls-* flags given cannot work together (files unread)."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_cert is not None and args.tls_ca is None:
+        parser.error("--tls-cert needs --tls-ca as well")
+
+
 def tls_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     """The TlsFiles the flags name (None: plaintext); a flag error when they do not fit."""
     from atoll.wire.client import TlsFiles
 
+    check_tls_pairs(args, parser)
     ca, cert, key = args.tls_ca, args.tls_cert, args.tls_key
-    if (cert is None) != (key is None):
-        parser.error("--tls-cert and --tls-key go together")
-    if cert is not None and ca is None:
-        parser.error("--tls-cert needs --tls-ca as well")
     for flag, path in (("--tls-ca", ca), ("--tls-cert", cert), ("--tls-key", key)):
         if path is not None and not path.is_file():
             parser.error(f"{flag} {path}: no such file")

@@ -27,6 +27,7 @@ import grpc
 
 from atoll.commands import (
     add_tls_arguments,
+    check_tls_pairs,
     non_negative_int,
     positive_int,
     shard_addresses,
@@ -536,10 +537,7 @@ def drain_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(str(e))
     if index is None:
         parser.error("give --shard-index (or set ATOLL_SHARD_INDEX or ATOLL_POD_NAME)")
-    if (args.tls_cert is None) != (args.tls_key is None):
-        parser.error("--tls-cert and --tls-key go together")
-    if args.tls_cert is not None and args.tls_ca is None:
-        parser.error("--tls-cert needs --tls-ca as well")
+    check_tls_pairs(args, parser)  # the files are read only if this shard leaves
     token_file = args.token_file or (pathlib.Path(env["token_file"]) if env["token_file"] else None)
     if not args.timeout > 0:
         parser.error("--timeout must be above 0")
