@@ -11,7 +11,12 @@ gRPC server (another process) that only drains them; it runs before and after th
 ingest and the faster run is kept, so the ratio errs low. MB = 10^6 bytes.
 
 The shard's fsync latency comes from its /metrics histogram (PromQL's
-histogram_quantile over the measured phase only), its memory from /proc.
+histogram_quantile over the measured phase only), its memory and CPU time from /proc.
+What the shard spends per MB of frames (core_ms_per_mb) is set against what that work
+costs at the least, measured in the same run on the same frames (`ingest_limit`: one
+core decoding, merging and logging them): cost_over_limit travels to any machine, where
+MB/s depends on how many cores the shard gets. `--cores 1,2` runs the measured rounds
+again with the shard pinned to 1 and then 2 CPUs (the learners on the others).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 
+from atoll.bench.ingest_limit import learner_frames, run_limit
 from atoll.bench.shard import start_shard
 from atoll.commands import positive_int
 from atoll.local.processes import _die_with_parent
@@ -46,7 +52,8 @@ from atoll.wire.plan import FragmentPlan, TensorSpec
 DEFAULT_PARAMS = 100_000_000
 TARGET_RATIO = 0.5  # ingest wire rate / raw gRPC rate (docs/design.md §6)
 TARGET_RSS_BYTES_PER_PARAM = 16.0  # docs/design.md §6, with the delta ring full
-DELTA_STD = 1e-3  # scale of the synthetic outer gradients
+TARGET_COST_OVER_LIMIT = 2.0  # shard CPU per MB over the unavoidable work's (issue 31)
+TARGET_CORES_SCALING = 1.7  # shard MB/s pinned to 2 CPUs over 1
 INNER_STEPS, TOKENS = 100, 100 * 8192  # what each push claims; sets the merge weight only
 _RAW_METHOD = "/atoll.bench.Raw/Drain"
 
@@ -166,14 +173,7 @@ def _learner(
     _die_with_parent()
     plan = FragmentPlan.from_json(plan_json)
     P = plan.num_fragments
-    frames = []
-    for p in range(P):
-        rng = np.random.default_rng([index, p])
-        delta = rng.standard_normal(plan.fragment_sizes[p], dtype=np.float32) * np.float32(
-            DELTA_STD
-        )
-        frames.append(codec.encode(delta, codec.Codec.INT4))
-    del delta
+    frames = learner_frames(plan, index)
     conn.send([len(f) for f in frames])
     learner_id = f"bench-learner-{index}"
     shard = ShardClient(shard_address, learner_id)  # its Watch stream
@@ -359,6 +359,77 @@ def _run_phase(learners, phase: str, rounds: int) -> dict:
     }
 
 
+def _pin(pid: int, cpus: list[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (taskset -a); threads it starts later
+    inherit it from the thread that starts them."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            pass  # the thread ended meanwhile
+
+
+def _pin_all(shard_pid: int, learners, shard_cpus: list[int], client_cpus: list[int]) -> None:
+    _pin(shard_pid, shard_cpus)
+    for _, proc in learners:
+        _pin(proc.pid, client_cpus)
+    _pin(os.getpid(), client_cpus)
+
+
+def _pinned_phase(shard_pid: int, learners, cpus: list[int], k: int, rounds: int) -> dict:
+    """`rounds` ingest rounds with the shard pinned to the first k CPUs and the learners
+    (and the bench) to the others, or to all of them where none are left."""
+    shard_cpus, client_cpus = cpus[:k], cpus[k:] or cpus
+    _pin_all(shard_pid, learners, shard_cpus, client_cpus)
+    cpu_before = _cpu_seconds(shard_pid)
+    phase = _run_phase(learners, "ingest", rounds)
+    cpu = _cpu_seconds(shard_pid) - cpu_before
+    mb = phase["bytes"] / 1e6
+    return {
+        "shard_cpus": shard_cpus,
+        "client_cpus": client_cpus,
+        "wire_mb_per_s": round(mb / phase["seconds"], 1),
+        "cpu_cores_busy": round(cpu / phase["seconds"], 2),
+        "core_ms_per_mb": round(cpu * 1e3 / mb, 3),
+        "push_latency_ms": _percentiles_ms(phase["latency"]),
+        "pushes_accepted": phase["accepted"],
+    }
+
+
+def _limit(
+    ctx, plan: FragmentPlan, learners: int, rounds: int, data_dir: pathlib.Path, fsyncs: int, cpus
+) -> dict:
+    """`ingest_limit.measure` in a child process on one core, over the learners' frames."""
+    cpu = cpus[0] if len(cpus) > 1 else None
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=run_limit,
+        name="ingest-limit",
+        daemon=True,
+        args=(child, plan.to_json(), learners, rounds, str(data_dir / "limit.log"), fsyncs, cpu),
+    )
+    proc.start()
+    try:
+        result = _recv(conn, proc)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    result["pinned_cpu"] = cpu
+    return result
+
+
+def parse_cores(text: str) -> list[int]:
+    """--cores: "1,2" -> [1, 2]; each a CPU count this process may use."""
+    try:
+        cores = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want CPU counts like 1,2") from None
+    if not cores or any(k < 1 for k in cores):
+        raise argparse.ArgumentTypeError(f"{text!r}: want CPU counts of at least 1, like 1,2")
+    return cores
+
+
 # --- the bench ----------------------------------------------------------------------
 
 
@@ -382,6 +453,7 @@ def bench_ingest(
     rounds: int = 4,
     warmup_rounds: int = 1,
     connections: int | None = None,
+    cores: list[int] | None = None,
 ) -> dict:
     """Ingest rate, push latency, fsync latency and memory of one shard process under N learners.
 
@@ -391,7 +463,15 @@ def bench_ingest(
     over the learner processes, each connection pushing its share of the fragments
     one at a time. Raises ValueError for a layout with fewer tensors than fragments or
     fewer connections than learners.
+
+    The shard's CPU per MB of frames is set against `ingest_limit.measure` of the same
+    frames on one core (cost_over_limit). With `cores` (CPU counts, e.g. [1, 2]) the
+    measured rounds run again with the shard pinned to that many CPUs each, the learners
+    on the rest; ValueError for more CPUs than this process may use.
     """
+    cpus = sorted(os.sched_getaffinity(0))
+    if cores and max(cores) > len(cpus):
+        raise ValueError(f"--cores {max(cores)}: this host lets the bench use {len(cpus)} CPUs")
     connections = learners if connections is None else connections
     if connections < learners:
         raise ValueError(f"--connections {connections}: want at least one per learner ({learners})")
@@ -483,6 +563,11 @@ def bench_ingest(
         after = _scrape(metrics_port)
         mem = _proc_status(shard.pid)
         ring = _delta_ring(f"127.0.0.1:{port}")
+        fsyncs = int(_delta(after, before, "atoll_wal_fsync_seconds_count").get("", 0.0))
+        limit = _limit(ctx, plan, learners, rounds, root / "data", fsyncs, cpus)
+        pinned = {k: _pinned_phase(shard.pid, learner_procs, cpus, k, rounds) for k in cores or []}
+        if pinned:
+            _pin_all(shard.pid, learner_procs, cpus, cpus)
         raw_after = _run_phase(learner_procs, "raw", rounds)
     finally:
         # learners first: a server that goes away under an open channel makes gRPC log it
@@ -511,8 +596,16 @@ def bench_ingest(
     wire = mb_per_s(ingest)
     expected = learners * fragments * rounds
     ingest_mparams = ingest["accepted_params"] / ingest["seconds"] / 1e6
-    fsync = _delta(after, before, "atoll_wal_fsync_seconds_count").get("", 0.0)
+    fsync = fsyncs
     ratio = wire / raw
+    core_ms_per_mb = cpu_shard * 1e3 / (ingest["bytes"] / 1e6)
+    limit_ms_per_mb = limit["cpu_seconds"] * 1e3 / (limit["bytes"] / 1e6)
+    cost_over_limit = core_ms_per_mb / limit_ms_per_mb
+    by_cores: dict = {str(k): v for k, v in pinned.items()}
+    if len(pinned) >= 2:
+        lo, hi = min(pinned), max(pinned)
+        scaling = pinned[hi]["wire_mb_per_s"] / pinned[lo]["wire_mb_per_s"]
+        by_cores[f"mb_per_s_{hi}_over_{lo}"] = round(scaling, 3)
     rss = (mem["VmRSS"] - rss_start) / held
     ring_delta_bytes_per_param = ring["delta_bytes"] / held
     ring_filled = min(ring["capacity"], warmup_rounds + rounds)
@@ -542,6 +635,19 @@ def bench_ingest(
         "raw_grpc_mb_per_s": round(raw, 1),
         "raw_grpc_mb_per_s_runs": [round(r, 1) for r in raw_runs],  # before, after the ingest
         "ratio": round(ratio, 3),
+        # the shard's CPU (user + system, all threads) per MB of frames it took, against
+        # the same frames decoded, merged and logged by the codec's kernels on one core
+        "core_ms_per_mb": round(core_ms_per_mb, 3),
+        "limit_core_ms_per_mb": round(limit_ms_per_mb, 3),
+        "cost_over_limit": round(cost_over_limit, 3),
+        "limit": {
+            "cpu_seconds": round(limit["cpu_seconds"], 3),
+            "mb": round(limit["bytes"] / 1e6, 1),
+            "pushes": limit["pushes"],
+            "fsyncs": limit["fsyncs"],
+            "pinned_cpu": limit["pinned_cpu"],
+        },
+        **({"cores": by_cores} if by_cores else {}),
         "fsync_ms_p50": _quantile_ms(after, before, "atoll_wal_fsync_seconds"),
         "fsync_ms_p99": _quantile_ms(after, before, "atoll_wal_fsync_seconds", 0.99),
         "fsyncs": int(fsync),
@@ -601,6 +707,22 @@ def bench_ingest(
                 "met": rss <= TARGET_RSS_BYTES_PER_PARAM,
             },
             "fsync_ms_p50": {"want": "reported", "met": fsync > 0},
+            "cost_over_limit": {
+                "want": f"<= {TARGET_COST_OVER_LIMIT}",
+                "got": round(cost_over_limit, 3),
+                "met": cost_over_limit <= TARGET_COST_OVER_LIMIT,
+            },
+            **(
+                {
+                    "cores_scaling": {
+                        "want": f">= {TARGET_CORES_SCALING} (MB/s on 2 CPUs over 1)",
+                        "got": by_cores["mb_per_s_2_over_1"],
+                        "met": by_cores["mb_per_s_2_over_1"] >= TARGET_CORES_SCALING,
+                    }
+                }
+                if "mb_per_s_2_over_1" in by_cores
+                else {}
+            ),
         },
     }
 
@@ -643,6 +765,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--learners (default: one per learner)",
     )
     p.add_argument(
+        "--cores",
+        type=parse_cores,
+        default=None,
+        metavar="K,K",
+        help="then run the measured rounds again with the shard pinned to K CPUs each "
+        "(e.g. 1,2), the learners on the rest, and report MB/s per K and their ratio",
+    )
+    p.add_argument(
         "--json", action="store_true", help="print one JSON object (the only output format)"
     )
 
@@ -656,6 +786,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             args.rounds,
             args.warmup_rounds,
             args.connections,
+            args.cores,
         )
     except ValueError as e:
         parser.error(str(e))

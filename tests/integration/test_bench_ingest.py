@@ -32,6 +32,9 @@ FIELDS = (
     "client_processes",
     "push_latency_ms",
     "raw_latency_ms",
+    "core_ms_per_mb",
+    "limit_core_ms_per_mb",
+    "cost_over_limit",
 )
 
 
@@ -46,7 +49,10 @@ def _bench(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(90)
 def test_tiny_run_reports_every_figure():
-    run = _bench("--params", "2000000", "--learners", "2", "--rounds", "2", "--connections", "5")
+    run = _bench(
+        "--params", "2000000", "--learners", "2", "--rounds", "2", "--connections", "5",
+        "--cores", "1",
+    )  # fmt: skip
     assert run.returncode == 0, run.stderr
     r = json.loads(run.stdout)
     assert all(f in r for f in FIELDS), sorted(set(FIELDS) - set(r))
@@ -72,7 +78,18 @@ def test_tiny_run_reports_every_figure():
     assert (
         r["rss_bytes_per_param"] > 0 and r["rss_peak_bytes_per_param"] >= r["rss_bytes_per_param"]
     )
-    assert set(r["targets"]) == {"ratio", "rss_bytes_per_param", "fsync_ms_p50"}
+    # the same frames on one core, logged with the shard's fsync count
+    limit = r["limit"]
+    assert limit["pushes"] == 2 * 8 * 2 and limit["fsyncs"] == r["fsyncs"] > 0
+    assert limit["mb"] == pytest.approx(r["shard"]["received_mb"], abs=0.2)
+    assert 0 < r["limit_core_ms_per_mb"] and 0 < r["core_ms_per_mb"]
+    assert r["cost_over_limit"] == pytest.approx(
+        r["core_ms_per_mb"] / r["limit_core_ms_per_mb"], rel=0.01
+    )
+    one = r["cores"]["1"]  # the measured rounds again, the shard on one CPU
+    assert len(one["shard_cpus"]) == 1 and one["pushes_accepted"] == 2 * 8 * 2
+    assert one["wire_mb_per_s"] > 0 and one["core_ms_per_mb"] > 0
+    assert set(r["targets"]) == {"ratio", "rss_bytes_per_param", "fsync_ms_p50", "cost_over_limit"}
     assert all(isinstance(t["met"], bool) for t in r["targets"].values())
 
 
@@ -83,3 +100,9 @@ def test_bad_flags_get_readable_errors():
     assert run.returncode == 2 and "--connections 2: want at least one per learner" in run.stderr
     run = _bench("--params", "1000", "--fragments", "50", timeout=30)
     assert run.returncode == 2 and "use --fragments <=" in run.stderr
+    run = _bench("--cores", "1,x", timeout=30)
+    assert run.returncode == 2 and "want CPU counts like 1,2" in run.stderr
+    run = _bench("--cores", "0", timeout=30)
+    assert run.returncode == 2 and "want CPU counts of at least 1" in run.stderr
+    run = _bench("--params", "1000", "--cores", "1,4096", timeout=30)
+    assert run.returncode == 2 and "--cores 4096: this host lets the bench use" in run.stderr

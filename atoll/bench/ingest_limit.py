@@ -1,0 +1,97 @@
+"""What ingesting pushes costs at the least, for `atoll bench ingest`'s cost_over_limit.
+
+The work a shard cannot avoid for a push: decompress and check its frame, take its
+per-tensor norms, fold it into the round's accumulator (the codec's kernels, as the
+merge calls them), and write its bytes to the log with the shard's fsync cadence. This
+runs that work alone on one core (one codec thread, pinned where the host has cores to
+pin), on the very frames the learners pushed, into one accumulator reused round after
+round and a file in the shard's data directory, and reports the CPU it took (user +
+system, so the log's page-cache copies and fsyncs count) per MB of frames.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import resource
+
+import numpy as np
+
+from atoll.local.processes import _die_with_parent
+from atoll.server.merge import Segments
+from atoll.wire import codec
+from atoll.wire.plan import FragmentPlan
+
+DELTA_STD = 1e-3  # scale of the synthetic outer gradients
+
+
+def learner_frames(plan: FragmentPlan, index: int) -> list[bytes]:
+    """Learner `index`'s INT4 frame of every fragment: the same bytes on every call."""
+    frames = []
+    for p, size in enumerate(plan.fragment_sizes):
+        rng = np.random.default_rng([index, p])
+        delta = rng.standard_normal(size, dtype=np.float32) * np.float32(DELTA_STD)
+        frames.append(codec.encode(delta, codec.Codec.INT4))
+    return frames
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def measure(
+    plan: FragmentPlan, frames: list[list[bytes]], rounds: int, log_path: pathlib.Path, fsyncs: int
+) -> dict:
+    """CPU seconds and bytes of `rounds` rounds of every learner's frame of every fragment.
+
+    Each round of a fragment starts from a zeroed accumulator (the same buffer every
+    time: warm pages), and each push is weighted 1 and merged by RDA on non-embedding
+    tensors, as `merge.RoundAccumulator` does; `fsyncs` fdatasyncs are spread evenly
+    over the pushes."""
+    segments = [Segments.from_plan(plan, p) for p in range(plan.num_fragments)]
+    acc = np.zeros(max(plan.fragment_sizes), np.float32)
+    pushes = rounds * plan.num_fragments * len(frames)
+    done = synced = written = 0
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        started = _cpu_seconds()
+        for _ in range(rounds):
+            for p, seg in enumerate(segments):
+                out = acc[: seg.size]
+                out.fill(0)
+                for learner in frames:
+                    frame = learner[p]
+                    codes = codec.read_codes(frame, codec=codec.Codec.INT4, num_values=seg.size)
+                    norms = np.sqrt(codes.range_sq_norms(seg.offsets, seg.ends))
+                    with np.errstate(divide="ignore"):
+                        unit = np.where(norms > 0, 1.0 / norms, 0.0)
+                    scales = np.where(seg.embedding, 1.0, unit)
+                    codes.accumulate_ranges(out, seg.offsets, seg.ends, scales)
+                    view = memoryview(frame)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    written += len(frame)
+                    done += 1
+                    if done * fsyncs // pushes > synced:
+                        os.fdatasync(fd)
+                        synced += 1
+        cpu = _cpu_seconds() - started
+    finally:
+        os.close(fd)
+        log_path.unlink(missing_ok=True)
+    return {"cpu_seconds": cpu, "bytes": written, "pushes": done, "fsyncs": synced}
+
+
+def run_limit(
+    conn, plan_json: str, learners: int, rounds: int, log_path: str, fsyncs: int, cpu: int | None
+) -> None:
+    """A child process: pins itself to `cpu` (None: not pinned), one codec thread, then
+    sends `measure`'s result over `conn`."""
+    _die_with_parent()
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    codec.set_threads(1)
+    plan = FragmentPlan.from_json(plan_json)
+    frames = [learner_frames(plan, i) for i in range(learners)]
+    conn.send(measure(plan, frames, rounds, pathlib.Path(log_path), fsyncs))
