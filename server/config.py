@@ -34,6 +34,9 @@ OUTER_MOMENTUM_DELAY = 2
 # jitter of real step times (±50 % measured on a busy 2-core machine), and a round that
 # closes before the last of them splits the period in two.
 GRACE_FACTOR = 2.0
+# Shard indices are below this: a fragment map naming a shard past it is a forgery or a
+# bug (server/moves.py), and no run spreads its fragments over more shards than this.
+MAX_SHARDS = 1 << 12
 
 
 class ConfigError(ValueError):
@@ -88,10 +91,16 @@ class ShardConfig:
             if not ok:
                 raise ConfigError(message)
 
-        need(self.num_shards >= 1, f"--num-shards must be at least 1, got {self.num_shards}")
+        need(
+            1 <= self.num_shards <= MAX_SHARDS,
+            f"--num-shards must be in [1, {MAX_SHARDS}], got {self.num_shards}",
+        )
         # a shard at or past num_shards (a StatefulSet scaled up) owns nothing until
         # `atoll reshard` moves fragments to it (docs/resharding.md)
-        need(self.shard_index >= 0, f"--shard-index must be at least 0, got {self.shard_index}")
+        need(
+            0 <= self.shard_index < MAX_SHARDS,
+            f"--shard-index must be in [0, {MAX_SHARDS - 1}], got {self.shard_index}",
+        )
         need(
             re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[\w.-]+):\d{1,5}", self.listen) is not None,
             f"--listen must be HOST:PORT (e.g. 0.0.0.0:7070), got {self.listen!r}",

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import grpc
 import numpy as np
 
-from atoll.server import merge, rules, storage
+from atoll.server import merge, moves, rules, storage
 from atoll.server.config import ShardConfig
 from atoll.server.fragment import Answer, Fragment
 from atoll.server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
@@ -244,6 +244,8 @@ class Shard:
         # fragments being moved away: p -> the map that gives p its new owner (durable)
         self.frozen: dict[int, FragmentMap] = {}
         self.frozen_since: dict[int, float] = {}  # when each froze, by this process's clock
+        # p -> the LSN of its FREEZE record: the move id an Export hands its target (durable)
+        self.freeze_lsns: dict[int, int] = {}
         self.fragments: dict[int, Fragment] = {}
         # fragment -> learners whose last push of it came in (PushHeader.last); not durable:
         # after a restart they hold fresh leases like everyone else (under self.lock)
@@ -365,8 +367,10 @@ class Shard:
             self.fragments[meta["fragment"]].close_round(meta.get("trigger"))
         elif kind == LOG_FREEZE:
             self.frozen[meta["fragment"]] = FragmentMap.from_json(meta["map"])
+            self.freeze_lsns[meta["fragment"]] = lsn
         elif kind == LOG_UNFREEZE:
             self.frozen.pop(meta["fragment"], None)
+            self.freeze_lsns.pop(meta["fragment"], None)
         elif kind == LOG_ADOPT:
             self._install(meta, payload)
         elif kind == LOG_MOVED:
@@ -467,6 +471,7 @@ class Shard:
         self.fragments.pop(p, None)
         self.periods.pop(p, None)
         self.frozen.pop(p, None)
+        self.freeze_lsns.pop(p, None)
         self.finished.pop(p, None)
 
     # --- snapshots ---
@@ -487,6 +492,7 @@ class Shard:
                 "plan": self.plan.to_json() if self.plan else None,
                 "fragment_map": self.fragment_map.to_json() if self.fragment_map else None,
                 "frozen": {str(p): m.to_json() for p, m in self.frozen.items()},
+                "freeze_lsns": {str(p): lsn for p, lsn in self.freeze_lsns.items()},
                 "shard_index": self.cfg.shard_index,
                 "num_shards": self.cfg.num_shards,
                 "fragments": {},
@@ -559,6 +565,9 @@ class Shard:
         for p in [p for p in self.fragments if str(p) not in meta["fragments"]]:
             self._drop_fragment(p)  # moved away before the snapshot
         self.frozen = {int(p): FragmentMap.from_json(m) for p, m in meta.get("frozen", {}).items()}
+        # older snapshots kept no freeze LSN: the snapshot's own stands in as the move id
+        lsns_of = meta.get("freeze_lsns", {})
+        self.freeze_lsns = {p: int(lsns_of.get(str(p), max(snap.lsn, 1))) for p in self.frozen}
         # older snapshots were taken at one LSN for every fragment
         lsns = meta.get("fragment_lsns") or {key: snap.lsn for key in meta["fragments"]}
         self.snapshot_lsns = {int(key): int(lsn) for key, lsn in lsns.items()}
@@ -998,38 +1007,30 @@ class Shard:
         self.metrics.bytes_out.inc(sum(len(f) for _, _, f in out))
         return version, deltas is None, out
 
-    # --- moving a fragment to another shard (docs/resharding.md) ---
+    # --- moving a fragment to another shard (docs/resharding.md, server/moves.py) ---
 
-    def _next_map(self, p: int, new: FragmentMap) -> FragmentMap:
-        """Checks `new` against what this shard knows: a newer version, and for every
-        fragment but p, this shard its owner exactly when it holds it. (Moves between
-        other shards may have made versions this one never saw.)"""
-        current = self.fragment_map
-        if current is None or self.plan is None:
+    @staticmethod
+    def _move_refusal(e: moves.MoveRefused) -> ShardError:
+        code = (
+            grpc.StatusCode.INVALID_ARGUMENT
+            if e.why is moves.Why.MALFORMED
+            else grpc.StatusCode.FAILED_PRECONDITION
+        )
+        return ShardError(code, str(e))
+
+    def _check_move(self, p: int, new: FragmentMap, *, next_map: bool = True) -> None:
+        """`new` is a valid map moving p (and, with `next_map`, the next version after
+        this shard's): server/moves.py's rule 1, before anything is logged."""
+        if self.plan is None:
             raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, "this shard has no plan yet")
-        if new.num_fragments != current.num_fragments or new.version <= current.version:
-            raise ShardError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"map version {new.version} of {new.num_fragments} fragments is not newer than "
-                f"this shard's version {current.version} of {current.num_fragments}",
-            )
-        if new.moved_at[p] != new.version:
-            raise ShardError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"map version {new.version} does not say fragment {p} moves in it",
-            )
-        me = self.cfg.shard_index
-        wrong = [
-            q
-            for q in range(new.num_fragments)
-            if q != p and (new.owners[q] == me) != (q in self.fragments)
-        ]
-        if wrong:
-            raise ShardError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"map version {new.version} disagrees with shard {me} about fragments {wrong}",
-            )
-        return new
+        try:
+            moves.check_map(new, p, self.plan.num_fragments)
+            if next_map:
+                moves.check_next_map(
+                    self.fragment_map, p, new, self.cfg.shard_index, self.fragments
+                )
+        except moves.MoveRefused as e:
+            raise self._move_refusal(e) from None
 
     def freeze(self, p: int, new: FragmentMap) -> None:
         """Step 1 of moving fragment p away: from the durable FREEZE on, its pushes wait and
@@ -1044,14 +1045,16 @@ class Shard:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"fragment {p} is already moving under map version {self.frozen[p].version}",
                 )
-            self._next_map(p, new)
+            self._check_move(p, new)
             if new.owner(p) == self.cfg.shard_index:
                 raise ShardError(
                     grpc.StatusCode.INVALID_ARGUMENT, f"map version {new.version} keeps {p} here"
                 )
             record = log_record(LOG_FREEZE, {"fragment": p, "map": new.to_json()})
-            self._sync(self._write([record]))
+            lsn = self._write([record])
+            self._sync(lsn)
             self.frozen[p] = new
+            self.freeze_lsns[p] = lsn
             self.frozen_since[p] = self.clock()
 
     def unfreeze(self, p: int) -> None:
@@ -1063,10 +1066,12 @@ class Shard:
                 return
             self._sync(self._write([log_record(LOG_UNFREEZE, {"fragment": p})]))
             del self.frozen[p]
+            self.freeze_lsns.pop(p, None)
             self._thawed(p)
 
     def export(self, p: int) -> tuple[dict[str, Any], bytes]:
-        """Step 2's source half: frozen fragment p's whole state, as an ADOPT payload."""
+        """Step 2's source half: frozen fragment p's whole state, as an ADOPT payload,
+        with this shard's freeze record (the move id its target logs too)."""
         self._require_ready()
         frag = self._fragment(p)
         with self._lock_of(p, frag):
@@ -1076,12 +1081,19 @@ class Shard:
                     grpc.StatusCode.FAILED_PRECONDITION, f"fragment {p} is not frozen for a move"
                 )
             fmeta, arrays = frag.state()
+            freeze = {"source": self.cfg.shard_index, "lsn": self.freeze_lsns[p]}
             buf = io.BytesIO()
             # read under the lock: a frozen fragment does not change (numpy types **arrays as
             # if a key could be its allow_pickle flag)
             np.savez(buf, **arrays)  # type: ignore[arg-type]
         assert self.plan is not None
-        meta = {"fragment": p, "map": moving.to_json(), "plan": self.plan.to_json(), "state": fmeta}
+        meta = {
+            "fragment": p,
+            "map": moving.to_json(),
+            "plan": self.plan.to_json(),
+            "state": fmeta,
+            "freeze": freeze,
+        }
         payload = buf.getvalue()
         self.metrics.moved_bytes.labels("out").inc(len(payload))
         return meta, payload
@@ -1104,8 +1116,12 @@ class Shard:
                 raise ShardError(
                     grpc.StatusCode.FAILED_PRECONDITION, "the fragment comes with another plan"
                 )
-            if self.fragment_map is not None:
-                self._next_map(p, new)
+            try:
+                moves.check_next_map(
+                    self.fragment_map, p, new, self.cfg.shard_index, self.fragments
+                )
+            except moves.MoveRefused as e:
+                raise self._move_refusal(e) from None
             self._sync(self._write([log_record(LOG_ADOPT, meta, payload)]))
             self._install(meta, payload, checked)
             self.metrics.moves.labels("in").inc()
@@ -1114,37 +1130,31 @@ class Shard:
                 self._version_changed()
 
     def _checked_state(self, meta: Any, payload: bytes) -> tuple[int, FragmentMap, Fragment]:
-        """(fragment, map, the fragment restored) of an Adopt, once its whole state
-        restores into a fragment of the right shape with finite values and valid delta
-        frames: a record logged must be one replay can apply. Anything else is
-        INVALID_ARGUMENT and changes nothing."""
+        """(fragment, map, the fragment restored) of an Adopt, once it passes every check
+        of server/moves.py and its whole state restores into a fragment with valid delta
+        frames: a record logged must be one replay can apply. Anything else is refused
+        (INVALID_ARGUMENT, or FAILED_PRECONDITION for a call out of step) and changes
+        nothing."""
         try:
-            if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict):
-                raise ValueError("want an object with fragment, map, plan and state")
+            moves.check_adopt_meta(meta)
             p, new = int(meta["fragment"]), FragmentMap.from_json(meta["map"])
             plan = FragmentPlan.from_json(str(meta["plan"]))
-            if not 0 <= p < plan.num_fragments or new.num_fragments != plan.num_fragments:
-                raise ValueError(f"fragment {p} and a map of {new.num_fragments} for this plan")
             if self.plan is not None and plan.fingerprint != self.plan.fingerprint:
                 raise ValueError("the fragment comes with another plan than this shard's")
-            trial = self._new_fragment(plan, p)
-            with np.load(io.BytesIO(payload)) as z:
+            moves.check_map(new, p, plan.num_fragments)
+            moves.check_freeze_record(meta.get("freeze"), self.cfg.shard_index, new, p)
+            moves.check_state_meta(meta["state"], self.cfg.delta_ring)
+            template = self._new_fragment(plan, p)
+            template.initialize(np.zeros(template.size, np.float32))
+            with np.load(io.BytesIO(payload), allow_pickle=False) as z:
                 arrays = {k: z[k] for k in z.files}
+            moves.check_state_arrays(meta["state"], arrays, template)
+            trial = self._new_fragment(plan, p)
             trial.restore(meta["state"], arrays, self.clock())
-            for vector in (trial.params, trial.published):
-                if vector is None or vector.shape != (trial.size,) or not np.isfinite(vector).all():
-                    raise ValueError("params and published copy: want finite, one per parameter")
-            back_meta, back = trial.state()  # optimiser state, open round: all finite
-            bad = [k for k, v in back.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
-            if bad:
-                raise ValueError(f"{', '.join(sorted(bad))}: values that are not finite")
-            weights = back_meta["round"]
-            if not 0 <= weights["total_weight"] <= weights["full_weight"] < math.inf:
-                raise ValueError(f"open round weights {weights}: want 0 <= total <= full, finite")
             for _, frame in trial.ring:
                 codec.read_codes(frame, codec=trial.publish_codec, num_values=trial.size)
-        except ShardError:
-            raise
+        except moves.MoveRefused as e:
+            raise self._move_refusal(e) from None
         except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is refused
             raise ShardError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"fragment state: {type(e).__name__}: {e}"
@@ -1172,6 +1182,7 @@ class Shard:
     def commit_move(self, p: int, new: FragmentMap) -> None:
         """Step 3: fragment p's target holds it; this shard forgets it and names the owner."""
         self._require_ready()
+        self._check_move(p, new, next_map=False)
         held = self.fragment_map
         if held is not None and p not in self.fragments and _same_move(held, p, new):
             return  # committed already

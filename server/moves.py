@@ -1,0 +1,241 @@
+"""What a move call must say before a shard logs it (docs/resharding.md).
+
+The five move calls (Freeze, Export, Adopt, Commit, Unfreeze) come from an operator's
+tool, but a shard holds everyone's work: a bug in that tool, a replayed call or a leaked
+token must not be able to corrupt it. So each call is checked here, as pure functions of
+what the shard knows, before anything is logged:
+
+  1. A map is exactly the next version: one past the newest version that the shard's own
+     map or the new map's other fragments name, saying that fragment p moves in it, and
+     agreeing with the shard's map about every other fragment it knows (the same owner
+     at the same version, or a newer move between other shards); every owner is a valid
+     shard index (below config.MAX_SHARDS, as --shard-index is) and every version in
+     [0, 2^63 - 1].
+  2. An adopted state is exactly what `Fragment.state()` makes for this plan and
+     settings: the same keys, every number of its type and range, every array of the
+     template's dtype and shape with finite values, the delta ring's versions
+     consecutive and ending at the fragment's version. Anything unknown is refused.
+  3. An Adopt carries its source's freeze record (`freeze`: the source's shard index and
+     the LSN of its FREEZE record), for the same map: the move id both shards log.
+
+What a shard cannot know it does not pretend to: a target checks that the freeze record
+is there and agrees with the map, not that the source really wrote it (that would take
+asking the source); the operator token is what keeps a forger from making one.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Collection
+from typing import Any
+
+import numpy as np
+
+from atoll.server import rules
+from atoll.server.config import MAX_SHARDS
+from atoll.server.fragment import Answer, Fragment
+from atoll.wire.plan import FragmentMap
+
+MAX_VERSION = (1 << 63) - 1  # map and fragment versions, LSNs and seqs: an int64's range
+LEARNER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # as the servicer checks a caller's id
+STATE_KEYS = frozenset(
+    {"version", "initialized", "last_round_size", "ring", "contributors", "answers", "round"}
+)
+ADOPT_KEYS = frozenset({"fragment", "map", "plan", "state", "freeze"})
+FREEZE_KEYS = frozenset({"source", "lsn"})
+ROUND_KEYS = frozenset({"total_weight", "count", "full_weight"})
+ANSWER_TYPES = {
+    "seq": int,
+    "accepted": bool,
+    "reason": str,
+    "detail": str,
+    "version": int,
+    "staleness": int,
+    "weight": float,
+    "discount": float,
+}
+
+
+class Why(enum.Enum):
+    """Why a move call was refused; the servicer maps each to a gRPC status."""
+
+    MALFORMED = "malformed"  # a value out of its type or range: the call can never succeed
+    OUT_OF_STEP = "out of step"  # it does not follow what this shard knows (its map, its state)
+
+
+class MoveRefused(Exception):
+    """A refused move call, nothing logged: why, and a message saying what is wrong."""
+
+    def __init__(self, why: Why, message: str):
+        super().__init__(message)
+        self.why = why
+
+
+def _malformed(message: str) -> MoveRefused:
+    return MoveRefused(Why.MALFORMED, message)
+
+
+def is_int(value: object, low: int = 0, high: int = MAX_VERSION) -> bool:
+    """An int (not a bool) in [low, high]."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def check_map(new: FragmentMap, p: int, num_fragments: int) -> None:
+    """The map alone: of the plan's size, owners valid shard indices, versions in range,
+    and fragment p moving in it (rule 1, the part that needs no knowledge)."""
+    if new.num_fragments != num_fragments:
+        raise _malformed(f"a map of {new.num_fragments} fragments for a plan of {num_fragments}")
+    if not is_int(new.version, 1):
+        raise _malformed(f"map version {new.version}: want 1 to {MAX_VERSION}")
+    bad = sorted({o for o in new.owners if not is_int(o, 0, MAX_SHARDS - 1)})
+    if bad:
+        raise _malformed(f"map owners {bad}: a shard index is below {MAX_SHARDS}")
+    if not is_int(p, 0, num_fragments - 1):
+        raise _malformed(f"fragment {p} does not exist (the plan has {num_fragments})")
+    if new.moved_at[p] != new.version:
+        raise _malformed(f"map version {new.version} does not say fragment {p} moves in it")
+
+
+def check_next_map(
+    current: FragmentMap | None, p: int, new: FragmentMap, me: int, held: Collection[int]
+) -> None:
+    """`new` follows `current` (this shard's map; None: it has none yet) by fragment p's
+    move alone (rule 1). `held`: the fragments this shard holds."""
+    others = [q for q in range(new.num_fragments) if q != p]
+    newest = max([new.moved_at[q] for q in others] + [current.version if current else 0])
+    if new.version != newest + 1:
+        raise MoveRefused(
+            Why.OUT_OF_STEP,
+            f"map version {new.version} is not the next one: this shard and the map's other "
+            f"fragments know version {newest}, so a move makes {newest + 1}",
+        )
+    for q in others:
+        if current is not None and q < current.num_fragments:
+            held_at, owner = current.moved_at[q], current.owners[q]
+            if new.moved_at[q] < held_at or (new.moved_at[q] == held_at and new.owners[q] != owner):
+                raise MoveRefused(
+                    Why.OUT_OF_STEP,
+                    f"map version {new.version} says fragment {q} is on shard {new.owners[q]} "
+                    f"since version {new.moved_at[q]}; this shard knows shard {owner} since "
+                    f"version {held_at}",
+                )
+        if (new.owners[q] == me) != (q in held):
+            raise MoveRefused(
+                Why.OUT_OF_STEP,
+                f"map version {new.version} disagrees with shard {me} about fragment {q}",
+            )
+
+
+def check_freeze_record(freeze: Any, me: int, new: FragmentMap, p: int) -> int:
+    """The source shard an Adopt's freeze record names (rule 3)."""
+    if not isinstance(freeze, dict) or set(freeze) != FREEZE_KEYS:
+        raise MoveRefused(
+            Why.OUT_OF_STEP,
+            "no freeze record of the source: an Adopt takes the state its source's Export "
+            "gave, from a frozen fragment",
+        )
+    source, lsn = freeze["source"], freeze["lsn"]
+    if not is_int(source, 0, MAX_SHARDS - 1) or not is_int(lsn, 1):
+        raise _malformed(f"freeze record {freeze}: want a shard index and a log position")
+    if source in (me, new.owner(p)):
+        raise MoveRefused(
+            Why.OUT_OF_STEP, f"freeze record of shard {source}: fragment {p} moves to shard {me}"
+        )
+    return int(source)
+
+
+def check_adopt_meta(meta: Any) -> None:
+    """An Adopt's metadata has exactly the keys an Export gives."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict):
+        raise _malformed("want an object with fragment, map, plan, state and freeze")
+    unknown = set(meta) - ADOPT_KEYS
+    if unknown:
+        raise _malformed(f"unknown keys {sorted(unknown)}")
+    if not is_int(meta.get("fragment"), 0, 1 << 32):
+        raise _malformed(f"fragment {meta.get('fragment')!r}: want an index")
+
+
+def _check_answer(learner: Any, answer: Any, version: int) -> None:
+    if not isinstance(learner, str) or LEARNER_ID.fullmatch(learner) is None:
+        raise _malformed(f"learner id {learner!r}")
+    if not isinstance(answer, dict) or set(answer) != set(ANSWER_TYPES):
+        raise _malformed(f"answer of {learner}: want the fields {sorted(ANSWER_TYPES)}")
+    for key, kind in ANSWER_TYPES.items():
+        value = answer[key]
+        ok = (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if kind is float
+            else isinstance(value, kind) and (kind is not int or not isinstance(value, bool))
+        )
+        if not ok:
+            raise _malformed(f"answer of {learner}: {key}={value!r} is no {kind.__name__}")
+    a = Answer(**answer)
+    if not (is_int(a.seq) and is_int(a.version, 0, version) and is_int(a.staleness)):
+        raise _malformed(f"answer of {learner}: seq, version or staleness out of range")
+    if a.reason not in {str(r) for r in rules.Reason} or len(a.detail) > 1024:
+        raise _malformed(f"answer of {learner}: reason {a.reason!r}")
+    if not (a.weight >= 0 and 0 < a.discount <= 1):
+        raise _malformed(f"answer of {learner}: weight {a.weight}, discount {a.discount}")
+
+
+def check_state_meta(state: dict[str, Any], delta_ring: int) -> None:
+    """An adopted state's metadata, every field of its type and range (rule 2)."""
+    if set(state) != STATE_KEYS:
+        raise _malformed(f"state keys {sorted(state)}: want {sorted(STATE_KEYS)}")
+    version, ring = state["version"], state["ring"]
+    if not is_int(version):
+        raise _malformed(f"version {version!r}: want 0 to {MAX_VERSION}")
+    if state["initialized"] is not True:
+        raise _malformed("only a seeded fragment moves")
+    if not is_int(state["last_round_size"]):
+        raise _malformed(f"last_round_size {state['last_round_size']!r}")
+    if not isinstance(ring, list) or len(ring) > min(delta_ring, version):
+        raise _malformed(f"delta ring {ring!r}: at most {delta_ring} versions, none past {version}")
+    if ring != list(range(version - len(ring) + 1, version + 1)):
+        raise _malformed(f"delta ring versions {ring}: want consecutive, ending at {version}")
+    contributors, answers, round_ = state["contributors"], state["answers"], state["round"]
+    if not isinstance(answers, dict):
+        raise _malformed("answers: want an object")
+    for learner, answer in answers.items():
+        _check_answer(learner, answer, version)
+    if (
+        not isinstance(contributors, list)
+        or len(set(contributors)) != len(contributors)
+        or not all(isinstance(c, str) and c in answers for c in contributors)
+    ):
+        raise _malformed("contributors: want distinct learners, each with an answer")
+    if not isinstance(round_, dict) or set(round_) != ROUND_KEYS:
+        raise _malformed(f"round: want {sorted(ROUND_KEYS)}")
+    total, full = round_["total_weight"], round_["full_weight"]
+    if not is_int(round_["count"]) or round_["count"] != len(contributors):
+        raise _malformed(f"round count {round_['count']!r}: want {len(contributors)}")
+    numbers = all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in (total, full))
+    if not (numbers and 0 <= total <= full < math.inf):
+        raise _malformed(f"open round weights {round_}: want 0 <= total <= full, finite")
+
+
+def check_state_arrays(
+    state: dict[str, Any], arrays: dict[str, np.ndarray], template: Fragment
+) -> None:
+    """An adopted state's arrays: exactly the template's keys, dtypes and shapes (the
+    round accumulator empty exactly when the round is), values finite (rule 2)."""
+    _, want = template.state()
+    ring = [f"ring.{i}" for i in range(len(state["ring"]))]
+    expected = set(want) | set(ring)
+    if set(arrays) != expected:
+        raise _malformed(f"arrays {sorted(arrays)}: want {sorted(expected)}")
+    size = template.size
+    for key, array in arrays.items():
+        dtype: np.dtype[Any]
+        if key in ring:
+            dtype, shape = np.dtype(np.uint8), (array.size,)
+        elif key == "round.acc":
+            dtype, shape = np.dtype(np.float32), ((size,) if state["round"]["count"] else (0,))
+        else:
+            dtype, shape = want[key].dtype, want[key].shape
+        if array.dtype != dtype or array.shape != shape:
+            raise _malformed(f"{key}: {array.dtype}{array.shape}, want {dtype}{shape}")
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise _malformed(f"{key}: values that are not finite")
