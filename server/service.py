@@ -37,6 +37,7 @@ from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
 import prometheus_client as prom
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import _async as aio_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -420,13 +421,16 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         """The stream's next message, or EOF; a stream silent too long is aborted."""
         try:
             async with asyncio.timeout(self.cfg.stream_idle_seconds):
-                return await context.read()
+                message = await context.read()
         except TimeoutError:
             raise ShardError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"{kind} stream sent nothing for {self.cfg.stream_idle_seconds:g} s; "
                 "send the frame's chunks without pausing",
             ) from None
+        if isinstance(message, _Malformed):
+            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"{kind} stream: {message.reason}")
+        return message
 
     def _frame_need(self, header: pb.InitHeader | pb.PushHeader) -> int:
         """Most frame bytes the header's fragment can need in its codec."""
@@ -854,6 +858,87 @@ class _TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ship
         return _denying(handler)
 
 
+# --- malformed requests ---------------------------------------------------------------
+
+
+class _Malformed:
+    """What request bytes that do not parse deserialize to: the call is then refused as
+    INVALID_ARGUMENT (grpc's own answer to a deserializer that raises is UNKNOWN)."""
+
+    def __init__(self, error: Exception):
+        self.reason = f"the request does not parse ({type(error).__name__}: {error})"
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except (DecodeError, RecursionError, ValueError) as e:
+            return _Malformed(e)
+
+    return parse
+
+
+class _RefuseMalformed(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no types
+    """Every Syncer call parses its request bytes leniently: a single request that does
+    not parse is refused here; a stream's message, by the servicer's `_read`."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE}/"):
+            return handler
+        return _parsing(handler)
+
+
+def _parsing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """`handler` with a lenient deserializer, refusing a single request that did not parse."""
+    parse = _lenient(handler.request_deserializer)
+    serialize = handler.response_serializer
+    if handler.request_streaming:
+        make = (
+            grpc.stream_stream_rpc_method_handler
+            if handler.response_streaming
+            else grpc.stream_unary_rpc_method_handler
+        )
+        inner = handler.stream_stream if handler.response_streaming else handler.stream_unary
+        return make(inner, request_deserializer=parse, response_serializer=serialize)
+
+    async def refuse(request: _Malformed, context: grpc.aio.ServicerContext) -> NoReturn:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        raise AssertionError("context.abort returned")
+
+    if handler.response_streaming:
+        streaming = handler.unary_stream
+
+        async def unary_stream(
+            request: Any, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            if isinstance(request, _Malformed):
+                await refuse(request, context)
+            # closed with this one: a cancelled Watch runs its cleanup at once
+            async with contextlib.aclosing(streaming(request, context)) as responses:
+                async for response in responses:
+                    yield response
+
+        return grpc.unary_stream_rpc_method_handler(
+            unary_stream, request_deserializer=parse, response_serializer=serialize
+        )
+    unary = handler.unary_unary
+
+    async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await refuse(request, context)
+        return await unary(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(
+        unary_unary, request_deserializer=parse, response_serializer=serialize
+    )
+
+
 def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
 
@@ -941,7 +1026,10 @@ class SyncerServer:
         self.health = aio_health.HealthServicer()
         self.servicer = SyncerServicer(self.shard, cfg, tokens, self.workers, self.metrics)
         self.server = grpc.aio.server(
-            options=options, interceptors=[_TokenAuth(tokens)] if tokens else []
+            options=options,
+            interceptors=[_TokenAuth(tokens), _RefuseMalformed()]
+            if tokens
+            else [_RefuseMalformed()],
         )
         pb_grpc.add_SyncerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -964,19 +964,39 @@ class Shard:
             if not self.ready or self.recovery_error is not None:
                 return None
             now = self.clock()
-            horizon = now - PRUNE_AFTER_LEASES * self.policy.lease_seconds
-            for learner in [m for m, seen in self.last_seen.items() if seen < horizon]:
-                del self.last_seen[learner]
-                self.timings.pop(learner, None)
+            gone = self._forget_departed(now)
         wakes = []
         for p in list(self.fragments):
             with self.frag_locks[p]:
-                if self.fragments[p].round.count:
+                frag = self.fragments.get(p)
+                if frag is None:  # moved away meanwhile
+                    continue
+                for learner in gone:
+                    frag.refusals.pop(learner, None)
+                if frag.round.count:
                     wakes.append(self._maybe_close(p, now))
         with self.lock:
             expiry = rules.next_lease_expiry(self.last_seen, now, self.policy.lease_seconds)
         candidates = [w for w in wakes if w is not None] + ([expiry] if expiry is not None else [])
         return min(candidates) if candidates else None
+
+    def _forget_departed(self, now: float) -> frozenset[str]:
+        """Forgets learners silent for PRUNE_AFTER_LEASES leases (under lock): their lease,
+        timing and finished marks; returns them, for their fragments' refusals to go too.
+
+        Each fragment's answer to a learner's newest accepted push stays: it is durable
+        state (a retry of that push, however late, is answered once, never merged again).
+        `known` keeps at least a quorum: it only counts learners up to K at start-up."""
+        horizon = now - PRUNE_AFTER_LEASES * self.policy.lease_seconds
+        gone = frozenset(m for m, seen in self.last_seen.items() if seen < horizon)
+        for learner in gone:
+            del self.last_seen[learner]
+            self.timings.pop(learner, None)
+            if len(self.known) > self.policy.quorum:
+                self.known.discard(learner)
+            for finished in self.finished.values():
+                finished.discard(learner)
+        return gone
 
     def pull(
         self, p: int, have_version: int | None
