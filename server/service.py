@@ -663,7 +663,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                         wake = await waiter
                         waiter = self.board.subscribe()  # before reading the board, as above
                         current = self.board.view(fragments)
-                        moved = self.shard.moved_away(fragments) if fragments else None
+                        # a Watch of every fragment ends too when one it announced moves
+                        moved = self.shard.moved_away(fragments or sorted(known))
                         if moved is not None:  # the watcher follows it to its new owner
                             await self._refuse(context, "Watch", moved)
                 finally:

@@ -254,3 +254,34 @@ def test_an_adopt_of_a_fragment_its_owner_never_froze_is_refused(pair):
     assert code in BAD, code
     assert 2 not in [f.fragment for f in describe(stub_b).fragments]
     assert 2 in [f.fragment for f in describe(stub_a).fragments]
+
+
+def _move_0(stub_a, stub_b) -> None:
+    freeze(stub_a, 0, as_pb(MOVED))
+    adopt(stub_b, *export(stub_a, 0))
+    stub_a.Commit(pb.MoveRequest(fragment=0, map=as_pb(MOVED)), timeout=DEADLINE)
+
+
+@pytest.mark.parametrize("watched", [[0, 2], [2, 0]])
+def test_a_watch_of_several_fragments_ends_naming_the_owner_when_one_moves(pair, watched):
+    (a, _), (stub_a, stub_b) = pair
+    stream = stub_a.Watch(pb.WatchRequest(fragments=watched, learner_id="w"), timeout=DEADLINE)
+    seen = {next(stream).fragment, next(stream).fragment}
+    assert seen == {0, 2}
+    _move_0(stub_a, stub_b)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stream)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    trailing = dict(e.value.trailing_metadata())
+    assert (trailing["atoll-owner"], trailing["atoll-fragment"]) == ("1", "0")
+
+
+def test_a_watch_of_every_fragment_ends_when_one_moves_away(pair):
+    (a, _), (stub_a, stub_b) = pair
+    stream = stub_a.Watch(pb.WatchRequest(learner_id="w"), timeout=DEADLINE)
+    assert {next(stream).fragment, next(stream).fragment} == {0, 2}
+    _move_0(stub_a, stub_b)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stream)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert dict(e.value.trailing_metadata())["atoll-owner"] == "1"
