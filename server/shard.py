@@ -351,8 +351,12 @@ class Shard:
         kind, meta, payload = parse_log_record(record)
         if "fragment" in meta and lsn <= self.snapshot_lsns.get(meta["fragment"], 0):
             return
-        if kind == LOG_PLAN:
-            self._adopt_plan(FragmentPlan.from_json(meta["plan"]))
+        if kind == LOG_PLAN:  # with the map of the first Init (older records: p mod S)
+            saved = meta.get("map")
+            self._adopt_plan(
+                FragmentPlan.from_json(meta["plan"]),
+                FragmentMap.from_json(saved) if saved is not None else None,
+            )
         elif kind == LOG_INIT:
             frag = self.fragments[meta["fragment"]]
             codes = self._checked(codec.read_codes(payload, num_values=frag.size), frag, live)
@@ -708,18 +712,19 @@ class Shard:
                 raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"init frame: {too_big}")
             values = np.empty(size, np.float32)
             codes.decode_into(values, accumulate=False)
-            if (
-                self.plan is None
-            ):  # the plan and its first fragment are durable together or not at all
+            if self.plan is None:  # the plan, its map and first fragment: durable together
+                first = FragmentMap.modulo(plan.num_fragments, self.cfg.num_shards)
                 self._sync(
                     self._write(
                         [
-                            log_record(LOG_PLAN, {"plan": plan_json}),
+                            # the map is durable from here: a restart with another
+                            # --num-shards never changes who owns what; only moves do
+                            log_record(LOG_PLAN, {"plan": plan_json, "map": first.to_json()}),
                             log_record(LOG_INIT, {"fragment": p}, frame),
                         ]
                     )
                 )
-                self._adopt_plan(plan)
+                self._adopt_plan(plan, first)
                 self.fragments[p].initialize(values)
             else:
                 with self.frag_locks[

@@ -6,15 +6,16 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 
+import grpc
 import jax
 import numpy as np
 import pytest
 
 from atoll.server import storage
 from atoll.server.config import ShardConfig
-from atoll.server.shard import PushHeader, Shard
+from atoll.server.shard import PushHeader, Shard, ShardError
 from atoll.wire import codec
-from atoll.wire.plan import FragmentPlan, TensorSpec
+from atoll.wire.plan import FragmentMap, FragmentPlan, TensorSpec
 from atoll.wire.records import parse_log_record
 
 SPECS = [
@@ -361,3 +362,43 @@ def test_a_round_does_not_wait_for_a_learner_whose_last_push_came_in(tmp_path, p
     assert shard.fragments[0].version == 4
     assert push("b", 4, 4, False).accepted  # b is back too, and now its round waits for a again
     assert shard.fragments[0].version == 4 and shard.fragments[0].contributors == {"b"}
+
+
+def test_a_restart_with_another_num_shards_keeps_the_map_of_the_first_init(tmp_path, plan):
+    """Shard 0 of 3 seeds fragment 0 and dies before any snapshot (kill -9: the log alone);
+    back as shard 0 of 1 or of 2, it owns what the first Init's map gave it, and an Init of
+    a fragment shard 1 seeded is refused naming that owner."""
+    first = Shard(ShardConfig(shard_index=0, num_shards=3, data_dir=tmp_path))
+    first.recover()
+    values = np.zeros(plan.fragment_sizes[0], np.float32)
+    first.init(
+        "seed",
+        0,
+        plan.fingerprint,
+        plan.to_json(),
+        codec.encode(values, codec.Codec.FP32),
+        int(codec.Codec.FP32),
+        values.size,
+    )
+    first.wal.close()  # no final snapshot: what a kill -9 leaves
+    first.snapshots.close()
+    for num_shards in (1, 2):
+        back = Shard(ShardConfig(shard_index=0, num_shards=num_shards, data_dir=tmp_path))
+        back.recover()
+        assert back.fragment_map == FragmentMap.modulo(3, 3)
+        assert sorted(back.fragments) == [0]
+        size = plan.fragment_sizes[1]
+        with pytest.raises(ShardError) as e:
+            back.init(
+                "seed",
+                1,
+                plan.fingerprint,
+                plan.to_json(),
+                codec.encode(np.zeros(size, np.float32), codec.Codec.FP32),
+                int(codec.Codec.FP32),
+                size,
+            )
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert dict(e.value.metadata)["atoll-owner"] == "1"
+        back.wal.close()
+        back.snapshots.close()
