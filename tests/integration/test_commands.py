@@ -67,7 +67,7 @@ COVERAGE: dict[str, tuple[str, str | None]] = {
     ),
     "bench codec": ("test_commands.py::test_atoll_bench_codec_reports_every_codec", None),
     "bench quality": (
-        "test_bench_quality.py::test_quality_bench_compares_four_runs_at_equal_tokens",
+        "test_bench_quality.py::test_quality_bench_measures_the_frontier_at_equal_tokens",
         None,
     ),
     "bench ingest": ("test_bench_ingest.py::test_tiny_run_reports_every_figure", None),
