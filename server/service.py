@@ -26,6 +26,7 @@ import collections
 import concurrent.futures
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import json
 import logging
@@ -363,6 +364,15 @@ def _check_id(learner_id: str) -> None:
 
 # --- the servicer -------------------------------------------------------------------
 
+# The domain's PushHeader, read from the protobuf's fields of the same names (every one
+# of them is there: tests/test_shard.py checks it).
+PUSH_FIELDS = tuple(f.name for f in dataclasses.fields(PushHeader))
+
+
+def push_header(header: pb.PushHeader) -> PushHeader:
+    """The shard's PushHeader from a Push stream's header, field by name."""
+    return PushHeader(**{name: getattr(header, name) for name in PUSH_FIELDS})
+
 
 class SyncerServicer(pb_grpc.SyncerServicer):
     """Translates requests into Shard calls and answers back; no math here."""
@@ -551,21 +561,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         with self._open("Push"):
             try:
                 async with self._intake("Push", context) as (header, frame):
-                    h = PushHeader(
-                        header.learner_id,
-                        header.fragment,
-                        header.base_version,
-                        header.seq,
-                        header.inner_steps,
-                        header.tokens,
-                        header.codec,
-                        header.num_params,
-                        header.plan_fingerprint,
-                        header.step_seconds,
-                        header.overlap_steps,
-                        header.period_steps,
-                        header.last,
-                    )
+                    h = push_header(header)
                     a = await self._call(self._push, h, frame)
             except ShardError as e:
                 await self._refuse(context, "Push", e)

@@ -744,6 +744,27 @@ class Shard:
         lock the push is judged, its record written and its codes merged; the fsync comes
         after the lock is let go, shared with whatever other pushes wait for one."""
         self._require_ready()
+        frag, codes = self._checked_push(h, frame)
+        with self._lock_of(h.fragment, frag):
+            self._require_ready()
+            self._refuse_if_moving(h.fragment)
+            now = self.clock()
+            with self.lock:
+                self._heard_from(h, now)
+                if h.last:
+                    self.finished[h.fragment].add(h.learner_id)
+                else:
+                    self.finished[h.fragment].discard(h.learner_id)
+            answer, durable_at = self._judged(h, frag, codes, frame, now)
+        del codes
+        if durable_at is None:  # refused: nothing was logged
+            return self._count(answer)
+        self._sync(durable_at)  # fsync before ack: the ack is a promise
+        return self._count(answer)
+
+    def _checked_push(self, h: PushHeader, frame: bytes) -> tuple[Fragment, codec.Codes]:
+        """(fragment, the frame's checked codes) of a push whose header and frame pass
+        every check made before a lock is taken; ShardError otherwise."""
         problem = h.problem()
         if problem is not None:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, problem)
@@ -765,92 +786,88 @@ class Shard:
         too_big = _magnitude_problem(codes, frag.segments)
         if too_big is not None:
             raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"push frame: {too_big}")
-        with self._lock_of(h.fragment, frag):
-            self._require_ready()
-            self._refuse_if_moving(h.fragment)
-            now = self.clock()
-            with self.lock:
-                self._heard_from(h, now)
-                if h.last:
-                    self.finished[h.fragment].add(h.learner_id)
-                else:
-                    self.finished[h.fragment].discard(h.learner_id)
-            prior = frag.answers.get(h.learner_id)
-            refused = frag.refusals.get(h.learner_id)
-            if prior is not None and prior.seq == h.seq:
-                # the first push's record may still be on its way to disk: answer once it is there
-                answer, durable_at = (
-                    dataclasses.replace(prior, reason=str(rules.Reason.DUPLICATE)),
-                    self.wal.written_lsn,
-                )
-            elif refused is not None and refused.seq == h.seq:
-                return self._count(refused)  # a retried refusal gets its first answer
-            else:
-                newest = max((a.seq for a in (prior, refused) if a is not None), default=None)
-                verdict = rules.admit(
-                    seq=h.seq,
-                    newest_seq=newest,
-                    base_version=h.base_version,
-                    current_version=frag.version,
-                    in_round=h.learner_id in frag.contributors,
-                    tokens=h.tokens,
-                    inner_steps=h.inner_steps,
-                    policy=self.policy,
-                )
-                if verdict.reason in (rules.Reason.FUTURE_BASE, rules.Reason.SEQ_TOO_FAR):
-                    raise ShardError(
-                        grpc.StatusCode.INVALID_ARGUMENT, f"fragment {h.fragment}: {verdict.detail}"
-                    )
-                if not verdict.accept:
-                    answer = Answer(
-                        h.seq,
-                        False,
-                        str(verdict.reason),
-                        verdict.detail,
-                        frag.version,
-                        verdict.staleness,
-                        0.0,
-                    )
-                    if verdict.reason is not rules.Reason.DUPLICATE:
-                        frag.refusals[h.learner_id] = answer
-                    return self._count(answer)
-                answer = Answer(
-                    h.seq,
-                    True,
-                    str(verdict.reason),
-                    "",
-                    frag.version,
-                    verdict.staleness,
-                    verdict.weight * verdict.discount,
-                    verdict.discount,
-                )
-                durable_at = self._write(
-                    [
-                        log_record_parts(
-                            LOG_PUSH,
-                            {
-                                "fragment": h.fragment,
-                                "learner": h.learner_id,
-                                "answer": dataclasses.asdict(answer),
-                            },
-                            frame,
-                        )
-                    ]
-                )
-                frag.contribute(h.learner_id, codes, answer, now)
-                frag.refusals.pop(h.learner_id, None)
-                with self.lock:
-                    self.known.add(h.learner_id)
-                self.metrics.staleness.observe(verdict.staleness)
-                assert self.plan is not None  # _fragment found it
-                self.metrics.compute_seconds.inc(
-                    h.inner_steps * h.step_seconds / self.plan.num_fragments
-                )
-                self._maybe_close(h.fragment, now, trigger=h.learner_id)
-                answer = frag.answers[h.learner_id]
-        del codes
-        self._sync(durable_at)  # fsync before ack: the ack is a promise
-        return self._count(answer)
+        return frag, codes
+
+    def _judged(
+        self, h: PushHeader, frag: Fragment, codes: codec.Codes, frame: bytes, now: float
+    ) -> tuple[Answer, int | None]:
+        """(answer, the LSN to make durable before it goes out; None: a refusal, nothing
+        logged) of a push, under its fragment's lock: a retry gets its first answer, a new
+        push is judged by the rules and, accepted, logged and merged."""
+        prior = frag.answers.get(h.learner_id)
+        refused = frag.refusals.get(h.learner_id)
+        if prior is not None and prior.seq == h.seq:
+            # the first push's record may still be on its way to disk: answer once it is there
+            duplicate = dataclasses.replace(prior, reason=str(rules.Reason.DUPLICATE))
+            return duplicate, self.wal.written_lsn
+        if refused is not None and refused.seq == h.seq:
+            return refused, None  # a retried refusal gets its first answer
+        newest = max((a.seq for a in (prior, refused) if a is not None), default=None)
+        verdict = rules.admit(
+            seq=h.seq,
+            newest_seq=newest,
+            base_version=h.base_version,
+            current_version=frag.version,
+            in_round=h.learner_id in frag.contributors,
+            tokens=h.tokens,
+            inner_steps=h.inner_steps,
+            policy=self.policy,
+        )
+        if verdict.reason in (rules.Reason.FUTURE_BASE, rules.Reason.SEQ_TOO_FAR):
+            raise ShardError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"fragment {h.fragment}: {verdict.detail}"
+            )
+        if not verdict.accept:
+            answer = Answer(
+                h.seq,
+                False,
+                str(verdict.reason),
+                verdict.detail,
+                frag.version,
+                verdict.staleness,
+                0.0,
+            )
+            if verdict.reason is not rules.Reason.DUPLICATE:
+                frag.refusals[h.learner_id] = answer
+            return answer, None
+        answer = Answer(
+            h.seq,
+            True,
+            str(verdict.reason),
+            "",
+            frag.version,
+            verdict.staleness,
+            verdict.weight * verdict.discount,
+            verdict.discount,
+        )
+        return self._merged(h, frag, codes, frame, answer, now)
+
+    def _merged(
+        self,
+        h: PushHeader,
+        frag: Fragment,
+        codes: codec.Codes,
+        frame: bytes,
+        answer: Answer,
+        now: float,
+    ) -> tuple[Answer, int]:
+        """Logs (written, not yet durable) and merges an accepted push: (its answer, which
+        a round it closes moves to the new version; its record's LSN)."""
+        meta = {
+            "fragment": h.fragment,
+            "learner": h.learner_id,
+            "answer": dataclasses.asdict(answer),
+        }
+        lsn = self._write([log_record_parts(LOG_PUSH, meta, frame)])
+        frag.contribute(h.learner_id, codes, answer, now)
+        frag.refusals.pop(h.learner_id, None)
+        with self.lock:
+            self.known.add(h.learner_id)
+        self.metrics.staleness.observe(answer.staleness)
+        assert self.plan is not None  # _fragment found it
+        self.metrics.compute_seconds.inc(h.inner_steps * h.step_seconds / self.plan.num_fragments)
+        self._maybe_close(h.fragment, now, trigger=h.learner_id)
+        return frag.answers[h.learner_id], lsn
 
     def _heard_from(self, h: PushHeader, now: float) -> None:
         """A push renews its learner's lease and brings its timing: step time, τ, H."""

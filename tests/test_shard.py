@@ -402,3 +402,27 @@ def test_a_restart_with_another_num_shards_keeps_the_map_of_the_first_init(tmp_p
         assert dict(e.value.metadata)["atoll-owner"] == "1"
         back.wal.close()
         back.snapshots.close()
+
+
+def test_the_servicer_reads_every_push_header_field_from_the_protobuf_by_name():
+    from atoll.server.service import PUSH_FIELDS, push_header
+    from atoll.wire import syncer_pb2 as pb
+
+    assert set(PUSH_FIELDS) <= set(pb.PushHeader.DESCRIPTOR.fields_by_name)
+    values = {
+        "learner_id": "l",
+        "fragment": 2,
+        "base_version": 3,
+        "seq": 4,
+        "inner_steps": 5,
+        "tokens": 6,
+        "codec": 1,
+        "num_params": 7,
+        "plan_fingerprint": "f",
+        "step_seconds": 0.5,
+        "overlap_steps": 1,
+        "period_steps": 8,
+        "last": True,
+    }
+    assert set(values) == set(PUSH_FIELDS)
+    assert push_header(pb.PushHeader(**values, frame_bytes=9)) == PushHeader(**values)
