@@ -1,11 +1,12 @@
 """Rounds follow the sync period: the real Shard and the learners' real schedule
-(`learner.sync.sync_due`) on a fake clock, with islands of two speeds.
+(learner/schedule.py: `decide_push`, `decide_adopt`) on a fake clock, with islands of
+two speeds.
 
 Each simulated learner steps at its own pace (with jitter), pushes a fragment when
-`sync_due` says so, adopts the round's result once its version is out and τ steps have
-passed, and blocks only when a whole period passes with its push still in an open round,
-as `Synchronizer.after_step` does. The shard is the real one, with its write-ahead log in
-a temporary directory, its rules and its timers (`tick`).
+`decide_push` says so, adopts the round's result once its version is out and τ steps
+have passed, and blocks only when the run-ahead is spent with its push still in an open
+round, as `Synchronizer.after_step` does. The shard is the real one, with its write-ahead
+log in a temporary directory, its rules and its timers (`tick`).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import random
 import numpy as np
 import pytest
 
-from atoll.learner.sync import (
-    RUN_AHEAD_PERIODS,
+from atoll.learner.schedule import (
     STEP_WINDOW,
     StepTimer,
+    decide_adopt,
+    decide_push,
     offsets,
     steps_per_period,
-    sync_due,
 )
 from atoll.server.config import ShardConfig
 from atoll.server.shard import PushHeader, Shard
@@ -145,33 +146,34 @@ def simulate(
         for p, f in l.frags.items():
             if f.pushed_at_step is not None:
                 out = shard.fragments[p].version >= f.merged_in
-                ready = out and l.step >= f.pushed_at_step + TAU
-                if not ready and l.step - f.pushed_at_step >= RUN_AHEAD_PERIODS * per_period:
+                adopt, _ = decide_adopt(
+                    step=l.step,
+                    task_step=f.pushed_at_step,
+                    done=out,
+                    overlap=TAU,
+                    per_period=per_period,
+                )
+                if adopt and not out:  # the run-ahead is spent: wait for the round
                     return_at = close_time(closes[p], f.merged_in)
                     if return_at is None:
                         continue  # still not out: a real learner would block; try again next step
                     blocked_until = max(blocked_until, return_at)
-                    ready = True
-                if ready:
+                if adopt:
                     f.version = shard.fragments[p].version
                     f.pushed_at_step = None
-            if (
-                f.pushed_at_step is None
-                and f.due_at is not None
-                and cadence
-                and clock.now + l.step_seconds / 2 >= f.due_at
-                and l.step - (f.last_sync_step or 0) < max(1, per_period // 2)
-            ):
-                f.due_at += cadence  # too little done since the last push: the next round instead
-            if f.pushed_at_step is None and sync_due(
+            if f.pushed_at_step is not None:
+                continue
+            push, f.due_at, _ = decide_push(
                 step=l.step,
                 first_step=first_steps[p],
                 last_sync_step=f.last_sync_step,
                 due_at=f.due_at,
                 now=clock.now,
                 period=H,
+                cadence_seconds=cadence,
                 step_seconds=l.step_seconds,
-            ):
+            )
+            if push:
                 steps = l.step - (f.last_sync_step or 0)
                 l.seq += 1
                 h = PushHeader(

@@ -1,0 +1,188 @@
+"""The learner's schedule (learner/schedule.py) as pure functions of a fake clock, and the
+Synchronizer reading only the clock it is given."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atoll.learner import schedule
+from atoll.learner.schedule import Reason
+from atoll.learner.sync import SyncConfig, Synchronizer
+from atoll.wire.plan import FragmentPlan, TensorSpec
+
+H = 32
+
+
+class Clock:
+    """A fake monotonic clock: what the schedule is given as `now`."""
+
+    def __init__(self, now: float = 100.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
+
+
+def test_first_syncs_are_spread_over_the_period():
+    assert schedule.offsets(4, H) == [8, 16, 24, 32]
+    assert schedule.offsets(3, 4) == [1, 3, 4]
+    assert schedule.offsets(8, 4) == [1, 1, 2, 2, 2, 3, 4, 4]  # never step 0
+
+
+def test_steps_per_period_follow_the_cadence_once_known():
+    assert schedule.steps_per_period(H, None, 0.2) == H
+    assert schedule.steps_per_period(H, 6.4, 0.2) == 32
+    assert schedule.steps_per_period(H, 6.4, 0.4) == 16  # a 2x slower island: H/2
+    assert schedule.steps_per_period(H, 0.1, 0.4) == 1  # at least one
+    assert schedule.steps_per_period(H, 6.4, 0.0) == H  # no step time yet
+
+
+def test_without_a_due_time_pushes_go_at_t_p_then_every_h_steps():
+    def due(step, last):
+        return schedule.sync_due(
+            step=step,
+            first_step=8,
+            last_sync_step=last,
+            due_at=None,
+            now=0.0,
+            period=H,
+            step_seconds=0.1,
+        )
+
+    assert [s for s in range(1, 80) if due(s, None)][0] == 8
+    assert not due(39, 8) and due(40, 8)
+    assert not due(8, 8)  # never twice at one step
+
+
+def test_with_a_due_time_the_push_goes_at_the_nearest_step_boundary():
+    clock = Clock(100.0)
+    step_seconds, due_at = 0.2, 100.85
+    fired = []
+    for step in range(20, 40):
+        if schedule.sync_due(
+            step=step,
+            first_step=8,
+            last_sync_step=8,
+            due_at=due_at,
+            now=clock(),
+            period=H,
+            step_seconds=step_seconds,
+        ):
+            fired.append(clock())
+            break
+        clock.advance(step_seconds)
+    # the boundary nearest the due time (100.8, not 101.0): within half a step of it
+    assert fired == [pytest.approx(100.8)]
+
+
+def test_a_push_due_too_soon_after_the_last_takes_the_next_round():
+    clock = Clock(50.0)
+    kwargs = dict(
+        first_step=8, period=H, cadence_seconds=6.4, step_seconds=0.2, due_at=50.0, now=clock()
+    )
+    push, due_at, reason = schedule.decide_push(step=12, last_sync_step=10, **kwargs)
+    assert (push, due_at, reason) == (False, pytest.approx(56.4), Reason.NEXT_ROUND)
+    push, due_at, reason = schedule.decide_push(step=30, last_sync_step=10, **kwargs)
+    assert (push, due_at, reason) == (True, 50.0, Reason.DUE)
+    kwargs["now"] = clock.advance(-1.0)
+    assert schedule.decide_push(step=30, last_sync_step=10, **kwargs) == (
+        False,
+        50.0,
+        Reason.NOT_DUE,
+    )
+
+
+def test_no_next_round_without_a_cadence():
+    assert (
+        schedule.take_next_round(
+            step=11,
+            last_sync_step=10,
+            due_at=50.0,
+            now=50.0,
+            cadence_seconds=None,
+            step_seconds=0.2,
+            per_period=H,
+        )
+        == 50.0
+    )
+
+
+@pytest.mark.parametrize(
+    ("step", "done", "wait_for_rounds", "expected"),
+    [
+        (40, True, False, (False, Reason.OVERLAPPING)),  # τ = 1: not in the push's own step
+        (41, True, False, (True, Reason.READY)),
+        (41, False, False, (False, Reason.IN_FLIGHT)),
+        (40 + 2 * H - 1, False, False, (False, Reason.IN_FLIGHT)),
+        (40 + 2 * H, False, False, (True, Reason.OVERDUE)),  # two periods: wait for it
+        (40 + H, False, True, (True, Reason.OVERDUE)),  # synchronous: one period
+    ],
+)
+def test_adopting_waits_for_tau_and_runs_ahead_at_most_two_periods(
+    step, done, wait_for_rounds, expected
+):
+    assert (
+        schedule.decide_adopt(
+            step=step,
+            task_step=40,
+            done=done,
+            overlap=1,
+            per_period=H,
+            wait_for_rounds=wait_for_rounds,
+        )
+        == expected
+    )
+
+
+def test_due_times_are_relative_to_the_learners_clock():
+    assert schedule.due_after(10.0, 2.5) == 12.5
+    assert schedule.due_after(10.0, 0.0) is None  # the shard named none
+    assert schedule.next_due(12.5, 10.0, 6.4) == 12.5
+    assert schedule.next_due(None, 10.0, 6.4) == pytest.approx(16.4)  # a period from now
+    assert schedule.next_due(None, 10.0, None) is None
+
+
+def test_patience_stretches_to_four_periods_of_slow_steps():
+    assert schedule.round_patience(30.0, H, 0.1) == 30.0
+    assert schedule.round_patience(30.0, H, 1.0) == 4 * H * 1.0
+
+
+class _NoShard:
+    address = "nowhere"
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_synchronizer_reads_only_its_clock():
+    # no shard is called: no fragment is due before its first step t_p, and the due
+    # times set by hand are read against the fake clock alone
+    plan = FragmentPlan.build([TensorSpec(f"w{i}", (2, 2)) for i in range(2)], 2)
+    clock = Clock(1000.0)
+    sync = Synchronizer(SyncConfig(period=8), plan, [_NoShard()], clock=clock)
+    started = []
+    try:
+        for frag in sync.frags:
+            frag.start = lambda *a, frag=frag, **k: started.append((frag.p, clock()))
+        sync.frags[0].due_at = 1000.5
+        sync.frags[0].last_sync_step = 0
+        sync.frags[1].due_at = 2000.0  # not due in this test
+        sync.pace.cadence_seconds = 8.0
+        params = {f"w{i}": np.zeros((2, 2), np.float32) for i in range(2)}
+        for step in range(1, 4):  # 1 s steps on the fake clock
+            sync.after_step(step, params, 1.0, tokens_per_step=4)
+            clock.advance(1.0)
+        # the due time is met at step 1 (1000.0 + half a step >= 1000.5) but fewer than
+        # half a period's steps are done: the next round, a cadence later
+        assert started == []
+        assert sync.frags[0].due_at == pytest.approx(1008.5)
+        clock.now = 1008.2
+        sync.after_step(8, params, 1.0, tokens_per_step=4)
+        assert started == [(0, 1008.2)] and sync.pushes_started == 1 and sync.seq == 1
+    finally:
+        sync.close()
