@@ -29,16 +29,22 @@ Ordering guarantees (what a reader may rely on):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
 import pathlib
 import threading
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import numpy as np
+
+if TYPE_CHECKING:
+    from atoll.learner.sync import Synchronizer
+    from atoll.wire.plan import FragmentPlan
 
 log = logging.getLogger("atoll.learner")
 FORMAT = "atoll.learner-checkpoint.v1"  # bump when the layout or meaning changes
@@ -53,6 +59,25 @@ def path_for(directory: pathlib.Path, learner_id: str) -> pathlib.Path:
     return pathlib.Path(directory) / f"{learner_id}{SUFFIX}"
 
 
+class TrainerState(Protocol):
+    """What a checkpoint captures of the training side (a Trainer, or the API's progress)."""
+
+    @property
+    def params(self) -> Any: ...
+    @property
+    def opt_state(self) -> Any: ...
+    @property
+    def steps_done(self) -> int: ...
+    @property
+    def tokens_total(self) -> int: ...
+
+
+class Restorable(TrainerState, Protocol):
+    """A trainer a checkpoint is restored into (learner/train.py's Trainer)."""
+
+    def restore(self, snapshot: Mapping[str, Any]) -> None: ...
+
+
 class PushTrail:
     """Per fragment, the seq and the parameters θ_p of its newest push, as the training
     thread saw them start (a push in flight at a checkpoint is measured from there)."""
@@ -61,7 +86,9 @@ class PushTrail:
         self.seq = [0] * num_fragments
         self.theta: list[np.ndarray | None] = [None] * num_fragments
 
-    def after_step(self, sync, plan, seq_before: int, step: int, params) -> None:
+    def after_step(
+        self, sync: Synchronizer, plan: FragmentPlan, seq_before: int, step: int, params: Any
+    ) -> None:
         """Call after `sync.after_step(step, ...)` and after applying its updates."""
         started = [f.p for f in sync.frags if f.task is not None and f.task_step == step]
         if len(started) != sync.seq - seq_before:  # cannot tell which seq went where
@@ -78,14 +105,19 @@ class PushTrail:
 class Capture:
     """One cut of a learner's state, taken on the training thread (host copies deferred)."""
 
-    meta: dict
+    meta: dict[str, Any]
     params: Any  # jax tree (immutable: referenced, copied by the writer)
     opt_state: Any
     origins: dict[int, np.ndarray]  # fragment -> what its next Δ is measured from
     residuals: dict[int, np.ndarray]  # fragment -> error-feedback residual
 
 
-def capture(identity: dict, trainer, sync, trail: PushTrail | None) -> Capture:
+def capture(
+    identity: dict[str, Any],
+    trainer: TrainerState,
+    sync: Synchronizer | None,
+    trail: PushTrail | None,
+) -> Capture:
     """Reads the state at this step boundary. `identity`: learner id, index, plan, configs."""
     frags, origins, residuals = [], {}, {}
     if sync is not None:
@@ -128,7 +160,7 @@ def write(path: pathlib.Path, cap: Capture) -> None:
     params = jax.tree.leaves(jax.device_get(cap.params))
     opt = jax.tree.leaves(jax.device_get(cap.opt_state))
     meta = {**cap.meta, "num_params_leaves": len(params), "num_opt_leaves": len(opt)}
-    arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)}
+    arrays: dict[str, Any] = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)}
     arrays.update({f"param_{i}": np.asarray(x) for i, x in enumerate(params)})
     arrays.update({f"opt_{i}": np.asarray(x) for i, x in enumerate(opt)})
     arrays.update({f"origin_{p}": v for p, v in cap.origins.items()})
@@ -154,7 +186,7 @@ def write(path: pathlib.Path, cap: Capture) -> None:
 class Checkpoint:
     """A checkpoint read back: `meta` as written, host arrays."""
 
-    meta: dict
+    meta: dict[str, Any]
     params_leaves: list[np.ndarray]
     opt_leaves: list[np.ndarray]
     origins: dict[int, np.ndarray]
@@ -193,7 +225,7 @@ def read(path: pathlib.Path) -> Checkpoint | None:
     return Checkpoint(meta, params, opt, origins, residuals)
 
 
-def check(ckpt: Checkpoint, identity: dict, path: pathlib.Path) -> None:
+def check(ckpt: Checkpoint, identity: dict[str, Any], path: pathlib.Path) -> None:
     """CheckpointError unless `ckpt` is of the same model, plan and data shard as `identity`."""
     for key in (
         "model_config",
@@ -211,11 +243,11 @@ def check(ckpt: Checkpoint, identity: dict, path: pathlib.Path) -> None:
             )
 
 
-def restore_trainer(ckpt: Checkpoint, trainer) -> None:
+def restore_trainer(ckpt: Checkpoint, trainer: Restorable) -> None:
     """Parameters, optimiser state, step and tokens from `ckpt` into `trainer`."""
     params = jax.tree.unflatten(jax.tree.structure(trainer.params), ckpt.params_leaves)
     opt_treedef = jax.tree.structure(trainer.opt_state)
-    if opt_treedef.num_leaves != len(ckpt.opt_leaves):
+    if len(jax.tree.leaves(trainer.opt_state)) != len(ckpt.opt_leaves):
         raise CheckpointError(
             "the checkpoint's optimiser state does not match this learner's optimiser"
         )
@@ -232,7 +264,7 @@ def restore_trainer(ckpt: Checkpoint, trainer) -> None:
 
 def resume_sync(
     ckpt: Checkpoint,
-    sync,
+    sync: Synchronizer,
     theta_ckpt: list[np.ndarray],
     trail: PushTrail,
     shard_last_seq: dict[int, int],
@@ -269,7 +301,7 @@ def resume_sync(
     return updates
 
 
-def shard_last_seqs(sync) -> dict[int, int]:
+def shard_last_seqs(sync: Synchronizer) -> dict[int, int]:
     """Fragment -> the newest seq its shard answered for this learner (one header-only pull
     each, from the version just joined at); a fragment whose shard does not answer is left out."""
     import grpc
@@ -279,9 +311,8 @@ def shard_last_seqs(sync) -> dict[int, int]:
     out = {}
     for f in sync.frags:
         try:  # (a stop raises Stopped here)
-            out[f.p] = int(
-                sync.call_shard(lambda f=f: sync.client_of(f.p).pull(f.p, f.version).last_seq)
-            )
+            pulled = sync.call_shard(functools.partial(sync.client_of(f.p).pull, f.p, f.version))
+            out[f.p] = int(pulled.last_seq)
         except (grpc.RpcError, IncompletePull):
             pass
     return out
@@ -290,7 +321,9 @@ def shard_last_seqs(sync) -> dict[int, int]:
 class Checkpointer:
     """Every `every` steps, a background write of the learner's state (guarantees 2-3)."""
 
-    def __init__(self, directory: pathlib.Path, learner_id: str, every: int, identity: dict):
+    def __init__(
+        self, directory: pathlib.Path, learner_id: str, every: int, identity: dict[str, Any]
+    ):
         self.path = path_for(directory, learner_id)
         self.every, self.identity = every, identity
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -304,7 +337,13 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def save(self, trainer, sync, trail: PushTrail | None, wait: bool = False) -> bool:
+    def save(
+        self,
+        trainer: TrainerState,
+        sync: Synchronizer | None,
+        trail: PushTrail | None,
+        wait: bool = False,
+    ) -> bool:
         """Starts a write of this step's state; False (skipped) if one is still running."""
         if self._writer is not None and self._writer.is_alive():
             if not wait:

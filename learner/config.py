@@ -37,6 +37,12 @@ if TYPE_CHECKING:
     from atoll.learner.sync import SyncConfig
 
 
+def _need(ok: bool, message: str) -> None:
+    """Refuses a setting: LearnerConfigError(message) unless `ok`."""
+    if not ok:
+        raise LearnerConfigError(message)
+
+
 ENV_LEARNER_ID = "ATOLL_LEARNER_ID"  # default learner id (Kubernetes: the pod name)
 
 
@@ -118,24 +124,26 @@ class LearnerConfig:
     )
     standby: bool = False  # wait, compiled, to take over a failed learner's id (learner/standby.py)
 
-    def __post_init__(self):
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise LearnerConfigError(message)
+    def __post_init__(self) -> None:
+        self._check_run()
+        self._check_modes()
+        self._check_paths()
 
-        need(
+    def _check_run(self) -> None:
+        """The run's sizes and the synchronizer's settings."""
+        _need(
             self.baseline or len(self.shards) >= 1,
             "--shards is required (HOST:PORT,... in shard index order), or use --baseline",
         )
-        need(bool(self.learner_id), "--learner-id must not be empty")
-        need(self.num_learners >= 1, f"--num-learners must be >= 1, got {self.num_learners}")
-        need(
+        _need(bool(self.learner_id), "--learner-id must not be empty")
+        _need(self.num_learners >= 1, f"--num-learners must be >= 1, got {self.num_learners}")
+        _need(
             0 <= self.learner_index < self.num_learners,
             f"--learner-index must be in [0, {self.num_learners}), got {self.learner_index}",
         )
-        need(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
-        need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
-        need(
+        _need(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
+        _need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+        _need(
             self.baseline or self.fragments >= len(self.shards),
             f"--fragments ({self.fragments}) must be at least the number of shards ({len(self.shards)})",
         )
@@ -144,50 +152,56 @@ class LearnerConfig:
             self.sync_config()
         except ValueError as e:
             raise LearnerConfigError(_as_flags(str(e))) from None
-        need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
-        need(self.slowdown >= 1, f"--slowdown must be >= 1 (1 = full speed), got {self.slowdown}")
-        need(self.deadline > 0, f"--deadline must be > 0 seconds, got {self.deadline}")
-        need(
+        _need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        _need(self.slowdown >= 1, f"--slowdown must be >= 1 (1 = full speed), got {self.slowdown}")
+        _need(self.deadline > 0, f"--deadline must be > 0 seconds, got {self.deadline}")
+        _need(
             self.lease_exit_wait >= 0,
             f"--lease-exit-wait must be >= 0 seconds, got {self.lease_exit_wait}",
         )
-        need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
-        need(
+        _need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
+
+    def _check_modes(self) -> None:
+        """Checkpoints, standby, multi-process, metrics and TLS settings that go together."""
+        _need(
             self.checkpoint_every >= 0,
             f"--checkpoint-every must be >= 0 steps, got {self.checkpoint_every}",
         )
-        need(
+        _need(
             not self.standby or self.checkpoint_dir is not None,
             "--standby needs --checkpoint-dir: the directory where learners claim their ids",
         )
-        need(not self.standby or not self.baseline, "--standby and --baseline do not go together")
-        need(
+        _need(not self.standby or not self.baseline, "--standby and --baseline do not go together")
+        _need(
             self.distributed is None or not self.standby,
             "--standby is for one-process learners: a multi-host learner's spare is a whole slice, "
             "which its controller (a JobSet) recreates",
         )
-        need(
+        _need(
             self.metrics_port is None or 0 <= self.metrics_port <= 65535,
             f"--metrics-port must be in 1-65535 (0 picks a free one), got {self.metrics_port}",
         )
-        need(
+        _need(
             (self.tls_cert is None) == (self.tls_key is None),
             "--tls-cert and --tls-key go together",
         )
-        need(self.tls_cert is None or self.tls_ca is not None, "--tls-cert needs --tls-ca as well")
+        _need(self.tls_cert is None or self.tls_ca is not None, "--tls-cert needs --tls-ca as well")
+
+    def _check_paths(self) -> None:
+        """Files the learner reads and paths it writes: refused here, not by a traceback."""
         # {id} in the token file: a standby sends the token of the id it takes over
         token_dir = self.token_file is not None and "{id}" in pathlib.Path(self.token_file).name
-        if token_dir:
+        if token_dir and self.token_file is not None:
             parent = pathlib.Path(self.token_file).parent
-            need(parent.is_dir(), f"--token-file {self.token_file}: no directory {parent}")
+            _need(parent.is_dir(), f"--token-file {self.token_file}: no directory {parent}")
         for flag, path in (
             ("--token-file", None if token_dir else self.token_file),
             ("--tls-ca", self.tls_ca),
             ("--tls-cert", self.tls_cert),
             ("--tls-key", self.tls_key),
         ):
-            need(path is None or pathlib.Path(path).is_file(), f"{flag} {path}: no such file")
-        # paths the learner writes: refused here, not by a traceback once it has loaded
+            _need(path is None or pathlib.Path(path).is_file(), f"{flag} {path}: no such file")
+        # paths the learner writes: refused here, not once it has loaded
         for flag, path, check in (
             ("--checkpoint-dir", self.checkpoint_dir, directory_problem),
             ("--compile-cache", self.compile_cache, directory_problem),
@@ -198,7 +212,7 @@ class LearnerConfig:
                 problem = None if path is None else check(pathlib.Path(path))
             except OSError as e:  # e.g. a directory on the way that may not be searched
                 problem = e.strerror
-            need(problem is None, f"{flag} {path}: {problem}")
+            _need(problem is None, f"{flag} {path}: {problem}")
 
     def sync_config(self) -> SyncConfig:
         """The synchronizer's settings of this learner."""
@@ -251,7 +265,7 @@ class LearnerConfig:
         """This config for learner `learner_id` ({id} in the token, status and push-log paths
         filled in)."""
 
-        def fill(path):
+        def fill(path: pathlib.Path | None) -> pathlib.Path | None:
             return None if path is None else pathlib.Path(str(path).replace("{id}", learner_id))
 
         return dataclasses.replace(

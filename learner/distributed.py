@@ -42,7 +42,7 @@ class DistributedConfig:
         None  # this process, in [0, num_processes); None: from the TPU metadata
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         given = [x is not None for x in (self.coordinator, self.num_processes, self.process_id)]
         if any(given) and not all(given):
             raise DistributedConfigError(
@@ -55,6 +55,7 @@ class DistributedConfig:
                 raise DistributedConfigError(
                     f"--coordinator {self.coordinator!r} must be HOST:PORT with a port in 1-65535"
                 )
+            assert self.num_processes is not None and self.process_id is not None  # all given
             if self.num_processes < 1:
                 raise DistributedConfigError(
                     f"--num-processes must be >= 1, got {self.num_processes}"
@@ -86,7 +87,7 @@ def config_from(
         num_processes, process_id = env_int(ENV_NUM_PROCESSES), env_int(ENV_PROCESS_ID)
     if coordinator is not None or num_processes is not None or process_id is not None:
         cfg = DistributedConfig(coordinator, num_processes, process_id)
-        return cfg if cfg.num_processes > 1 else None
+        return cfg if (cfg.num_processes or 0) > 1 else None
     hosts = [h for h in env.get(ENV_TPU_HOSTS, "").split(",") if h.strip()]
     return DistributedConfig() if len(hosts) > 1 else None
 
@@ -101,7 +102,7 @@ def initialize(cfg: DistributedConfig | None) -> None:
     import jax
 
     # CPU processes reduce over gloo; accelerators use their own interconnect.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]
     if cfg.coordinator is None:
         jax.distributed.initialize()  # a TPU slice: the metadata says who is who
     else:
@@ -115,13 +116,13 @@ def initialize(cfg: DistributedConfig | None) -> None:
 def process_index() -> int:
     import jax
 
-    return jax.process_index()
+    return int(jax.process_index())
 
 
 def process_count() -> int:
     import jax
 
-    return jax.process_count()
+    return int(jax.process_count())
 
 
 def is_leader() -> bool:

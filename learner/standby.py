@@ -32,6 +32,7 @@ import pathlib
 import socket
 import threading
 import time
+from typing import Any
 
 log = logging.getLogger("atoll.learner")
 SUFFIX = ".claim"
@@ -44,14 +45,14 @@ HOLD_RETRY_SECONDS = (
 class Claim:
     """An exclusive hold on one learner id (released when the process exits)."""
 
-    def __init__(self, path: pathlib.Path, fd: int, info: dict):
+    def __init__(self, path: pathlib.Path, fd: int, info: dict[str, Any]):
         self.path, self.fd, self.info = path, fd, info
 
     @property
     def learner_id(self) -> str:
-        return self.info["learner_id"]
+        return str(self.info["learner_id"])
 
-    def write(self, **fields) -> None:
+    def write(self, **fields: Any) -> None:
         """Rewrites the claim's JSON (the holder alone writes it)."""
         self.info.update(fields)
         data = json.dumps(self.info).encode()
@@ -69,10 +70,10 @@ class Claim:
         self.fd = -1
 
 
-def _read(fd: int) -> dict | None:
+def _read(fd: int) -> dict[str, Any] | None:
     try:
         raw = os.pread(fd, 1 << 16, 0)
-        return json.loads(raw) if raw else None
+        return _object(json.loads(raw)) if raw else None
     except (OSError, ValueError):
         return None
 
@@ -95,11 +96,16 @@ def _lock(path: pathlib.Path) -> int | None:
     return fd
 
 
-def holder(directory: pathlib.Path, learner_id: str) -> dict | None:
+def _object(value: Any) -> dict[str, Any] | None:
+    """A claim's JSON, if it is an object (a damaged file may hold anything)."""
+    return value if isinstance(value, dict) else None
+
+
+def holder(directory: pathlib.Path, learner_id: str) -> dict[str, Any] | None:
     """The JSON of the claim on `learner_id` (who holds or last held it), or None."""
     path = pathlib.Path(directory) / f"{learner_id}{SUFFIX}"
     try:
-        return json.loads(path.read_text() or "null")
+        return _object(json.loads(path.read_text() or "null"))
     except (OSError, ValueError):
         return None
 

@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from types import FrameType
 
 log = logging.getLogger("atoll.learner")
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -78,7 +79,7 @@ def _run(hook: Callable[[], None]) -> None:
         log.exception("while stopping")
 
 
-def _ignore(signum, frame) -> None:
+def _ignore(signum: int, frame: FrameType | None) -> None:
     """The Python-level handler: the wakeup fd's thread does the work (guarantee 3)."""
 
 
