@@ -26,17 +26,22 @@ asking the source); the operator token is what keeps a forger from making one.
 from __future__ import annotations
 
 import enum
+import io
 import math
 import re
 from collections.abc import Collection
 from typing import Any
 
+import grpc
 import numpy as np
 
 from atoll.server import rules
 from atoll.server.config import MAX_SHARDS
 from atoll.server.fragment import Answer, Fragment
-from atoll.wire.plan import FragmentMap
+from atoll.server.state import ShardError, ShardState, _same_move
+from atoll.wire import codec
+from atoll.wire.plan import FragmentMap, FragmentPlan
+from atoll.wire.records import LOG_ADOPT, LOG_FREEZE, LOG_MOVED, LOG_UNFREEZE, log_record
 
 MAX_VERSION = (1 << 63) - 1  # map and fragment versions, LSNs and seqs: an int64's range
 LEARNER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # as the servicer checks a caller's id
@@ -239,3 +244,180 @@ def check_state_arrays(
             raise _malformed(f"{key}: {array.dtype}{array.shape}, want {dtype}{shape}")
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             raise _malformed(f"{key}: values that are not finite")
+
+
+class MoveCalls(ShardState):
+    """The five move calls over the shard's state (docs/resharding.md): Freeze, Unfreeze,
+    Export and Commit on the source, Adopt on the target; each checked by the rules above
+    before anything is logged, and answered the same way when repeated."""
+
+    @staticmethod
+    def _move_refusal(e: MoveRefused) -> ShardError:
+        code = (
+            grpc.StatusCode.INVALID_ARGUMENT
+            if e.why is Why.MALFORMED
+            else grpc.StatusCode.FAILED_PRECONDITION
+        )
+        return ShardError(code, str(e))
+
+    def _check_move(self, p: int, new: FragmentMap, *, next_map: bool = True) -> None:
+        """`new` is a valid map moving p (and, with `next_map`, the next version after
+        this shard's): server/py's rule 1, before anything is logged."""
+        if self.plan is None:
+            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, "this shard has no plan yet")
+        try:
+            check_map(new, p, self.plan.num_fragments)
+            if next_map:
+                check_next_map(self.fragment_map, p, new, self.cfg.shard_index, self.fragments)
+        except MoveRefused as e:
+            raise self._move_refusal(e) from None
+
+    def freeze(self, p: int, new: FragmentMap) -> None:
+        """Step 1 of moving fragment p away: from the durable FREEZE on, its pushes wait and
+        its rounds stay as they are. Again with the same map: nothing more."""
+        self._require_ready()
+        frag = self._fragment(p)
+        with self._lock_of(p, frag):
+            if _same_move(self.frozen.get(p), p, new):
+                return
+            if p in self.frozen:
+                raise ShardError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"fragment {p} is already moving under map version {self.frozen[p].version}",
+                )
+            self._check_move(p, new)
+            if new.owner(p) == self.cfg.shard_index:
+                raise ShardError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"map version {new.version} keeps {p} here"
+                )
+            record = log_record(LOG_FREEZE, {"fragment": p, "map": new.to_json()})
+            lsn = self._write([record])
+            self._sync(lsn)
+            self.frozen[p] = new
+            self.freeze_lsns[p] = lsn
+            self.frozen_since[p] = self.clock()
+
+    def unfreeze(self, p: int) -> None:
+        """Aborts a move that never reached its target: p takes pushes again."""
+        self._require_ready()
+        frag = self._fragment(p)
+        with self._lock_of(p, frag):
+            if p not in self.frozen:
+                return
+            self._sync(self._write([log_record(LOG_UNFREEZE, {"fragment": p})]))
+            del self.frozen[p]
+            self.freeze_lsns.pop(p, None)
+            self._thawed(p)
+
+    def export(self, p: int) -> tuple[dict[str, Any], bytes]:
+        """Step 2's source half: frozen fragment p's whole state, as an ADOPT payload,
+        with this shard's freeze record (the move id its target logs too)."""
+        self._require_ready()
+        frag = self._fragment(p)
+        with self._lock_of(p, frag):
+            moving = self.frozen.get(p)
+            if moving is None:
+                raise ShardError(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"fragment {p} is not frozen for a move"
+                )
+            fmeta, arrays = frag.state()
+            freeze = {"source": self.cfg.shard_index, "lsn": self.freeze_lsns[p]}
+            buf = io.BytesIO()
+            # read under the lock: a frozen fragment does not change (numpy types **arrays as
+            # if a key could be its allow_pickle flag)
+            np.savez(buf, **arrays)  # type: ignore[arg-type]
+        assert self.plan is not None
+        meta = {
+            "fragment": p,
+            "map": moving.to_json(),
+            "plan": self.plan.to_json(),
+            "state": fmeta,
+            "freeze": freeze,
+        }
+        payload = buf.getvalue()
+        self.metrics.moved_bytes.labels("out").inc(len(payload))
+        return meta, payload
+
+    def adopt(self, meta: dict[str, Any], payload: bytes) -> None:
+        """Step 2's target half: fragment p's state from its old owner, durable before p
+        is served here. Again once adopted: nothing more."""
+        self._require_ready()
+        p, new, checked = self._checked_state(meta, payload)
+        with self.init_lock:
+            if self.fragment_map is not None and p in self.fragments:
+                if _same_move(self.fragment_map, p, new):
+                    return  # adopted already (a retried step 2)
+            if new.owner(p) != self.cfg.shard_index:
+                raise ShardError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"map version {new.version} gives fragment {p} to shard {new.owner(p)}",
+                )
+            if self.plan is not None and self.plan.to_json() != meta["plan"]:
+                raise ShardError(
+                    grpc.StatusCode.FAILED_PRECONDITION, "the fragment comes with another plan"
+                )
+            try:
+                check_next_map(self.fragment_map, p, new, self.cfg.shard_index, self.fragments)
+            except MoveRefused as e:
+                raise self._move_refusal(e) from None
+            self._sync(self._write([log_record(LOG_ADOPT, meta, payload)]))
+            self._install(meta, payload, checked)
+            self.metrics.moves.labels("in").inc()
+            self.metrics.moved_bytes.labels("in").inc(len(payload))
+            with self.lock:
+                self._version_changed()
+
+    def _checked_state(self, meta: Any, payload: bytes) -> tuple[int, FragmentMap, Fragment]:
+        """(fragment, map, the fragment restored) of an Adopt, once it passes every check
+        of server/py and its whole state restores into a fragment with valid delta
+        frames: a record logged must be one replay can apply. Anything else is refused
+        (INVALID_ARGUMENT, or FAILED_PRECONDITION for a call out of step) and changes
+        nothing."""
+        try:
+            check_adopt_meta(meta)
+            p, new = int(meta["fragment"]), FragmentMap.from_json(meta["map"])
+            plan = FragmentPlan.from_json(str(meta["plan"]))
+            if self.plan is not None and plan.fingerprint != self.plan.fingerprint:
+                raise ValueError("the fragment comes with another plan than this shard's")
+            check_map(new, p, plan.num_fragments)
+            check_freeze_record(meta.get("freeze"), self.cfg.shard_index, new, p)
+            check_state_meta(meta["state"], self.cfg.delta_ring)
+            template = self._new_fragment(plan, p)
+            template.initialize(np.zeros(template.size, np.float32))
+            with np.load(io.BytesIO(payload), allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+            check_state_arrays(meta["state"], arrays, template)
+            trial = self._new_fragment(plan, p)
+            trial.restore(meta["state"], arrays, self.clock())
+            for _, frame in trial.ring:
+                codec.read_codes(frame, codec=trial.publish_codec, num_values=trial.size)
+        except MoveRefused as e:
+            raise self._move_refusal(e) from None
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is refused
+            raise ShardError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"fragment state: {type(e).__name__}: {e}"
+            ) from None
+        return p, new, trial
+
+    def commit_move(self, p: int, new: FragmentMap) -> None:
+        """Step 3: fragment p's target holds it; this shard forgets it and names the owner."""
+        self._require_ready()
+        self._check_move(p, new, next_map=False)
+        held = self.fragment_map
+        if held is not None and p not in self.fragments and _same_move(held, p, new):
+            return  # committed already
+        frag = self._fragment(p)
+        with self._lock_of(p, frag):
+            frozen = self.frozen.get(p)
+            if frozen is None or not _same_move(frozen, p, new):
+                raise ShardError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"fragment {p} is not frozen for map version {new.version}",
+                )
+            record = log_record(LOG_MOVED, {"fragment": p, "map": frozen.to_json()})
+            self._sync(self._write([record]))
+            self._moved_away(p, frozen)
+            self._thawed(p)
+            self.metrics.moves.labels("out").inc()
+        with self.lock:
+            self._version_changed()

@@ -1,4 +1,4 @@
-"""One syncer shard: its fragments, durable log, round timing and watchers.
+"""One syncer shard: its calls, over the state, recovery and moves of its other modules.
 
 Domain calls (`init`, `push`, `pull`, `describe`, `wait_for_versions`, `tick`) take
 plain values and raise `ShardError` with a gRPC status; the servicer only
@@ -10,46 +10,56 @@ promise). Fragments never wait on each other; each one's log order is its merge
 order, so replaying the log after a crash rebuilds bit-identical state. A round close
 is durable before its fragment's lock is let go, so no version a crash could take
 back is ever served. Snapshots are written by a thread of their own while pushes go
-on (`_snapshot`).
+on (`server/recovery.py`); moves are `server/moves.py`'s, the shared state
+`server/state.py`'s.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
-import io
-import logging
 import math
-import pathlib
 import threading
-import time
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpc
 import numpy as np
 
-from atoll.server import merge, moves, rules, storage
-from atoll.server.config import ShardConfig
+from atoll.server import merge, rules
 from atoll.server.fragment import Answer, Fragment
-from atoll.server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
+from atoll.server.moves import MoveCalls
+from atoll.server.recovery import Recovery
+from atoll.server.state import (
+    MAX_ABS_VALUE,
+    PeriodCount,
+    RecoveryError,
+    RecoveryStopped,
+    ShardError,
+    ShardState,
+    Timing,
+    _magnitude_problem,
+)
 from atoll.wire import codec
-from atoll.wire.client import FRAGMENT_KEY, MAP_VERSION_KEY, OWNER_KEY
 from atoll.wire.plan import FragmentMap, FragmentPlan
 from atoll.wire.records import (
-    LOG_ADOPT,
     LOG_CLOSE,
-    LOG_FREEZE,
     LOG_INIT,
-    LOG_MOVED,
     LOG_PLAN,
     LOG_PUSH,
-    LOG_UNFREEZE,
     log_record,
     log_record_parts,
-    parse_log_record,
 )
+
+__all__ = [
+    "MAX_ABS_VALUE",
+    "PeriodCount",
+    "PushHeader",
+    "RecoveryError",
+    "RecoveryStopped",
+    "Shard",
+    "ShardError",
+    "ShardState",
+    "Timing",
+]
 
 FIRST_ROUND_GRACE_PERIODS = 1.5  # how long a fragment's first round waits for every live learner
 ACCEPTED_CODECS = (codec.Codec.INT4, codec.Codec.MXFP4, codec.Codec.FP32)
@@ -60,92 +70,7 @@ MAX_INNER_STEPS = 1 << 31
 MAX_SEQ = (1 << 63) - 1
 MAX_STEP_SECONDS = 86400.0  # a step longer than a day is a broken clock, not a slow island
 MAX_PERIOD_STEPS = 1 << 20
-MAX_ABS_VALUE = (
-    1e9  # |outer gradient| or |initial weight| per element; training that far off has diverged
-)
-log = logging.getLogger("atoll.syncer")
 PRUNE_AFTER_LEASES = 10  # a learner silent this many leases is forgotten (its lease table entry)
-
-
-class Timing(NamedTuple):
-    """What a learner's last push said of its pace (validated by PushHeader.problem)."""
-
-    step_seconds: float  # its recent seconds per inner step; 0: not measured yet
-    overlap_steps: int  # τ
-    period_steps: int  # H; 0: not given
-
-
-class PeriodCount(NamedTuple):
-    """Outer steps a fragment took against the sync periods that elapsed meanwhile."""
-
-    closes: int = 0
-    periods: float = 0.0  # Σ (time between closes / the cadence then)
-    last_close_at: float | None = None
-
-    def closed(self, now: float, cadence_seconds: float | None) -> PeriodCount:
-        """The count with one more close at `now` (periods advance once the cadence is known)."""
-        if self.last_close_at is None or not cadence_seconds:
-            return PeriodCount(self.closes + 1, self.periods, now)
-        return PeriodCount(
-            self.closes + 1, self.periods + (now - self.last_close_at) / cadence_seconds, now
-        )
-
-    @property
-    def outer_steps_per_period(self) -> float | None:
-        """Closes after the first per elapsed period (1.0: one outer step per period)."""
-        return (self.closes - 1) / self.periods if self.periods > 0 else None
-
-
-def _magnitude_problem(codes: codec.Codes, segments: merge.Segments) -> str | None:
-    """Why an outer gradient (as its frame's checked codes) could overflow the merge, or None.
-
-    Read from the codes, never a float32 copy: per-tensor norms in float64 (the merge's
-    own, `Codes.range_sq_norms`) bound every element, so only a tensor whose norm passes
-    MAX_ABS_VALUE needs the exact per-element check (`Codes.range_max_abs`). Live pushes
-    and replayed records run this same check on the same codes."""
-    try:
-        sq = codes.range_sq_norms(segments.offsets, segments.ends)
-    except codec.CodecError:  # float64 sums of finite codes are finite; refuse all the same
-        return "values whose squares overflow: a diverged learner's update is not merged"
-    norms = np.sqrt(sq)
-    if not np.all(np.isfinite(norms)):
-        bad = int(np.argmin(np.isfinite(norms)))
-        return f"tensor {bad} of the fragment has values whose squares overflow"
-    big = norms > MAX_ABS_VALUE
-    if np.any(big):
-        peaks = codes.range_max_abs(segments.offsets[big], segments.ends[big])
-        if float(peaks.max(initial=0.0)) > MAX_ABS_VALUE:
-            return f"values beyond ±{MAX_ABS_VALUE:g}: a diverged learner's update is not merged"
-    return None
-
-
-class RecoveryError(RuntimeError):
-    """A log record that cannot be applied; the message names it and the way forward."""
-
-
-class RecoveryStopped(Exception):
-    """Recovery ended early because the process is stopping; nothing was written."""
-
-
-def _same_move(held: FragmentMap | None, p: int, new: FragmentMap) -> bool:
-    """Whether `held` already says what `new` says of fragment p (the same move)."""
-    return (
-        held is not None and held.owner(p) == new.owner(p) and held.moved_at[p] == new.moved_at[p]
-    )
-
-
-class ShardError(Exception):
-    """A refused call: the gRPC status and a message saying what to fix."""
-
-    def __init__(
-        self,
-        code: grpc.StatusCode,
-        message: str,
-        metadata: tuple[tuple[str, str], ...] = (),
-    ):
-        super().__init__(message)
-        self.code = code
-        self.metadata = metadata  # trailing metadata: what a client acts on (the owner)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,455 +114,8 @@ class PushHeader:
         return None
 
 
-class Shard:
-    """Create, then `recover()` before serving.
-
-    `clock`, `log` and `snapshots` are the shard's only contact with time and disk: by
-    default the monotonic clock and a WriteAheadLog and SnapshotStore in cfg.data_dir;
-    tests pass a fake clock and in-memory storage (tests/test_shard_memory.py)."""
-
-    def __init__(
-        self,
-        cfg: ShardConfig,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        log: storage.Log | None = None,
-        snapshots: storage.SnapshotStorage | None = None,
-    ):
-        self.cfg = cfg
-        self.clock = clock
-        self.policy = rules.RoundPolicy(
-            quorum=cfg.quorum,
-            grace_factor=cfg.grace_factor,
-            max_staleness=cfg.max_staleness,
-            discount_exponent=cfg.staleness_discount,
-            lease_seconds=cfg.lease_seconds,
-        )
-        data = pathlib.Path(cfg.data_dir)
-        self.wal: storage.Log = log if log is not None else storage.WriteAheadLog(data / "wal")
-        self.snapshots: storage.SnapshotStorage = (
-            snapshots if snapshots is not None else storage.SnapshotStore(data / "snapshots")
-        )
-        # Locks, always taken in this order: init_lock, a fragment's lock, lock.
-        self.init_lock = threading.Lock()  # Init calls, one at a time (the first adopts the plan)
-        self.lock = (
-            threading.Lock()
-        )  # shard-wide state (leases, timings, cadence); never held over I/O or a merge
-        self.changed = threading.Condition(self.lock)
-        self.snapshot_lock = threading.Lock()  # one snapshot written at a time
-        self._snapshotting = False  # a background snapshot is under way (under lock)
-        self._snapshot_thread: threading.Thread | None = None
-        self.listeners: list[
-            Callable[[], None]
-        ] = []  # called under the lock when a version changes; must not block
-        self.ready = False
-        self.recovery_error: str | None = (
-            None  # why recovery stopped; the shard then serves nothing
-        )
-        self.metrics = ShardMetrics(cfg.shard_index, gauges=self._gauges)
-        self._reset()
-
-    def _reset(self) -> None:
-        """The state before recovery: no plan, no fragments, nothing replayed."""
-        self.plan: FragmentPlan | None = None
-        self.fragment_map: FragmentMap | None = None  # who owns which fragment (with the plan)
-        # fragments being moved away: p -> the map that gives p its new owner (durable)
-        self.frozen: dict[int, FragmentMap] = {}
-        self.frozen_since: dict[int, float] = {}  # when each froze, by this process's clock
-        # p -> the LSN of its FREEZE record: the move id an Export hands its target (durable)
-        self.freeze_lsns: dict[int, int] = {}
-        self.fragments: dict[int, Fragment] = {}
-        # fragment -> learners whose last push of it came in (PushHeader.last); not durable:
-        # after a restart they hold fresh leases like everyone else (under self.lock)
-        self.finished: collections.defaultdict[int, set[str]] = collections.defaultdict(set)
-        # One lock per fragment, held while a push to it is judged, logged (written, not
-        # yet fsynced) and merged, and over a round close: a fragment's log order is
-        # its merge order, and fragments never wait on each other.
-        self.frag_locks: dict[int, threading.Lock] = {}
-        self.last_seen: dict[str, float] = {}
-        self.timings: dict[str, Timing] = {}  # learner -> the timing its last push reported
-        self.known: set[str] = set()  # learners whose pushes some fragment holds
-        self.cadence_seconds: float | None = None  # the sync period learners are asked to keep
-        self.periods: dict[int, PeriodCount] = {}  # fragment -> outer steps against elapsed periods
-        self.sync_time = rules.Ewma()
-        self.rounds_since_snapshot = 0
-        self.last_lsn = 0
-        self.snapshot_lsns: dict[
-            int, int
-        ] = {}  # fragment -> newest LSN of it the loaded snapshot holds
-
-    # --- recovery ---
-
-    def recover(self, stop: threading.Event | None = None) -> int:
-        """Loads the newest snapshot and replays the log after it; returns records replayed.
-
-        A replay can take as long as the log is: once `stop` is set (a SIGTERM) it ends
-        between two records with RecoveryStopped, the shard as before recovery (not ready,
-        so no final snapshot of half a replay) and its files untouched.
-
-        Every record was checked before it was logged, so every record applies. If one
-        does not (a log from an older build, a disk error), recovery stops and raises
-        RecoveryError naming it, leaving the files untouched; with
-        `cfg.quarantine_records` holding its LSN, the record is copied to
-        `quarantine/<lsn>.record` in the data directory and replay starts over without
-        it: an operator's decision, since that record may be an acknowledged push."""
-        with self.lock:
-            try:
-                replayed = self._replay(set(self.cfg.quarantine_records), stop)
-            except RecoveryError as e:
-                self._reset()  # half a replay is no state to serve from
-                self.recovery_error = str(e)
-                raise
-            except RecoveryStopped:
-                self._reset()
-                raise
-            now = self.clock()
-            for frag in self.fragments.values():
-                # round timing is not durable: the open round's clock restarts now
-                frag.round_state = frag.restamp(frag.contributors, now)
-                # learners known before the restart get a fresh lease, so the first
-                # one back does not find itself alone and close a round below quorum
-                for learner in frag.answers:
-                    self.last_seen[learner] = now
-            self.ready = True
-            return replayed
-
-    def _replay(self, skip: set[int], stop: threading.Event | None = None) -> int:
-        snap = self.snapshots.latest()
-        if snap is not None:
-            try:
-                self._restore(snap)
-            except ValueError as e:  # written under settings this shard does not have
-                raise RecoveryError(
-                    f"the snapshot in {self.cfg.data_dir} cannot be loaded: {e}"
-                ) from e
-        replayed = 0
-        for lsn, record in self.wal.replay(self.last_lsn):
-            if stop is not None and stop.is_set():
-                raise RecoveryStopped(f"stopped after replaying {replayed} log records")
-            if lsn in skip:
-                self._quarantine(lsn, record)
-            else:
-                try:
-                    self._apply(record, live=False, lsn=lsn)
-                except Exception as e:  # noqa: BLE001 - any failure here must stop and say which record
-                    raise RecoveryError(
-                        f"log record {lsn} in {self.cfg.data_dir} cannot be applied ({type(e).__name__}: {e}); "
-                        f"the shard serves nothing until it can. Keep the data directory as it is, then "
-                        f"restart with --quarantine-record {lsn} to set that record aside (copied to "
-                        f"quarantine/{lsn}.record; if it was an acknowledged push, that push is lost) "
-                        f"and replay the rest"
-                    ) from e
-            self.last_lsn = lsn
-            replayed += 1
-        for frag in self.fragments.values():
-            self.known.update(frag.answers)
-        return replayed
-
-    def _quarantine(self, lsn: int, record: bytes) -> None:
-        folder = pathlib.Path(self.cfg.data_dir) / "quarantine"
-        folder.mkdir(exist_ok=True)
-        (folder / f"{lsn}.record").write_bytes(record)
-        log.warning(
-            "log record %d set aside in %s as --quarantine-record asked; replay goes on without it",
-            lsn,
-            folder,
-        )
-
-    def _apply(self, record: bytes, live: bool, lsn: int = 0) -> None:
-        """Applies one log record; the same code runs live and during replay. A record of
-        a fragment that the snapshot already holds (its LSN at or before that fragment's
-        in the snapshot) is skipped."""
-        kind, meta, payload = parse_log_record(record)
-        if "fragment" in meta and lsn <= self.snapshot_lsns.get(meta["fragment"], 0):
-            return
-        if kind == LOG_PLAN:  # with the map of the first Init (older records: p mod S)
-            saved = meta.get("map")
-            self._adopt_plan(
-                FragmentPlan.from_json(meta["plan"]),
-                FragmentMap.from_json(saved) if saved is not None else None,
-            )
-        elif kind == LOG_INIT:
-            frag = self.fragments[meta["fragment"]]
-            codes = self._checked(codec.read_codes(payload, num_values=frag.size), frag, live)
-            values = np.empty(frag.size, np.float32)
-            codes.decode_into(values, accumulate=False)
-            frag.initialize(values)
-        elif kind == LOG_PUSH:
-            frag = self.fragments[meta["fragment"]]
-            codes = self._checked(codec.read_codes(payload, num_values=frag.size), frag, live)
-            frag.contribute(meta["learner"], codes, Answer(**meta["answer"]), self.clock())
-        elif kind == LOG_CLOSE:
-            self.fragments[meta["fragment"]].close_round(meta.get("trigger"))
-        elif kind == LOG_FREEZE:
-            self.frozen[meta["fragment"]] = FragmentMap.from_json(meta["map"])
-            self.freeze_lsns[meta["fragment"]] = lsn
-        elif kind == LOG_UNFREEZE:
-            self.frozen.pop(meta["fragment"], None)
-            self.freeze_lsns.pop(meta["fragment"], None)
-        elif kind == LOG_ADOPT:
-            self._install(meta, payload)
-        elif kind == LOG_MOVED:
-            self._moved_away(meta["fragment"], FragmentMap.from_json(meta["map"]))
-        else:
-            raise RuntimeError(f"unknown log record kind {kind}")
-
-    @staticmethod
-    def _checked(codes: codec.Codes, frag: Fragment, live: bool) -> codec.Codes:
-        """Codes a replayed record carries pass the checks a live call made before logging
-        them: a record this build would have refused (from an older build, say) stops
-        recovery instead of merging into the parameters."""
-        if not live and (problem := _magnitude_problem(codes, frag.segments)):
-            raise ValueError(problem)
-        return codes
-
-    def _write(self, records: list[storage.Record]) -> int:
-        """Writes records to the log (not yet durable); returns the last one's LSN."""
-        try:
-            lsns: list[int] = self.wal.write_many(records)
-            return lsns[-1]
-        except storage.StorageError as e:
-            raise self._log_failed(e) from e
-
-    def _sync(self, lsn: int) -> None:
-        """Returns once the log is durable through `lsn` (before any ack that depends on it).
-
-        Group commit: concurrent callers share one fsync. Never called under `lock`."""
-        try:
-            seconds = self.wal.sync(lsn)
-        except (OSError, storage.StorageError) as e:
-            raise self._log_failed(e) from e
-        if seconds is not None:
-            self.metrics.fsync_seconds.observe(seconds)
-
-    def _log_failed(self, e: Exception) -> ShardError:
-        """After a failed write or fsync, what is on disk is unknown: the shard stops serving
-        (its memory may hold records that never reached the disk) until restarted from its log."""
-        self.recovery_error = (
-            f"the write-ahead log failed ({type(e).__name__}: {e}); restart the shard"
-        )
-        log.error("%s", self.recovery_error)
-        return ShardError(grpc.StatusCode.UNAVAILABLE, self.recovery_error)
-
-    def _adopt_plan(self, plan: FragmentPlan, fragment_map: FragmentMap | None = None) -> None:
-        """Takes the plan and the fragment map (version 0, p mod S, unless given) and makes
-        the fragments the map gives this shard."""
-        if fragment_map is None:
-            fragment_map = FragmentMap.modulo(plan.num_fragments, self.cfg.num_shards)
-        if fragment_map.num_fragments != plan.num_fragments:
-            raise RuntimeError(
-                f"fragment map of {fragment_map.num_fragments} fragments for a plan of "
-                f"{plan.num_fragments}"
-            )
-        fragments, locks = {}, {}
-        for p in fragment_map.fragments_of(self.cfg.shard_index):
-            fragments[p] = self._new_fragment(plan, p)
-            locks[p] = threading.Lock()
-            self.periods[p] = PeriodCount()
-        self.fragments, self.frag_locks = fragments, locks
-        self.fragment_map = fragment_map
-        self.plan = plan  # last: a call that sees the plan finds its fragments and locks
-
-    def _new_fragment(self, plan: FragmentPlan, p: int) -> Fragment:
-        return Fragment(
-            p,
-            plan,
-            lr=self.cfg.outer_lr,
-            momentum=self.cfg.outer_momentum,
-            rda=self.cfg.rda,
-            delta_ring=self.cfg.delta_ring,
-            publish_codec=self.cfg.publish_codec,
-            quorum=self.policy.quorum,
-            momentum_delay=self.cfg.momentum_delay,
-        )
-
-    def _add_fragment(self, p: int) -> None:
-        """Makes fragment p here (adopted from another shard): lock first, then the fragment."""
-        assert self.plan is not None
-        self.frag_locks.setdefault(p, threading.Lock())
-        self.periods[p] = PeriodCount()
-        self.fragments[p] = self._new_fragment(self.plan, p)
-
-    def _thawed(self, p: int) -> None:
-        """Fragment p takes pushes again here, or is gone: how long it took none."""
-        since = self.frozen_since.pop(p, None)
-        if since is not None:
-            self.metrics.frozen_seconds.observe(self.clock() - since)
-
-    def _moved_away(self, p: int, new: FragmentMap) -> None:
-        """Fragment p is another shard's under `new` (live commit and replay)."""
-        self._drop_fragment(p)
-        assert self.fragment_map is not None
-        self.fragment_map = self.fragment_map.merged(new)
-
-    def _drop_fragment(self, p: int) -> None:
-        """Forgets fragment p (moved to another shard); its lock stays, for callers holding it."""
-        self.fragments.pop(p, None)
-        self.periods.pop(p, None)
-        self.frozen.pop(p, None)
-        self.freeze_lsns.pop(p, None)
-        self.finished.pop(p, None)
-
-    # --- snapshots ---
-
-    def _snapshot(self) -> None:
-        """Writes a snapshot while pushes go on.
-
-        Each fragment is captured under its own lock alone, at the log's newest LSN at
-        that moment (its state then holds exactly its records up to that LSN); only the
-        round accumulator is copied: params, opt state and the published copy are lent
-        (`Fragment.lend`) until the snapshot is written, so closes meanwhile make fresh
-        ones instead of stepping over them, and ring frames are bytes.
-        The records captured are made durable before the snapshot names them; the
-        snapshot's LSN is the oldest fragment LSN, and replay skips each fragment's
-        records up to its own."""
-        with self.snapshot_lock:
-            meta: dict[str, Any] = {
-                "plan": self.plan.to_json() if self.plan else None,
-                "fragment_map": self.fragment_map.to_json() if self.fragment_map else None,
-                "frozen": {str(p): m.to_json() for p, m in self.frozen.items()},
-                "freeze_lsns": {str(p): lsn for p, lsn in self.freeze_lsns.items()},
-                "shard_index": self.cfg.shard_index,
-                "num_shards": self.cfg.num_shards,
-                "fragments": {},
-                "fragment_lsns": {},
-            }
-            arrays: dict[str, np.ndarray] = {}
-            lent: list[int] = []  # fragments whose arrays this snapshot reads unlocked
-            try:
-                for p in sorted(self.fragments):
-                    with self.frag_locks[p]:
-                        fmeta, farrays = self.fragments[p].state()
-                        meta["fragment_lsns"][str(p)] = self.wal.written_lsn
-                        self.fragments[p].lend()
-                        lent.append(p)
-                    meta["fragments"][str(p)] = fmeta
-                    arrays.update({f"f{p}.{k}": v for k, v in farrays.items()})
-                # fragments that moved away: their records up to now are history, not state
-                if self.fragment_map is not None:
-                    for p in range(self.fragment_map.num_fragments):
-                        if p not in self.fragments:
-                            meta["fragment_lsns"][str(p)] = self.wal.written_lsn
-                lsns = list(meta["fragment_lsns"].values()) or [self.wal.written_lsn]
-                if max(lsns) > 0:
-                    self._sync(max(lsns))
-                with self.metrics.snapshot_seconds.time():
-                    self.snapshots.save(min(lsns), meta, arrays)
-            finally:
-                del arrays
-                for p in lent:
-                    with self.frag_locks[p]:
-                        self.fragments[p].give_back()
-            self.wal.truncate_through(self.snapshots.truncatable_lsn())
-
-    def _snapshot_in_background(self) -> None:
-        try:
-            self._snapshot()
-        except Exception:  # noqa: BLE001 - the log still holds everything; the next one tries again
-            log.exception(
-                "background snapshot failed; the log keeps every record until one succeeds"
-            )
-        finally:
-            with self.lock:
-                self._snapshotting = False
-
-    def _restore(self, snap: storage.Snapshot) -> None:
-        meta = snap.meta
-        # with a fragment map in the snapshot, the map says what this shard owns and
-        # --num-shards only set the layout a run starts from: it may have grown since
-        laid_out = meta.get("fragment_map") is None and meta["num_shards"] != self.cfg.num_shards
-        if meta["shard_index"] != self.cfg.shard_index or laid_out:
-            raise RuntimeError(
-                f"data dir holds shard {meta['shard_index']} of {meta['num_shards']}, but this is "
-                f"shard {self.cfg.shard_index} of {self.cfg.num_shards}; point --data-dir elsewhere"
-            )
-        if meta["plan"] is not None:
-            saved_map = meta.get("fragment_map")  # older snapshots: version 0, p mod S
-            self._adopt_plan(
-                FragmentPlan.from_json(meta["plan"]),
-                FragmentMap.from_json(saved_map) if saved_map else None,
-            )
-        for key, fmeta in meta["fragments"].items():
-            prefix = f"f{key}."
-            if int(key) not in self.fragments:  # adopted from another shard
-                self._add_fragment(int(key))
-            self.fragments[int(key)].restore(
-                fmeta,
-                {k[len(prefix) :]: v for k, v in snap.arrays.items() if k.startswith(prefix)},
-                self.clock(),
-            )
-        for p in [p for p in self.fragments if str(p) not in meta["fragments"]]:
-            self._drop_fragment(p)  # moved away before the snapshot
-        self.frozen = {int(p): FragmentMap.from_json(m) for p, m in meta.get("frozen", {}).items()}
-        # older snapshots kept no freeze LSN: the snapshot's own stands in as the move id
-        lsns_of = meta.get("freeze_lsns", {})
-        self.freeze_lsns = {p: int(lsns_of.get(str(p), max(snap.lsn, 1))) for p in self.frozen}
-        # older snapshots were taken at one LSN for every fragment
-        lsns = meta.get("fragment_lsns") or {key: snap.lsn for key in meta["fragments"]}
-        self.snapshot_lsns = {int(key): int(lsn) for key, lsn in lsns.items()}
-        self.last_lsn = snap.lsn
-
-    # --- the calls ---
-
-    def _require_ready(self) -> None:
-        if self.recovery_error is not None:
-            raise ShardError(
-                grpc.StatusCode.UNAVAILABLE, f"shard did not recover: {self.recovery_error}"
-            )
-        if not self.ready:
-            raise ShardError(grpc.StatusCode.UNAVAILABLE, "shard is recovering; retry shortly")
-
-    def _check_fragment(self, plan: FragmentPlan, p: int, fingerprint: str | None) -> None:
-        """Refuses a fragment that `plan` lacks or that another shard owns."""
-        if fingerprint is not None and fingerprint != plan.fingerprint:
-            raise ShardError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"plan fingerprint {fingerprint!r} differs from the shard's "
-                f"{plan.fingerprint!r}: learner and shard disagree on the model",
-            )
-        if not 0 <= p < plan.num_fragments:
-            raise ShardError(
-                grpc.StatusCode.NOT_FOUND,
-                f"fragment {p} does not exist (the plan has {plan.num_fragments})",
-            )
-        owners = self.fragment_map or FragmentMap.modulo(plan.num_fragments, self.cfg.num_shards)
-        owner, since = owners.owner(p), owners.moved_at[p]
-        if owner != self.cfg.shard_index:
-            raise ShardError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"fragment {p} is on shard {owner} (map version {since}), "
-                f"not shard {self.cfg.shard_index}",
-                metadata=(
-                    (OWNER_KEY, str(owner)),
-                    (MAP_VERSION_KEY, str(since)),
-                    (FRAGMENT_KEY, str(p)),
-                ),
-            )
-
-    def _fragment(self, p: int, fingerprint: str | None = None, need_init: bool = True) -> Fragment:
-        if self.plan is None:
-            raise ShardError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "this shard has no fragment plan yet: a learner must Init first",
-            )
-        self._check_fragment(self.plan, p, fingerprint)
-        frag = self.fragments[p]
-        if need_init and not frag.initialized:
-            raise ShardError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"fragment {p} is not initialized; Init it first",
-            )
-        return frag
-
-    @contextlib.contextmanager
-    def _lock_of(self, p: int, frag: Fragment) -> Iterator[None]:
-        """Holds fragment p's lock, once `frag` (found before) is still p's fragment here:
-        a move may have taken p away meanwhile, and the caller is then told its owner."""
-        with self.frag_locks[p]:
-            if self.fragments.get(p) is not frag:
-                self._fragment(p)  # raises: p is another shard's now
-                raise ShardError(grpc.StatusCode.UNAVAILABLE, f"fragment {p} changed; retry")
-            yield
+class Shard(Recovery, MoveCalls):
+    """Create, then `recover()` before serving (the state: `server/state.py`)."""
 
     def _refuse_if_moving(self, p: int) -> None:
         """Pushes of a fragment being moved away wait (UNAVAILABLE: retryable)."""
@@ -888,16 +366,6 @@ class Shard:
         self.metrics.pushes.labels(answer.reason).inc()
         return answer
 
-    def _grace(self, live: frozenset[str]) -> float:
-        """The grace window from the live learners' timing: the slowest step, the largest τ;
-        never past one period, nor past a lease (whom the shard waits for is live for that long)."""
-        timings = [t for m, t in self.timings.items() if m in live]
-        slowest = max((t.step_seconds for t in timings if t.step_seconds > 0), default=None)
-        overlap = max((t.overlap_steps for t in timings), default=0)
-        cap = min(self.cadence_seconds or math.inf, self.policy.lease_seconds)
-        grace: float = rules.estimate_grace(self.policy, overlap, slowest, self.sync_time, cap)
-        return grace
-
     def due_in(self, p: int, learner: str) -> float:
         """Seconds until `learner`'s next push of fragment p is due (0: no schedule yet).
 
@@ -974,11 +442,6 @@ class Shard:
             self._snapshot_thread.start()
         return None
 
-    def _version_changed(self) -> None:
-        self.changed.notify_all()
-        for listener in self.listeners:
-            listener()
-
     def tick(self) -> float | None:
         """Closes rounds whose grace ended or whose missing learners' leases lapsed;
         returns the next instant worth looking again (None: only a push can help)."""
@@ -1049,201 +512,6 @@ class Shard:
         self.metrics.bytes_out.inc(sum(len(f) for _, _, f in out))
         return version, deltas is None, out
 
-    # --- moving a fragment to another shard (docs/resharding.md, server/moves.py) ---
-
-    @staticmethod
-    def _move_refusal(e: moves.MoveRefused) -> ShardError:
-        code = (
-            grpc.StatusCode.INVALID_ARGUMENT
-            if e.why is moves.Why.MALFORMED
-            else grpc.StatusCode.FAILED_PRECONDITION
-        )
-        return ShardError(code, str(e))
-
-    def _check_move(self, p: int, new: FragmentMap, *, next_map: bool = True) -> None:
-        """`new` is a valid map moving p (and, with `next_map`, the next version after
-        this shard's): server/moves.py's rule 1, before anything is logged."""
-        if self.plan is None:
-            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, "this shard has no plan yet")
-        try:
-            moves.check_map(new, p, self.plan.num_fragments)
-            if next_map:
-                moves.check_next_map(
-                    self.fragment_map, p, new, self.cfg.shard_index, self.fragments
-                )
-        except moves.MoveRefused as e:
-            raise self._move_refusal(e) from None
-
-    def freeze(self, p: int, new: FragmentMap) -> None:
-        """Step 1 of moving fragment p away: from the durable FREEZE on, its pushes wait and
-        its rounds stay as they are. Again with the same map: nothing more."""
-        self._require_ready()
-        frag = self._fragment(p)
-        with self._lock_of(p, frag):
-            if _same_move(self.frozen.get(p), p, new):
-                return
-            if p in self.frozen:
-                raise ShardError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"fragment {p} is already moving under map version {self.frozen[p].version}",
-                )
-            self._check_move(p, new)
-            if new.owner(p) == self.cfg.shard_index:
-                raise ShardError(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"map version {new.version} keeps {p} here"
-                )
-            record = log_record(LOG_FREEZE, {"fragment": p, "map": new.to_json()})
-            lsn = self._write([record])
-            self._sync(lsn)
-            self.frozen[p] = new
-            self.freeze_lsns[p] = lsn
-            self.frozen_since[p] = self.clock()
-
-    def unfreeze(self, p: int) -> None:
-        """Aborts a move that never reached its target: p takes pushes again."""
-        self._require_ready()
-        frag = self._fragment(p)
-        with self._lock_of(p, frag):
-            if p not in self.frozen:
-                return
-            self._sync(self._write([log_record(LOG_UNFREEZE, {"fragment": p})]))
-            del self.frozen[p]
-            self.freeze_lsns.pop(p, None)
-            self._thawed(p)
-
-    def export(self, p: int) -> tuple[dict[str, Any], bytes]:
-        """Step 2's source half: frozen fragment p's whole state, as an ADOPT payload,
-        with this shard's freeze record (the move id its target logs too)."""
-        self._require_ready()
-        frag = self._fragment(p)
-        with self._lock_of(p, frag):
-            moving = self.frozen.get(p)
-            if moving is None:
-                raise ShardError(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"fragment {p} is not frozen for a move"
-                )
-            fmeta, arrays = frag.state()
-            freeze = {"source": self.cfg.shard_index, "lsn": self.freeze_lsns[p]}
-            buf = io.BytesIO()
-            # read under the lock: a frozen fragment does not change (numpy types **arrays as
-            # if a key could be its allow_pickle flag)
-            np.savez(buf, **arrays)  # type: ignore[arg-type]
-        assert self.plan is not None
-        meta = {
-            "fragment": p,
-            "map": moving.to_json(),
-            "plan": self.plan.to_json(),
-            "state": fmeta,
-            "freeze": freeze,
-        }
-        payload = buf.getvalue()
-        self.metrics.moved_bytes.labels("out").inc(len(payload))
-        return meta, payload
-
-    def adopt(self, meta: dict[str, Any], payload: bytes) -> None:
-        """Step 2's target half: fragment p's state from its old owner, durable before p
-        is served here. Again once adopted: nothing more."""
-        self._require_ready()
-        p, new, checked = self._checked_state(meta, payload)
-        with self.init_lock:
-            if self.fragment_map is not None and p in self.fragments:
-                if _same_move(self.fragment_map, p, new):
-                    return  # adopted already (a retried step 2)
-            if new.owner(p) != self.cfg.shard_index:
-                raise ShardError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"map version {new.version} gives fragment {p} to shard {new.owner(p)}",
-                )
-            if self.plan is not None and self.plan.to_json() != meta["plan"]:
-                raise ShardError(
-                    grpc.StatusCode.FAILED_PRECONDITION, "the fragment comes with another plan"
-                )
-            try:
-                moves.check_next_map(
-                    self.fragment_map, p, new, self.cfg.shard_index, self.fragments
-                )
-            except moves.MoveRefused as e:
-                raise self._move_refusal(e) from None
-            self._sync(self._write([log_record(LOG_ADOPT, meta, payload)]))
-            self._install(meta, payload, checked)
-            self.metrics.moves.labels("in").inc()
-            self.metrics.moved_bytes.labels("in").inc(len(payload))
-            with self.lock:
-                self._version_changed()
-
-    def _checked_state(self, meta: Any, payload: bytes) -> tuple[int, FragmentMap, Fragment]:
-        """(fragment, map, the fragment restored) of an Adopt, once it passes every check
-        of server/moves.py and its whole state restores into a fragment with valid delta
-        frames: a record logged must be one replay can apply. Anything else is refused
-        (INVALID_ARGUMENT, or FAILED_PRECONDITION for a call out of step) and changes
-        nothing."""
-        try:
-            moves.check_adopt_meta(meta)
-            p, new = int(meta["fragment"]), FragmentMap.from_json(meta["map"])
-            plan = FragmentPlan.from_json(str(meta["plan"]))
-            if self.plan is not None and plan.fingerprint != self.plan.fingerprint:
-                raise ValueError("the fragment comes with another plan than this shard's")
-            moves.check_map(new, p, plan.num_fragments)
-            moves.check_freeze_record(meta.get("freeze"), self.cfg.shard_index, new, p)
-            moves.check_state_meta(meta["state"], self.cfg.delta_ring)
-            template = self._new_fragment(plan, p)
-            template.initialize(np.zeros(template.size, np.float32))
-            with np.load(io.BytesIO(payload), allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
-            moves.check_state_arrays(meta["state"], arrays, template)
-            trial = self._new_fragment(plan, p)
-            trial.restore(meta["state"], arrays, self.clock())
-            for _, frame in trial.ring:
-                codec.read_codes(frame, codec=trial.publish_codec, num_values=trial.size)
-        except moves.MoveRefused as e:
-            raise self._move_refusal(e) from None
-        except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is refused
-            raise ShardError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"fragment state: {type(e).__name__}: {e}"
-            ) from None
-        return p, new, trial
-
-    def _install(
-        self, meta: dict[str, Any], payload: bytes | memoryview, checked: Fragment | None = None
-    ) -> None:
-        """Makes fragment p here from an ADOPT record (live and replayed); live, from the
-        fragment `_checked_state` restored from it already."""
-        p, new = int(meta["fragment"]), FragmentMap.from_json(meta["map"])
-        if self.plan is None:
-            self._adopt_plan(FragmentPlan.from_json(meta["plan"]), new)
-        if p not in self.fragments:
-            self._add_fragment(p)
-        if checked is not None:
-            self.fragments[p] = checked
-        else:
-            with np.load(io.BytesIO(bytes(payload))) as z:
-                arrays = {k: z[k] for k in z.files}
-            self.fragments[p].restore(meta["state"], arrays, self.clock())
-        self.fragment_map = new if self.fragment_map is None else self.fragment_map.merged(new)
-
-    def commit_move(self, p: int, new: FragmentMap) -> None:
-        """Step 3: fragment p's target holds it; this shard forgets it and names the owner."""
-        self._require_ready()
-        self._check_move(p, new, next_map=False)
-        held = self.fragment_map
-        if held is not None and p not in self.fragments and _same_move(held, p, new):
-            return  # committed already
-        frag = self._fragment(p)
-        with self._lock_of(p, frag):
-            frozen = self.frozen.get(p)
-            if frozen is None or not _same_move(frozen, p, new):
-                raise ShardError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"fragment {p} is not frozen for map version {new.version}",
-                )
-            record = log_record(LOG_MOVED, {"fragment": p, "map": frozen.to_json()})
-            self._sync(self._write([record]))
-            self._moved_away(p, frozen)
-            self._thawed(p)
-            self.metrics.moves.labels("out").inc()
-        with self.lock:
-            self._version_changed()
-
     def newest_seq(self, learner: str, p: int) -> int:
         """The newest seq answered for `learner` on fragment p (0: none)."""
         frag = self._fragment(p, need_init=False)
@@ -1287,26 +555,6 @@ class Shard:
                     for p in (fragments or self.fragments)
                 ),
                 timeout,
-            )
-
-    def _gauges(self) -> ScrapeGauges:
-        """What the metrics read at scrape time: versions, open rounds, cadence, leases, grace."""
-        with self.lock:
-            now = self.clock()
-            fragments = {
-                p: FragmentGauges(f.version, f.round.count, self.periods[p].outer_steps_per_period)
-                for p, f in self.fragments.items()
-                if f.initialized
-            }
-            live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
-            return ScrapeGauges(
-                fragments,
-                len(live),
-                self._grace(live),
-                self.cadence_seconds,
-                owned=len(self.fragments),
-                moving=len(self.frozen),
-                map_version=self.fragment_map.version if self.fragment_map else 0,
             )
 
     def describe(self) -> dict[str, Any]:
