@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
+import threading
 from typing import Any, NamedTuple, TypeAlias
 
 import jax
@@ -100,12 +102,65 @@ class Segments:
         )
 
 
-def segment_norms(vec: np.ndarray, seg: Segments) -> np.ndarray:
+def segment_norms(vec: np.ndarray, seg: Segments, *, finite: bool = False) -> np.ndarray:
     """Per-tensor L2 norms (float64) of a finite float32 vector, in the codec's fixed order.
 
-    Not BLAS or einsum: their summation order may change with threads or the CPU."""
-    sq_norms: npt.NDArray[np.float64] = Codes.of_values(vec).range_sq_norms(seg.offsets, seg.ends)
+    Not BLAS or einsum: their summation order may change with threads or the CPU.
+    `finite=True`: the caller knows vec is finite (the check's pass over it is skipped)."""
+    codes = Codes.of_values(vec, finite=finite)
+    sq_norms: npt.NDArray[np.float64] = codes.range_sq_norms(seg.offsets, seg.ends)
     return np.sqrt(sq_norms)
+
+
+class BufferPool:
+    """Float32 buffers for round accumulators, handed out again once nothing holds them.
+
+    A fresh accumulator costs a page fault and the kernel's zeroing of every page, each
+    round (for a 12 M-parameter fragment, 50 MB); a reused one, one memset of warm
+    pages. At most `keep` buffers are held, each the size of the largest round asked
+    for; one is free again when only the pool holds it (the fragment has let go of the
+    merged round made in it). A round that finds none free gets a fresh, unpooled one.
+    The pool is within the memory target because a shard holds at most a few open
+    rounds anyway: `keep` buffers are what it holds between two rounds.
+    """
+
+    _FREE_REFS = 3  # the pool's list, the loop variable and getrefcount's argument
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._buffers: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self.reused = 0  # rounds that found a free buffer (for tests and benches)
+
+    def zeros(self, size: int) -> np.ndarray:
+        """A zeroed float32 vector of `size` values."""
+        with self._lock:
+            for i in range(len(self._buffers)):  # not enumerate: its tuple holds a reference
+                buf = self._buffers[i]
+                if sys.getrefcount(buf) != self._FREE_REFS:
+                    continue  # a round, or what a fragment made of one, still holds it
+                if buf.size < size:  # a larger fragment: let the small one go
+                    del buf
+                    self._buffers[i] = np.zeros(size, np.float32)
+                    return self._buffers[i][:size]
+                out = buf[:size]
+                out.fill(0)
+                self.reused += 1
+                return out
+            if len(self._buffers) < self.keep:
+                self._buffers.append(np.zeros(size, np.float32))
+                return self._buffers[-1][:size]
+        return np.zeros(size, np.float32)
+
+    def clear(self) -> None:
+        """Lets go of every buffer (those still in use live on with their users)."""
+        with self._lock:
+            self._buffers.clear()
+
+
+# One buffer of the largest fragment: between two rounds a shard at 16 bytes per
+# parameter has room for one more float32 vector of a fragment (8 or more per shard).
+ACCUMULATOR_POOL = BufferPool(keep=1)
 
 
 def add_scaled(
@@ -237,7 +292,7 @@ class RoundAccumulator:
         # A zero norm has no direction; nor has one so small that w/‖Δ‖ is beyond float32
         # (denormal-sized values only): both add their weight and no direction.
         scales[rda] = np.where(unit <= _F32_MAX, unit, 0.0)
-        acc = np.zeros(seg.size, np.float32) if self._acc is None else self._acc
+        acc = ACCUMULATOR_POOL.zeros(seg.size) if self._acc is None else self._acc
         codes.accumulate_ranges(acc, seg.offsets, seg.ends, scales)  # checks all, then writes
         self._acc = acc
         self._norm_sum[rda] += w * norms[rda]
@@ -261,7 +316,9 @@ class RoundAccumulator:
             raise ValueError("empty round: add() at least one contribution before result()")
         rda, W = self._rda_mask, self.total_weight
         assert self._acc is not None  # count > 0
-        dir_norms = segment_norms(self._acc, self.segments)
+        dir_norms = segment_norms(
+            self._acc, self.segments, finite=True
+        )  # sums that never overflowed
         with np.errstate(divide="ignore", invalid="ignore"):
             scales = np.where(
                 rda, np.where(dir_norms > 0, self._norm_sum / W / dir_norms, 0.0), 1.0 / W

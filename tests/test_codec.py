@@ -1322,6 +1322,20 @@ def test_accumulate_refuses_overflow_and_changes_nothing(codec):
     with pytest.raises(CodecError, match="overflow"):
         accumulate_ranges(frame, big, [0], [n], [2.0])  # 2 * 3e38 alone
     assert not big.any()
+    # The shard's order: norms first (their pass also bounds every range), then the merge,
+    # which takes those bounds instead of reading the scales again: the same refusal.
+    codes = read_codes(frame)
+    codes.range_sq_norms([0, 10], [10, n])
+    with pytest.raises(
+        CodecError, match=f"adding range 1 .* would overflow float32 at index {n - 50}"
+    ):
+        codes.accumulate_ranges(
+            np.asarray(np.frombuffer(before, np.float32)).copy(), [0, 10], [10, n], [1.0, 1.0]
+        )
+    codes.range_sq_norms([0], [n])  # other ranges: their own bounds
+    with pytest.raises(CodecError, match="overflow"):
+        codes.accumulate_ranges(big, [0], [n], [2.0])
+    assert not big.any()
 
 
 @pytest.mark.parametrize("codec", list(Codec))

@@ -7,6 +7,7 @@ import pytest
 
 from atoll.server.merge import (
     STEP_CHUNK,
+    BufferPool,
     RoundAccumulator,
     RoundState,
     Segments,
@@ -491,3 +492,48 @@ def test_outer_step_validates():
         outer_optimizer(lr=0.0)
     with pytest.raises(ValueError):
         outer_optimizer(momentum=1.0)
+
+
+# -- the accumulator pool ------------------------------------------------------------
+
+
+def test_pool_hands_a_buffer_out_again_only_once_nobody_holds_it():
+    pool = BufferPool(keep=1)
+    first = pool.zeros(100)
+    first[:] = 7.0
+    second = pool.zeros(100)  # the first is in use: a fresh, unpooled one
+    assert not np.shares_memory(first, second) and not second.any()
+    merged = first[10:]  # what a fragment makes of a taken round still holds it
+    del first
+    third = pool.zeros(100)
+    assert not np.shares_memory(third, merged) and pool.reused == 0
+    del merged, third
+    again = pool.zeros(80)  # free now: the same pages, zeroed
+    assert pool.reused == 1 and again.size == 80 and not again.any()
+    assert again.dtype == np.float32 and again.flags.c_contiguous and again.flags.writeable
+    del again
+    bigger = pool.zeros(200)  # a larger round replaces the free buffer
+    assert bigger.size == 200 and not bigger.any() and pool.reused == 1
+    held = pool.zeros(50)  # the only pooled buffer is held by `bigger`
+    assert not np.shares_memory(held, bigger)
+
+
+def test_rounds_reuse_the_accumulator_and_give_the_same_bits():
+    rng = np.random.default_rng(3)
+    seg = Segments.from_sizes([300, 200, 500], embedding=[False, True, False])
+    deltas = rand_deltas(rng, 3, seg.size)
+    want = merged(seg, deltas)
+    acc = RoundAccumulator(seg)
+    for _ in range(3):  # each round's buffer is free once its merged result is dropped
+        for d in deltas:
+            acc.add(d, 1.0)
+        assert acc.take().tobytes() == want.tobytes()
+
+
+def test_segment_norms_of_a_vector_known_finite_skip_only_the_check():
+    v = np.random.default_rng(4).standard_normal(1000).astype(np.float32)
+    seg = Segments.from_sizes([100, 900])
+    assert segment_norms(v, seg, finite=True).tobytes() == segment_norms(v, seg).tobytes()
+    v[5] = np.inf
+    with pytest.raises(codec.CodecError):
+        segment_norms(v, seg)

@@ -507,6 +507,19 @@ def _split_body(codec: Codec, start: int, count: int, body: bytes | np.ndarray) 
     return _Chunk(start, count, mv[: nb * _SCALE_BYTES[codec]], mv[nb * _SCALE_BYTES[codec] :])
 
 
+def _check_chunk(codec: Codec, c: _Chunk) -> None:
+    """Raises CodecError for a chunk with a bad scale or padding, or a non-finite value."""
+    bad = _kernels.check(_KERNEL_FORMAT[codec], c.scales, c.codes, c.count)
+    if bad < 0:
+        return
+    if codec == Codec.FP32:
+        raise CodecError(f"non-finite FP32 value at index {c.start + bad}")
+    raise CodecError(
+        f"{codec.name} frame has an invalid scale (out of range) or nonzero "
+        f"padding in block {c.start // BLOCK + bad}"
+    )
+
+
 def _v1_chunks(codec: Codec, n: int, body: bytes) -> list[_Chunk]:
     """A version 1 body cut on the version 2 chunk grid (views, no copies)."""
     mv = memoryview(body)
@@ -569,37 +582,31 @@ class Codes:
         self.info = info
         self._chunks = tuple(chunks)
         self._format = _KERNEL_FORMAT[info.codec]
-        # the newest range_sq_norms: a shard checks a push's norms, then merges it with them
-        self._sq_norms: tuple[bytes, bytes, np.ndarray] | None = None
+        # the newest range_sq_norms and max |value| bounds (exact=False) of the same ranges:
+        # a shard checks a push's norms, then merges it with them (and the bounds)
+        self._sq_norms: tuple[bytes, bytes, np.ndarray, np.ndarray] | None = None
 
     @property
     def num_values(self) -> int:
         return self.info.num_values
 
     @classmethod
-    def of_values(cls, values: np.ndarray) -> Codes:
-        """The float32 vector `values` (not copied: do not change it while this is in use)."""
+    def of_values(cls, values: np.ndarray, *, finite: bool = False) -> Codes:
+        """The float32 vector `values` (not copied: do not change it while this is in use).
+
+        Checked finite (CodecError otherwise), unless the caller vouches that it is
+        (`finite=True`: a sum the merge kernels already refused to overflow), which
+        saves a pass over the values."""
         flat = _as_f32(values, "values")
         info = FrameInfo(Codec.FP32, flat.size, 1)
         chunks = [_split_body(Codec.FP32, a, b - a, flat[a:b]) for a, b in _chunk_spans(flat.size)]
         codes = cls(info, chunks)
-        codes._check()
+        if not finite:
+            codes._check()
         return codes
 
     def _check(self) -> None:
-        def check(i: int) -> None:
-            c = self._chunks[i]
-            bad = _kernels.check(self._format, c.scales, c.codes, c.count)
-            if bad < 0:
-                return
-            if self.info.codec == Codec.FP32:
-                raise CodecError(f"non-finite FP32 value at index {c.start + bad}")
-            raise CodecError(
-                f"{self.info.codec.name} frame has an invalid scale (out of range) or nonzero "
-                f"padding in block {c.start // BLOCK + bad}"
-            )
-
-        parallel(check, len(self._chunks))
+        parallel(lambda i: _check_chunk(self.info.codec, self._chunks[i]), len(self._chunks))
 
     def _ranges(
         self, offsets: npt.ArrayLike, ends: npt.ArrayLike
@@ -640,10 +647,10 @@ class Codes:
         ):  # the codes never change: neither do their sums
             return cached[2].copy()
 
-        def part(i: int) -> np.ndarray:
+        def part(i: int) -> tuple[np.ndarray, np.ndarray]:
             c, (r0, r1) = self._chunks[i], meets[i]
-            sq = np.empty(r1 - r0, np.float64)
-            if r1 > r0:
+            sq, m = np.empty(r1 - r0, np.float64), np.empty(r1 - r0, np.float64)
+            if r1 > r0:  # the bounds come from the scales the pass reads anyway
                 _kernels.range_stats(
                     self._format,
                     c.scales,
@@ -653,20 +660,19 @@ class Codes:
                     o[r0:r1],
                     e[r0:r1],
                     sq,
-                    None,
+                    m,
                     False,
                 )
-            return sq
+            return sq, m
 
         parts = parallel(part, len(self._chunks))
-        total = np.zeros(o.size, np.float64)
-        for (r0, r1), sq in zip(
-            meets, parts
-        ):  # chunk order: the same sums on any number of threads
+        total, bound = np.zeros(o.size, np.float64), np.zeros(o.size, np.float64)
+        for (r0, r1), (sq, m) in zip(meets, parts):  # chunk order: the same sums on any threads
             total[r0:r1] += sq
+            np.maximum(bound[r0:r1], m, out=bound[r0:r1])
         if not np.all(np.isfinite(total)):  # cannot happen for checked codes; refuse all the same
             raise CodecError("a range's sum of squares is not finite")
-        self._sq_norms = (*key, total.copy())
+        self._sq_norms = (*key, total.copy(), bound)
         return total
 
     def accumulate_ranges(
@@ -690,7 +696,12 @@ class Codes:
             bad = int(np.argmin(np.isfinite(w)))
             raise CodecError(f"scale {s64[bad]!r} of range {bad} is not finite in float32")
         flat = out.reshape(-1)
-        bound = self._max_abs(o, e, meets, exact=False) * np.abs(w.astype(np.float64))
+        cached = self._sq_norms
+        if cached is not None and cached[:2] == (o.tobytes(), e.tobytes()):
+            peaks = cached[3]  # taken with the norms, in the same pass
+        else:
+            peaks = self._max_abs(o, e, meets, exact=False)
+        bound = peaks * np.abs(w.astype(np.float64))
         risky = bound >= _SAFE_PRODUCT
         if np.any(risky):  # only near float32's limits: try each sum before writing any
             w_risky = np.where(risky, w, np.float32(0))
@@ -841,17 +852,18 @@ def read_codes(frame: Frame, *, codec: Codec | None = None, num_values: int | No
         what = f"chunk {i} (values {start}..{start + count})" if many else "frame body"
         return _inflate(payload, info.codec, count, what)
 
-    bodies = parallel(inflate, len(payloads))
     if version == 1:
-        chunks = _v1_chunks(info.codec, info.num_values, bodies[0])
-    else:
-        chunks = [
-            _split_body(info.codec, start, count, body)
-            for (start, count, _), body in zip(payloads, bodies)
-        ]
-    codes = Codes(info, chunks)
-    codes._check()
-    return codes
+        codes = Codes(info, _v1_chunks(info.codec, info.num_values, inflate(0)))
+        codes._check()
+        return codes
+
+    def inflate_and_check(i: int) -> _Chunk:  # each chunk checked while its body is in cache
+        start, count, _ = payloads[i]
+        chunk = _split_body(info.codec, start, count, inflate(i))
+        _check_chunk(info.codec, chunk)
+        return chunk
+
+    return Codes(info, parallel(inflate_and_check, len(payloads)))
 
 
 def _as_codes(
