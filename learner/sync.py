@@ -31,7 +31,7 @@ import numpy as np
 from atoll.learner import schedule
 from atoll.learner.defaults import CODEC, MIX, OVERLAP, PERIOD, SYNC_PATIENCE
 from atoll.learner.fragment_sync import FragmentSync, Link, Pace
-from atoll.learner.routing import (  # noqa: F401  (re-exported: this module's former names)
+from atoll.learner.routing import (
     ASK_OTHERS_AFTER,
     MAX_SHARDS,
     PROBE_SECONDS,
@@ -41,7 +41,7 @@ from atoll.learner.routing import (  # noqa: F401  (re-exported: this module's f
     SyncError,
     plan_difference,
 )
-from atoll.learner.schedule import (  # noqa: F401  (re-exported: this module's former names)
+from atoll.learner.schedule import (
     RUN_AHEAD_PERIODS,
     STEP_WARMUP,
     STEP_WINDOW,
@@ -56,6 +56,27 @@ from atoll.wire import codec
 from atoll.wire.client import ShardClient
 from atoll.wire.plan import FragmentMap, FragmentPlan
 
+# the synchronizer, its settings and errors; the rest are the names this module had
+# before routing and the schedule got modules of their own, kept for their callers
+__all__ = [
+    "Synchronizer",
+    "SyncConfig",
+    "SyncError",
+    "PlanMismatch",
+    "plan_difference",
+    "Params",
+    "offsets",
+    "steps_per_period",
+    "sync_due",
+    "StepTimer",
+    "STEP_WINDOW",
+    "STEP_WARMUP",
+    "RUN_AHEAD_PERIODS",
+    "MAX_SHARDS",
+    "ASK_OTHERS_AFTER",
+    "PROBE_SECONDS",
+    "RETRYABLE",
+]
 log = logging.getLogger("atoll.learner")
 Params = dict[str, Any]  # nested str-keyed dict of arrays, the model's parameter tree
 T = TypeVar("T")
