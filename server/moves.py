@@ -25,20 +25,19 @@ asking the source); the operator token is what keeps a forger from making one.
 
 from __future__ import annotations
 
-import enum
 import io
 import math
 import re
 from collections.abc import Collection
 from typing import Any
 
-import grpc
 import numpy as np
 
 from atoll.server import rules
 from atoll.server.config import MAX_SHARDS
 from atoll.server.fragment import Answer, Fragment
-from atoll.server.state import ShardError, ShardState, _same_move
+from atoll.server.refusal import ShardError, Why
+from atoll.server.state import ShardState, _same_move
 from atoll.wire import codec
 from atoll.wire.plan import FragmentMap, FragmentPlan
 from atoll.wire.records import LOG_ADOPT, LOG_FREEZE, LOG_MOVED, LOG_UNFREEZE, log_record
@@ -63,23 +62,8 @@ ANSWER_TYPES = {
 }
 
 
-class Why(enum.Enum):
-    """Why a move call was refused; the servicer maps each to a gRPC status."""
-
-    MALFORMED = "malformed"  # a value out of its type or range: the call can never succeed
-    OUT_OF_STEP = "out of step"  # it does not follow what this shard knows (its map, its state)
-
-
-class MoveRefused(Exception):
-    """A refused move call, nothing logged: why, and a message saying what is wrong."""
-
-    def __init__(self, why: Why, message: str):
-        super().__init__(message)
-        self.why = why
-
-
-def _malformed(message: str) -> MoveRefused:
-    return MoveRefused(Why.MALFORMED, message)
+def _malformed(message: str) -> ShardError:
+    return ShardError(Why.MALFORMED, message)
 
 
 def is_int(value: object, low: int = 0, high: int = MAX_VERSION) -> bool:
@@ -111,7 +95,7 @@ def check_next_map(
     others = [q for q in range(new.num_fragments) if q != p]
     newest = max([new.moved_at[q] for q in others] + [current.version if current else 0])
     if new.version != newest + 1:
-        raise MoveRefused(
+        raise ShardError(
             Why.OUT_OF_STEP,
             f"map version {new.version} is not the next one: this shard and the map's other "
             f"fragments know version {newest}, so a move makes {newest + 1}",
@@ -120,14 +104,14 @@ def check_next_map(
         if current is not None and q < current.num_fragments:
             held_at, owner = current.moved_at[q], current.owners[q]
             if new.moved_at[q] < held_at or (new.moved_at[q] == held_at and new.owners[q] != owner):
-                raise MoveRefused(
+                raise ShardError(
                     Why.OUT_OF_STEP,
                     f"map version {new.version} says fragment {q} is on shard {new.owners[q]} "
                     f"since version {new.moved_at[q]}; this shard knows shard {owner} since "
                     f"version {held_at}",
                 )
         if (new.owners[q] == me) != (q in held):
-            raise MoveRefused(
+            raise ShardError(
                 Why.OUT_OF_STEP,
                 f"map version {new.version} disagrees with shard {me} about fragment {q}",
             )
@@ -136,7 +120,7 @@ def check_next_map(
 def check_freeze_record(freeze: Any, me: int, new: FragmentMap, p: int) -> int:
     """The source shard an Adopt's freeze record names (rule 3)."""
     if not isinstance(freeze, dict) or set(freeze) != FREEZE_KEYS:
-        raise MoveRefused(
+        raise ShardError(
             Why.OUT_OF_STEP,
             "no freeze record of the source: an Adopt takes the state its source's Export "
             "gave, from a frozen fragment",
@@ -145,7 +129,7 @@ def check_freeze_record(freeze: Any, me: int, new: FragmentMap, p: int) -> int:
     if not is_int(source, 0, MAX_SHARDS - 1) or not is_int(lsn, 1):
         raise _malformed(f"freeze record {freeze}: want a shard index and a log position")
     if source in (me, new.owner(p)):
-        raise MoveRefused(
+        raise ShardError(
             Why.OUT_OF_STEP, f"freeze record of shard {source}: fragment {p} moves to shard {me}"
         )
     return int(source)
@@ -251,26 +235,14 @@ class MoveCalls(ShardState):
     Export and Commit on the source, Adopt on the target; each checked by the rules above
     before anything is logged, and answered the same way when repeated."""
 
-    @staticmethod
-    def _move_refusal(e: MoveRefused) -> ShardError:
-        code = (
-            grpc.StatusCode.INVALID_ARGUMENT
-            if e.why is Why.MALFORMED
-            else grpc.StatusCode.FAILED_PRECONDITION
-        )
-        return ShardError(code, str(e))
-
     def _check_move(self, p: int, new: FragmentMap, *, next_map: bool = True) -> None:
         """`new` is a valid map moving p (and, with `next_map`, the next version after
-        this shard's): server/py's rule 1, before anything is logged."""
+        this shard's): the rules above (1), before anything is logged."""
         if self.plan is None:
-            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, "this shard has no plan yet")
-        try:
-            check_map(new, p, self.plan.num_fragments)
-            if next_map:
-                check_next_map(self.fragment_map, p, new, self.cfg.shard_index, self.fragments)
-        except MoveRefused as e:
-            raise self._move_refusal(e) from None
+            raise ShardError(Why.OUT_OF_STEP, "this shard has no plan yet")
+        check_map(new, p, self.plan.num_fragments)
+        if next_map:
+            check_next_map(self.fragment_map, p, new, self.cfg.shard_index, self.fragments)
 
     def freeze(self, p: int, new: FragmentMap) -> None:
         """Step 1 of moving fragment p away: from the durable FREEZE on, its pushes wait and
@@ -282,14 +254,12 @@ class MoveCalls(ShardState):
                 return
             if p in self.frozen:
                 raise ShardError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    Why.OUT_OF_STEP,
                     f"fragment {p} is already moving under map version {self.frozen[p].version}",
                 )
             self._check_move(p, new)
             if new.owner(p) == self.cfg.shard_index:
-                raise ShardError(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"map version {new.version} keeps {p} here"
-                )
+                raise ShardError(Why.MALFORMED, f"map version {new.version} keeps {p} here")
             record = log_record(LOG_FREEZE, {"fragment": p, "map": new.to_json()})
             lsn = self._write([record])
             self._sync(lsn)
@@ -317,9 +287,7 @@ class MoveCalls(ShardState):
         with self._lock_of(p, frag):
             moving = self.frozen.get(p)
             if moving is None:
-                raise ShardError(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"fragment {p} is not frozen for a move"
-                )
+                raise ShardError(Why.OUT_OF_STEP, f"fragment {p} is not frozen for a move")
             fmeta, arrays = frag.state()
             freeze = {"source": self.cfg.shard_index, "lsn": self.freeze_lsns[p]}
             buf = io.BytesIO()
@@ -349,17 +317,12 @@ class MoveCalls(ShardState):
                     return  # adopted already (a retried step 2)
             if new.owner(p) != self.cfg.shard_index:
                 raise ShardError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Why.MALFORMED,
                     f"map version {new.version} gives fragment {p} to shard {new.owner(p)}",
                 )
             if self.plan is not None and self.plan.to_json() != meta["plan"]:
-                raise ShardError(
-                    grpc.StatusCode.FAILED_PRECONDITION, "the fragment comes with another plan"
-                )
-            try:
-                check_next_map(self.fragment_map, p, new, self.cfg.shard_index, self.fragments)
-            except MoveRefused as e:
-                raise self._move_refusal(e) from None
+                raise ShardError(Why.OUT_OF_STEP, "the fragment comes with another plan")
+            check_next_map(self.fragment_map, p, new, self.cfg.shard_index, self.fragments)
             self._sync(self._write([log_record(LOG_ADOPT, meta, payload)]))
             self._install(meta, payload, checked)
             self.metrics.moves.labels("in").inc()
@@ -369,10 +332,9 @@ class MoveCalls(ShardState):
 
     def _checked_state(self, meta: Any, payload: bytes) -> tuple[int, FragmentMap, Fragment]:
         """(fragment, map, the fragment restored) of an Adopt, once it passes every check
-        of server/py and its whole state restores into a fragment with valid delta
+        of the rules above and its whole state restores into a fragment with valid delta
         frames: a record logged must be one replay can apply. Anything else is refused
-        (INVALID_ARGUMENT, or FAILED_PRECONDITION for a call out of step) and changes
-        nothing."""
+        (MALFORMED, or OUT_OF_STEP for a call out of step) and changes nothing."""
         try:
             check_adopt_meta(meta)
             p, new = int(meta["fragment"]), FragmentMap.from_json(meta["map"])
@@ -391,12 +353,10 @@ class MoveCalls(ShardState):
             trial.restore(meta["state"], arrays, self.clock())
             for _, frame in trial.ring:
                 codec.read_codes(frame, codec=trial.publish_codec, num_values=trial.size)
-        except MoveRefused as e:
-            raise self._move_refusal(e) from None
+        except ShardError:
+            raise
         except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is refused
-            raise ShardError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"fragment state: {type(e).__name__}: {e}"
-            ) from None
+            raise ShardError(Why.MALFORMED, f"fragment state: {type(e).__name__}: {e}") from None
         return p, new, trial
 
     def commit_move(self, p: int, new: FragmentMap) -> None:
@@ -411,7 +371,7 @@ class MoveCalls(ShardState):
             frozen = self.frozen.get(p)
             if frozen is None or not _same_move(frozen, p, new):
                 raise ShardError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    Why.OUT_OF_STEP,
                     f"fragment {p} is not frozen for map version {new.version}",
                 )
             record = log_record(LOG_MOVED, {"fragment": p, "map": frozen.to_json()})

@@ -45,7 +45,8 @@ from grpc_reflection.v1alpha import reflection
 
 from atoll.server.config import ConfigError, ShardConfig, load_tokens
 from atoll.server.fragment import Answer
-from atoll.server.shard import PushHeader, RecoveryError, Shard, ShardError
+from atoll.server.refusal import ShardError, Why
+from atoll.server.shard import PushHeader, RecoveryError, Shard
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire import syncer_pb2_grpc as pb_grpc
@@ -61,6 +62,18 @@ _REASONS = {
     "duplicate": pb.PUSH_REASON_DUPLICATE,
     "too_stale": pb.PUSH_REASON_TOO_STALE,
     "already_in_round": pb.PUSH_REASON_ALREADY_IN_ROUND,
+}
+# The one place a refusal's reason becomes a gRPC status code.
+STATUS = {
+    Why.MALFORMED: grpc.StatusCode.INVALID_ARGUMENT,
+    Why.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Why.OUT_OF_STEP: grpc.StatusCode.FAILED_PRECONDITION,
+    Why.BUSY: grpc.StatusCode.UNAVAILABLE,
+    Why.TOO_BIG: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Why.TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Why.DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    Why.UNKNOWN_CALLER: grpc.StatusCode.UNAUTHENTICATED,
+    Why.BROKEN: grpc.StatusCode.INTERNAL,
 }
 LEARNER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 WORKERS = 8  # threads running domain calls; pushes to different fragments run side by side
@@ -251,13 +264,13 @@ class _Budget:
         mine = self.by_peer.get(peer, 0)
         if mine + n > self.per_connection:
             raise ShardError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Why.TOO_BIG,
                 f"this connection's open streams already declare {mine} frame bytes; {n} more "
                 f"would pass its limit of {self.per_connection}: wait for them, then retry",
             )
         if self.held + n > self.total:
             raise ShardError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Why.TOO_BIG,
                 f"the shard holds {self.held} frame bytes in flight; {n} more would pass its "
                 f"limit of {self.total}: retry shortly",
             )
@@ -356,7 +369,7 @@ def _check_id(learner_id: str) -> None:
     if learner_id and LEARNER_ID.fullmatch(learner_id) is None:
         shown = learner_id if len(learner_id) <= 40 else learner_id[:40] + "…"
         raise ShardError(
-            grpc.StatusCode.INVALID_ARGUMENT,
+            Why.MALFORMED,
             f"learner_id {shown!r} ({len(learner_id)} characters) must be 1-128 of "
             "A-Z a-z 0-9 . _ : -",
         )
@@ -403,15 +416,14 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             raise
         except Exception as e:
             log.exception("%s failed", getattr(fn, "__name__", fn))
-            raise ShardError(
-                grpc.StatusCode.INTERNAL, f"the shard failed: {type(e).__name__}: {e}"
-            ) from None
+            raise ShardError(Why.BROKEN, f"the shard failed: {type(e).__name__}: {e}") from None
 
     async def _refuse(
         self, context: grpc.aio.ServicerContext, method: str, e: ShardError
     ) -> NoReturn:
-        self.shard.metrics.refused.labels(method, e.code.name).inc()
-        await context.abort(e.code, str(e), trailing_metadata=e.metadata)
+        code = STATUS[e.why]
+        self.shard.metrics.refused.labels(method, code.name).inc()
+        await context.abort(code, str(e), trailing_metadata=e.metadata)
         raise AssertionError("context.abort returned")  # it always raises
 
     def _check_caller(self, context: grpc.aio.ServicerContext, learner_id: str) -> None:
@@ -423,7 +435,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         bound = self.tokens.get(_bearer(context.invocation_metadata()) or "")
         if bound is not None and learner_id and learner_id != bound:  # empty: an anonymous reader
             raise ShardError(
-                grpc.StatusCode.PERMISSION_DENIED,
+                Why.DENIED,
                 f"this token belongs to learner {bound!r}, not {learner_id!r}",
             )
 
@@ -434,12 +446,12 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 message = await context.read()
         except TimeoutError:
             raise ShardError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
+                Why.TIMED_OUT,
                 f"{kind} stream sent nothing for {self.cfg.stream_idle_seconds:g} s; "
                 "send the frame's chunks without pausing",
             ) from None
         if isinstance(message, _Malformed):
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"{kind} stream: {message.reason}")
+            raise ShardError(Why.MALFORMED, f"{kind} stream: {message.reason}")
         return message
 
     def _frame_need(self, header: pb.InitHeader | pb.PushHeader) -> int:
@@ -447,9 +459,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         try:
             frame_codec = codec.Codec(header.codec)
         except ValueError:
-            raise ShardError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"codec {header.codec} is not accepted"
-            ) from None
+            raise ShardError(Why.MALFORMED, f"codec {header.codec} is not accepted") from None
         plan = self.shard.plan
         if plan is None:  # the first Init brings the plan; the shard checks num_params against it
             values = header.num_params
@@ -469,23 +479,21 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         shape, oversize, stalled, or from a caller that may not send it."""
         first = await self._read(context, kind)
         if first is grpc.aio.EOF:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"empty {kind} stream: no header")
+            raise ShardError(Why.MALFORMED, f"empty {kind} stream: no header")
         if first.WhichOneof("kind") != "header":
-            raise ShardError(
-                grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the header"
-            )
+            raise ShardError(Why.MALFORMED, "the first message must be the header")
         header = first.header
         self._check_caller(context, header.learner_id)
         declared, limit = header.frame_bytes, self.cfg.max_frame_bytes
         if declared > limit:
             raise ShardError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Why.TOO_BIG,
                 f"frame of {declared} bytes exceeds this shard's limit of {limit}",
             )
         need = self._frame_need(header)
         if declared > need:
             raise ShardError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Why.MALFORMED,
                 f"frame_bytes={declared} is more than fragment {header.fragment} can need "
                 f"in codec {header.codec} ({need} bytes)",
             )
@@ -503,19 +511,17 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         received = 0
         while (request := await self._read(context, kind)) is not grpc.aio.EOF:
             if request.WhichOneof("kind") != "chunk":
-                raise ShardError(
-                    grpc.StatusCode.INVALID_ARGUMENT, "only chunks may follow the header"
-                )
+                raise ShardError(Why.MALFORMED, "only chunks may follow the header")
             received += len(request.chunk)
             if received > declared:
                 raise ShardError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Why.MALFORMED,
                     f"chunks exceed the header's {field}={declared}",
                 )
             parts.append(request.chunk)
         if received != declared:
             raise ShardError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Why.MALFORMED,
                 f"truncated stream: {received} of {declared} {field.split('_')[0]} bytes arrived",
             )
         return b"".join(parts)
@@ -691,7 +697,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         token = _bearer(context.invocation_metadata()) or ""
         if self.tokens.get(token, "") is not None:  # bound to a learner (or unknown)
             raise ShardError(
-                grpc.StatusCode.PERMISSION_DENIED,
+                Why.DENIED,
                 "moving fragments takes a token bound to no learner (an operator's)",
             )
 
@@ -701,7 +707,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             m = request.map
             return request.fragment, FragmentMap(m.version, tuple(m.owners), tuple(m.moved_at))
         except ValueError as e:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"map: {e}") from None
+            raise ShardError(Why.MALFORMED, f"map: {e}") from None
 
     async def _move_step(
         self, method: str, request: pb.MoveRequest, context: grpc.aio.ServicerContext
@@ -760,18 +766,14 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 self._check_operator(context)
                 first = await self._read(context, "Adopt")
                 if first is grpc.aio.EOF or first.WhichOneof("kind") != "header":
-                    raise ShardError(
-                        grpc.StatusCode.INVALID_ARGUMENT, "the first message must be the header"
-                    )
+                    raise ShardError(Why.MALFORMED, "the first message must be the header")
                 declared = first.header.payload_bytes
                 with self.budget.hold(context.peer(), declared):
                     payload = await self._chunks(context, "Adopt", declared, "payload_bytes")
                     try:
                         meta = json.loads(first.header.meta_json)
                     except (ValueError, RecursionError) as e:
-                        raise ShardError(
-                            grpc.StatusCode.INVALID_ARGUMENT, f"meta_json: {e}"
-                        ) from None
+                        raise ShardError(Why.MALFORMED, f"meta_json: {e}") from None
                     await self._call(self.shard.adopt, meta, payload)
             except ShardError as e:
                 await self._refuse(context, "Adopt", e)

@@ -21,19 +21,18 @@ import math
 import threading
 from typing import Any
 
-import grpc
 import numpy as np
 
 from atoll.server import merge, rules
 from atoll.server.fragment import Answer, Fragment
 from atoll.server.moves import MoveCalls
 from atoll.server.recovery import Recovery
+from atoll.server.refusal import ShardError, Why
 from atoll.server.state import (
     MAX_ABS_VALUE,
     PeriodCount,
     RecoveryError,
     RecoveryStopped,
-    ShardError,
     ShardState,
     Timing,
     _magnitude_problem,
@@ -122,7 +121,7 @@ class Shard(Recovery, MoveCalls):
         moving = self.frozen.get(p)
         if moving is not None:
             raise ShardError(
-                grpc.StatusCode.UNAVAILABLE,
+                Why.BUSY,
                 f"fragment {p} is moving to shard {moving.owner(p)} (map version "
                 f"{moving.version}); retry",
             )
@@ -137,14 +136,12 @@ class Shard(Recovery, MoveCalls):
         try:
             plan = FragmentPlan.from_json(plan_json)
         except ValueError as e:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"bad plan_json: {e}") from None
+            raise ShardError(Why.MALFORMED, f"bad plan_json: {e}") from None
         if plan.fingerprint != fingerprint:
-            raise ShardError(
-                grpc.StatusCode.INVALID_ARGUMENT, "plan_json does not match plan_fingerprint"
-            )
+            raise ShardError(Why.MALFORMED, "plan_json does not match plan_fingerprint")
         if plan.num_fragments < self.cfg.num_shards:
             raise ShardError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Why.OUT_OF_STEP,
                 f"plan has {plan.num_fragments} fragments for {self.cfg.num_shards} "
                 "shards: some shard would own nothing",
             )
@@ -167,9 +164,7 @@ class Shard(Recovery, MoveCalls):
         (they are rare); the fragment is seeded once its record is durable."""
         self._require_ready()
         if frame_codec not in ACCEPTED_CODECS:
-            raise ShardError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"codec {frame_codec} is not accepted"
-            )
+            raise ShardError(Why.MALFORMED, f"codec {frame_codec} is not accepted")
         with self.init_lock:
             plan = self.plan or self._parse_plan(plan_json, fingerprint)
             self._check_fragment(plan, p, fingerprint)
@@ -178,16 +173,16 @@ class Shard(Recovery, MoveCalls):
             size = plan.fragment_sizes[p]
             if num_params != size:
                 raise ShardError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Why.MALFORMED,
                     f"fragment {p} holds {size} params, init says {num_params}",
                 )
             try:
                 codes = codec.read_codes(frame, codec=codec.Codec(frame_codec), num_values=size)
             except codec.CodecError as e:
-                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"init frame: {e}") from None
+                raise ShardError(Why.MALFORMED, f"init frame: {e}") from None
             too_big = _magnitude_problem(codes, merge.Segments.from_plan(plan, p))
             if too_big is not None:
-                raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"init frame: {too_big}")
+                raise ShardError(Why.MALFORMED, f"init frame: {too_big}")
             values = np.empty(size, np.float32)
             codes.decode_into(values, accumulate=False)
             if self.plan is None:  # the plan, its map and first fragment: durable together
@@ -245,13 +240,13 @@ class Shard(Recovery, MoveCalls):
         every check made before a lock is taken; ShardError otherwise."""
         problem = h.problem()
         if problem is not None:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            raise ShardError(Why.MALFORMED, problem)
         if h.codec not in ACCEPTED_CODECS:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"codec {h.codec} is not accepted")
+            raise ShardError(Why.MALFORMED, f"codec {h.codec} is not accepted")
         frag = self._fragment(h.fragment, h.plan_fingerprint)
         if h.num_params != frag.size:
             raise ShardError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Why.MALFORMED,
                 f"fragment {h.fragment} holds {frag.size} params, push says {h.num_params}",
             )
         try:
@@ -259,11 +254,11 @@ class Shard(Recovery, MoveCalls):
             codes = codec.read_codes(frame, codec=codec.Codec(h.codec), num_values=frag.size)
         except codec.CodecError as e:
             # the codec refuses frames holding or decoding to NaN/Inf: the codes are finite
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"push frame: {e}") from None
+            raise ShardError(Why.MALFORMED, f"push frame: {e}") from None
         # Checked before logging: a logged record must be one the merge can apply.
         too_big = _magnitude_problem(codes, frag.segments)
         if too_big is not None:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, f"push frame: {too_big}")
+            raise ShardError(Why.MALFORMED, f"push frame: {too_big}")
         return frag, codes
 
     def _judged(
@@ -292,9 +287,7 @@ class Shard(Recovery, MoveCalls):
             policy=self.policy,
         )
         if verdict.reason in (rules.Reason.FUTURE_BASE, rules.Reason.SEQ_TOO_FAR):
-            raise ShardError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"fragment {h.fragment}: {verdict.detail}"
-            )
+            raise ShardError(Why.MALFORMED, f"fragment {h.fragment}: {verdict.detail}")
         if not verdict.accept:
             answer = Answer(
                 h.seq,
@@ -493,7 +486,7 @@ class Shard(Recovery, MoveCalls):
             version = frag.version
             if have_version is not None and have_version > version:
                 raise ShardError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Why.MALFORMED,
                     f"have_version {have_version} is ahead of fragment {p}'s version {version}",
                 )
             deltas = None if have_version is None else frag.deltas_since(have_version)

@@ -21,13 +21,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-import grpc
 import numpy as np
 
 from atoll.server import merge, rules, storage
 from atoll.server.config import ShardConfig
 from atoll.server.fragment import Fragment
 from atoll.server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
+from atoll.server.refusal import ShardError, Why
 from atoll.wire import codec
 from atoll.wire.client import FRAGMENT_KEY, MAP_VERSION_KEY, OWNER_KEY
 from atoll.wire.plan import FragmentMap, FragmentPlan
@@ -103,20 +103,6 @@ def _same_move(held: FragmentMap | None, p: int, new: FragmentMap) -> bool:
     return (
         held is not None and held.owner(p) == new.owner(p) and held.moved_at[p] == new.moved_at[p]
     )
-
-
-class ShardError(Exception):
-    """A refused call: the gRPC status and a message saying what to fix."""
-
-    def __init__(
-        self,
-        code: grpc.StatusCode,
-        message: str,
-        metadata: tuple[tuple[str, str], ...] = (),
-    ):
-        super().__init__(message)
-        self.code = code
-        self.metadata = metadata  # trailing metadata: what a client acts on (the owner)
 
 
 class ShardState:
@@ -222,7 +208,7 @@ class ShardState:
             f"the write-ahead log failed ({type(e).__name__}: {e}); restart the shard"
         )
         log.error("%s", self.recovery_error)
-        return ShardError(grpc.StatusCode.UNAVAILABLE, self.recovery_error)
+        return ShardError(Why.BUSY, self.recovery_error)
 
     def _adopt_plan(self, plan: FragmentPlan, fragment_map: FragmentMap | None = None) -> None:
         """Takes the plan and the fragment map (version 0, p mod S, unless given) and makes
@@ -303,30 +289,28 @@ class ShardState:
 
     def _require_ready(self) -> None:
         if self.recovery_error is not None:
-            raise ShardError(
-                grpc.StatusCode.UNAVAILABLE, f"shard did not recover: {self.recovery_error}"
-            )
+            raise ShardError(Why.BUSY, f"shard did not recover: {self.recovery_error}")
         if not self.ready:
-            raise ShardError(grpc.StatusCode.UNAVAILABLE, "shard is recovering; retry shortly")
+            raise ShardError(Why.BUSY, "shard is recovering; retry shortly")
 
     def _check_fragment(self, plan: FragmentPlan, p: int, fingerprint: str | None) -> None:
         """Refuses a fragment that `plan` lacks or that another shard owns."""
         if fingerprint is not None and fingerprint != plan.fingerprint:
             raise ShardError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Why.OUT_OF_STEP,
                 f"plan fingerprint {fingerprint!r} differs from the shard's "
                 f"{plan.fingerprint!r}: learner and shard disagree on the model",
             )
         if not 0 <= p < plan.num_fragments:
             raise ShardError(
-                grpc.StatusCode.NOT_FOUND,
+                Why.NOT_FOUND,
                 f"fragment {p} does not exist (the plan has {plan.num_fragments})",
             )
         owners = self.fragment_map or FragmentMap.modulo(plan.num_fragments, self.cfg.num_shards)
         owner, since = owners.owner(p), owners.moved_at[p]
         if owner != self.cfg.shard_index:
             raise ShardError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Why.OUT_OF_STEP,
                 f"fragment {p} is on shard {owner} (map version {since}), "
                 f"not shard {self.cfg.shard_index}",
                 metadata=(
@@ -339,14 +323,14 @@ class ShardState:
     def _fragment(self, p: int, fingerprint: str | None = None, need_init: bool = True) -> Fragment:
         if self.plan is None:
             raise ShardError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Why.OUT_OF_STEP,
                 "this shard has no fragment plan yet: a learner must Init first",
             )
         self._check_fragment(self.plan, p, fingerprint)
         frag = self.fragments[p]
         if need_init and not frag.initialized:
             raise ShardError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Why.OUT_OF_STEP,
                 f"fragment {p} is not initialized; Init it first",
             )
         return frag
@@ -358,7 +342,7 @@ class ShardState:
         with self.frag_locks[p]:
             if self.fragments.get(p) is not frag:
                 self._fragment(p)  # raises: p is another shard's now
-                raise ShardError(grpc.StatusCode.UNAVAILABLE, f"fragment {p} changed; retry")
+                raise ShardError(Why.BUSY, f"fragment {p} changed; retry")
             yield
 
     def _version_changed(self) -> None:

@@ -11,11 +11,11 @@ import io
 import pathlib
 import threading
 
-import grpc
 import numpy as np
 import pytest
 
 from atoll.server.config import ShardConfig
+from atoll.server.refusal import Why
 from atoll.server.shard import PushHeader, Shard, ShardError
 from atoll.server.storage import Snapshot
 from atoll.wire import codec
@@ -368,7 +368,7 @@ def test_a_fragment_moves_with_everything_it_acknowledged():
     before = _whole(a, 0)
     a.freeze(0, MOVED)
     a.freeze(0, MOVED)  # again: nothing more
-    assert _refusal(lambda: _push(a, 0, 1, 3, 2)).code == grpc.StatusCode.UNAVAILABLE
+    assert _refusal(lambda: _push(a, 0, 1, 3, 2)).why is Why.BUSY
     meta, payload = a.export(0)
     b.adopt(meta, payload)
     b.adopt(meta, payload)  # a retried step 2: nothing more
@@ -377,7 +377,7 @@ def test_a_fragment_moves_with_everything_it_acknowledged():
     assert _whole(b, 0) == before
     assert (a.fragment_map, b.fragment_map) == (MOVED, MOVED)
     refused = _refusal(lambda: _push(a, 0, 1, 3, 2))
-    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.why is Why.OUT_OF_STEP
     assert dict(refused.metadata) == {OWNER_KEY: "1", MAP_VERSION_KEY: "1", FRAGMENT_KEY: "0"}
     # l0's push moved with the state: its retry is answered once, not merged again
     retry = _push(b, 0, 0, 3, 2)
@@ -416,7 +416,7 @@ def test_a_move_survives_a_kill_at_each_step(killed, snapshot):
     back = _of(index, log, snaps, clock)
     if killed == "source after freeze":
         assert _whole(back, 0) == before and back.frozen == {0: MOVED}
-        assert _refusal(lambda: _push(back, 0, 1, 3, 2)).code == grpc.StatusCode.UNAVAILABLE
+        assert _refusal(lambda: _push(back, 0, 1, 3, 2)).why is Why.BUSY
         meta, payload = back.export(0)  # the move goes on from step 2
         b.adopt(meta, payload)
         back.commit_move(0, MOVED)
@@ -449,12 +449,12 @@ def test_moves_that_do_not_follow_are_refused_and_change_nothing():
         FragmentMap(1, (0, 1)),  # keeps fragment 0 here
         FragmentMap(1, (1, 0)),  # moves fragment 1 too
     ):
-        assert _refusal(lambda bad=bad: a.freeze(0, bad)).code in (
-            grpc.StatusCode.FAILED_PRECONDITION,
-            grpc.StatusCode.INVALID_ARGUMENT,
+        assert _refusal(lambda bad=bad: a.freeze(0, bad)).why in (
+            Why.OUT_OF_STEP,
+            Why.MALFORMED,
         )
-    assert _refusal(lambda: a.export(0)).code == grpc.StatusCode.FAILED_PRECONDITION
-    assert _refusal(lambda: a.commit_move(0, MOVED)).code == grpc.StatusCode.FAILED_PRECONDITION
+    assert _refusal(lambda: a.export(0)).why is Why.OUT_OF_STEP
+    assert _refusal(lambda: a.commit_move(0, MOVED)).why is Why.OUT_OF_STEP
     assert a.frozen == {} and _whole(a, 0) == before
 
 
@@ -515,9 +515,9 @@ def test_an_adopt_that_replay_could_not_apply_is_refused_and_changes_nothing():
     for name, (m, p) in bad.items():
         before = len(log.records)
         refused = _refusal(lambda m=m, p=p: b.adopt(m, p))
-        assert refused.code in (
-            grpc.StatusCode.INVALID_ARGUMENT,
-            grpc.StatusCode.FAILED_PRECONDITION,
+        assert refused.why in (
+            Why.MALFORMED,
+            Why.OUT_OF_STEP,
         ), name
         assert len(log.records) == before and 0 not in b.fragments, name
         assert b.fragment_map == FragmentMap.modulo(2, 2), name
