@@ -1060,6 +1060,38 @@ def test_rejects_truncated_chunked_frames(chunked):
         assert_rejected(frame[:cut], "truncated|corrupt", n=n)
 
 
+def _pieces(frame: bytes, cut: int) -> list[bytes]:
+    return [frame[i : i + cut] for i in range(0, len(frame), cut)]
+
+
+def test_a_frame_read_in_the_pieces_it_arrived_in_is_the_frame(chunked):
+    _, n, frame = chunked
+    c0 = len(chunks_of(frame)[0])
+    want = read_codes(frame)
+    offsets, ends = ragged_ranges(n, seed=3)
+    # pieces that split the header, the table, a chunk, or fall on a chunk's edge
+    for cut in (1, 5, HEADER_BYTES + 3, HEADER_BYTES + 8 + c0, 4099, len(frame)):
+        got = read_codes(_pieces(frame, cut) + [b""], num_values=n)
+        assert got.info == want.info
+        assert (
+            got.range_sq_norms(offsets, ends).tobytes()
+            == want.range_sq_norms(offsets, ends).tobytes()
+        )
+        out, again = np.zeros(n, np.float32), np.zeros(n, np.float32)
+        got.decode_into(out, 1.0)
+        want.decode_into(again, 1.0)
+        assert out.tobytes() == again.tobytes()
+
+
+def test_pieces_of_a_truncated_or_empty_frame_are_refused(chunked):
+    _, n, frame = chunked
+    for cut in (HEADER_BYTES + 3, HEADER_BYTES + 9, len(frame) - 1):
+        with pytest.raises(CodecError, match="truncated|corrupt|shorter"):
+            read_codes(_pieces(frame[:cut], 1000), num_values=n)
+    with pytest.raises(CodecError, match="shorter than its"):
+        read_codes([])
+
+
 def test_rejects_bad_chunk_tables(chunked):
     _, n, frame = chunked
     c0, c1, _ = map(len, chunks_of(frame))

@@ -168,6 +168,21 @@ def test_numpy_buffers_are_appended_without_conversion(backend):
         assert list(wal.replay()) == [(1, values.tobytes())]
 
 
+def test_a_push_record_in_the_pieces_its_frame_arrived_in_replays_as_one(backend):
+    from atoll.wire.records import LOG_PUSH, log_record, log_record_parts, parse_log_record
+
+    frame = record(9, 10_000)
+    pieces = [frame[i : i + 1024] for i in range(0, len(frame), 1024)]
+    meta = {"fragment": 2, "learner": "a"}
+    with backend.open_log() as wal:
+        wal.append(log_record_parts(LOG_PUSH, meta, pieces))
+        wal.append(log_record_parts(LOG_PUSH, meta, frame))
+        (_, first), (_, second) = wal.replay()
+    assert first == second == log_record(LOG_PUSH, meta, frame)
+    kind, got_meta, payload = parse_log_record(first)
+    assert (kind, got_meta, bytes(payload)) == (LOG_PUSH, meta, frame)
+
+
 def test_second_open_of_the_same_log_is_refused(backend):
     with backend.open_log():
         with pytest.raises(StorageError, match="already open"):

@@ -42,6 +42,7 @@ a caller's buffer; a malformed frame raises CodecError and changes nothing.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import dataclasses
 import enum
@@ -540,29 +541,54 @@ def _v1_chunks(codec: Codec, n: int, body: bytes) -> list[_Chunk]:
     return out
 
 
-def _payloads(frame: Frame, info: FrameInfo, version: int) -> list[tuple[int, int, memoryview]]:
+class _Pieces:
+    """A frame as the pieces it arrived in (a stream's chunks), read as one byte string:
+    a span inside one piece is a view of it; only a span across pieces is copied."""
+
+    def __init__(self, frame: Frame | Sequence[Frame]):
+        if isinstance(frame, (bytes, bytearray, memoryview)):
+            frame = [frame]
+        self._views = [memoryview(p).cast("B") for p in frame if len(p)]
+        self._starts = list(itertools.accumulate(map(len, self._views), initial=0))
+        self.size = self._starts[-1]
+
+    def span(self, a: int, b: int) -> memoryview:
+        """Bytes [a, b) of the frame (0 <= a <= b <= size)."""
+        if a >= b:
+            return memoryview(b"")
+        i = bisect.bisect_right(self._starts, a) - 1
+        if b <= self._starts[i + 1]:
+            return self._views[i][a - self._starts[i] : b - self._starts[i]]
+        out, at = bytearray(b - a), 0
+        while at < b - a:
+            view = self._views[i][a + at - self._starts[i] : b - self._starts[i]]
+            out[at : at + len(view)] = view
+            at, i = at + len(view), i + 1
+        return memoryview(out)
+
+
+def _payloads(frame: _Pieces, info: FrameInfo, version: int) -> list[tuple[int, int, memoryview]]:
     """(start, count, compressed bytes) of every chunk, from the header and table alone."""
-    mv = memoryview(frame).cast("B")
-    n = info.num_values
+    n, size = info.num_values, frame.size
     if version == 1:
-        return [(0, n, mv[HEADER_BYTES:])]
+        return [(0, n, frame.span(HEADER_BYTES, size))]
     k = _num_chunks(n)
     table_end = HEADER_BYTES + 4 * (k - 1)
-    if len(mv) <= table_end:  # also refuses an absurd count before allocating for it
+    if size <= table_end:  # also refuses an absurd count before allocating for it
         raise CodecError(
             f"truncated frame: {n} values need a table of {k - 1} chunk lengths and "
-            f"{k} chunks; the frame ends after {len(mv)} bytes"
+            f"{k} chunks; the frame ends after {size} bytes"
         )
     spans = _chunk_spans(n)
-    sizes = list(struct.unpack_from(f"<{k - 1}I", mv, HEADER_BYTES))
-    last = len(mv) - table_end - sum(sizes)
+    sizes = list(struct.unpack(f"<{k - 1}I", frame.span(HEADER_BYTES, table_end)))
+    last = size - table_end - sum(sizes)
     if last <= 0 or 0 in sizes:
         raise CodecError(
             f"truncated frame: chunk lengths {sizes[:8]}{'...' if k > 9 else ''} leave "
             f"{last} bytes for the last chunk"
         )
     bounds = list(itertools.accumulate(sizes + [last], initial=table_end))  # k + 1 offsets
-    return [(a, b - a, mv[bounds[i] : bounds[i + 1]]) for i, (a, b) in enumerate(spans)]
+    return [(a, b - a, frame.span(bounds[i], bounds[i + 1])) for i, (a, b) in enumerate(spans)]
 
 
 class Codes:
@@ -824,11 +850,14 @@ def _check_out(out: object, n: int) -> None:
         raise CodecError(f"frame holds {n} values; out holds {out.size}")
 
 
-def read_codes(frame: Frame, *, codec: Codec | None = None, num_values: int | None = None) -> Codes:
+def read_codes(
+    frame: Frame | Sequence[Frame], *, codec: Codec | None = None, num_values: int | None = None
+) -> Codes:
     """Decompresses and checks every part of a frame: the merge's input, with no float32 copy.
 
     Args:
-      frame: bytes of one frame (any readable version).
+      frame: bytes of one frame (any readable version), or the pieces it arrived in, in
+        order (a push stream's chunks: read in place, no joined copy of the frame).
       codec: when given, the frame must use this codec.
       num_values: when given, the frame must hold exactly this many values.
 
@@ -838,13 +867,15 @@ def read_codes(frame: Frame, *, codec: Codec | None = None, num_values: int | No
     Raises:
       CodecError: for any malformed part, before anything is allocated for the values.
     """
-    info = frame_info(frame)
+    pieces = _Pieces(frame)
+    head = pieces.span(0, min(HEADER_BYTES, pieces.size))
+    info = frame_info(head)
     if num_values is not None and info.num_values != num_values:
         raise CodecError(f"frame holds {info.num_values} values; expected {num_values}")
     if codec is not None and info.codec != _codec(codec):
         raise CodecError(f"frame uses {info.codec.name}; expected {_codec(codec).name}")
-    version = _HEADER.unpack_from(frame)[2]
-    payloads = _payloads(frame, info, version)
+    version = _HEADER.unpack_from(head)[2]
+    payloads = _payloads(pieces, info, version)
     many = len(payloads) > 1
 
     def inflate(i: int) -> bytes:

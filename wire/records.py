@@ -12,6 +12,7 @@ import json
 import pathlib
 import re
 import struct
+from collections.abc import Sequence
 from typing import Any, TypedDict
 
 Record = dict[str, Any]
@@ -155,11 +156,17 @@ def log_record(kind: int, meta: dict[str, Any], payload: bytes = b"") -> bytes:
     return b"".join(log_record_parts(kind, meta, payload))
 
 
-def log_record_parts(kind: int, meta: dict[str, Any], payload: bytes = b"") -> tuple[bytes, bytes]:
+def log_record_parts(
+    kind: int, meta: dict[str, Any], payload: bytes | memoryview | Sequence[bytes] = b""
+) -> tuple[bytes | memoryview, ...]:
     """`log_record` as (head, payload), for a log that writes parts as one record: a
-    push's frame goes to disk without being copied behind its head first."""
+    push's frame goes to disk without being copied behind its head first. A payload
+    given as the pieces it arrived in (a stream's chunks) stays in pieces: (head, *pieces)."""
     body = json.dumps(meta, separators=(",", ":")).encode()
-    return _LOG_HEADER.pack(kind, len(body)) + body, payload
+    head = _LOG_HEADER.pack(kind, len(body)) + body
+    if isinstance(payload, (bytes, memoryview)):
+        return head, payload
+    return (head, *payload)
 
 
 def parse_log_record(record: bytes | memoryview) -> tuple[int, dict[str, Any], memoryview]:
