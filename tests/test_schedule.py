@@ -1,14 +1,24 @@
-"""The learner's schedule (learner/schedule.py) as pure functions of a fake clock, and the
-Synchronizer reading only the clock it is given."""
+"""The learner's schedule (learner/schedule.py) as pure functions of a fake clock; the
+Synchronizer, a fragment's sync task and waits on versions reading only the clock they
+are given."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
 
 from atoll.learner import schedule
+from atoll.learner.fragment_sync import FragmentSync, Link, Pace
+from atoll.learner.routing import Router
 from atoll.learner.schedule import Reason
+from atoll.learner.stopping import Stopped
 from atoll.learner.sync import SyncConfig, Synchronizer
+from atoll.learner.watch import Versions
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
+from atoll.wire.client import Pulled
 from atoll.wire.plan import FragmentPlan, TensorSpec
 
 H = 32
@@ -186,3 +196,71 @@ def test_the_synchronizer_reads_only_its_clock():
         assert started == [(0, 1008.2)] and sync.pushes_started == 1 and sync.seq == 1
     finally:
         sync.close()
+
+
+class _Shard:
+    """Answers one fragment's push with `ack` and its pulls with the version at `base`."""
+
+    address = "fake"
+
+    def __init__(self, ack: pb.PushResponse, base: np.ndarray, version: int):
+        self.ack, self.base, self.version, self.pushes = ack, base, version, []
+
+    def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushResponse:
+        self.pushes.append(header)
+        return self.ack
+
+    def pull(self, fragment: int, have: int | None = None) -> Pulled:
+        frame = codec.encode(self.base, codec.Codec.FP32)
+        return Pulled(fragment, self.version, True, self.base.size, [(self.version, 0, frame)])
+
+    def close(self) -> None:
+        pass
+
+
+def _fragment(shard: _Shard, clock: Clock) -> tuple[FragmentSync, threading.Event]:
+    plan = FragmentPlan.build([TensorSpec("w", (2, 2))], 1)
+    cfg = SyncConfig(period=8, patience=1.0, max_backoff=0.01)
+    stopping = threading.Event()
+    router = Router(plan, [shard], stopping, cfg.max_backoff)
+    versions = Versions(router, stopping, cfg.max_backoff, clock)
+    link = Link(cfg, plan, router, versions, Pace(), lambda key, amount: None, clock)
+    return FragmentSync(0, 4, link), stopping
+
+
+def test_a_refused_push_resyncs_and_takes_the_shards_due_time_on_the_learners_clock():
+    clock = Clock(500.0)
+    shard = _Shard(
+        pb.PushResponse(accepted=False, next_due_seconds=3.0), np.full(4, 2.0, np.float32), 7
+    )
+    frag, _ = _fragment(shard, clock)
+    outcome = frag.sync(np.ones(4, np.float32), seq=1, steps=8, tokens=64)
+    assert outcome.correction is None and outcome.version == 7 == frag.version
+    np.testing.assert_array_equal(outcome.values, shard.base)  # θ_p ← Θ_current
+    assert outcome.due_at == 503.0  # relative to the fake clock, as the shard said
+    assert shard.pushes[0].seq == 1 and shard.pushes[0].inner_steps == 8
+
+
+def test_a_round_that_does_not_close_in_time_is_left_without_waiting_on_a_real_clock():
+    # each reading of the clock moves it 10 s on: the patience (1 s) is spent at the first
+    # look, so the task goes on without the round and nothing sleeps
+    class Jumping(Clock):
+        def __call__(self) -> float:
+            return self.advance(10.0)
+
+    shard = _Shard(pb.PushResponse(accepted=True, staleness=0), np.zeros(4, np.float32), 1)
+    frag, _ = _fragment(shard, Jumping(0.0))
+    theta = np.ones(4, np.float32)
+    outcome = frag.sync(theta, seq=1, steps=8, tokens=64)
+    np.testing.assert_array_equal(outcome.correction, np.zeros(4, np.float32))  # keep local
+    assert frag.origin is not None and frag.version == 0  # the next Δ starts from θ at the push
+    assert outcome.due_at is None  # no schedule from the shard, and no cadence yet
+
+
+def test_a_stop_ends_a_wait_on_a_version():
+    frag, stopping = _fragment(_Shard(pb.PushResponse(), np.zeros(4, np.float32), 0), Clock(0.0))
+    frag.link.versions.note(0, 3)
+    assert frag.link.versions.wait_for(0, 3)  # known already: no wait
+    stopping.set()
+    with pytest.raises(Stopped):
+        frag.link.versions.wait_for(0, 4)
