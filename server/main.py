@@ -307,7 +307,7 @@ def run(cfg: ShardConfig) -> int:
     """Serves until SIGTERM/SIGINT, then stops cleanly (a final snapshot). A ConfigError
     when this host refuses what cfg asks (a port taken, a data directory it cannot write),
     before anything is served."""
-    from atoll.server.service import check_ports
+    from atoll.server.serving import check_ports
     from atoll.server.shard import RecoveryStopped
 
     _release_freed_memory()

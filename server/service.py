@@ -25,27 +25,45 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import ctypes
 import dataclasses
-import errno
 import json
 import logging
-import re
-import socket
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
-import prometheus_client as prom
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import _async as aio_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from atoll.server.config import ConfigError, ShardConfig, load_tokens
 from atoll.server.fragment import Answer
+from atoll.server.guards import (
+    LEARNER_ID,
+    RefuseMalformed,
+    TokenAuth,
+    bearer_token,
+    check_learner_id,
+)
+from atoll.server.intake import describe_response, frame_need, read_chunks, read_message
 from atoll.server.refusal import ShardError, Why
+from atoll.server.serving import (
+    OWN_PORT,
+    SERVICE,
+    Budget,
+    ServingMetrics,
+    VersionBoard,
+    Wake,
+    bind_refusal,
+    check_ports,
+    event_loop,
+    host_port,
+    keepalive_policy,
+    listen,
+    malloc_trim,
+    run_on_loop,
+)
 from atoll.server.shard import PushHeader, RecoveryError, Shard
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
@@ -54,7 +72,18 @@ from atoll.wire.client import CHUNK_BYTES, KEEPALIVE_MS
 from atoll.wire.plan import FragmentMap
 
 log = logging.getLogger("atoll.syncer")
-SERVICE = pb.DESCRIPTOR.services_by_name["Syncer"].full_name
+T = TypeVar("T")
+# what callers import from here, though it lives in serving.py and guards.py
+__all__ = [
+    "LEARNER_ID",
+    "STATUS",
+    "ServingMetrics",
+    "SyncerServer",
+    "SyncerServicer",
+    "check_ports",
+    "event_loop",
+    "keepalive_policy",
+]
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _REASONS = {
     "fresh": pb.PUSH_REASON_FRESH,
@@ -75,7 +104,6 @@ STATUS = {
     Why.UNKNOWN_CALLER: grpc.StatusCode.UNAUTHENTICATED,
     Why.BROKEN: grpc.StatusCode.INTERNAL,
 }
-LEARNER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 WORKERS = 8  # threads running domain calls; pushes to different fragments run side by side
 PENDING_CALLS = 10_000  # new calls queued before the event loop takes them up, then refused
 TICK_FAILURES_UNHEALTHY = 3  # round-timer failures in a row that make health NOT_SERVING
@@ -86,293 +114,6 @@ TRIM_SECONDS = 10.0  # how often freed heap memory is handed back to the OS
 # the third early one with GOAWAY too_many_pings: a Watch that heard no new version for
 # ~3 min was dropped.
 LEARNER_KEEPALIVE_MS = KEEPALIVE_MS
-
-# A shard owns its ports: grpc sets SO_REUSEPORT on Linux by default, so a second shard
-# started on a served port would start fine and the kernel would split calls between them.
-OWN_PORT = (("grpc.so_reuseport", 0),)
-
-T = TypeVar("T")
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim: memory that closed streams freed stays in malloc's arenas
-    (threads allocate in their own) unless it is asked for back."""
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-# --- the event loop ---------------------------------------------------------------
-
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_lock = threading.Lock()
-
-
-def event_loop() -> asyncio.AbstractEventLoop:
-    """The process's one grpc.aio event loop, running on a daemon thread of its own."""
-    global _loop
-    with _loop_lock:
-        if _loop is None:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="grpc-aio", daemon=True).start()
-            _loop = loop
-        return _loop
-
-
-def _run(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Runs a coroutine on the event loop from another thread and returns its result."""
-    return asyncio.run_coroutine_threadsafe(coroutine, event_loop()).result()
-
-
-# --- ports and pings ---------------------------------------------------------------
-
-
-def keepalive_policy(client_ms: int) -> list[tuple[str, int]]:
-    """Server options that accept a client's keepalive pings every `client_ms`, with or
-    without data or calls in flight; a client pinging more than twice as often still gets
-    grpc's GOAWAY (timers and the network may bring two pings closer than the interval)."""
-    return [
-        ("grpc.http2.min_ping_interval_without_data_ms", client_ms // 2),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ]
-
-
-_LISTEN_HINTS = {
-    errno.EADDRINUSE: "another process, perhaps another shard, serves that port: stop it or "
-    "choose another port",
-    errno.EADDRNOTAVAIL: "{host} is not an address of this host: give one of its own, or "
-    "0.0.0.0 for all of them",
-    errno.EACCES: "ports below 1024 need privileges: choose a higher one",
-}
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _refusal(e: OSError, host: str) -> str:
-    """The OS's reason for refusing to bind, and what to do about it."""
-    hint = _LISTEN_HINTS.get(e.errno or 0)
-    return f"{e.strerror}; {hint.format(host=host)}" if hint else str(e.strerror or e)
-
-
-def _why_not_listening(host: str, port: int) -> str | None:
-    """Why this host will not listen on host:port, as a plain socket learns it (grpc's own
-    bind error names no cause), or None when it would now. A name is refused when none
-    of its addresses can be had (grpc fails then too) or when another process holds one."""
-    try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        return f"cannot resolve {host!r} ({e.strerror})"
-    refused: list[OSError] = []
-    for family, kind, proto, _, address in found:
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds
-            try:
-                s.bind(address)
-            except OSError as e:
-                refused.append(e)
-    in_use = [e for e in refused if e.errno == errno.EADDRINUSE]
-    if in_use or (refused and len(refused) == len(found)):
-        return _refusal((in_use or refused)[0], host)
-    return None
-
-
-def check_ports(cfg: ShardConfig) -> None:
-    """A ConfigError naming the first of cfg's ports this host will not let a shard listen
-    on (taken, or on an address the host lacks), found before anything is bound or made:
-    a grpc server bound and never started keeps its port until the process ends."""
-    for flag, port in (
-        ("--listen", cfg.port),
-        ("--health-port", cfg.health_port),
-        ("--metrics-port", cfg.metrics_port),
-    ):
-        why = None if port is None else _why_not_listening(cfg.host, port)
-        if why is not None:
-            raise ConfigError(f"{flag}: cannot listen on {_address(cfg.host, port or 0)}: {why}")
-
-
-def _listen(
-    server: grpc.aio.Server,
-    flag: str,
-    host: str,
-    port: int,
-    creds: grpc.ServerCredentials | None = None,
-    tls_flags: str = "",
-) -> int:
-    """Binds `server` to host:port and returns the port; a ConfigError naming `flag`, the
-    address and the reason when it cannot (`tls_flags` names the files of `creds`)."""
-    address = _address(host, port)
-    try:
-        bound: int = (
-            server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
-        )
-    except RuntimeError:  # "Failed to bind to address": grpc names no cause
-        why = _why_not_listening(host, port)
-        if why is None and tls_flags:
-            raise ConfigError(
-                f"{tls_flags}: gRPC cannot load them; each must be PEM, and the key the "
-                "certificate's own, unencrypted"
-            ) from None
-        raise ConfigError(
-            f"{flag}: cannot listen on {address}: "
-            + (why or "gRPC refused it (GRPC_VERBOSITY=debug logs its reason)")
-        ) from None
-    return bound
-
-
-# --- serving-layer state ------------------------------------------------------------
-
-
-class ServingMetrics:
-    """What the serving layer adds to the shard's registry: streams, bytes held, health."""
-
-    def __init__(self, registry: prom.CollectorRegistry):
-        self.open_calls = prom.Gauge(
-            "atoll_open_calls",
-            "Syncer calls in progress, by method (a Watch is open as long as its learner listens)",
-            ["method"],
-            registry=registry,
-        )
-        self.inflight_bytes = prom.Gauge(
-            "atoll_inflight_frame_bytes",
-            "Frame bytes declared by open Push "
-            "and Init streams (held against --max-inflight-bytes)",
-            registry=registry,
-        )
-        self.tick_failures = prom.Counter(
-            "atoll_round_timer_failures",
-            "Round-timer ticks that raised (each is logged with its traceback)",
-            registry=registry,
-        )
-        self.serving = prom.Gauge(
-            "atoll_serving", "1 while the health service says SERVING", registry=registry
-        )
-
-
-class _Budget:
-    """Frame bytes that open streams declared, per connection and in all (event loop only)."""
-
-    def __init__(self, total: int, per_connection: int, gauge: prom.Gauge):
-        self.total, self.per_connection, self.gauge = total, per_connection, gauge
-        self.held = 0
-        self.by_peer: dict[str, int] = {}
-
-    @contextlib.contextmanager
-    def hold(self, peer: str, n: int) -> Iterator[None]:
-        mine = self.by_peer.get(peer, 0)
-        if mine + n > self.per_connection:
-            raise ShardError(
-                Why.TOO_BIG,
-                f"this connection's open streams already declare {mine} frame bytes; {n} more "
-                f"would pass its limit of {self.per_connection}: wait for them, then retry",
-            )
-        if self.held + n > self.total:
-            raise ShardError(
-                Why.TOO_BIG,
-                f"the shard holds {self.held} frame bytes in flight; {n} more would pass its "
-                f"limit of {self.total}: retry shortly",
-            )
-        self.by_peer[peer] = mine + n
-        self.held += n
-        self.gauge.set(self.held)
-        try:
-            yield
-        finally:
-            left = self.by_peer[peer] - n
-            if left:
-                self.by_peer[peer] = left
-            else:
-                del self.by_peer[peer]
-            self.held -= n
-            self.gauge.set(self.held)
-
-
-class _Wake:
-    """One slice of woken Watch streams: done once each has sent its notices, or left."""
-
-    def __init__(self, streams: int):
-        self.left = streams
-        self.done = asyncio.Event()
-
-    def release(self) -> None:
-        self.left -= 1
-        if self.left == 0:
-            self.done.set()
-
-
-class _VersionBoard:
-    """The newest fragment versions, read from the shard once per change and shared by
-    every Watch stream: a change costs one domain call, not one per stream. Streams are
-    woken a slice at a time, the next slice once this one's notices are sent, so a
-    health check waits behind at most one slice of sends, never a crowd's."""
-
-    WAKE_SLICE = 64  # Watch streams woken at once
-    SLICE_WAIT = 0.1  # seconds a slice may take before the next is woken anyway (a stuck reader)
-
-    def __init__(self, read: Callable[[], Awaitable[dict[int, tuple[int, int]]]]):
-        self.read = read  # the shard's {fragment: (version, contributors)}
-        self.versions: dict[int, tuple[int, int]] = {}
-        self._waiters: dict[asyncio.Future[_Wake], None] = {}
-        self._dirty = False
-        self._task: asyncio.Task[None] | None = None
-
-    def subscribe(self) -> asyncio.Future[_Wake]:
-        """A future that completes (with a _Wake to release) at the first refresh after this call."""
-        waiter: asyncio.Future[_Wake] = asyncio.get_running_loop().create_future()
-        self._waiters[waiter] = None
-        return waiter
-
-    def unsubscribe(self, waiter: asyncio.Future[_Wake]) -> None:
-        self._waiters.pop(waiter, None)
-
-    def poke(self) -> None:
-        """A version changed (called on the event loop): refresh, one read at a time."""
-        self._dirty = True
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._refresh())
-
-    async def _refresh(self) -> None:
-        while self._dirty:
-            self._dirty = False
-            try:
-                self.versions = await self.read()
-            except Exception:  # the next change tries again; watchers keep what they had
-                log.exception("reading fragment versions for Watch streams failed")
-                return
-            waiters, self._waiters = list(self._waiters), {}
-            for start in range(0, len(waiters), self.WAKE_SLICE):
-                batch = [w for w in waiters[start : start + self.WAKE_SLICE] if not w.done()]
-                if not batch:
-                    continue
-                wake = _Wake(len(batch))
-                for waiter in batch:
-                    waiter.set_result(wake)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.SLICE_WAIT):
-                        await wake.done.wait()
-
-    def view(self, fragments: list[int] | None) -> dict[int, tuple[int, int]]:
-        if fragments is None:
-            return self.versions
-        return {p: self.versions[p] for p in fragments if p in self.versions}
-
-
-def _bearer(metadata: Iterable[tuple[str, str]] | None) -> str | None:
-    """The token of an `authorization: Bearer TOKEN` header, if any."""
-    value = dict(metadata or ()).get("authorization", "")
-    return value[7:] if value.startswith("Bearer ") else None
-
-
-def _check_id(learner_id: str) -> None:
-    if learner_id and LEARNER_ID.fullmatch(learner_id) is None:
-        shown = learner_id if len(learner_id) <= 40 else learner_id[:40] + "…"
-        raise ShardError(
-            Why.MALFORMED,
-            f"learner_id {shown!r} ({len(learner_id)} characters) must be 1-128 of "
-            "A-Z a-z 0-9 . _ : -",
-        )
 
 
 # --- the servicer -------------------------------------------------------------------
@@ -400,10 +141,10 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     ):
         self.shard, self.cfg, self.workers, self.metrics = shard, cfg, workers, metrics
         self.tokens = tokens  # token -> the learner it is bound to (None: any); None: no auth
-        self.budget = _Budget(
+        self.budget = Budget(
             cfg.max_inflight_bytes, cfg.max_connection_inflight_bytes, metrics.inflight_bytes
         )
-        self.board = _VersionBoard(lambda: self._call(self.shard.versions, None))
+        self.board = VersionBoard(lambda: self._call(self.shard.versions, None))
         self.watching: collections.Counter[str] = (
             collections.Counter()
         )  # learner -> open Watch streams
@@ -429,46 +170,15 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     def _check_caller(self, context: grpc.aio.ServicerContext, learner_id: str) -> None:
         """The id is well formed, and a token bound to a learner acts only as that learner
         (the interceptor checked the token itself)."""
-        _check_id(learner_id)
+        check_learner_id(learner_id)
         if self.tokens is None:
             return
-        bound = self.tokens.get(_bearer(context.invocation_metadata()) or "")
+        bound = self.tokens.get(bearer_token(context.invocation_metadata()) or "")
         if bound is not None and learner_id and learner_id != bound:  # empty: an anonymous reader
             raise ShardError(
                 Why.DENIED,
                 f"this token belongs to learner {bound!r}, not {learner_id!r}",
             )
-
-    async def _read(self, context: grpc.aio.ServicerContext, kind: str) -> Any:
-        """The stream's next message, or EOF; a stream silent too long is aborted."""
-        try:
-            async with asyncio.timeout(self.cfg.stream_idle_seconds):
-                message = await context.read()
-        except TimeoutError:
-            raise ShardError(
-                Why.TIMED_OUT,
-                f"{kind} stream sent nothing for {self.cfg.stream_idle_seconds:g} s; "
-                "send the frame's chunks without pausing",
-            ) from None
-        if isinstance(message, _Malformed):
-            raise ShardError(Why.MALFORMED, f"{kind} stream: {message.reason}")
-        return message
-
-    def _frame_need(self, header: pb.InitHeader | pb.PushHeader) -> int:
-        """Most frame bytes the header's fragment can need in its codec."""
-        try:
-            frame_codec = codec.Codec(header.codec)
-        except ValueError:
-            raise ShardError(Why.MALFORMED, f"codec {header.codec} is not accepted") from None
-        plan = self.shard.plan
-        if plan is None:  # the first Init brings the plan; the shard checks num_params against it
-            values = header.num_params
-        elif header.fragment < plan.num_fragments:
-            values = plan.fragment_sizes[header.fragment]
-        else:  # the shard refuses the fragment itself; until then no frame outgrows the largest
-            values = max(plan.fragment_sizes)
-        need: int = codec.max_frame_bytes(values, frame_codec)
-        return need
 
     @contextlib.asynccontextmanager
     async def _intake(
@@ -477,7 +187,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         """Reads a header then chunks; yields (header, frame) with the frame's bytes held
         against the budgets until the block ends. Raises ShardError for a stream out of
         shape, oversize, stalled, or from a caller that may not send it."""
-        first = await self._read(context, kind)
+        first = await read_message(context, kind, self.cfg.stream_idle_seconds)
         if first is grpc.aio.EOF:
             raise ShardError(Why.MALFORMED, f"empty {kind} stream: no header")
         if first.WhichOneof("kind") != "header":
@@ -490,7 +200,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 Why.TOO_BIG,
                 f"frame of {declared} bytes exceeds this shard's limit of {limit}",
             )
-        need = self._frame_need(header)
+        need = frame_need(header, self.shard.plan)
         if declared > need:
             raise ShardError(
                 Why.MALFORMED,
@@ -498,33 +208,11 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 f"in codec {header.codec} ({need} bytes)",
             )
         with self.budget.hold(context.peer(), declared):
-            frame = await self._chunks(context, kind, declared, "frame_bytes")
+            frame = await read_chunks(
+                context, kind, declared, "frame_bytes", self.cfg.stream_idle_seconds
+            )
             self.shard.metrics.bytes_in.inc(len(frame))
             yield header, frame
-
-    async def _chunks(
-        self, context: grpc.aio.ServicerContext, kind: str, declared: int, field: str
-    ) -> bytes:
-        """The chunks that follow a stream's header, joined: exactly the `declared` bytes
-        its header's `field` announced (the caller holds them against the budgets)."""
-        parts: list[bytes] = []
-        received = 0
-        while (request := await self._read(context, kind)) is not grpc.aio.EOF:
-            if request.WhichOneof("kind") != "chunk":
-                raise ShardError(Why.MALFORMED, "only chunks may follow the header")
-            received += len(request.chunk)
-            if received > declared:
-                raise ShardError(
-                    Why.MALFORMED,
-                    f"chunks exceed the header's {field}={declared}",
-                )
-            parts.append(request.chunk)
-        if received != declared:
-            raise ShardError(
-                Why.MALFORMED,
-                f"truncated stream: {received} of {declared} {field.split('_')[0]} bytes arrived",
-            )
-        return b"".join(parts)
 
     @contextlib.contextmanager
     def _open(self, method: str) -> Iterator[None]:
@@ -648,7 +336,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 except ShardError as e:
                     await self._refuse(context, "Watch", e)
                 self.watching[learner] += 1
-                wake: _Wake | None = None
+                wake: Wake | None = None
                 try:
                     known: dict[int, int] = {}
                     while True:
@@ -694,7 +382,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         """With tokens on, only a token bound to no learner may move fragments."""
         if self.tokens is None:
             return
-        token = _bearer(context.invocation_metadata()) or ""
+        token = bearer_token(context.invocation_metadata()) or ""
         if self.tokens.get(token, "") is not None:  # bound to a learner (or unknown)
             raise ShardError(
                 Why.DENIED,
@@ -764,12 +452,14 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         with self._open("Adopt"):
             try:
                 self._check_operator(context)
-                first = await self._read(context, "Adopt")
+                first = await read_message(context, "Adopt", self.cfg.stream_idle_seconds)
                 if first is grpc.aio.EOF or first.WhichOneof("kind") != "header":
                     raise ShardError(Why.MALFORMED, "the first message must be the header")
                 declared = first.header.payload_bytes
                 with self.budget.hold(context.peer(), declared):
-                    payload = await self._chunks(context, "Adopt", declared, "payload_bytes")
+                    payload = await read_chunks(
+                        context, "Adopt", declared, "payload_bytes", self.cfg.stream_idle_seconds
+                    )
                     try:
                         meta = json.loads(first.header.meta_json)
                     except (ValueError, RecursionError) as e:
@@ -785,184 +475,9 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     ) -> pb.DescribeResponse:
         with self._open("Describe"):
             try:
-                return await self._call(self._describe)
+                return await self._call(describe_response, self.shard)
             except ShardError as e:
                 await self._refuse(context, "Describe", e)
-
-    def _describe(self) -> pb.DescribeResponse:
-        d = self.shard.describe()
-        cfg = self.shard.cfg
-        plan = d["plan"]
-        out = pb.DescribeResponse(
-            shard_index=cfg.shard_index,
-            num_shards=cfg.num_shards,
-            plan_fingerprint=plan.fingerprint if plan else "",
-            num_fragments=plan.num_fragments if plan else 0,
-            live_learners=d["live"],
-            map_version=d["fragment_map"].version if d["fragment_map"] else 0,
-            owners=d["fragment_map"].owners if d["fragment_map"] else (),
-            moved_at=d["fragment_map"].moved_at if d["fragment_map"] else (),
-            settings=pb.Settings(
-                quorum=cfg.quorum,
-                grace_factor=cfg.grace_factor,
-                max_staleness=cfg.max_staleness,
-                staleness_discount=cfg.staleness_discount,
-                outer_lr=cfg.outer_lr,
-                outer_momentum=cfg.outer_momentum,
-                momentum_delay=cfg.momentum_delay,
-                delta_ring=cfg.delta_ring,
-                snapshot_every=cfg.snapshot_every,
-                publish_codec=cast(pb.Codec, int(cfg.publish_codec)),
-            ),
-        )
-        for p, frag in sorted(d["fragments"].items()):
-            out.fragments.add(
-                fragment=p,
-                initialized=frag.initialized,
-                version=frag.version,
-                num_params=frag.size,
-                round_size=frag.round.count,
-                oldest_delta_base=(frag.ring[0][0] - 1) if frag.ring else frag.version,
-                moving_version=d["frozen"][p].version if p in d["frozen"] else 0,
-                moving_to=d["frozen"][p].owner(p) if p in d["frozen"] else 0,
-                tensors=[
-                    pb.TensorInfo(name=s.name, shape=list(s.spec.shape), embedding=s.spec.embedding)
-                    for s in plan.tensors_of(p)
-                ],
-            )
-        return out
-
-
-# --- bearer tokens ------------------------------------------------------------------
-
-
-class _TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no types
-    """Checks `authorization: Bearer TOKEN` on every call except health and reflection."""
-
-    OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-    def __init__(self, tokens: dict[str, str | None]):
-        self.tokens = tokens
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(self.OPEN):
-            return handler
-        if _bearer(details.invocation_metadata) in self.tokens:
-            return handler
-        return _denying(handler)
-
-
-# --- malformed requests ---------------------------------------------------------------
-
-
-class _Malformed:
-    """What request bytes that do not parse deserialize to: the call is then refused as
-    INVALID_ARGUMENT (grpc's own answer to a deserializer that raises is UNKNOWN)."""
-
-    def __init__(self, error: Exception):
-        self.reason = f"the request does not parse ({type(error).__name__}: {error})"
-
-
-def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
-        try:
-            return deserialize(data)
-        except (DecodeError, RecursionError, ValueError) as e:
-            return _Malformed(e)
-
-    return parse
-
-
-class _RefuseMalformed(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no types
-    """Every Syncer call parses its request bytes leniently: a single request that does
-    not parse is refused here; a stream's message, by the servicer's `_read`."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith(f"/{SERVICE}/"):
-            return handler
-        return _parsing(handler)
-
-
-def _parsing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """`handler` with a lenient deserializer, refusing a single request that did not parse."""
-    parse = _lenient(handler.request_deserializer)
-    serialize = handler.response_serializer
-    if handler.request_streaming:
-        make = (
-            grpc.stream_stream_rpc_method_handler
-            if handler.response_streaming
-            else grpc.stream_unary_rpc_method_handler
-        )
-        inner = handler.stream_stream if handler.response_streaming else handler.stream_unary
-        return make(inner, request_deserializer=parse, response_serializer=serialize)
-
-    async def refuse(request: _Malformed, context: grpc.aio.ServicerContext) -> NoReturn:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-        raise AssertionError("context.abort returned")
-
-    if handler.response_streaming:
-        streaming = handler.unary_stream
-
-        async def unary_stream(
-            request: Any, context: grpc.aio.ServicerContext
-        ) -> AsyncIterator[Any]:
-            if isinstance(request, _Malformed):
-                await refuse(request, context)
-            # closed with this one: a cancelled Watch runs its cleanup at once
-            async with contextlib.aclosing(streaming(request, context)) as responses:
-                async for response in responses:
-                    yield response
-
-        return grpc.unary_stream_rpc_method_handler(
-            unary_stream, request_deserializer=parse, response_serializer=serialize
-        )
-    unary = handler.unary_unary
-
-    async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, _Malformed):
-            await refuse(request, context)
-        return await unary(request, context)
-
-    return grpc.unary_unary_rpc_method_handler(
-        unary_unary, request_deserializer=parse, response_serializer=serialize
-    )
-
-
-def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
-
-    async def deny(request_or_iterator: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
-
-    async def deny_stream(
-        request_or_iterator: object, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[None]:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
-        yield  # pragma: no cover
-
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
-    fn = deny_stream if handler.response_streaming else deny
-    return make(
-        fn,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
 
 
 # --- the server ---------------------------------------------------------------------
@@ -993,7 +508,7 @@ class SyncerServer:
         self._timer = threading.Thread(target=self._tick_loop, name="round-timer", daemon=True)
         self._housekeeping: concurrent.futures.Future[None] | None = None
         try:
-            self.port = _run(self._build(tokens))
+            self.port = run_on_loop(self._build(tokens))
         except BaseException:  # a port this host refuses: give back what was taken
             self.workers.shutdown()
             if shard is None:
@@ -1026,9 +541,7 @@ class SyncerServer:
         self.servicer = SyncerServicer(self.shard, cfg, tokens, self.workers, self.metrics)
         self.server = grpc.aio.server(
             options=options,
-            interceptors=[_TokenAuth(tokens), _RefuseMalformed()]
-            if tokens
-            else [_RefuseMalformed()],
+            interceptors=[TokenAuth(tokens), RefuseMalformed()] if tokens else [RefuseMalformed()],
         )
         pb_grpc.add_SyncerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -1049,14 +562,14 @@ class SyncerServer:
             tls_flags = f"--tls-cert {cfg.tls_cert}, --tls-key {cfg.tls_key}" + (
                 f", --tls-client-ca {cfg.tls_client_ca}" if cfg.tls_client_ca else ""
             )
-        port = _listen(self.server, "--listen", cfg.host, cfg.port, creds, tls_flags)
+        port = listen(self.server, "--listen", cfg.host, cfg.port, creds, tls_flags)
         self.health_server = None
         if cfg.health_port is not None:
             # Plaintext health only, mirroring the main port's: probes read NOT_SERVING
             # even where the main port needs TLS and client certificates.
             self.health_server = grpc.aio.server(options=OWN_PORT)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            self.health_port = _listen(
+            self.health_port = listen(
                 self.health_server, "--health-port", cfg.host, cfg.health_port
             )
         return port
@@ -1093,9 +606,9 @@ class SyncerServer:
                 self.metrics_port = self.shard.metrics.serve(port, host)
             except OSError as e:
                 raise ConfigError(
-                    f"--metrics-port: cannot listen on {_address(host, port)}: {_refusal(e, host)}"
+                    f"--metrics-port: cannot listen on {host_port(host, port)}: {bind_refusal(e, host)}"
                 ) from None
-        _run(self._start_servers())
+        run_on_loop(self._start_servers())
         try:
             replayed = self.shard.recover(stop)
         except RecoveryError as e:
@@ -1111,7 +624,7 @@ class SyncerServer:
             self.port,
         )
         self._started = True
-        _run(self._publish_health())
+        run_on_loop(self._publish_health())
         self._housekeeping = asyncio.run_coroutine_threadsafe(self._housekeep(), self.loop)
         self._timer.start()
 
@@ -1129,7 +642,7 @@ class SyncerServer:
 
     async def _give_back_memory(self) -> None:
         """What a crowd of streams took goes back to the OS once it has left."""
-        trim = _malloc_trim()
+        trim = malloc_trim()
         while trim is not None:
             await asyncio.sleep(TRIM_SECONDS)
             await asyncio.get_running_loop().run_in_executor(self.workers, trim, 0)
@@ -1151,7 +664,7 @@ class SyncerServer:
                         "succeeds",
                         self._tick_failures,
                     )
-                    _run(self._publish_health())
+                    run_on_loop(self._publish_health())
                 self._stop.wait(TICK_RETRY_SECONDS)
                 continue
             if self._tick_failures:
@@ -1159,7 +672,7 @@ class SyncerServer:
                 self._tick_failures = 0
                 if unhealthy:
                     log.info("round timer: ticking again; health says SERVING")
-                    _run(self._publish_health())
+                    run_on_loop(self._publish_health())
             self._stop.wait(delay)
 
     async def _stop_servers(self, grace: float) -> None:
@@ -1177,7 +690,7 @@ class SyncerServer:
             return
         self._stopped = self._stopping = True
         self._stop.set()
-        _run(self._stop_servers(grace))
+        run_on_loop(self._stop_servers(grace))
         if self._timer.is_alive():
             self._timer.join()
         self.workers.shutdown(wait=True)

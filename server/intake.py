@@ -1,0 +1,119 @@
+"""What the servicer reads and writes beside its calls: a stream's messages (each within
+the idle limit, none malformed), a header's most frame bytes, the chunks after a
+header, and the Describe answer."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import grpc
+
+from atoll.server.guards import Malformed
+from atoll.server.refusal import ShardError, Why
+from atoll.server.shard import Shard
+from atoll.wire import codec
+from atoll.wire import syncer_pb2 as pb
+from atoll.wire.plan import FragmentPlan
+
+
+async def read_message(context: grpc.aio.ServicerContext, kind: str, idle_seconds: float) -> Any:
+    """The stream's next message, or EOF; a stream silent too long is aborted."""
+    try:
+        async with asyncio.timeout(idle_seconds):
+            message = await context.read()
+    except TimeoutError:
+        raise ShardError(
+            Why.TIMED_OUT,
+            f"{kind} stream sent nothing for {idle_seconds:g} s; "
+            "send the frame's chunks without pausing",
+        ) from None
+    if isinstance(message, Malformed):
+        raise ShardError(Why.MALFORMED, f"{kind} stream: {message.reason}")
+    return message
+
+
+def frame_need(header: pb.InitHeader | pb.PushHeader, plan: FragmentPlan | None) -> int:
+    """Most frame bytes the header's fragment can need in its codec."""
+    try:
+        frame_codec = codec.Codec(header.codec)
+    except ValueError:
+        raise ShardError(Why.MALFORMED, f"codec {header.codec} is not accepted") from None
+    if plan is None:  # the first Init brings the plan; the shard checks num_params against it
+        values = header.num_params
+    elif header.fragment < plan.num_fragments:
+        values = plan.fragment_sizes[header.fragment]
+    else:  # the shard refuses the fragment itself; until then no frame outgrows the largest
+        values = max(plan.fragment_sizes)
+    need: int = codec.max_frame_bytes(values, frame_codec)
+    return need
+
+
+async def read_chunks(
+    context: grpc.aio.ServicerContext, kind: str, declared: int, field: str, idle_seconds: float
+) -> bytes:
+    """The chunks that follow a stream's header, joined: exactly the `declared` bytes
+    its header's `field` announced (the caller holds them against the budgets)."""
+    parts: list[bytes] = []
+    received = 0
+    while (request := await read_message(context, kind, idle_seconds)) is not grpc.aio.EOF:
+        if request.WhichOneof("kind") != "chunk":
+            raise ShardError(Why.MALFORMED, "only chunks may follow the header")
+        received += len(request.chunk)
+        if received > declared:
+            raise ShardError(
+                Why.MALFORMED,
+                f"chunks exceed the header's {field}={declared}",
+            )
+        parts.append(request.chunk)
+    if received != declared:
+        raise ShardError(
+            Why.MALFORMED,
+            f"truncated stream: {received} of {declared} {field.split('_')[0]} bytes arrived",
+        )
+    return b"".join(parts)
+
+
+def describe_response(shard: Shard) -> pb.DescribeResponse:
+    """A Describe answer from the shard's plan, map, fragments, moves and settings."""
+    d = shard.describe()
+    cfg = shard.cfg
+    plan = d["plan"]
+    out = pb.DescribeResponse(
+        shard_index=cfg.shard_index,
+        num_shards=cfg.num_shards,
+        plan_fingerprint=plan.fingerprint if plan else "",
+        num_fragments=plan.num_fragments if plan else 0,
+        live_learners=d["live"],
+        map_version=d["fragment_map"].version if d["fragment_map"] else 0,
+        owners=d["fragment_map"].owners if d["fragment_map"] else (),
+        moved_at=d["fragment_map"].moved_at if d["fragment_map"] else (),
+        settings=pb.Settings(
+            quorum=cfg.quorum,
+            grace_factor=cfg.grace_factor,
+            max_staleness=cfg.max_staleness,
+            staleness_discount=cfg.staleness_discount,
+            outer_lr=cfg.outer_lr,
+            outer_momentum=cfg.outer_momentum,
+            momentum_delay=cfg.momentum_delay,
+            delta_ring=cfg.delta_ring,
+            snapshot_every=cfg.snapshot_every,
+            publish_codec=cast(pb.Codec, int(cfg.publish_codec)),
+        ),
+    )
+    for p, frag in sorted(d["fragments"].items()):
+        out.fragments.add(
+            fragment=p,
+            initialized=frag.initialized,
+            version=frag.version,
+            num_params=frag.size,
+            round_size=frag.round.count,
+            oldest_delta_base=(frag.ring[0][0] - 1) if frag.ring else frag.version,
+            moving_version=d["frozen"][p].version if p in d["frozen"] else 0,
+            moving_to=d["frozen"][p].owner(p) if p in d["frozen"] else 0,
+            tensors=[
+                pb.TensorInfo(name=s.name, shape=list(s.spec.shape), embedding=s.spec.embedding)
+                for s in plan.tensors_of(p)
+            ],
+        )
+    return out
