@@ -134,6 +134,12 @@ class BufferPool:
 
     def zeros(self, size: int) -> np.ndarray:
         """A zeroed float32 vector of `size` values."""
+        out = self.empty(size)
+        out.fill(0)
+        return out
+
+    def empty(self, size: int) -> np.ndarray:
+        """A float32 vector of `size` values, as the last round left it (or fresh)."""
         with self._lock:
             for i in range(len(self._buffers)):  # not enumerate: its tuple holds a reference
                 buf = self._buffers[i]
@@ -141,16 +147,14 @@ class BufferPool:
                     continue  # a round, or what a fragment made of one, still holds it
                 if buf.size < size:  # a larger fragment: let the small one go
                     del buf
-                    self._buffers[i] = np.zeros(size, np.float32)
+                    self._buffers[i] = np.empty(size, np.float32)
                     return self._buffers[i][:size]
-                out = buf[:size]
-                out.fill(0)
                 self.reused += 1
-                return out
+                return buf[:size]
             if len(self._buffers) < self.keep:
-                self._buffers.append(np.zeros(size, np.float32))
+                self._buffers.append(np.empty(size, np.float32))
                 return self._buffers[-1][:size]
-        return np.zeros(size, np.float32)
+        return np.empty(size, np.float32)
 
     def clear(self) -> None:
         """Lets go of every buffer (those still in use live on with their users)."""
@@ -292,8 +296,12 @@ class RoundAccumulator:
         # A zero norm has no direction; nor has one so small that w/‖Δ‖ is beyond float32
         # (denormal-sized values only): both add their weight and no direction.
         scales[rda] = np.where(unit <= _F32_MAX, unit, 0.0)
-        acc = ACCUMULATOR_POOL.zeros(seg.size) if self._acc is None else self._acc
-        codes.accumulate_ranges(acc, seg.offsets, seg.ends, scales)  # checks all, then writes
+        # the round's first push is written straight into its accumulator (no zeros read)
+        first = self._acc is None
+        acc = ACCUMULATOR_POOL.empty(seg.size) if self._acc is None else self._acc
+        codes.accumulate_ranges(
+            acc, seg.offsets, seg.ends, scales, add=not first
+        )  # checks, then writes
         self._acc = acc
         self._norm_sum[rda] += w * norms[rda]
         self.total_weight += w

@@ -1371,6 +1371,33 @@ def test_accumulate_refuses_overflow_and_changes_nothing(codec):
 
 
 @pytest.mark.parametrize("codec", list(Codec))
+def test_accumulate_without_add_writes_what_adding_into_zeros_gives(codec):
+    n = CHUNK_VALUES + 700
+    x = big_vector(n, seed=11)
+    x[:64] = -0.0  # FP32 keeps negative zeros: 0 + (-0) is +0, and so is the write
+    codes = read_codes(encode(x, codec))
+    offsets, ends = ragged_ranges(n, seed=12)
+    tiled_o = np.concatenate([[0], ends[:-1]])  # ranges that tile [0, ends[-1])
+    scales = np.random.default_rng(13).uniform(0.5, 2.0, len(ends))
+    scales[::5] = 0.0  # zero scales write zeros
+    want = np.zeros(n, np.float32)
+    codes.accumulate_ranges(want, tiled_o, ends, scales)
+    got = np.full(n, np.nan, np.float32)  # whatever the buffer held before is never read
+    got[ends[-1] :] = 0.0
+    codes.accumulate_ranges(got, tiled_o, ends, scales, add=False)
+    assert got.tobytes() == want.tobytes()
+    # the overflow check looks at the new terms alone, not at what the buffer held
+    y = np.full(n, 1.0, np.float32)
+    y[-50] = 3e38
+    big = read_codes(encode(y, codec))
+    out = np.full(n, 3e38, np.float32)
+    big.accumulate_ranges(out, [0], [n], [1.0], add=False)
+    assert np.isfinite(out).all()
+    with pytest.raises(CodecError, match="overflow"):
+        big.accumulate_ranges(out, [0], [n], [2.0], add=False)
+
+
+@pytest.mark.parametrize("codec", list(Codec))
 def test_range_max_abs_is_exact(codec):
     x = big_vector(N3, seed=8)
     frame = encode(x, codec)

@@ -83,11 +83,14 @@ INLINE uint32_t load_block(const float *restrict x, const float *restrict r, flo
 #define USEL(mask, a, b) (((a) & (u32x8)(mask)) | ((b) & ~(u32x8)(mask)))
 #define FSEL(mask, a, b) ((f32x8)USEL(mask, (u32x8)(a), (u32x8)(b)))
 
-/* out = w * v (acc = 0) or out += w * v: one rounding per operation, never fused. */
+/* out = w * v (acc = 0), out += w * v (acc = 1), or out = 0 + w * v (acc = 2: what adding
+ * into zeros gives, -0 becoming +0, without reading them): one rounding per operation,
+ * never fused. */
 INLINE void store_blk(const blk_t *b, float w, int acc, float *restrict out) {
     for (int k = 0; k < 4; k++) {
         f32x8 p = w == 1.0f ? b->v[k] : b->v[k] * w, o;
-        if (acc) { memcpy(&o, out + 8 * k, sizeof o); p = o + p; }
+        if (acc == 1) { memcpy(&o, out + 8 * k, sizeof o); p = o + p; }
+        else if (acc == 2) p = p + 0.0f;
         memcpy(out + 8 * k, &p, sizeof p);
     }
 }
@@ -519,23 +522,29 @@ HOT static void range_stats(const chunk_t *c, Py_ssize_t start, const int64_t *o
     }
 }
 
-/* out[start + i] += w[r] * value_i for i in range r (w[r] == 0: skipped). check = 1 only
- * computes the sums and returns the first global index where one is not finite (-1: none). */
+/* out[start + i] += w[r] * value_i for i in range r (w[r] == 0: skipped). add = 0 writes
+ * out[start + i] = 0 + w[r] * value_i instead, the same bits as adding into zeros, without
+ * reading out (w[r] == 0: zeros). check = 1 only computes the sums and returns the first
+ * global index where one is not finite (-1: none). */
 HOT static Py_ssize_t accumulate_ranges(const chunk_t *c, Py_ssize_t start, const int64_t *offsets,
                                         const int64_t *ends, const float *ws, Py_ssize_t nr, float *out,
-                                        int check) {
+                                        int check, int add) {
     float v[BLOCK];
     for (Py_ssize_t r = 0; r < nr; r++) {
         float w = ws[r];
         Py_ssize_t a = smax(offsets[r] - start, 0), b = smin(ends[r] - start, c->count);
-        if (w == 0.0f || a >= b) continue;
+        if (a >= b) continue;
+        if (w == 0.0f) {
+            if (!add && !check) memset(out + start + a, 0, (size_t)(b - a) * sizeof(float));
+            continue;
+        }
         for (Py_ssize_t blk = a / BLOCK; blk * BLOCK < b; blk++) {
             int lo = (int)smax(a - blk * BLOCK, 0), hi = (int)smin(b - blk * BLOCK, BLOCK);
             float *o = out + start + blk * BLOCK;
             if (!check && lo == 0 && hi == BLOCK) { /* the bulk: whole blocks as vectors */
                 blk_t t;
                 chunk_blk(c, blk, &t);
-                store_blk(&t, w, 1, o);
+                store_blk(&t, w, add ? 1 : 2, o);
                 continue;
             }
             block_values(c, blk, v);
@@ -543,18 +552,18 @@ HOT static Py_ssize_t accumulate_ranges(const chunk_t *c, Py_ssize_t start, cons
                 uint32_t worst = 0;
                 for (int i = lo; i < hi; i++) {
                     float p = w * v[i];
-                    uint32_t t = f2u(o[i] + p) & ABS_MASK;
+                    uint32_t t = f2u(add ? o[i] + p : p) & ABS_MASK;
                     worst = t > worst ? t : worst;
                 }
                 if (worst >= INF_BITS)
                     for (int i = lo; i < hi; i++) {
                         float p = w * v[i];
-                        if (!isfinite(o[i] + p)) return start + blk * BLOCK + i;
+                        if (!isfinite(add ? o[i] + p : p)) return start + blk * BLOCK + i;
                     }
             } else {
                 for (int i = lo; i < hi; i++) {
                     float p = w * v[i]; /* multiply, then add: never fused */
-                    o[i] = o[i] + p;
+                    o[i] = (add ? o[i] : 0.0f) + p;
                 }
             }
         }
@@ -727,18 +736,20 @@ done:
 }
 
 PyDoc_STRVAR(accumulate_doc,
-"accumulate(fmt, scales, codes, count, start, offsets, ends, weights, out, check) -> int\n\n"
+"accumulate(fmt, scales, codes, count, start, offsets, ends, weights, out, check, add=True) -> int\n\n"
 "For the chunk holding values [start, start + count) of float32 vector out and int64\n"
 "ranges [offsets[r], ends[r)): out[i] += float32 weights[r] * value_i (multiply, then\n"
 "add; ranges with weight 0 skipped). check=True writes nothing and returns the first\n"
-"index whose sum would not be finite (-1: none).");
+"index whose sum would not be finite (-1: none). add=False writes 0 + weights[r] * value_i\n"
+"over every range (zeros where the weight is 0) without reading out: the bits adding into\n"
+"zeros gives.");
 
 static PyObject *py_accumulate(PyObject *self, PyObject *args) {
-    int code, check;
+    int code, check, add = 1;
     Py_ssize_t count, start;
     Py_buffer scales, codes, offsets, ends, ws, out;
-    if (!PyArg_ParseTuple(args, "iy*y*nny*y*y*w*p", &code, &scales, &codes, &count, &start, &offsets, &ends,
-                          &ws, &out, &check)) return NULL;
+    if (!PyArg_ParseTuple(args, "iy*y*nny*y*y*w*p|p", &code, &scales, &codes, &count, &start, &offsets, &ends,
+                          &ws, &out, &check, &add)) return NULL;
     PyObject *result = NULL;
     chunk_t c;
     Py_ssize_t nr;
@@ -749,7 +760,7 @@ static PyObject *py_accumulate(PyObject *self, PyObject *args) {
     }
     Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = accumulate_ranges(&c, start, offsets.buf, ends.buf, ws.buf, nr, out.buf, check);
+    bad = accumulate_ranges(&c, start, offsets.buf, ends.buf, ws.buf, nr, out.buf, check, add);
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(bad);
 done:

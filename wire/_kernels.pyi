@@ -41,6 +41,7 @@ def accumulate(
     weights: _Buffer,
     out: _Buffer,
     check: bool,
+    add: bool = True,
     /,
 ) -> int: ...
 def outer_step(

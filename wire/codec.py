@@ -702,7 +702,13 @@ class Codes:
         return total
 
     def accumulate_ranges(
-        self, out: np.ndarray, offsets: npt.ArrayLike, ends: npt.ArrayLike, scales: npt.ArrayLike
+        self,
+        out: np.ndarray,
+        offsets: npt.ArrayLike,
+        ends: npt.ArrayLike,
+        scales: npt.ArrayLike,
+        *,
+        add: bool = True,
     ) -> None:
         """out[i] += float32(scales[r]) * value_i for i in each range r; 0 scales skip.
 
@@ -710,6 +716,10 @@ class Codes:
         numpy's `out[a:b] += np.float32(s) * values[a:b]`. Checks first, then writes:
         non-finite scales, or any sum that would not be finite, raise CodecError and
         leave out as it was (out must be finite to begin with).
+
+        add=False: the ranges of out are written as if they held zeros (0 scales write
+        zeros), the same bits, without reading (or first zeroing) out: a round's first
+        push goes straight into its accumulator.
         """
         _check_out(out, self.num_values)
         o, e, meets = self._ranges(offsets, ends)
@@ -746,6 +756,7 @@ class Codes:
                         w_risky[r0:r1],
                         flat,
                         True,
+                        add,
                     )
                     if r1 > r0
                     else -1
@@ -759,7 +770,7 @@ class Codes:
                         f"at index {bad}"
                     )
 
-        def add(i: int) -> None:
+        def run(i: int) -> None:
             c, (r0, r1) = self._chunks[i], meets[i]
             if r1 > r0:
                 _kernels.accumulate(
@@ -773,9 +784,10 @@ class Codes:
                     w[r0:r1],
                     flat,
                     False,
+                    add,
                 )
 
-        parallel(add, len(self._chunks))
+        parallel(run, len(self._chunks))
 
     def range_max_abs(self, offsets: npt.ArrayLike, ends: npt.ArrayLike) -> np.ndarray:
         """max |value| over each range [offsets[r], ends[r]) (0 for an empty one), float64.

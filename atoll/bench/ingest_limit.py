@@ -45,8 +45,8 @@ def measure(
 ) -> dict:
     """CPU seconds and bytes of `rounds` rounds of every learner's frame of every fragment.
 
-    Each round of a fragment starts from a zeroed accumulator (the same buffer every
-    time: warm pages), and each push is weighted 1 and merged by RDA on non-embedding
+    Each round of a fragment goes into the same accumulator (warm pages; the round's
+    first push written over it, as the merge does), and each push is weighted 1 and merged by RDA on non-embedding
     tensors, as `merge.RoundAccumulator` does; `fsyncs` fdatasyncs are spread evenly
     over the pushes."""
     segments = [Segments.from_plan(plan, p) for p in range(plan.num_fragments)]
@@ -59,15 +59,14 @@ def measure(
         for _ in range(rounds):
             for p, seg in enumerate(segments):
                 out = acc[: seg.size]
-                out.fill(0)
-                for learner in frames:
+                for i, learner in enumerate(frames):
                     frame = learner[p]
                     codes = codec.read_codes(frame, codec=codec.Codec.INT4, num_values=seg.size)
                     norms = np.sqrt(codes.range_sq_norms(seg.offsets, seg.ends))
                     with np.errstate(divide="ignore"):
                         unit = np.where(norms > 0, 1.0 / norms, 0.0)
                     scales = np.where(seg.embedding, 1.0, unit)
-                    codes.accumulate_ranges(out, seg.offsets, seg.ends, scales)
+                    codes.accumulate_ranges(out, seg.offsets, seg.ends, scales, add=i > 0)
                     view = memoryview(frame)
                     while view:
                         view = view[os.write(fd, view) :]
