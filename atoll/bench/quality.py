@@ -285,9 +285,8 @@ def plot_frontier(result: dict, path: pathlib.Path) -> None:
     ax.set_xlabel("bandwidth saved against data-parallel (×, learners' bytes sent)")
     ax.set_ylabel("eval loss gap to data-parallel (%)")
     seeds = result["seeds"]
-    ax.set_title(
-        f"quality / bandwidth frontier at equal tokens, seeds {', '.join(map(str, seeds))}"
-    )
+    which = f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
+    ax.set_title(f"quality / bandwidth frontier at equal tokens, {which}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
