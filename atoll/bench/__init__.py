@@ -10,8 +10,8 @@ BENCHES = (
     Command("codec", "4-bit codec speed, wire size and error", "atoll.bench.codec"),
     Command(
         "quality",
-        "eval loss vs a data-parallel baseline at equal tokens, 4-bit and fp32, and the "
-        "bandwidth saved (several minutes)",
+        "the quality / bandwidth frontier at equal tokens: data-parallel, atoll, synchronous "
+        "DiLoCo and mixed-speed learners for each sync period (about 20 minutes)",
         "atoll.bench.quality",
     ),
     Command(
