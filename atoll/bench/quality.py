@@ -48,8 +48,9 @@ MIXED_SLOWDOWN = 2.0  # how much slower the slow half of the islands is in the m
 # Synchronous DiLoCo runs the whole model as one fragment, as the DiLoCo paper does (the
 # bytes per parameter per sync are the same). With P > 1 and K = M, every fragment keeps
 # its own wall-clock schedule and two learners can each wait on a round that needs the
-# other's next push of another fragment: measured at H = 64, 13-20 such stalls per
-# learner in 4,000 steps, each a wait of the patience and a refused push.
+# other's next push of another fragment: at H = 64 a run with lockstep's unbounded
+# patience stopped for good after 10 rounds, and one with a 1 s patience had 13-20
+# stalls and 12-20 refused pushes per learner in 4,000 steps (docs/rounds.md).
 SYNC_FRAGMENTS = 1
 # A synchronous learner waits this long on a round before it trains on (the learner's
 # default; `atoll chaos`'s lockstep waits for ever): a run that stalls still ends, and
