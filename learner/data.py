@@ -149,7 +149,7 @@ def _build_text(
     return (*_tail_split(everything, heldout_fraction), num_files)
 
 
-def _cache_root(cache_dir: str | os.PathLike | None) -> pathlib.Path:
+def _cache_root(cache_dir: str | os.PathLike[str] | None) -> pathlib.Path:
     if cache_dir is not None:
         return pathlib.Path(cache_dir)
     if os.environ.get(ENV_CACHE_DIR):
@@ -175,7 +175,7 @@ def _cached(
     heldout_fraction: float,
     what: str,
     skip_binary: bool,
-    cache_dir: str | os.PathLike | None,
+    cache_dir: str | os.PathLike[str] | None,
 ) -> tuple[Tokens, Tokens, int]:
     """_build_text through the on-disk cache; builds in memory if the cache is unusable."""
     cache = _cache_root(cache_dir)
@@ -244,10 +244,10 @@ def _load_npy(path: pathlib.Path, vocab: int, heldout_fraction: float) -> Corpus
 
 
 def load_corpus(
-    path: str | os.PathLike | None = None,
+    path: str | os.PathLike[str] | None = None,
     *,
     vocab: int = 256,
-    cache_dir: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
     heldout_fraction: float = HELDOUT_FRACTION,
 ) -> Corpus:
     """Loads (and caches) a corpus.

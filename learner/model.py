@@ -56,7 +56,7 @@ class ModelConfig:
     init_std: float = 0.02  # std of the normal init of matrices, > 0
     compute_dtype: str = "float32"  # "float32" or "bfloat16" (accelerators); params stay fp32
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
             if not ok:
                 raise ModelConfigError(message)
@@ -146,18 +146,19 @@ def init_params(cfg: ModelConfig, key: int | Array) -> Params:
       >>> params["blocks"]["0"]["attn"]["wq"].shape
       (32, 32)
     """
+    bits: Any = key
     if isinstance(key, (int, np.integer)):  # the bits jax.random.PRNGKey(key) would hold
-        key = [(int(key) >> 32) % 2**32, int(key) % 2**32]
-    elif jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    rng = np.random.default_rng(np.asarray(key, np.uint64).reshape(-1).tolist())
+        bits = [(int(key) >> 32) % 2**32, int(key) % 2**32]
+    elif jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        bits = jax.random.key_data(key)
+    rng = np.random.default_rng(np.asarray(bits, np.uint64).reshape(-1).tolist())
     D, F, V = cfg.d_model, cfg.d_ff, cfg.vocab
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
 
-    def normal(shape, scale):
+    def normal(shape: tuple[int, int], scale: float) -> np.ndarray:
         return (scale * rng.standard_normal(shape, np.float32)).astype(np.float32)
 
-    def ones():
+    def ones() -> np.ndarray:
         return np.ones((D,), np.float32)
 
     params: Params = {"embed": {"tokens": normal((V, D), std)}, "blocks": {}}
@@ -202,20 +203,22 @@ def _attention(p: Params, x_BxLxD: Array, cfg: ModelConfig) -> Array:
     B, L, _ = x_BxLxD.shape
     dt = x_BxLxD.dtype
 
-    def heads(w):
+    def heads(w: Array) -> Array:
         return (x_BxLxD @ w.astype(dt)).reshape(B, L, cfg.n_heads, cfg.head_dim)
 
     q_BxLxNxH = _rope(heads(p["wq"]), cfg.rope_base)
     k_BxLxNxH = _rope(heads(p["wk"]), cfg.rope_base)
     v_BxLxNxH = heads(p["wv"])
     out_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, is_causal=True)
-    return out_BxLxNxH.reshape(B, L, cfg.d_model) @ p["wo"].astype(dt)
+    wo_DxD: Array = p["wo"].astype(dt)
+    return out_BxLxNxH.reshape(B, L, cfg.d_model) @ wo_DxD
 
 
 def _mlp(p: Params, x_BxLxD: Array) -> Array:
     dt = x_BxLxD.dtype
     h_BxLxF = jax.nn.gelu(x_BxLxD @ p["w_in"].astype(dt))
-    return h_BxLxF @ p["w_out"].astype(dt)
+    w_out_FxD: Array = p["w_out"].astype(dt)
+    return h_BxLxF @ w_out_FxD
 
 
 def forward(params: Params, tokens_BxL: Array, cfg: ModelConfig) -> Array:
@@ -238,7 +241,8 @@ def forward(params: Params, tokens_BxL: Array, cfg: ModelConfig) -> Array:
         )
         x_BxLxD = x_BxLxD + _mlp(block["mlp"], _rms_norm(x_BxLxD, block["mlp_norm"]["scale"]))
     x_BxLxD = _rms_norm(x_BxLxD, params["final_norm"]["scale"])
-    return (x_BxLxD @ params["head"]["w"].astype(dt)).astype(jnp.float32)
+    head_DxV: Array = params["head"]["w"].astype(dt)
+    return (x_BxLxD @ head_DxV).astype(jnp.float32)
 
 
 def loss_fn(params: Params, tokens_BxL1: Array, cfg: ModelConfig) -> Array:

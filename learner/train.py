@@ -22,7 +22,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,11 @@ from atoll.learner.data import eval_batches
 from atoll.learner.model import ModelConfig, Params, init_params, loss_fn
 
 OptState = Any  # optax state pytree
+Step = Any  # a jitted step (jax.jit's wrapper); called, lowered, compiled
+# jax ships these untyped: typed names for them keep the calls below checked
+_spec: Callable[..., PartitionSpec] = PartitionSpec
+_from_local_data: Callable[..., jax.Array] = jax.make_array_from_process_local_data
+_shape_dtype: Callable[..., Any] = jax.ShapeDtypeStruct
 Metrics = dict[str, float]
 DATA_AXIS = "data"  # the mesh axis the batch is split over
 
@@ -58,7 +63,7 @@ class TrainConfig:
     eval_batches: int = 8  # held-out batches per evaluation, >= 1
     seed: int = 0  # parameter init (data order takes its own seed), any int
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
             if not ok:
                 raise TrainConfigError(message)
@@ -135,16 +140,20 @@ def data_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(np.asarray(devices if devices is not None else jax.devices()), (DATA_AXIS,))
 
 
-def make_train_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh):
+def make_train_step(
+    model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh
+) -> Step:
     """The jitted `(params, opt_state, batch_BxL1) -> (params, opt_state, metrics)`.
 
     batch_BxL1 is sharded over the mesh's data axis; params, state and metrics are
     replicated. metrics: {"loss", "grad_norm"} (grad norm before clipping).
     """
-    replicated = NamedSharding(mesh, PartitionSpec())
-    batch_sharding = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+    replicated = NamedSharding(mesh, _spec())
+    batch_sharding = NamedSharding(mesh, _spec(DATA_AXIS))
 
-    def step(params, opt_state, batch_BxL1):
+    def step(
+        params: Params, opt_state: OptState, batch_BxL1: jax.Array
+    ) -> tuple[Params, OptState, dict[str, jax.Array]]:
         loss, grads = jax.value_and_grad(loss_fn)(params, batch_BxL1, model_cfg)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -157,25 +166,25 @@ def make_train_step(model_cfg: ModelConfig, optimizer: optax.GradientTransformat
     )
 
 
-def make_eval_step(model_cfg: ModelConfig, mesh: Mesh):
+def make_eval_step(model_cfg: ModelConfig, mesh: Mesh) -> Step:
     """The jitted `(params, batch_BxL1) -> mean loss`, batch sharded like training."""
     return jax.jit(
         lambda params, batch: loss_fn(params, batch, model_cfg),
         in_shardings=(
-            NamedSharding(mesh, PartitionSpec()),
-            NamedSharding(mesh, PartitionSpec(DATA_AXIS)),
+            NamedSharding(mesh, _spec()),
+            NamedSharding(mesh, _spec(DATA_AXIS)),
         ),
     )
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh):
+def _cached_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> Step:
     """One jit object per (configs, mesh): a second Trainer alike reuses its compilation."""
     return make_train_step(model_cfg, make_optimizer(train_cfg), mesh)
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_eval_step(model_cfg: ModelConfig, mesh: Mesh):
+def _cached_eval_step(model_cfg: ModelConfig, mesh: Mesh) -> Step:
     return make_eval_step(model_cfg, mesh)
 
 
@@ -185,7 +194,7 @@ def evaluate(
     model_cfg: ModelConfig,
     mesh: Mesh | None = None,
     *,
-    _eval_step=None,
+    _eval_step: Step = None,
 ) -> Metrics:
     """Mean held-out loss over `batches`, in nats and in bits per byte (loss / ln 2).
 
@@ -201,7 +210,7 @@ def evaluate(
     mesh = mesh if mesh is not None else data_mesh()
     eval_step = _eval_step or _cached_eval_step(model_cfg, mesh)
     _check_rows(len(batches[0]), mesh)
-    batch_sharding = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+    batch_sharding = NamedSharding(mesh, _spec(DATA_AXIS))
     losses = [eval_step(params, global_batch(b, batch_sharding)) for b in batches]
     loss = float(np.mean([float(x) for x in losses]))
     return {"loss": loss, "bits_per_byte": loss / math.log(2)}
@@ -222,7 +231,8 @@ def _replicate(x: Any, sharding: NamedSharding) -> jax.Array:
     devices' copies (device_put cannot reach another process's devices).
     """
     if isinstance(x, jax.Array) or sharding.is_fully_addressable:
-        return jax.device_put(x, sharding)
+        placed: jax.Array = jax.device_put(x, sharding)
+        return placed
     return jax.make_array_from_callback(np.shape(x), sharding, lambda index: x[index])
 
 
@@ -230,6 +240,7 @@ def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
     """The rows of a batch of `shape`, split by `sharding`, that this process's devices hold."""
     starts, stops = [], []
     for index in sharding.addressable_devices_indices_map(shape).values():
+        assert index is not None  # a device of the sharding holds a part
         rows = index[0]
         starts.append(rows.start or 0)
         stops.append(shape[0] if rows.stop is None else rows.stop)
@@ -243,9 +254,10 @@ def global_batch(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """The whole batch as one array over the mesh; each process contributes its own rows."""
     batch = np.asarray(batch).astype(np.int32, copy=False)
     if sharding.is_fully_addressable:
-        return jax.device_put(batch, sharding)
+        placed: jax.Array = jax.device_put(batch, sharding)
+        return placed
     rows = local_rows(sharding, batch.shape)
-    return jax.make_array_from_process_local_data(sharding, batch[rows], batch.shape)
+    return _from_local_data(sharding, batch[rows], batch.shape)
 
 
 def _f32(x: Any) -> Any:
@@ -318,8 +330,8 @@ class Trainer:
         self.sleep: Callable[[float], object] = time.sleep
         self.mesh = data_mesh(devices)
         _check_rows(train_cfg.batch_size, self.mesh)
-        self._replicated = NamedSharding(self.mesh, PartitionSpec())
-        self._batch_sharding = NamedSharding(self.mesh, PartitionSpec(DATA_AXIS))
+        self._replicated = NamedSharding(self.mesh, _spec())
+        self._batch_sharding = NamedSharding(self.mesh, _spec(DATA_AXIS))
         self.schedule = make_schedule(train_cfg)
         self.optimizer = make_optimizer(train_cfg)
         self._train_step = _cached_train_step(model_cfg, train_cfg, self.mesh)
@@ -334,7 +346,7 @@ class Trainer:
         self.batches = batches
         self.steps_done = 0  # inner steps taken; the next batch is batches[steps_done]
         self.tokens_total = 0  # tokens trained on (targets predicted) since step 0
-        self._compiled = None  # the AOT-compiled train step, made by compile()
+        self._compiled: Step = None  # the AOT-compiled train step, made by compile()
         self.compile_time_s = 0.0
         self.eval_set: list[np.ndarray] = []
         if heldout is not None and train_cfg.eval_every:
@@ -349,7 +361,8 @@ class Trainer:
 
     @property
     def params(self) -> Params:
-        return self._params
+        params: Params = self._params
+        return params
 
     @params.setter
     def params(self, tree: Params) -> None:
@@ -358,7 +371,7 @@ class Trainer:
         Leaves are copied: changing the caller's numpy arrays later does not reach the
         trainer (the sync client may hand in views of its own fragment buffers).
         """
-        if jax.tree.structure(tree) != self._treedef:
+        if jax.tree.structure(tree) != cast(Any, self._treedef):
             raise ValueError("new params have a different tree structure than the model's")
         leaves = jax.tree.leaves(tree)
         for leaf, shape in zip(leaves, self._shapes):
@@ -400,7 +413,7 @@ class Trainer:
         """
         if self._compiled is None:
             start = time.perf_counter()
-            batch = jax.ShapeDtypeStruct(
+            batch = _shape_dtype(
                 (self.train_cfg.batch_size, self.model_cfg.context + 1),
                 jnp.int32,
                 sharding=self._batch_sharding,
@@ -431,15 +444,15 @@ class Trainer:
                     f"batch {self.steps_done} rows {mine.start}:{mine.stop} have shape "
                     f"{part.shape}, want {(mine.stop - mine.start, want[1])}"
                 )
-            batch = jax.make_array_from_process_local_data(self._batch_sharding, part, want)
+            batch = _from_local_data(self._batch_sharding, part, want)
         else:
-            batch = np.asarray(self.batches[self.steps_done])
-            if batch.shape != want:
+            rows = np.asarray(self.batches[self.steps_done])
+            if rows.shape != want:
                 raise ValueError(
-                    f"batch {self.steps_done} has shape {batch.shape}, want {want} "
+                    f"batch {self.steps_done} has shape {rows.shape}, want {want} "
                     f"(batch_size, context + 1)"
                 )
-            batch = global_batch(batch, self._batch_sharding)
+            batch = global_batch(rows, self._batch_sharding)
         lr = lr_at(self.train_cfg, self.steps_done)
         params, opt_state, out = self._compiled(self._params, self.opt_state, batch)
         loss, grad_norm = float(out["loss"]), float(out["grad_norm"])  # waits for the step
@@ -500,7 +513,7 @@ class Trainer:
             )
         self.params = snapshot["params"]
         state = snapshot["opt_state"]
-        if jax.tree.structure(state) != jax.tree.structure(self.opt_state):
+        if cast(Any, jax.tree.structure(state)) != jax.tree.structure(self.opt_state):
             raise ValueError(
                 "snapshot's optimiser state does not match this trainer's "
                 "optimiser (different TrainConfig, e.g. grad_clip on/off?)"
