@@ -21,6 +21,15 @@ The model, per region and direction: a rate limit and a one-way delay, nothing e
   reaches the full rate after about one round trip, like a well-tuned long-fat-pipe TCP.
 - Only TCP to the shard ports crosses the WAN; anything else in a region sees only its
   own loopback and the host end of its veth.
+- Region to region (`peer_ports`, for data-parallel collectives): TCP from region s to a
+  port in that range at `region_address(r)` leaves by s's uplink, passes the proxy (one
+  latency_ms) and enters r by its downlink, so it crosses both regions' links:
+
+    region s --(s uplink tbf)--> host: policy route `iif NAMEhS` -> local -> transparent
+    proxy listener on region_address(r):port (+latency) --(r downlink tbf)--> region r
+
+  Each region's ephemeral ports are set to `peer_ports`, so a server there that binds
+  port 0 (gloo does) gets a port the proxy already listens on.
 
 Needs root (namespaces, veth, tc) and iproute2; `available()` says whether this machine can
 run it. Everything made is named after `name` and removed on exit, at interpreter exit and on
@@ -47,11 +56,17 @@ import struct
 import subprocess
 import threading
 import zlib
+from collections.abc import Callable
 
 LOCK_PATH = "/run/atoll-wan.lock"  # serialises subnet choice across concurrent Wan instances
 POOL = ipaddress.ip_network("10.200.0.0/13")  # private block the per-instance /24s come from
 CHUNK = 64 * 1024  # proxy read size, bytes
 MAX_REGIONS = 64  # one /30 per region in one /24
+MAX_PEER_PORTS = 256  # ports in a peer_ports range (one proxy listener each, per region)
+TABLE_BASE = (
+    30000  # routing table and rule priority of a Wan with peers: TABLE_BASE + its /24's index
+)
+IP_TRANSPARENT = 19  # linux/in.h: a socket may bind, and answer from, an address not on the host
 _NAME = re.compile(r"[a-z][a-z0-9]{0,9}")  # leaves room for "h63" in a 15-byte interface name
 _DEFAULT_NAME = re.compile(r"w(\d+)[a-z]")  # f"w{pid}{letter}": swept once that pid is gone
 _names = itertools.count()
@@ -180,6 +195,11 @@ def sweep_stale() -> list[str]:
         if m and not _pid_alive(int(m.group(2))):
             _run(["ip", "netns", "del", ns], check=False)
             removed.append(ns)
+    for line in _run(["ip", "rule", "show"], check=False).stdout.splitlines():
+        m = re.match(rf"(\d+):.* iif ({_DEFAULT_NAME.pattern})h\d+ .*lookup (\d+)", line)
+        if m and m.group(1) == m.group(4) and not _pid_alive(int(m.group(3))):
+            _drop_table(int(m.group(1)))
+            removed.append(f"table {m.group(1)}")
     for line in _run(["ip", "-o", "link", "show"], check=False).stdout.splitlines():
         m = re.match(rf"\d+: (({_DEFAULT_NAME.pattern})h\d+)[@:]", line)
         if m and not _pid_alive(int(m.group(3))):
@@ -248,11 +268,35 @@ class _Proxy:
         )
         self.thread.start()
 
+    def listen_peer(
+        self, host: str, port: int, region: int, region_of: Callable[[str], int | None]
+    ) -> None:
+        """Serves region `region`'s host:port to the other regions (`region_of` names a client's)."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            raise WanError(
+                f"cannot listen on {host}:{port} for region-to-region traffic: {e}"
+            ) from None
+
+        async def start():
+            handler = functools.partial(self._connection, (host, port), region, region_of)
+            server = await asyncio.start_server(handler, sock=sock, limit=2 * CHUNK)
+            self.servers.append(server)
+
+        asyncio.run_coroutine_threadsafe(start(), self.loop).result(timeout=10)
+
     def listen(self, region: int, host: str, shard_port: int) -> int:
         """Serves host:shard_port (or host:ephemeral if taken) for the shard; returns the port."""
 
         async def start():
-            handler = functools.partial(self._connection, region, shard_port)
+            handler = functools.partial(
+                self._connection, ("127.0.0.1", shard_port), region, lambda _: region
+            )
             for port in (shard_port, 0):
                 try:
                     server = await asyncio.start_server(handler, host, port, limit=2 * CHUNK)
@@ -280,26 +324,44 @@ class _Proxy:
         if not self.thread.is_alive() and not self.loop.is_closed():
             self.loop.close()
 
-    async def _connection(self, region: int, shard_port: int, client_r, client_w) -> None:
+    async def _connection(
+        self,
+        target: tuple[str, int],
+        target_region: int,
+        region_of: Callable[[str], int | None],
+        client_r,
+        client_w,
+    ) -> None:
+        """One client connection relayed to `target` (a shard, or a server in `target_region`).
+
+        Bytes count as the client region's up and the target region's down, and back.
+        """
         task = asyncio.current_task()
         self.tasks.add(task)
-        stats = self.stats[region]
+        peer = client_w.get_extra_info("peername")
+        region = region_of(peer[0]) if peer else None
+        if region is None:  # not from one of our regions: refuse
+            _set_linger_reset(client_w)
+            self.tasks.discard(task)
+            return
+        stats, theirs = self.stats[region], self.stats[target_region]
         stats["connections"] += 1
         stats["open"] += 1
         shard_w, clean = None, False
         try:
             try:
-                shard_r, shard_w = await asyncio.open_connection(
-                    "127.0.0.1", shard_port, limit=2 * CHUNK
-                )
+                shard_r, shard_w = await asyncio.open_connection(*target, limit=2 * CHUNK)
             except (
                 OSError
             ):  # the shard is down: reset after a round trip, when a refusal would come back
                 await asyncio.sleep(2 * self.latency_s)
                 raise
+            ups, downs = [(stats, "bytes_up")], [(stats, "bytes_down")]
+            if theirs is not stats:  # region to region: the other end's counts too
+                ups, downs = ups + [(theirs, "bytes_down")], downs + [(theirs, "bytes_up")]
             pipes = [
-                asyncio.create_task(self._pipe(client_r, shard_w, stats, "bytes_up")),
-                asyncio.create_task(self._pipe(shard_r, client_w, stats, "bytes_down")),
+                asyncio.create_task(self._pipe(client_r, shard_w, ups)),
+                asyncio.create_task(self._pipe(shard_r, client_w, downs)),
             ]
             try:
                 await asyncio.wait(pipes, return_when=asyncio.FIRST_EXCEPTION)
@@ -318,7 +380,10 @@ class _Proxy:
             self.tasks.discard(task)
 
     async def _pipe(
-        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, stats: dict, key: str
+        self,
+        src: asyncio.StreamReader,
+        dst: asyncio.StreamWriter,
+        counters: list[tuple[dict, str]],
     ) -> None:
         """One direction: each chunk leaves latency_s after it was read, in order; EOF and reset too."""
         loop = asyncio.get_running_loop()
@@ -350,7 +415,7 @@ class _Proxy:
                 if (wait := due - loop.time()) > 0:
                     await asyncio.sleep(wait)
                 if chunk is self._RESET:
-                    raise ConnectionResetError(f"peer reset ({key})")
+                    raise ConnectionResetError(f"peer reset ({counters[0][1]})")
                 if not chunk:
                     if dst.can_write_eof():
                         dst.write_eof()  # half-close: the other direction keeps flowing
@@ -358,7 +423,8 @@ class _Proxy:
                 dst.write(chunk)
                 await dst.drain()
                 held -= len(chunk)
-                stats[key] += len(chunk)
+                for stats, key in counters:
+                    stats[key] += len(chunk)
                 if held < self.buffer_bytes:
                     room.set()
         finally:
@@ -372,6 +438,9 @@ class Wan:
         cfg: regions, rate and latency.
         shard_ports: the shards' ports on 127.0.0.1 of the host (they may start later).
         name: unique prefix for namespaces and links, [a-z][a-z0-9]{0,9}; default from the pid.
+        peer_ports: (first, last) port range, or None: regions reach each other's servers on
+            these ports at `region_address(r)`, through both links and the proxy; each
+            region's ephemeral ports become this range.
 
     Example:
         with Wan(WanConfig(regions=2, rate_mbit=20, latency_ms=40), [port]) as wan:
@@ -379,7 +448,22 @@ class Wan:
             subprocess.run(wan.command_prefix(0) + ["atoll", "learner", "--shards", ",".join(addrs)])
     """
 
-    def __init__(self, cfg: WanConfig, shard_ports: list[int], name: str | None = None):
+    def __init__(
+        self,
+        cfg: WanConfig,
+        shard_ports: list[int],
+        name: str | None = None,
+        peer_ports: tuple[int, int] | None = None,
+    ):
+        if peer_ports is not None and not (
+            len(peer_ports) == 2
+            and 1024 <= peer_ports[0] <= peer_ports[1] <= 65535
+            and peer_ports[1] - peer_ports[0] < MAX_PEER_PORTS
+        ):
+            raise WanError(
+                f"peer_ports must be (first, last) with 1024 <= first <= last <= 65535 and at "
+                f"most {MAX_PEER_PORTS} ports, got {peer_ports!r}"
+            )
         if not shard_ports or not all(isinstance(p, int) and 0 < p < 65536 for p in shard_ports):
             raise WanError(
                 f"shard_ports must be a non-empty list of ports in 1..65535, got {shard_ports!r}"
@@ -391,6 +475,8 @@ class Wan:
                 f"name must match [a-z][a-z0-9]{{0,9}} (it prefixes 15-byte interface names), got {name!r}"
             )
         self.cfg, self.shard_ports, self.name = cfg, list(shard_ports), name
+        self.peer_ports = peer_ports
+        self._table: int | None = None  # routing table (and rule priority) of peer traffic
         self.subnet: ipaddress.IPv4Network | None = None
         self._proxy: _Proxy | None = None
         self._ports: list[list[int]] = []
@@ -484,11 +570,54 @@ class Wan:
                 _run(["ip", "-n", ns, "link", "set", "lo", "up"])
                 _run(["tc", "qdisc", "add", "dev", host_link, "root", *tbf])  # downlink
                 _run(["tc", "-n", ns, "qdisc", "add", "dev", ns_link, "root", *tbf])  # uplink
+            if self.peer_ports is not None:
+                self._route_peers()
         self._proxy = _Proxy(cfg.latency_ms / 1000, cfg.proxy_buffer_bytes, cfg.regions)
         self._ports = [
             [self._proxy.listen(r, self._addresses(r)[0], p) for p in self.shard_ports]
             for r in range(cfg.regions)
         ]
+        if self.peer_ports is not None:
+            first, last = self.peer_ports
+            for r in range(cfg.regions):
+                for port in range(first, last + 1):
+                    self._proxy.listen_peer(self._addresses(r)[1], port, r, self._region_of)
+
+    def _route_peers(self) -> None:
+        """Region-to-region TCP goes to the host, which delivers it to the proxy (not forwarded).
+
+        In each region the /24 routes via the host end. On the host, packets that come in on
+        one of our links and are addressed to a region's own address are looked up in our
+        table, where every region address is local; the proxy's transparent listeners take
+        them. The host's own connections still reach a region by its link (main table).
+        """
+        assert self.subnet is not None
+        first, last = self.peer_ports
+        self._table = (
+            TABLE_BASE + (int(self.subnet.network_address) - int(POOL.network_address)) // 256
+        )
+        table = str(self._table)
+        for r in range(self.cfg.regions):
+            host_ip, ns_ip = self._addresses(r)
+            _run(["ip", "route", "add", "local", f"{ns_ip}/32", "dev", "lo", "table", table])
+            _run(["ip", "rule", "add", "iif", self._links(r)[0], "lookup", table, "pref", table])
+            ns = self.namespace(r)
+            _run(["ip", "-n", ns, "route", "add", str(self.subnet), "via", host_ip])
+            _run(
+                ["ip", "netns", "exec", ns, "sysctl", "-q", "-w"]
+                + [f"net.ipv4.ip_local_port_range={first} {last}"]
+            )
+
+    def _region_of(self, ip: str) -> int | None:
+        """The region whose namespace end has address `ip`, else None."""
+        assert self.subnet is not None
+        offset = int(ipaddress.ip_address(ip)) - int(self.subnet.network_address)
+        region, rest = divmod(offset, 4)
+        return region if rest == 2 and 0 <= region < self.cfg.regions else None
+
+    def region_address(self, region: int) -> str:
+        """The address of `region`'s end of its link: what its servers bind for peer traffic."""
+        return self._addresses(self._region(region))[1]
 
     def _region(self, region: int) -> int:
         if self._closed or self.subnet is None:
@@ -525,6 +654,8 @@ class Wan:
         self._closed = True
         if self._proxy is not None:
             self._proxy.stop()
+        if self._table is not None:
+            _drop_table(self._table)
         # deleting a namespace deletes its veth end, so the pair and both qdiscs; a host link whose
         # namespace is already gone is deleted on its own
         for made in self._made:
@@ -550,6 +681,13 @@ class Wan:
         ):  # default (or a handler set outside Python): die by SIGTERM, as without us
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _drop_table(table: int) -> None:
+    """Removes every rule of priority `table` and every route in `table`."""
+    while _run(["ip", "rule", "del", "pref", str(table)], check=False).returncode == 0:
+        pass
+    _run(["ip", "route", "flush", "table", str(table)], check=False)
 
 
 def _tc_counters(args: list[str]) -> dict:

@@ -1,0 +1,121 @@
+"""`atoll bench wan` as a real process over real emulated regions (root: this machine and CI),
+and the region-to-region path its data-parallel run's gloo traffic takes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from syncer_helpers import REPO
+
+from atoll.faults.wan import Wan, WanConfig, available
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+@pytest.mark.timeout(120)
+def test_region_to_region_tcp_crosses_both_links_and_the_delay():
+    """A server in region 1 on an ephemeral port (as gloo binds) is reached from region 0 one
+    latency away each way; the bytes leave by 0's uplink and enter by 1's downlink."""
+    cfg = WanConfig(regions=2, rate_mbit=20, latency_ms=30)
+    with Wan(cfg, [1], peer_ports=(61100, 61107)) as wan:
+        server = subprocess.Popen(
+            wan.command_prefix(1)
+            + [sys.executable, "-c", _SERVER.format(host=wan.region_address(1))],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            port = int(server.stdout.readline())
+            assert 61100 <= port <= 61107, port
+            before = wan.stats()
+            client = subprocess.run(
+                wan.command_prefix(0)
+                + [sys.executable, "-c", _CLIENT.format(host=wan.region_address(1), port=port)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert client.returncode == 0, client.stderr
+            result = json.loads(client.stdout)
+        finally:
+            server.kill()
+            server.wait()
+        after = wan.stats()
+    # one latency each way through the proxy: >= 60 ms for a round trip
+    assert result["rtt_s"] >= 0.058, result
+    # 1 MB at 20 Mbit/s takes >= 0.4 s
+    assert result["upload_s"] >= 0.38, result
+
+    def grew(region, key):
+        return after[region][key]["bytes"] - before[region][key]["bytes"]
+
+    assert grew(0, "tc_up") > 1_000_000 and grew(1, "tc_down") > 1_000_000
+    assert grew(1, "tc_up") < 200_000 and grew(0, "tc_down") < 200_000
+    assert after[0]["bytes_up"] >= 1_000_000 and after[1]["bytes_down"] >= 1_000_000
+    listed = subprocess.run(["ip", "rule"], capture_output=True, text=True).stdout
+    assert wan.name not in listed, "routing rules left behind"
+
+
+_SERVER = """
+import socket
+s = socket.socket(); s.bind(("{host}", 0)); s.listen()
+print(s.getsockname()[1], flush=True)
+while True:
+    c, _ = s.accept()
+    c.sendall(c.recv(1))  # ping
+    n = 0
+    while (x := c.recv(65536)):
+        n += len(x)
+    c.sendall(b"k"); c.close()
+"""
+_CLIENT = """
+import json, socket, time
+c = socket.create_connection(("{host}", {port}), timeout=30)
+t = time.perf_counter(); c.sendall(b"p"); c.recv(1); rtt = time.perf_counter() - t
+t = time.perf_counter(); c.sendall(bytes(1_000_000)); c.shutdown(socket.SHUT_WR); c.recv(1)
+print(json.dumps({{"rtt_s": rtt, "upload_s": time.perf_counter() - t}}))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_tiny_run_reports_every_figure(tmp_path):
+    """Both modes over 2 regions for a few steps: the figures, the links' bytes and the plot."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "atoll.cli", "bench", "wan", "--json"]
+        + ["--steps", "16", "--evals", "2", "--batch-size", "8", "--rate-mbit", "20"]
+        + ["--latency-ms", "10", "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=560,
+        env=ENV,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout)
+    dp, atoll, c = r["data_parallel"], r["atoll"], r["comparison"]
+    for run in (dp, atoll):
+        assert run["steps"] == 16 and run["tokens"] == 16 * 2 * 8 * 32
+        assert run["train_seconds"] > 0 and run["steps_per_s"] > 0
+        assert set(run["links"]) == {"r0_up", "r0_down", "r1_up", "r1_down"}
+        assert all(v["bytes"] > 0 and v["peak_mbit_s"] >= 0 for v in run["links"].values())
+        assert run["eval"][-1]["eval_loss"] < run["eval"][0]["eval_loss"] or run is atoll
+    # every data-parallel step all-reduces a fp32 gradient: both directions of every link
+    # carry at least 16 x 4 bytes per parameter
+    assert min(v["bytes"] for v in dp["links"].values()) >= 16 * 4 * dp["params"]
+    assert dp["median_step_s"]["all_reduce_s"] > 0 and dp["all_reduce_over_compute"] > 0
+    assert atoll["eval"][-1]["model"] == "global"
+    for key in ("speedup_at_equal_loss", "bandwidth_ratio", "dp_needed_mbit_s"):
+        assert c[key] is not None and c[key] > 0, key
+    assert set(c["targets"]) == {
+        "speedup_at_equal_loss",
+        "bandwidth_ratio",
+        "eval_loss_gap_pct_equal_tokens",
+    }
+    assert (tmp_path / "wan.png").stat().st_size > 10_000
+    assert time.monotonic() - started < 560

@@ -1,0 +1,44 @@
+"""The data-parallel baseline of `atoll bench wan`: two processes all-reducing over gloo train
+exactly what one process trains on both shards' rows (no emulation: both on this host)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from atoll.bench import data_parallel as dp
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def test_two_processes_over_gloo_follow_the_one_process_trajectory(tmp_path: pathlib.Path):
+    cfg = dp.DataParallelConfig(
+        preset="tiny", shards=2, batch_size=4, steps=12, eval_every=6, eval_batches=2
+    )
+    port = dp.free_port()
+    coordinator = dp.start_coordinator(2, port)
+    try:
+        here = dp.Placement([], f"127.0.0.1:{port}", "127.0.0.1")
+        job = dp.run_job(cfg, [here, here], tmp_path, timeout=360)
+    finally:
+        coordinator.terminate()
+        coordinator.wait()
+    alone = dp.train(cfg)
+    two = [r["loss"] for r in job["records"] if "loss" in r]
+    one = [r["loss"] for r in alone["records"] if "loss" in r]
+    assert len(two) == len(one) == cfg.steps
+    assert two[-1] < two[0] - 0.1, "the job did not train"
+    assert max(abs(a - b) for a, b in zip(two, one)) < 1e-4, (two, one)
+    evals = [r["eval_loss"] for r in job["records"] if "eval_loss" in r]
+    assert len(evals) == 3  # steps 0, 6 and 12
+    assert abs(job["final_eval_loss"] - alone["final_eval_loss"]) < 1e-4
+    assert job["processes"] == 2 and alone["processes"] == 1
+    assert all(job["median"][k] > 0 for k in ("compute_s", "all_reduce_s", "update_s"))
+
+
+def test_a_job_needs_one_process_per_shard():
+    with pytest.raises(ValueError, match="3 processes for 2 shards"):
+        dp.train(dp.DataParallelConfig(shards=2, steps=1), process_id=0, num_processes=3)
+    with pytest.raises(ValueError, match="steps must be an int >= 1"):
+        dp.DataParallelConfig(steps=0)
