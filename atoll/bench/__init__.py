@@ -31,6 +31,12 @@ BENCHES = (
         "with no sync due and the pause at a sync point",
         "atoll.bench.learner",
     ),
+    Command(
+        "wan",
+        "data-parallel training vs atoll across the same emulated regions (root): speed at "
+        "equal loss, each link's bytes and rate, the rate data-parallel would need",
+        "atoll.bench.wan",
+    ),
 )
 
 
