@@ -19,23 +19,29 @@ state is kept as it is, as in DiLoCo. Underneath is the same `Synchronizer` that
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import pathlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from atoll.learner import checkpoint, distributed, standby
-from atoll.learner.config import LearnerConfig, LearnerConfigError, shard_addresses
+from atoll.learner.config import (
+    LearnerConfig,
+    LearnerConfigError,
+    directory_problem,
+    shard_addresses,
+)
 from atoll.learner.pytree import ParamsError, PyTree, TreeLayout, as_like
 from atoll.learner.stopping import Stopped
-from atoll.learner.sync import SyncConfig, Synchronizer
+from atoll.learner.sync import SyncConfig, SyncError, Synchronizer
 from atoll.wire.client import ShardClient, TlsFiles
 from atoll.wire.codec import Codec
 from atoll.wire.plan import FragmentPlan
@@ -45,6 +51,9 @@ __all__ = ["Learner", "LearnerStateError", "ParamsError"]
 log = logging.getLogger("atoll.learner")
 _SYNC = SyncConfig()  # the sync settings' defaults, declared once (learner/sync.py)
 _NEW, _JOINED, _FINISHED, _CLOSED = "new", "joined", "finished", "closed"
+# SyncConfig's settings that are Learner arguments of the same name (`from_config`)
+_SYNC_ARGS = ("period", "overlap", "mix", "codec", "patience", "wait_for_rounds")
+_Claim = standby.Claim  # (`standby` is also an argument's name)
 
 
 class LearnerStateError(RuntimeError):
@@ -122,6 +131,15 @@ class Learner:
       deadline: seconds per call to a shard.
       patience: seconds (at least; 4 periods of steps if longer) to wait for a round.
       wait_for_rounds: block on a round a whole period late (synchronous semantics).
+      on_push: called from a sync thread with one dict per answered push (fragment,
+        seq, shard, accepted, reason, versions, the steps and compute seconds it
+        carried): an audit log (`atoll learner --push-log`).
+      claim_id: with `checkpoint_dir`, `join` holds this id's claim there (one live
+        process per id; a standby takes a failed learner's). False: the caller holds
+        it (as `atoll learner` does, waiting as a standby itself when it is held).
+      run_info: settings a resume must share with the checkpoint it resumes (a data
+        order's seed, a batch size): recorded in each checkpoint, and `join` refuses a
+        checkpoint written with other values (CheckpointError, naming the setting).
 
     Raises:
       LearnerConfigError (a ValueError) for a setting that cannot work, saying why.
@@ -163,74 +181,45 @@ class Learner:
         deadline: float = LearnerConfig.deadline,
         patience: float = _SYNC.patience,
         wait_for_rounds: bool = _SYNC.wait_for_rounds,
+        on_push: Callable[[dict[str, Any]], None] | None = None,
+        claim_id: bool = True,
+        run_info: Mapping[str, Any] | None = None,
     ):
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise LearnerConfigError(message)
-
-        need(isinstance(learner_id, str) and learner_id != "", "learner_id must be a non-empty str")
-        if isinstance(shards, str):
-            self.pattern = shards if "{i}" in shards else None
-            self.addresses = shard_addresses(shards, num_shards)
-        else:
-            need(
-                not isinstance(shards, (bytes, bytearray))
-                and all(isinstance(a, str) for a in shards),
-                f"shards must be a str or a list of 'host:port' str, got {shards!r}",
-            )
-            self.pattern = None
-            self.addresses = shard_addresses(",".join(shards), num_shards)
-        need(
-            len(self.addresses) >= 1,
-            "shards names no shard: give 'host:port' of each, in index order",
+        _need(
+            isinstance(learner_id, str) and learner_id != "", "learner_id must be a non-empty str"
         )
-        need(
+        self.pattern, self.addresses = _addresses(shards, num_shards)
+        _need(
             isinstance(fragments, int) and fragments >= len(self.addresses),
             f"fragments ({fragments!r}) must be an int, at least the number of shards "
             f"({len(self.addresses)}): each shard owns one fragment or more",
         )
-        try:
-            wire_codec = Codec[codec.upper()] if isinstance(codec, str) else Codec(codec)
-        except (KeyError, ValueError):
-            raise LearnerConfigError(
-                f"codec {codec!r}: want one of {', '.join(c.name for c in Codec)}"
-            ) from None
-        try:
-            self.sync_config = SyncConfig(
-                period=period,
-                overlap=overlap,
-                mix=mix,
-                codec=wire_codec,
-                patience=patience,
-                wait_for_rounds=wait_for_rounds,
-            )
-        except ValueError as e:
-            raise LearnerConfigError(str(e)) from None
-        need(deadline > 0, f"deadline must be > 0 seconds, got {deadline}")
-        need(checkpoint_every >= 0, f"checkpoint_every must be >= 0 steps, got {checkpoint_every}")
-        need(num_learners >= 1, f"num_learners must be >= 1, got {num_learners}")
-        need(
+        self.sync_config = _sync_config(period, overlap, mix, codec, patience, wait_for_rounds)
+        _need(deadline > 0, f"deadline must be > 0 seconds, got {deadline}")
+        _need(checkpoint_every >= 0, f"checkpoint_every must be >= 0 steps, got {checkpoint_every}")
+        _need(num_learners >= 1, f"num_learners must be >= 1, got {num_learners}")
+        _need(
             0 <= index < num_learners,
             f"index must be in [0, num_learners={num_learners}), got {index}",
         )
-        need(
+        _need(
             not standby or checkpoint_dir is not None,
             "standby=True needs checkpoint_dir: the directory where learners claim their ids",
         )
-        need(
+        _need(
             tls is None or isinstance(tls, TlsFiles), "tls must be an atoll.TlsFiles(ca, cert, key)"
         )
-        self.checkpoint_dir = None if checkpoint_dir is None else pathlib.Path(checkpoint_dir)
-        if self.checkpoint_dir is not None:
-            from atoll.learner.config import directory_problem
-
-            problem = directory_problem(self.checkpoint_dir)
-            need(problem is None, f"checkpoint_dir {self.checkpoint_dir}: {problem}")
+        self.checkpoint_dir = _checkpoint_dir(checkpoint_dir)
         self.learner_id, self.index, self.num_learners = learner_id, index, num_learners
         self.fragments, self.is_embedding = fragments, is_embedding
         self.token, self.tls, self.deadline = token, tls, deadline
         self.checkpoint_every, self.standby = checkpoint_every, standby
-        self.steps = 0  # inner steps this learner id has taken (a resumed checkpoint's too)
+        self.on_push, self.claim_id = on_push, claim_id
+        self.run_info = dict(run_info or {})
+        # inner steps and tokens this learner id has trained (a resumed checkpoint's
+        # too); what a checkpoint records as its data position: set them after `join`
+        # if your loop resumed from a position of its own
+        self.steps, self.tokens = 0, 0
         self._phase = _NEW
         self._failed: str | None = None  # why join failed, if it did
         self._multi = False  # several processes (learner/distributed.py), known at join
@@ -238,17 +227,58 @@ class Learner:
         self._lock = threading.Lock()  # guards _phase and _sync against stop() from other threads
         self._layout: TreeLayout | None = None
         self._sync: Synchronizer | None = None
-        self._claim: standby.Claim | None = None
+        self._claim: _Claim | None = None
         self._checkpointer: checkpoint.Checkpointer | None = None
         self._trail: checkpoint.PushTrail | None = None
         self._ckpt: checkpoint.Checkpoint | None = None
-        self._progress = _Progress()
         self._local = 0  # steps since join: the Synchronizer's step count
         self._boundary = 0.0  # perf_counter at the last step boundary
-        self._blocked = 0.0  # seconds the last call waited on rounds (not the caller's step)
+        self._excluded = 0.0  # seconds since it not of the caller's step (waits, `paused`)
         self._tokens = 1  # tokens of the last step (what the tail pushes count per step)
+        self._pushed = False  # the last step started a push
         self._stats: dict[str, float] = {}  # the sync engine's, once it is closed
         self._versions: dict[int, tuple[int, int]] = {}
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: LearnerConfig,
+        *,
+        on_push: Callable[[dict[str, Any]], None] | None = None,
+        claim_id: bool = True,
+        run_info: Mapping[str, Any] | None = None,
+    ) -> Learner:
+        """A Learner with `atoll learner`'s settings (learner/config.py): its shards (or
+        their pattern), id, data shard, fragments, sync settings (`cfg.sync_config()`),
+        token file, TLS, deadline and checkpoints.
+
+        Example:
+          >>> cfg = LearnerConfig(shards=("127.0.0.1:7070",), learner_id="learner-0")
+          >>> learner = Learner.from_config(cfg)
+        """
+        try:
+            token = cfg.token_file.read_text().strip() if cfg.token_file else None
+        except OSError as e:  # a standby took an id whose token the Secret does not hold
+            raise LearnerConfigError(f"--token-file {cfg.token_file}: {e.strerror}") from None
+        sync = cfg.sync_config()
+        return cls(
+            cfg.shard_pattern if cfg.shard_pattern is not None else list(cfg.shards),
+            cfg.learner_id,
+            num_shards=len(cfg.shards) if cfg.shard_pattern is not None else None,
+            fragments=cfg.fragments,
+            token=token,
+            tls=TlsFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None,
+            checkpoint_dir=cfg.checkpoint_dir,
+            checkpoint_every=cfg.checkpoint_every,
+            standby=cfg.standby,
+            index=cfg.learner_index,
+            num_learners=cfg.num_learners,
+            deadline=cfg.deadline,
+            on_push=on_push,
+            claim_id=claim_id,
+            run_info=run_info,
+            **{name: getattr(sync, name) for name in _SYNC_ARGS},
+        )
 
     # --- the three calls ---
 
@@ -278,6 +308,7 @@ class Learner:
           PlanMismatch (a SyncError): the shards serve another plan; the message names
             the first tensor that differs.
           SyncError: the shards refused this learner in a way retrying cannot fix.
+          CheckpointError: this id's checkpoint is of another model, plan or `run_info`.
           LearnerStateError: called twice, or after `close`.
         """
         with self._lock:
@@ -302,6 +333,10 @@ class Learner:
         meanwhile (your optimiser state is kept as it is, as in DiLoCo). It blocks only
         when a fragment's previous round is very late (see `wait_for_rounds`).
 
+        In a multi-host program every process calls it; process 0 syncs and the others
+        take what it adopted. A stop or a sync error on process 0 raises on every
+        process, at the same step.
+
         Args:
           params: the tree `join` returned, as your steps left it (same structure, shapes
             and dtypes; checked when a fragment is read or written).
@@ -319,32 +354,28 @@ class Learner:
         Raises:
           ParamsError: the tree differs from the one joined with (naming the leaf).
           SyncError: the shards refused this learner in a way retrying cannot fix.
-          Stopped: `stop()` ended a wait on the shards.
+          Stopped: `stop()` was called (this step is counted, not synced: `save` then
+            checkpoints it), or ended a wait on the shards.
           LearnerStateError: before `join`, or after `finish` or `close`.
         """
         self._expect(_JOINED, "step")
+        layout = self._joined()
         now = time.perf_counter()
-        seconds = max(now - self._boundary - self._blocked, 1e-6)  # the caller's step alone
-        self._boundary, self._blocked = now, 0.0
+        seconds = max(now - self._boundary - self._excluded, 1e-6)  # the caller's step alone
+        self._boundary, self._excluded = now, 0.0
         self._local += 1
         self.steps += 1
         self._tokens = max(1, int(tokens))
-        view = _View(self._layout, params, "params given to step()")
-        updates: dict[int, np.ndarray] = {}
-        sync, seq_before = self._sync, 0
-        if sync is not None:
-            blocked, seq_before = sync.stats["blocked_seconds"], sync.seq
-            updates = sync.after_step(self._local, view, seconds, self._tokens, final=last)
-            self._blocked = sync.stats["blocked_seconds"] - blocked
-        if self._multi:
-            updates, _ = distributed.broadcast_step(updates, (), self.plan.fragment_sizes)
+        self.tokens += self._tokens
+        view = _View(layout, params, "params given to step()")
+        seq_before = self._sync.seq if self._sync is not None else 0
+        updates = self._sync_step(view, seconds, last)
         if updates:
-            params = self._layout.write(view.leaves(), updates)
-            view = _View(self._layout, params, "params given to step()")
-        if self._checkpointer is not None and sync is not None:
-            self._trail.after_step(sync, self.plan, seq_before, self._local, view)
-            self._progress.steps_done = self.steps
-            self._progress.tokens_total += self._tokens
+            params = layout.write(view.leaves(), updates)
+            view = _View(layout, params, "params given to step()")
+        if self._checkpointer is not None and self._sync is not None:
+            assert self._trail is not None  # made with the checkpointer
+            self._trail.after_step(self._sync, self.plan, seq_before, self._local, view)
             if self._checkpointer.due(self.steps):
                 self._save(view, state)
         return params
@@ -371,7 +402,8 @@ class Learner:
           LearnerStateError: before `join`, or after `finish` or `close`.
         """
         self._expect(_JOINED, "finish")
-        view = _View(self._layout, params, "params given to finish()")
+        layout = self._joined()
+        view = _View(layout, params, "params given to finish()")
         updates: dict[int, np.ndarray] = {}
         if self._sync is not None:
             updates = self._sync.finish(
@@ -380,15 +412,52 @@ class Learner:
         if self._multi:
             updates, _ = distributed.broadcast_step(updates, (), self.plan.fragment_sizes)
         if updates:
-            params = self._layout.write(view.leaves(), updates)
+            params = layout.write(view.leaves(), updates)
         if self._checkpointer is not None and self._local:
-            self._save(_View(self._layout, params, "params given to finish()"), state, wait=True)
+            self._save(_View(layout, params, "params given to finish()"), state, wait=True)
         with self._lock:
             self._phase = _FINISHED
         self._release(done=True)
         return params
 
     # --- around them ---
+
+    def save(self, params: PyTree, *, state: PyTree = None) -> bool:
+        """Writes this learner's checkpoint now, and waits for it: what `step` does every
+        `checkpoint_every` steps, for a loop that leaves before `finish` (stopped), so a
+        restart goes on from here. Call `close` after.
+
+        Returns:
+          True if written; False where this learner keeps none (no `checkpoint_dir`, or
+          not process 0 of a multi-host learner).
+
+        Example:
+          >>> try:
+          ...     params = learner.step(params, state=opt_state)
+          ... except atoll.Stopped:
+          ...     learner.save(params, state=opt_state)
+        """
+        self._expect(_JOINED, "save")
+        if self._checkpointer is None:
+            return False
+        self._save(_View(self._joined(), params, "params given to save()"), state, wait=True)
+        return True
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside this block (an evaluation, a log write) is not counted as
+        inner-step time: the step time the shards' cadence is built from stays the
+        training's own.
+
+        Example:
+          >>> with learner.paused():
+          ...     eval_loss = evaluate(params)
+        """
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._excluded += time.perf_counter() - started
 
     def restore_state(self, template: PyTree) -> PyTree:
         """The `state` this learner's checkpoint holds, in `template`'s structure, dtypes
@@ -421,7 +490,8 @@ class Learner:
 
     def stop(self) -> None:
         """Ends every wait on the shards at once, from any thread (a signal handler's
-        too): a `join`, `step` or `finish` waiting raises `Stopped`. Call `close` after."""
+        too): a `join`, `step` or `finish` waiting raises `Stopped`, and so does the next
+        `step`. Call `save` (to checkpoint where you are) and `close` after."""
         self._stop.set()
         with self._lock:
             sync = self._sync
@@ -447,9 +517,7 @@ class Learner:
     @property
     def plan(self) -> FragmentPlan:
         """The fragment plan made from the params given to `join`."""
-        if self._layout is None:
-            raise LearnerStateError("the plan is made by join(params): call join first")
-        return self._layout.plan
+        return self._joined().plan
 
     @property
     def unsynced(self) -> tuple[str, ...]:
@@ -457,10 +525,31 @@ class Learner:
         return () if self._layout is None else self._layout.unsynced
 
     @property
+    def resumed(self) -> bool:
+        """Whether `join` resumed this id's checkpoint (then `steps`, `tokens` and
+        `restore_state` give where it was)."""
+        return self._ckpt is not None
+
+    @property
+    def pushed(self) -> bool:
+        """Whether the last `step` started a push (on every process of a multi-host
+        learner): a step right after one is where other work (an evaluation) overlaps
+        the round in flight instead of delaying a push."""
+        return self._pushed
+
+    @property
     def versions(self) -> dict[int, tuple[int, int]]:
         """{fragment: (global version adopted, newest version known)}, as they were at
         the end after `finish` or `close`; {} off process 0."""
         return self._versions if self._sync is None else self._sync.versions()
+
+    def standing(self) -> tuple[int, int]:
+        """(oldest version adopted, worst lag behind the newest known) over the
+        fragments: what a progress line shows; (0, 0) before `join` and off process 0."""
+        versions = self.versions.values()
+        if not versions:
+            return 0, 0
+        return min(v for v, _ in versions), max(latest - v for v, latest in versions)
 
     @property
     def stats(self) -> dict[str, float]:
@@ -485,6 +574,40 @@ class Learner:
             }[self._phase]
         )
 
+    def _joined(self) -> TreeLayout:
+        if self._layout is None:
+            raise LearnerStateError("the plan is made by join(params): call join first")
+        return self._layout
+
+    def _sync_step(self, view: _View, seconds: float, last: bool) -> dict[int, np.ndarray]:
+        """Process 0's sync work after a step, and (several processes) its outcome on
+        every process: {fragment: vector adopted}. Raises where process 0 was stopped
+        or failed, on every process alike."""
+        sync, updates = self._sync, {}
+        stopped, error, pushed = self._stop.is_set(), None, False
+        if sync is not None and not stopped:
+            pushes, blocked = sync.pushes_started, sync.stats["blocked_seconds"]
+            try:
+                updates = sync.after_step(self._local, view, seconds, self._tokens, final=last)
+            except (Stopped, SyncError) as e:
+                error = e
+                stopped = isinstance(e, Stopped) or self._stop.is_set()
+            self._excluded += sync.stats["blocked_seconds"] - blocked
+            pushed = sync.pushes_started != pushes
+        if self._multi:
+            flags = (stopped, error is not None and not stopped, pushed)
+            updates, (stopped, failed, pushed) = distributed.broadcast_step(
+                updates, flags, self.plan.fragment_sizes
+            )
+            if failed and error is None:
+                raise SyncError("process 0 of this learner failed to sync: its log says why")
+        self._pushed = pushed
+        if stopped:
+            raise Stopped(f"stopped at step {self.steps}") from error
+        if error is not None:
+            raise error
+        return updates
+
     def _join(self, params: PyTree) -> PyTree:
         self._layout = layout = TreeLayout(params, self.fragments, self.is_embedding)
         self._multi = multi = distributed.process_count() > 1
@@ -492,20 +615,11 @@ class Learner:
         view = _View(layout, params, "params given to join()")
         leaves = view.leaves()
         if multi:
-            for i in layout.synced:
-                leaf = leaves[i]
-                if hasattr(leaf, "is_fully_addressable") and not (
-                    leaf.is_fully_addressable or leaf.is_fully_replicated
-                ):
-                    raise ParamsError(
-                        f"leaf {layout.names[i]!r} is split over several processes: a "
-                        "multi-host learner syncs params replicated on every process (as "
-                        "`atoll learner`'s are); replicate it across processes"
-                    )
-        if self.checkpoint_dir is not None and not multi:
-            self._claim_id()
+            _check_replicated(layout, leaves)
+        if self.checkpoint_dir is not None and not multi and self.claim_id:
+            self._claim_id(self.checkpoint_dir)
         if self.checkpoint_dir is not None:
-            self._resume(layout, leaves)
+            self._resume(self.checkpoint_dir, layout)
             if self._ckpt is not None:
                 leaves = list(leaves)
                 for i, saved in zip(layout.synced, self._ckpt.params_leaves):
@@ -519,17 +633,11 @@ class Learner:
         self._boundary = time.perf_counter()
         return layout.write(view.leaves(), dict(enumerate(vectors)))
 
-    def _claim_id(self) -> None:
+    def _claim_id(self, directory: pathlib.Path) -> None:
         """One live process per id: the claim, or (standby) the id of a failed learner."""
         if self.standby:
-            log.info(
-                "standby %s waiting for a failed learner in %s",
-                self.learner_id,
-                self.checkpoint_dir,
-            )
-            self._claim = standby.wait_for_vacancy(
-                self.checkpoint_dir, self.num_learners, self._stop
-            )
+            log.info("standby %s waiting for a failed learner in %s", self.learner_id, directory)
+            self._claim = standby.wait_for_vacancy(directory, self.num_learners, self._stop)
             if self._claim is None:
                 raise Stopped(f"standby {self.learner_id} stopped before taking over a learner")
             log.info("standby %s takes over learner %s", self.learner_id, self._claim.learner_id)
@@ -537,67 +645,67 @@ class Learner:
             self.index = int(self._claim.info["learner_index"])
             return
         self._claim = standby.acquire(
-            self.checkpoint_dir, self.learner_id, self.index, self.num_learners, stop=self._stop
+            directory, self.learner_id, self.index, self.num_learners, stop=self._stop
         )
         if self._claim is None:
             raise LearnerStateError(
                 f"learner id {self.learner_id!r} is held by a live process "
-                f"({standby.holder(self.checkpoint_dir, self.learner_id)}): give another id, "
+                f"({standby.holder(directory, self.learner_id)}): give another id, "
                 "or standby=True to wait for a failed learner's"
             )
 
-    def _identity(self) -> dict:
+    def _identity(self) -> dict[str, Any]:
         return {
+            **self.run_info,
             "learner_id": self.learner_id,
             "learner_index": self.index,
             "num_learners": self.num_learners,
             "plan_fingerprint": self.plan.fingerprint,
         }
 
-    def _resume(self, layout: TreeLayout, leaves: list[Any]) -> None:
-        """Reads this id's checkpoint (checked to be of this plan) and makes the writer."""
-        path = checkpoint.path_for(self.checkpoint_dir, self.learner_id)
+    def _resume(self, directory: pathlib.Path, layout: TreeLayout) -> None:
+        """Reads this id's checkpoint (checked to be of this plan and run) and makes the
+        writer (process 0); every process of a multi-host learner resumes the same step."""
+        path = checkpoint.path_for(directory, self.learner_id)
         self._ckpt = ckpt = checkpoint.read(path)
         if ckpt is not None:
-            checkpoint.check(ckpt, self._identity(), path)
+            identity = self._identity()
+            checkpoint.check(ckpt, identity, path)
+            for key, value in self.run_info.items():
+                if ckpt.meta.get(key) != value:
+                    raise checkpoint.CheckpointError(
+                        f"{path} was written with {key}={ckpt.meta.get(key)!r}, this learner "
+                        f"runs {key}={value!r}: resume with the same settings, or give "
+                        "another checkpoint directory"
+                    )
             if len(ckpt.params_leaves) != len(layout.synced):
                 raise checkpoint.CheckpointError(f"{path} holds another model's params")
-            self.steps = self._progress.steps_done = ckpt.step
-            self._progress.tokens_total = int(ckpt.meta.get("tokens", 0))
+            self.steps, self.tokens = ckpt.step, int(ckpt.meta.get("tokens", 0))
+        if self._multi:
+            steps = int(distributed.broadcast(np.asarray(self.steps, np.int64)))
+            if steps != self.steps:
+                raise checkpoint.CheckpointError(
+                    f"{path}: process 0 resumes at step {steps}, process "
+                    f"{distributed.process_index()} at {self.steps}; every process of a "
+                    "learner must mount the same checkpoint directory"
+                )
         self._trail = checkpoint.PushTrail(layout.plan.num_fragments)
-        if distributed.is_leader() and self.checkpoint_every:
+        if distributed.is_leader():
             self._checkpointer = checkpoint.Checkpointer(
-                self.checkpoint_dir, self.learner_id, self.checkpoint_every, self._identity()
+                directory, self.learner_id, self.checkpoint_every, self._identity()
             )
 
     def _join_shards(self, view: _View) -> list[np.ndarray]:
         """Process 0: connects, joins (seeding what nobody has), resumes the checkpoint's
         sync state; returns every fragment's vector to start from."""
-        tls, token = self.tls, self.token
-
-        def connect(address: str) -> ShardClient:
-            return ShardClient(
-                address, self.learner_id, token=token, tls=tls, deadline=self.deadline
-            )
-
-        pattern = self.pattern
-        sync = Synchronizer(
-            self.sync_config,
-            self.plan,
-            [connect(a) for a in self.addresses],
-            connect=None if pattern is None else lambda i: connect(pattern.replace("{i}", str(i))),
-            read_fragment=_read,
-        )
-        with self._lock:
-            self._sync = sync
-        if self._stop.is_set():
-            sync.stop()
+        sync = self._connect()
         log.info("learner %s joining the syncer at %s", self.learner_id, ", ".join(self.addresses))
         theta_ckpt = None
         if self._ckpt is not None:
             theta_ckpt = [_read(view, p) for p in range(self.plan.num_fragments)]
         vectors = sync.join_fragments(view)
         if self._ckpt is not None:
+            assert self._trail is not None and theta_ckpt is not None  # made by _resume
             carried = checkpoint.resume_sync(
                 self._ckpt, sync, theta_ckpt, self._trail, checkpoint.shard_last_seqs(sync)
             )
@@ -612,11 +720,39 @@ class Learner:
             )
         return vectors
 
+    def _connect(self) -> Synchronizer:
+        """The sync engine over a client per shard (and the pattern's, for shards a
+        reshard adds), stopped at once if `stop` came first."""
+        tls, token, learner_id, deadline = self.tls, self.token, self.learner_id, self.deadline
+
+        def connect(address: str) -> ShardClient:
+            return ShardClient(address, learner_id, token=token, tls=tls, deadline=deadline)
+
+        pattern = self.pattern
+        sync = Synchronizer(
+            self.sync_config,
+            self.plan,
+            [connect(a) for a in self.addresses],
+            on_push=self.on_push,
+            connect=None if pattern is None else lambda i: connect(pattern.replace("{i}", str(i))),
+            read_fragment=_read,
+        )
+        with self._lock:
+            self._sync = sync
+        if self._stop.is_set():
+            sync.stop()
+        return sync
+
     def _save(self, view: _View, state: PyTree, wait: bool = False) -> None:
+        assert self._checkpointer is not None
         leaves = view.leaves()
-        self._progress.params = [leaves[i] for i in self._layout.synced]
-        self._progress.opt_state = () if state is None else state
-        self._checkpointer.save(self._progress, self._sync, self._trail, wait=wait)
+        progress = _Progress(
+            steps_done=self.steps,
+            tokens_total=self.tokens,
+            params=[leaves[i] for i in self._joined().synced],
+            opt_state=() if state is None else state,
+        )
+        self._checkpointer.save(progress, self._sync, self._trail, wait=wait)
 
     def _release(self, done: bool) -> None:
         with self._lock:
@@ -628,3 +764,77 @@ class Learner:
             self._checkpointer.close()
         if self._claim is not None:
             self._claim.release(done=done)
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise LearnerConfigError(message)
+
+
+def _addresses(
+    shards: str | Sequence[str], num_shards: int | None
+) -> tuple[str | None, tuple[str, ...]]:
+    """(pattern or None, addresses) of `Learner`'s `shards` argument, checked."""
+    if isinstance(shards, str):
+        pattern = shards if "{i}" in shards else None
+        addresses = shard_addresses(shards, num_shards)
+    else:
+        _need(
+            not isinstance(shards, (bytes, bytearray)) and all(isinstance(a, str) for a in shards),
+            f"shards must be a str or a list of 'host:port' str, got {shards!r}",
+        )
+        pattern, addresses = None, shard_addresses(",".join(shards), num_shards)
+    _need(len(addresses) >= 1, "shards names no shard: give 'host:port' of each, in index order")
+    return pattern, addresses
+
+
+def _sync_config(
+    period: int,
+    overlap: int,
+    mix: float,
+    codec: Codec | str,
+    patience: float,
+    wait_for_rounds: bool,
+) -> SyncConfig:
+    """The sync settings, checked by SyncConfig (its errors as LearnerConfigError)."""
+    try:
+        wire_codec = Codec[codec.upper()] if isinstance(codec, str) else Codec(codec)
+    except (KeyError, ValueError):
+        raise LearnerConfigError(
+            f"codec {codec!r}: want one of {', '.join(c.name for c in Codec)}"
+        ) from None
+    try:
+        return SyncConfig(
+            period=period,
+            overlap=overlap,
+            mix=mix,
+            codec=wire_codec,
+            patience=patience,
+            wait_for_rounds=wait_for_rounds,
+        )
+    except ValueError as e:
+        raise LearnerConfigError(str(e)) from None
+
+
+def _checkpoint_dir(path: str | os.PathLike[str] | None) -> pathlib.Path | None:
+    """`checkpoint_dir` as a path the learner can write in (made if missing), or None."""
+    if path is None:
+        return None
+    directory = pathlib.Path(path)
+    problem = directory_problem(directory)
+    _need(problem is None, f"checkpoint_dir {directory}: {problem}")
+    return directory
+
+
+def _check_replicated(layout: TreeLayout, leaves: Sequence[Any]) -> None:
+    """ParamsError for a synced leaf split over several processes (process 0 reads it)."""
+    for i in layout.synced:
+        leaf = leaves[i]
+        if hasattr(leaf, "is_fully_addressable") and not (
+            leaf.is_fully_addressable or leaf.is_fully_replicated
+        ):
+            raise ParamsError(
+                f"leaf {layout.names[i]!r} is split over several processes: a multi-host "
+                "learner syncs params replicated on every process (as `atoll learner`'s "
+                "are); replicate it across processes"
+            )

@@ -22,9 +22,10 @@ stays as it was.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from atoll.wire.plan import SEP, FragmentPlan, TensorSpec
@@ -76,12 +77,12 @@ def _synced(name: str, leaf: Any) -> bool:
             "(jnp.asarray) or keep it out of the params you sync"
         )
     dtype = leaf.dtype
-    if jax.dtypes.issubdtype(dtype, np.complexfloating):
+    if jnp.issubdtype(dtype, np.complexfloating):
         raise ParamsError(
             f"leaf {name!r} is {dtype}: complex tensors cannot be synced; keep them out of "
             "the params, or pass their real and imaginary parts as two float leaves"
         )
-    return bool(jax.dtypes.issubdtype(dtype, np.floating)) and int(np.prod(leaf.shape)) > 0
+    return bool(jnp.issubdtype(dtype, np.floating)) and int(np.prod(leaf.shape)) > 0
 
 
 class TreeLayout:
@@ -141,7 +142,7 @@ class TreeLayout:
         differs."""
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
         leaves = [leaf for _, leaf in with_paths]
-        if treedef != self.treedef:
+        if cast(Any, treedef) != self.treedef:  # (jax's PyTreeDef stub has no __ne__)
             names = [leaf_name(path) for path, _ in with_paths]
             for a, b in zip(self.names, names):
                 if a != b:
@@ -174,7 +175,7 @@ class TreeLayout:
                 )
         return leaves
 
-    def _raise(self, what: str, detail: str) -> Any:
+    def _raise(self, what: str, detail: str) -> NoReturn:
         raise ParamsError(
             f"{what} differ from the params this learner joined with: {detail}. Pass the tree "
             "join() returned, updated by your steps (same structure, shapes and dtypes)"
@@ -192,10 +193,34 @@ class TreeLayout:
         """The tree with the tensors of fragments `vectors` replaced ({p: float32 vector}),
         each in its leaf's dtype and sharding; the other leaves are kept as they are."""
         out = list(leaves)
+        placed: list[int] = []  # leaves put on their devices by one device_put, below
+        values: list[np.ndarray] = []
+        shardings: list[Any] = []
         for p, vector in vectors.items():
             for i, start, end in self.slots[p]:
-                out[i] = as_like(np.asarray(vector[start:end]).reshape(self.shapes[i]), leaves[i])
+                value = np.asarray(vector[start:end]).reshape(self.shapes[i])
+                leaf = leaves[i]
+                sharding = _placed_sharding(leaf)
+                if sharding is None:
+                    out[i] = as_like(value, leaf)
+                    continue
+                placed.append(i)
+                values.append(value.astype(leaf.dtype))  # a copy, as as_like makes
+                shardings.append(sharding)
+        if placed:
+            # one call for the fragment's tensors: a device_put per tensor costs more
+            for i, x in zip(placed, jax.device_put(values, shardings)):
+                out[i] = x
         return jax.tree_util.tree_unflatten(self.treedef, out)
+
+
+def _placed_sharding(leaf: Any) -> Any:
+    """The sharding a committed, fully addressable jax array is placed with, or None
+    where `as_like` handles the leaf (numpy, uncommitted, multi-host)."""
+    if not isinstance(leaf, jax.Array) or not getattr(leaf, "_committed", True):
+        return None
+    sharding = leaf.sharding
+    return sharding if sharding.is_fully_addressable else None
 
 
 def as_like(value: np.ndarray, leaf: Any) -> Any:

@@ -113,9 +113,6 @@ class _Loop:
         """One train step, then `learner.step` if `api`; each part waited for."""
         batch = self.batches[self.done % NUM_BATCHES]
         self.done += 1
-        # pushes started, the learner's own count: its public stats count a push when
-        # the shard answers it, from a sync thread
-        pushes = self.learner._sync.pushes_started
         start = time.perf_counter()
         self.params, self.opt_state, _ = jax.block_until_ready(
             self.train_step(self.params, self.opt_state, batch)
@@ -130,7 +127,7 @@ class _Loop:
             jax.block_until_ready(params)
         end, cpu = time.perf_counter(), time.thread_time() - cpu
         self.params = params
-        pushed = self.learner._sync.pushes_started != pushes
+        pushed = self.learner.pushed  # started by this call (stats count a push when answered)
         return _Step(end - start, end - trained, cpu, pushed, adopted)
 
 

@@ -1,0 +1,62 @@
+"""atoll.Learner's calls for a loop that leaves early, against a real shard: after
+`stop()` the next `step` raises Stopped (the step counted, not synced), `save` then
+checkpoints there and a restart resumes that step; `pushed` says which steps started a
+push; `run_info` keeps a restart from resuming another run's checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_learner_api_shards import OPTIMIZER, batch, init, start_shards, train_step
+
+import atoll
+from atoll.learner.checkpoint import CheckpointError
+
+
+@pytest.fixture
+def shard(tmp_path):
+    servers = start_shards(tmp_path, 1, quorum=1)
+    yield f"127.0.0.1:{servers[0].port}"
+    for s in servers:
+        s.stop()
+
+
+def test_a_stopped_learner_raises_at_its_next_step_and_saves_where_it_is(shard, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run = {"seed": 0, "batch_size": 32}
+    learner = atoll.Learner(
+        shard, "a", period=4, fragments=2, checkpoint_dir=ckpt, checkpoint_every=0, run_info=run
+    )
+    params = learner.join(init())
+    opt_state, rng, pushed = OPTIMIZER.init(params), np.random.default_rng(0), []
+    for _ in range(8):
+        params, opt_state, _ = train_step(params, opt_state, *batch(rng))
+        params = learner.step(params, tokens=32, state=opt_state)
+        pushed.append(learner.pushed)
+    assert sum(pushed) >= 2, pushed  # each fragment syncs at least once in two periods
+    learner.stop()  # as a signal handler would
+    params, opt_state, _ = train_step(params, opt_state, *batch(rng))
+    with pytest.raises(atoll.Stopped):
+        learner.step(params, tokens=32, state=opt_state)
+    assert (learner.steps, learner.tokens) == (9, 9 * 32)  # the step is counted
+    assert learner.save(params, state=opt_state)
+    learner.close()
+
+    other = {**run, "seed": 1}
+    with pytest.raises(CheckpointError, match="written with seed=0, this learner runs seed=1"):
+        atoll.Learner(shard, "a", fragments=2, checkpoint_dir=ckpt, run_info=other).join(init())
+    again = atoll.Learner(shard, "a", fragments=2, checkpoint_dir=ckpt, run_info=run)
+    again.join(init(seed=3))
+    assert again.resumed and (again.steps, again.tokens) == (9, 9 * 32)
+    state = again.restore_state(OPTIMIZER.init(params))
+    assert int(state[0].count) == 9  # adam's step count, as saved after the stop
+    again.close()
+
+
+def test_save_without_a_checkpoint_dir_writes_nothing_and_save_before_join_is_refused(shard):
+    learner = atoll.Learner(shard, "b", fragments=2)
+    with pytest.raises(atoll.LearnerStateError, match="before join"):
+        learner.save(init())
+    params = learner.join(init())
+    assert learner.save(params) is False and not learner.resumed
+    learner.close()
