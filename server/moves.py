@@ -16,7 +16,9 @@ what the shard knows, before anything is logged:
      template's dtype and shape with finite values, the delta ring's versions
      consecutive and ending at the fragment's version. Anything unknown is refused.
   3. An Adopt carries its source's freeze record (`freeze`: the source's shard index and
-     the LSN of its FREEZE record), for the same map: the move id both shards log.
+     the LSN of its FREEZE record), for the same map: the move id both shards log. A
+     Commit follows an Export of the frozen fragment by this process (a source cannot
+     hand over what it never handed out; after a restart, Export again first).
 
 What a shard cannot know it does not pretend to: a target checks that the freeze record
 is there and agrees with the map, not that the source really wrote it (that would take
@@ -277,6 +279,7 @@ class MoveCalls(ShardState):
             self._sync(self._write([log_record(LOG_UNFREEZE, {"fragment": p})]))
             del self.frozen[p]
             self.freeze_lsns.pop(p, None)
+            self.exported.discard(p)
             self._thawed(p)
 
     def export(self, p: int) -> tuple[dict[str, Any], bytes]:
@@ -290,6 +293,7 @@ class MoveCalls(ShardState):
                 raise ShardError(Why.OUT_OF_STEP, f"fragment {p} is not frozen for a move")
             fmeta, arrays = frag.state()
             freeze = {"source": self.cfg.shard_index, "lsn": self.freeze_lsns[p]}
+            self.exported.add(p)
             buf = io.BytesIO()
             # read under the lock: a frozen fragment does not change (numpy types **arrays as
             # if a key could be its allow_pickle flag)
@@ -373,6 +377,12 @@ class MoveCalls(ShardState):
                 raise ShardError(
                     Why.OUT_OF_STEP,
                     f"fragment {p} is not frozen for map version {new.version}",
+                )
+            if p not in self.exported:  # its target cannot hold a state never handed out
+                raise ShardError(
+                    Why.OUT_OF_STEP,
+                    f"fragment {p} was not exported since it froze (or since this shard "
+                    f"restarted): export it and adopt it on shard {frozen.owner(p)} first",
                 )
             record = log_record(LOG_MOVED, {"fragment": p, "map": frozen.to_json()})
             self._sync(self._write([record]))

@@ -162,6 +162,9 @@ class ShardState:
         self.frozen_since: dict[int, float] = {}  # when each froze, by this process's clock
         # p -> the LSN of its FREEZE record: the move id an Export hands its target (durable)
         self.freeze_lsns: dict[int, int] = {}
+        # frozen fragments whose state an Export handed out since they froze (not durable:
+        # after a restart, Commit waits for one more Export)
+        self.exported: set[int] = set()
         self.fragments: dict[int, Fragment] = {}
         # fragment -> learners whose last push of it came in (PushHeader.last); not durable:
         # after a restart they hold fresh leases like everyone else (under self.lock)
@@ -267,6 +270,7 @@ class ShardState:
         self.periods.pop(p, None)
         self.frozen.pop(p, None)
         self.freeze_lsns.pop(p, None)
+        self.exported.discard(p)
         self.finished.pop(p, None)
 
     def _install(

@@ -141,6 +141,8 @@ def move(
         moved_bytes = len(payload)
         target.adopt(meta, payload)
         say(f"fragment {m.fragment}: adopted by shard {m.target} ({moved_bytes} bytes)")
+    elif any(f.fragment == m.fragment and f.moving_version for f in source.describe().fragments):
+        source.export(m.fragment)  # a source commits only a state it handed out since it froze
     source.commit(m.fragment, new)
     say(f"fragment {m.fragment}: committed, map version {new.version}")
     return new, {
@@ -330,6 +332,52 @@ TRANSIENT = (  # what a drain waits out: shards restarting, moves another planne
 )
 
 
+class _Dialled:
+    """Shard clients made on first use, by index; `answers(i)`: whether shard i is up."""
+
+    def __init__(self, connect: Callable[[int], ShardClient]):
+        self.connect = connect
+        self.made: dict[int, ShardClient] = {}
+
+    def client(self, i: int) -> ShardClient:
+        if i not in self.made:
+            self.made[i] = self.connect(i)
+        return self.made[i]
+
+    def answers(self, i: int) -> bool:
+        try:
+            self.client(i).describe(timeout=PROBE_SECONDS)
+            return True
+        except grpc.RpcError:
+            return False
+
+    def close(self) -> None:
+        for c in self.made.values():
+            c.close()
+
+
+def _plan_drain(
+    index: int,
+    kept: int,
+    client: Callable[[int], ShardClient],
+    answers: Callable[[int], bool],
+    say: Callable[[str], None],
+    deadline: float,
+    clock: Callable[[], float],
+) -> dict | None:
+    """The planner's part of a drain: every move off shards `kept` and past, made by
+    `reshard` over every shard up to the last that answers; None if no shard has a plan."""
+    known = index + 1
+    while answers(known):
+        known += 1
+    say(f"shard {index} plans the moves off shards {kept} to {known - 1}")
+    shards = [client(i) for i in range(known)]
+    try:
+        return reshard(shards, kept, say, until=deadline, clock=clock)
+    except NoPlanError:
+        return None  # no fragment anywhere yet
+
+
 def drain(
     index: int,
     replicas: Callable[[], int],
@@ -353,20 +401,8 @@ def drain(
     `timeout` it asks again after anything transient (a shard restarting, a move another
     planner began: the rerun finishes it)."""
     deadline = clock() + timeout
-    made: dict[int, ShardClient] = {}
-
-    def client(i: int) -> ShardClient:
-        if i not in made:
-            made[i] = connect(i)
-        return made[i]
-
-    def answers(i: int) -> bool:
-        try:
-            client(i).describe(timeout=PROBE_SECONDS)
-            return True
-        except grpc.RpcError:
-            return False
-
+    dialled = _Dialled(connect)
+    client, answers = dialled.client, dialled.answers
     moves: list[dict] = []
     planned: dict = {}  # the map the last plan left: map_version, owners
     left = "its fragments"  # what the last round found on this shard
@@ -383,17 +419,10 @@ def drain(
                 )
             try:
                 if ordered or not any(answers(i) for i in range(kept, index)):
-                    known = index + 1  # every shard up to the last that answers
-                    while answers(known):
-                        known += 1
-                    say(f"shard {index} plans the moves off shards {kept} to {known - 1}")
-                    shards = [client(i) for i in range(known)]
-                    try:
-                        result = reshard(shards, kept, say, until=deadline, clock=clock)
+                    result = _plan_drain(index, kept, client, answers, say, deadline, clock)
+                    if result is not None:
                         moves += result["moves"]
                         planned = {k: result[k] for k in ("map_version", "owners")}
-                    except NoPlanError:
-                        pass  # no fragment anywhere yet
                 held = sorted(
                     f.fragment for f in client(index).describe(timeout=PROBE_SECONDS).fragments
                 )
@@ -422,8 +451,7 @@ def drain(
                 )
             time.sleep(DRAIN_POLL_SECONDS)
     finally:
-        for c in made.values():
-            c.close()
+        dialled.close()
 
 
 def operator_token(path: pathlib.Path) -> str:

@@ -285,3 +285,17 @@ def test_a_watch_of_every_fragment_ends_when_one_moves_away(pair):
         list(stream)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert dict(e.value.trailing_metadata())["atoll-owner"] == "1"
+
+
+def test_a_commit_of_a_fragment_never_exported_is_refused_and_logs_nothing(pair):
+    """A frozen fragment whose state no Export handed out cannot be on its target: a
+    Commit then (a forged or replayed one) would leave no shard owning it."""
+    (a, _), (stub_a, stub_b) = pair
+    freeze(stub_a, 0, as_pb(MOVED))
+    commit = pb.MoveRequest(fragment=0, map=as_pb(MOVED))
+    code = refused_with_nothing_logged(a, lambda: stub_a.Commit(commit, timeout=DEADLINE))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert 0 in [f.fragment for f in describe(stub_a).fragments]
+    adopt(stub_b, *export(stub_a, 0))
+    stub_a.Commit(commit, timeout=DEADLINE)  # the genuine order goes through
+    assert [f.fragment for f in describe(stub_a).fragments] == [2]
