@@ -87,67 +87,67 @@ class ShardConfig:
     stream_idle_seconds: float = 60.0  # a Push or Init stream silent this long is aborted, > 0
 
     def __post_init__(self) -> None:
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise ConfigError(message)
-
-        need(
+        _need(
             1 <= self.num_shards <= MAX_SHARDS,
             f"--num-shards must be in [1, {MAX_SHARDS}], got {self.num_shards}",
         )
         # a shard at or past num_shards (a StatefulSet scaled up) owns nothing until
         # `atoll reshard` moves fragments to it (docs/resharding.md)
-        need(
+        _need(
             0 <= self.shard_index < MAX_SHARDS,
             f"--shard-index must be in [0, {MAX_SHARDS - 1}], got {self.shard_index}",
         )
-        need(
+        _need(
             re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[\w.-]+):\d{1,5}", self.listen) is not None,
             f"--listen must be HOST:PORT (e.g. 0.0.0.0:7070), got {self.listen!r}",
         )
-        need(
+        _need(
             _port_ok(self.port),
             f"--listen port must be in 1-65535 (0 picks a free one), got {self.listen!r}",
         )
-        need(self.quorum >= 1, f"--quorum must be at least 1, got {self.quorum}")
-        need(self.grace_factor >= 0, f"--grace-factor must be >= 0, got {self.grace_factor}")
-        need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
-        need(
+        _need(self.quorum >= 1, f"--quorum must be at least 1, got {self.quorum}")
+        _need(self.grace_factor >= 0, f"--grace-factor must be >= 0, got {self.grace_factor}")
+        _need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
+        _need(
             self.staleness_discount >= 0,
             f"--staleness-discount must be >= 0 (0 disables it), got {self.staleness_discount}",
         )
-        need(self.lease_seconds > 0, f"--lease-seconds must be > 0, got {self.lease_seconds}")
-        need(self.outer_lr > 0, f"--outer-lr must be > 0, got {self.outer_lr}")
-        need(
+        _need(self.lease_seconds > 0, f"--lease-seconds must be > 0, got {self.lease_seconds}")
+        _need(self.outer_lr > 0, f"--outer-lr must be > 0, got {self.outer_lr}")
+        _need(
             0 <= self.outer_momentum < 1,
             f"--outer-momentum must be in [0, 1), got {self.outer_momentum}",
         )
-        need(
+        _need(
             self.momentum_delay >= 1,
             f"--momentum-delay must be at least 1 (1: Nesterov every round), got {self.momentum_delay}",
         )
-        need(self.delta_ring >= 1, f"--delta-ring must be at least 1, got {self.delta_ring}")
-        need(
+        _need(self.delta_ring >= 1, f"--delta-ring must be at least 1, got {self.delta_ring}")
+        _need(
             self.snapshot_every >= 1,
             f"--snapshot-every must be at least 1, got {self.snapshot_every}",
         )
-        need(
+        _need(
             self.publish_codec in (Codec.INT4, Codec.MXFP4, Codec.FP32),
             f"--publish-codec must be int4, mxfp4 or fp32, got {self.publish_codec}",
         )
-        need(
+        self._check_serving()
+
+    def _check_serving(self) -> None:
+        """The serving settings: message and stream limits, TLS and token files, ports."""
+        _need(
             self.max_message_bytes >= 1 << 20,
             f"--max-message-bytes must be at least 1048576, got {self.max_message_bytes}",
         )
-        need(
+        _need(
             self.max_concurrent_streams >= 1,
             f"--max-concurrent-streams must be at least 1, got {self.max_concurrent_streams}",
         )
-        need(
+        _need(
             (self.tls_cert is None) == (self.tls_key is None),
             "--tls-cert and --tls-key go together: give both or neither",
         )
-        need(
+        _need(
             self.tls_client_ca is None or self.tls_cert is not None,
             "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key as well",
         )
@@ -157,29 +157,29 @@ class ShardConfig:
             ("--tls-key", self.tls_key),
             ("--tls-client-ca", self.tls_client_ca),
         ):
-            need(path is None or pathlib.Path(path).is_file(), f"{flag}: no such file {path}")
+            _need(path is None or pathlib.Path(path).is_file(), f"{flag}: no such file {path}")
         for flag, port in (
             ("--metrics-port", self.metrics_port),
             ("--health-port", self.health_port),
         ):
-            need(
+            _need(
                 port is None or _port_ok(port),
                 f"{flag} must be in 1-65535 (0 picks a free one), got {port}",
             )
-        need(
+        _need(
             self.health_port is None or self.health_port == 0 or self.health_port != self.port,
             f"--health-port {self.health_port} is the --listen port; give it a port of its own",
         )
-        need(
+        _need(
             self.max_connection_inflight_bytes >= 1 << 20,
             f"--max-connection-inflight-bytes must be at least 1048576, got {self.max_connection_inflight_bytes}",
         )
-        need(
+        _need(
             self.max_inflight_bytes >= self.max_connection_inflight_bytes,
             f"--max-inflight-bytes ({self.max_inflight_bytes}) must be at least "
             f"--max-connection-inflight-bytes ({self.max_connection_inflight_bytes})",
         )
-        need(
+        _need(
             math.isfinite(self.stream_idle_seconds) and self.stream_idle_seconds > 0,
             f"--stream-idle-seconds must be a number > 0, got {self.stream_idle_seconds}",
         )
@@ -223,6 +223,11 @@ class ShardConfig:
     def max_frame_bytes(self) -> int:
         """The largest frame one Push or Init may declare, whatever its fragment."""
         return min(self.max_message_bytes * 64, self.max_connection_inflight_bytes)
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
 
 
 def _port_ok(port: int) -> bool:

@@ -61,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d["listen"].default,
         help="HOST:PORT to serve gRPC on; port 0 picks a free one (default %(default)s)",
     )
+    _add_round_arguments(p)
+    _add_serving_arguments(p)
+
+
+def _add_round_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of rounds and the outer optimiser: quorum, grace, staleness, codecs."""
+    d = ShardConfig.__dataclass_fields__
     p.add_argument(
         "--quorum",
         type=int,
@@ -132,6 +139,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="int4",
         help="codec of published deltas (default %(default)s)",
     )
+
+
+def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of serving: message and stream limits, tokens, TLS, ports, recovery."""
+    d = ShardConfig.__dataclass_fields__
     p.add_argument(
         "--max-message-bytes",
         type=int,

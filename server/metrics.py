@@ -120,6 +120,14 @@ class ShardMetrics:
         self.snapshot_seconds = prom.Histogram(
             "atoll_snapshot_seconds", "Writing one snapshot", buckets=_SECONDS, registry=r
         )
+        self._declare_moves(r)
+        info = prom.Info("atoll_shard", "Which shard this is", registry=r)
+        info.info({"shard_index": str(shard_index)})
+        if gauges is not None:
+            r.register(_ScrapeTime(gauges))
+
+    def _declare_moves(self, r: prom.CollectorRegistry) -> None:
+        """The metrics of fragments moved in and out (docs/resharding.md)."""
         self.moves = prom.Counter(
             "atoll_fragment_moves",
             "Fragments moved between shards: out (committed here) or in (adopted here)",
@@ -139,10 +147,6 @@ class ShardMetrics:
             buckets=_SECONDS,
             registry=r,
         )
-        info = prom.Info("atoll_shard", "Which shard this is", registry=r)
-        info.info({"shard_index": str(shard_index)})
-        if gauges is not None:
-            r.register(_ScrapeTime(gauges))
 
     def serve(self, port: int, host: str) -> int:
         """Serves /metrics over HTTP; returns the bound port (port 0 picks one)."""

@@ -182,6 +182,31 @@ class Admission(NamedTuple):
     detail: str  # what the learner should do, for refusals
 
 
+def _judge_seq(seq: int, newest_seq: int | None) -> Admission | None:
+    """The refusal a push's seq alone earns (DUPLICATE, SEQ_TOO_FAR), or None."""
+    if newest_seq is not None and seq <= newest_seq:
+        detail = (
+            "a retry of this learner's newest push"
+            if seq == newest_seq
+            else f"seq {seq} is older than this learner's newest push ({newest_seq}): "
+            "already handled or superseded"
+        )
+        return Admission(False, Reason.DUPLICATE, 0, 0.0, 0.0, detail)
+    # A seq far ahead would lock the learner out for ever (every later push "older"):
+    # seqs count pushes, so a real learner never jumps by millions.
+    if seq > (newest_seq or 0) + MAX_SEQ_JUMP:
+        return Admission(
+            False,
+            Reason.SEQ_TOO_FAR,
+            0,
+            0.0,
+            0.0,
+            f"seq {seq} is more than {MAX_SEQ_JUMP} past this learner's newest "
+            f"({newest_seq or 0}): a learner counts its pushes; rejoin to read its seq back",
+        )
+    return None
+
+
 def admit(
     *,
     seq: int,
@@ -217,26 +242,9 @@ def admit(
       in_round=False, tokens=100, inner_steps=10, policy=RoundPolicy(discount_exponent=1))
       accepts with STALE_DISCOUNTED, staleness 1, discount 0.5 and weight 1000.0.
     """
-    if newest_seq is not None and seq <= newest_seq:
-        detail = (
-            "a retry of this learner's newest push"
-            if seq == newest_seq
-            else f"seq {seq} is older than this learner's newest push ({newest_seq}): "
-            "already handled or superseded"
-        )
-        return Admission(False, Reason.DUPLICATE, 0, 0.0, 0.0, detail)
-    # A seq far ahead would lock the learner out for ever (every later push "older"):
-    # seqs count pushes, so a real learner never jumps by millions.
-    if seq > (newest_seq or 0) + MAX_SEQ_JUMP:
-        return Admission(
-            False,
-            Reason.SEQ_TOO_FAR,
-            0,
-            0.0,
-            0.0,
-            f"seq {seq} is more than {MAX_SEQ_JUMP} past this learner's newest "
-            f"({newest_seq or 0}): a learner counts its pushes; rejoin to read its seq back",
-        )
+    by_seq = _judge_seq(seq, newest_seq)
+    if by_seq is not None:
+        return by_seq
     verdict = judge_staleness(
         current_version, base_version, policy.max_staleness, policy.discount_exponent
     )
