@@ -523,3 +523,18 @@ def test_an_adopt_that_replay_could_not_apply_is_refused_and_changes_nothing():
         assert b.fragment_map == FragmentMap.modulo(2, 2), name
     b.adopt(meta, payload)  # the real one still goes in
     assert 0 in b.fragments
+
+
+def test_the_shared_state_builds_alone_and_refuses_in_its_own_terms():
+    """ShardState is what the shard's jobs share; a test can make one with no calls,
+    recovery or moves, and its refusals carry a reason, not a transport's status."""
+    from atoll.server.state import ShardState
+
+    cfg = ShardConfig(shard_index=0, num_shards=1, data_dir=pathlib.Path("/nonexistent/memory"))
+    state = ShardState(cfg, Clock(), log=MemoryLog(), snapshots=MemorySnapshots())
+    assert state.plan is None and state.fragments == {} and state.frozen == {}
+    assert _refusal(state._require_ready).why is Why.BUSY  # not recovered
+    assert _refusal(lambda: state._fragment(0)).why is Why.OUT_OF_STEP  # no plan yet
+    state._adopt_plan(PLAN)
+    assert sorted(state.fragments) == [0, 1] and state.fragment_map == FragmentMap.modulo(2, 1)
+    assert _refusal(lambda: state._fragment(5)).why is Why.NOT_FOUND
