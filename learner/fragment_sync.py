@@ -90,9 +90,8 @@ class FragmentSync:
         self.last_sync_step: int | None = None  # the step of the last push
         self.due_at: float | None = None  # when the next push is due (link.clock), from the shard
         self.origin: np.ndarray | None = None  # what the next Δ is measured from, if not `base`
-        self.compute = (
-            0.0  # seconds of inner steps since the last sync (what the next push carries)
-        )
+        # seconds of inner steps since the last sync (what the next push carries)
+        self.compute = 0.0
         self.task: concurrent.futures.Future[Outcome] | None = None
         self.task_step = 0  # the step the in-flight task was started at
 

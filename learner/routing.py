@@ -124,12 +124,8 @@ class Router:
         max_backoff: float,
         connect: Callable[[int], ShardClient] | None = None,
     ):
-        self.plan, self.stopping, self.max_backoff, self.connect = (
-            plan,
-            stopping,
-            max_backoff,
-            connect,
-        )
+        self.plan, self.stopping, self.connect = plan, stopping, connect
+        self.max_backoff = max_backoff  # seconds, cap of the jittered retry backoff
         self.clients = list(clients)  # by shard index; grows through `connect`
         self.num_shards = len(clients)  # the shards given at start
         try:  # where each fragment is: p mod S until a shard names a newer map
