@@ -4,6 +4,9 @@ Thin on purpose: flags become a `LearnerConfig`, then `run(cfg)` loads data, bui
 the trainer, joins the syncer (or, with --baseline, trains alone with M× batch as
 the data-parallel reference) and loops until --steps, printing a progress line and
 appending status records that `atoll up` reads.
+
+Exit status: 0 once the steps are trained; 2 for a setting that cannot work (one line
+says which); 128 + the signal (143 for SIGTERM) when a signal stopped it before its end.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import pathlib
 import socket
 import sys
+from typing import Any
 
 from atoll.commands import add_tls_arguments
 from atoll.learner.config import (
@@ -57,6 +61,15 @@ def _env_int(name: str, default: int) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The learner's flags, defaulting to LearnerConfig's (its `to_args()` renders them)."""
     d = {f.name: f.default for f in dataclasses.fields(LearnerConfig)}
+    _add_identity(p, d)
+    _add_training(p.add_argument_group("model and training"), d)
+    _add_sync(p.add_argument_group("sync"), d)
+    _add_state(p.add_argument_group("files, state and standbys"), d)
+    _add_multihost(p.add_argument_group("multi-host learners"), d)
+
+
+def _add_identity(p: argparse.ArgumentParser, d: dict[str, Any]) -> None:
+    """Which shards, which learner, and its credentials (ungrouped: the flags every run names)."""
     p.add_argument(
         "--shards",
         default=os.environ.get(ENV_SHARDS, ""),
@@ -86,138 +99,150 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="M, learners in the run (default %(default)s)",
     )
     p.add_argument(
-        "--preset",
-        default=d["preset"],
-        help="model size: tiny, small, base, large (default %(default)s)",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=d["batch_size"],
-        help="sequences per inner step (default %(default)s)",
-    )
-    p.add_argument(
-        "--steps", type=int, default=d["steps"], help="inner steps to run (default %(default)s)"
-    )
-    p.add_argument(
-        "--lr",
-        type=float,
-        default=d["lr"],
-        help="inner AdamW peak learning rate (default %(default)s)",
-    )
-    p.add_argument(
-        "--warmup", type=int, default=d["warmup"], help="inner warm-up steps (default %(default)s)"
-    )
-    p.add_argument(
-        "--period",
-        type=int,
-        default=d["period"],
-        help="H: inner steps between syncs of a fragment (default %(default)s)",
-    )
-    p.add_argument(
-        "--overlap",
-        type=int,
-        default=d["overlap"],
-        help="τ: steps trained while a sync is in flight (default %(default)s)",
-    )
-    p.add_argument(
-        "--mix",
-        type=float,
-        default=d["mix"],
-        help="α: share of local weights kept when adopting (default %(default)s)",
-    )
-    p.add_argument(
-        "--fragments",
-        type=int,
-        default=d["fragments"],
-        help="P: fragments; all learners must agree (default %(default)s)",
-    )
-    p.add_argument(
-        "--codec",
-        choices=["int4", "mxfp4", "fp32"],
-        default=d["codec"].name.lower(),
-        help="outer-gradient codec (default %(default)s)",
-    )
-    p.add_argument(
-        "--seed", type=int, default=d["seed"], help="init and data-order seed (default %(default)s)"
-    )
-    p.add_argument(
-        "--data",
-        type=pathlib.Path,
-        default=None,
-        help="text file, directory of text files, or .npy token array (default: the Python stdlib's sources)",
-    )
-    p.add_argument(
-        "--cache-dir", type=pathlib.Path, default=None, help="corpus cache (default ~/.cache/atoll)"
-    )
-    p.add_argument(
-        "--eval-every",
-        type=int,
-        default=d["eval_every"],
-        help="steps between evaluations; 0: only at the end (default %(default)s)",
-    )
-    p.add_argument(
-        "--eval-batches",
-        type=int,
-        default=d["eval_batches"],
-        help="held-out batches per evaluation (default %(default)s)",
-    )
-    p.add_argument(
-        "--slowdown",
-        type=float,
-        default=d["slowdown"],
-        help="stretch each step X times, emulating an older accelerator (default %(default)s)",
-    )
-    p.add_argument(
-        "--baseline", action="store_true", help="data-parallel reference: no syncer, M× batch"
-    )
-    p.add_argument(
         "--token-file",
         type=pathlib.Path,
         default=None,
         help="file holding this learner's bearer token (env ATOLL_TOKEN_FILE)",
     )
     add_tls_arguments(p)  # the same flags as every tool that calls shards
-    p.add_argument(
-        "--status-file",
-        type=pathlib.Path,
-        help="append JSON progress records here ({id} stands for the learner id)",
+
+
+def _add_training(g: argparse._ArgumentGroup, d: dict[str, Any]) -> None:
+    """The model, its data and the inner optimiser."""
+    g.add_argument(
+        "--preset",
+        default=d["preset"],
+        help="model size: tiny, small, base, large (default %(default)s)",
     )
-    p.add_argument(
-        "--push-log",
-        type=pathlib.Path,
-        help="append one JSON line per answered push here (fragment, seq, accepted, versions; "
-        "{id} stands for the learner id)",
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=d["batch_size"],
+        help="sequences per inner step (default %(default)s)",
     )
-    p.add_argument(
+    g.add_argument(
+        "--steps", type=int, default=d["steps"], help="inner steps to run (default %(default)s)"
+    )
+    g.add_argument(
+        "--lr",
+        type=float,
+        default=d["lr"],
+        help="inner AdamW peak learning rate (default %(default)s)",
+    )
+    g.add_argument(
+        "--warmup", type=int, default=d["warmup"], help="inner warm-up steps (default %(default)s)"
+    )
+    g.add_argument(
+        "--seed", type=int, default=d["seed"], help="init and data-order seed (default %(default)s)"
+    )
+    g.add_argument(
+        "--data",
+        type=pathlib.Path,
+        default=None,
+        help="text file, directory of text files, or .npy token array (default: the Python stdlib's sources)",
+    )
+    g.add_argument(
+        "--cache-dir", type=pathlib.Path, default=None, help="corpus cache (default ~/.cache/atoll)"
+    )
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=d["eval_every"],
+        help="steps between evaluations; 0: only at the end (default %(default)s)",
+    )
+    g.add_argument(
+        "--eval-batches",
+        type=int,
+        default=d["eval_batches"],
+        help="held-out batches per evaluation (default %(default)s)",
+    )
+    g.add_argument(
+        "--slowdown",
+        type=float,
+        default=d["slowdown"],
+        help="stretch each step X times, emulating an older accelerator (default %(default)s)",
+    )
+    g.add_argument(
+        "--baseline", action="store_true", help="data-parallel reference: no syncer, M× batch"
+    )
+
+
+def _add_sync(g: argparse._ArgumentGroup, d: dict[str, Any]) -> None:
+    """Decoupled DiLoCo's settings and the calls to the shards."""
+    g.add_argument(
+        "--period",
+        type=int,
+        default=d["period"],
+        help="H: inner steps between syncs of a fragment (default %(default)s)",
+    )
+    g.add_argument(
+        "--overlap",
+        type=int,
+        default=d["overlap"],
+        help="τ: steps trained while a sync is in flight (default %(default)s)",
+    )
+    g.add_argument(
+        "--mix",
+        type=float,
+        default=d["mix"],
+        help="α: share of local weights kept when adopting (default %(default)s)",
+    )
+    g.add_argument(
+        "--fragments",
+        type=int,
+        default=d["fragments"],
+        help="P: fragments; all learners must agree (default %(default)s)",
+    )
+    g.add_argument(
+        "--codec",
+        choices=["int4", "mxfp4", "fp32"],
+        default=d["codec"].name.lower(),
+        help="outer-gradient codec (default %(default)s)",
+    )
+    g.add_argument(
         "--wait-for-rounds",
         action="store_true",
         help="synchronous semantics, for baselines: when a fragment's round is still open a whole "
         "period after its push, stop training until it closes (by default a learner never waits)",
     )
-    p.add_argument(
+    g.add_argument(
         "--sync-patience",
         type=float,
         default=d["sync_patience"],
         help="seconds to wait on a round holding our push before training on without it "
         "(at least 4 periods of steps; default %(default)s)",
     )
-    p.add_argument(
+    g.add_argument(
         "--deadline",
         type=float,
         default=d["deadline"],
         help="seconds per call to a shard (default %(default)s)",
     )
-    p.add_argument(
+    g.add_argument(
         "--lease-exit-wait",
         type=float,
         default=d["lease_exit_wait"],
         help="seconds to wait at the end for syncs in flight (default %(default)s)",
     )
-    p.add_argument(
+
+
+def _add_state(g: argparse._ArgumentGroup, d: dict[str, Any]) -> None:
+    """What the learner writes and keeps, and standbys."""
+    g.add_argument(
+        "--status-file",
+        type=pathlib.Path,
+        help="append JSON progress records here ({id} stands for the learner id)",
+    )
+    g.add_argument(
+        "--push-log",
+        type=pathlib.Path,
+        help="append one JSON line per answered push here (fragment, seq, accepted, versions; "
+        "{id} stands for the learner id)",
+    )
+    g.add_argument(
         "--metrics-port", type=int, default=None, help="Prometheus /metrics port (off by default)"
     )
-    p.add_argument(
+    g.add_argument(
         "--compile-cache",
         type=pathlib.Path,
         default=pathlib.Path(os.environ[ENV_COMPILE_CACHE])
@@ -226,7 +251,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="directory for compiled programs, so a restarted learner skips compiling "
         "(env ATOLL_COMPILE_CACHE; off by default)",
     )
-    p.add_argument(
+    g.add_argument(
         "--checkpoint-dir",
         type=pathlib.Path,
         default=pathlib.Path(os.environ[ENV_CHECKPOINT_DIR])
@@ -236,33 +261,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "that a restart resumes from (same step, data position and optimiser state); "
         "also where learners claim their ids for standbys (env ATOLL_CHECKPOINT_DIR; off by default)",
     )
-    p.add_argument(
+    g.add_argument(
         "--checkpoint-every",
         type=int,
         default=_env_int(ENV_CHECKPOINT_EVERY, d["checkpoint_every"]),
         help="steps between checkpoints; 0: only when stopped by a signal "
         "(env ATOLL_CHECKPOINT_EVERY; default %(default)s)",
     )
-    p.add_argument(
+    g.add_argument(
         "--standby",
         action="store_true",
         help="load and compile, then wait to take over the id of a failed learner of "
         "--checkpoint-dir (its data shard, status file and checkpoint)",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress line")
-    p.add_argument(
+    g.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def _add_multihost(g: argparse._ArgumentGroup, d: dict[str, Any]) -> None:
+    """The processes of a learner spanning several hosts (learner/distributed.py)."""
+    g.add_argument(
         "--coordinator",
         default=None,
         help="HOST:PORT of process 0 of a multi-host learner (env ATOLL_COORDINATOR; "
         "a multi-host TPU slice needs none)",
     )
-    p.add_argument(
+    g.add_argument(
         "--num-processes",
         type=int,
         default=None,
         help="processes (hosts) of a multi-host learner (env ATOLL_NUM_PROCESSES)",
     )
-    p.add_argument(
+    g.add_argument(
         "--process-id",
         type=int,
         default=None,

@@ -272,3 +272,30 @@ def test_a_sync_setting_is_checked_once_by_the_synchronizer():
     assert (sync.period, sync.overlap, sync.patience) == (8, 3, cfg.sync_patience)
     with pytest.raises(LearnerConfigError, match=r"--overlap must be in \[0, --period=8\), got 8"):
         dataclasses.replace(cfg, overlap=8)
+
+
+@pytest.mark.parametrize(
+    "reason, status", [("SIGTERM", 143), ("SIGINT", 130), ("a stop request", 1), (None, 1)]
+)
+def test_a_stopped_learner_exits_with_128_plus_its_signal(reason, status):
+    from atoll.learner.loop import stopped_status
+    from atoll.learner.stopping import Stop
+
+    stop = Stop()
+    if reason is not None:
+        stop.set(reason)
+    assert stopped_status(stop) == status
+
+
+def test_no_function_of_the_learner_loop_cli_or_api_is_over_80_lines():
+    import ast
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "learner"
+    long = []
+    for name in ("loop.py", "main.py", "api.py"):
+        for node in ast.walk(ast.parse((root / name).read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{name}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long

@@ -1,7 +1,9 @@
 """A real `atoll learner` leaves within seconds of its SIGTERM whatever it waits for:
 shards that never answer at the start (nothing listening, or a listener that never
 speaks gRPC), and its one shard vanishing mid-run (stopped with SIGSTOP, or killed).
-In Kubernetes a learner that ignores SIGTERM holds its pod until the grace period ends."""
+In Kubernetes a learner that ignores SIGTERM holds its pod until the grace period ends.
+Stopped before its steps are done it exits 143 (128 + SIGTERM): a Job must not count it
+as completed."""
 
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ def test_sigterm_ends_the_wait_for_shards_nobody_serves(tmp_path, learners):
     )
     time.sleep(2.0)  # compiled (tiny), asking the shard: a wait with a 60 s deadline
     learner.stop()
-    assert learner.proc.returncode == 0, learner.output()
+    assert learner.proc.returncode == 128 + signal.SIGTERM, learner.output()  # not done: 143
     assert "SIGTERM: stopping" in learner.output()
     assert "stopped by SIGTERM while" in learner.output()  # joining (or compiling, if slow)
     assert "Traceback" not in learner.output()
@@ -107,7 +109,7 @@ def test_sigterm_ends_the_wait_for_a_shard_that_never_answers(tmp_path, learners
         with connection:
             time.sleep(1.0)
             learner.stop()
-    assert learner.proc.returncode == 0, learner.output()
+    assert learner.proc.returncode == 128 + signal.SIGTERM, learner.output()  # not done: 143
     assert "stopped by SIGTERM while joining the syncer" in learner.output()
     assert learner.records()[-1]["state"] == "stopped"
     assert "Traceback" not in learner.output()
@@ -129,7 +131,7 @@ def test_sigterm_ends_the_waits_of_a_learner_whose_shard_vanished(tmp_path, lear
         learner.stop()
         if fault == signal.SIGSTOP:
             os.kill(shard.pid, signal.SIGCONT)
-    assert learner.proc.returncode == 0, learner.output()
+    assert learner.proc.returncode == 128 + signal.SIGTERM, learner.output()  # not done: 143
     assert "stopped by SIGTERM at step" in learner.output()
     assert learner.records()[-1]["state"] == "stopped"
     assert "Traceback" not in learner.output()
