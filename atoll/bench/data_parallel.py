@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from atoll.learner.config import LearnerConfig
 from atoll.learner.defaults import EVAL_BATCHES, SEED
 
 WORKER_START_SECONDS = 300.0  # jax.distributed's wait for every process to join
@@ -50,8 +51,8 @@ class DataParallelConfig:
     shards: int = 2  # R: data shards (atoll's learners), one per process in a job, >= 1
     batch_size: int = 16  # sequences per shard per step; the global batch is shards x this
     steps: int = 200  # optimiser steps, >= 1
-    lr: float = 3e-3  # AdamW peak learning rate (the learners' default)
-    warmup: int = 20  # warm-up steps (the learners' default)
+    lr: float = LearnerConfig.lr  # AdamW peak learning rate (the learners' default)
+    warmup: int = LearnerConfig.warmup  # warm-up steps (the learners' default)
     eval_every: int = 0  # steps between held-out evaluations on process 0; 0: only at the end
     eval_batches: int = EVAL_BATCHES  # held-out batches of batch_size rows per evaluation
     seed: int = SEED  # init and data order
