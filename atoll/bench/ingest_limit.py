@@ -18,7 +18,6 @@ import resource
 import numpy as np
 
 from atoll.local.processes import _die_with_parent
-from atoll.server.merge import Segments
 from atoll.wire import codec
 from atoll.wire.plan import FragmentPlan
 
@@ -35,6 +34,17 @@ def learner_frames(plan: FragmentPlan, index: int) -> list[bytes]:
     return frames
 
 
+class _Segments:
+    """A fragment's tensors as the merge reads them (`merge.Segments`, without importing
+    the merge and the JAX it brings into this process)."""
+
+    def __init__(self, slots):
+        self.offsets = np.asarray([s.offset for s in slots], np.int64)
+        self.ends = np.asarray([s.end for s in slots], np.int64)
+        self.embedding = np.asarray([bool(s.spec.embedding) for s in slots], bool)
+        self.size = int(self.ends[-1])
+
+
 def _cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -49,7 +59,7 @@ def measure(
     first push written over it, as the merge does), and each push is weighted 1 and merged by RDA on non-embedding
     tensors, as `merge.RoundAccumulator` does; `fsyncs` fdatasyncs are spread evenly
     over the pushes."""
-    segments = [Segments.from_plan(plan, p) for p in range(plan.num_fragments)]
+    segments = [_Segments(plan.tensors_of(p)) for p in range(plan.num_fragments)]
     acc = np.zeros(max(plan.fragment_sizes), np.float32)
     pushes = rounds * plan.num_fragments * len(frames)
     done = synced = written = 0
