@@ -39,6 +39,7 @@ SPECS = [
 ]
 PLAN = FragmentPlan.build(SPECS, 4)
 H, TAU, TOKENS_PER_STEP = 32, 1, 512
+FIRST_STEPS = offsets(PLAN.num_fragments, H)
 
 
 class Clock:
@@ -114,7 +115,7 @@ def simulate(
     learners = [Learner(f"l{i}", s, random.Random(seed * 100 + i)) for i, s in enumerate(speeds)]
     closes: dict[int, list[float]] = {p: [] for p in range(PLAN.num_fragments)}
     known = {p: 0 for p in range(PLAN.num_fragments)}
-    first_steps = offsets(PLAN.num_fragments, H)
+    sim = Sim(shard, clock, frames, closes, known)
     end = periods * H * min(speeds)
     # (time, order, learner index) for step boundaries; learners start up to a period apart
     events = [
@@ -128,80 +129,12 @@ def simulate(
         while wake is not None and wake < t:  # the shard's round timer fires before this step ends
             clock.now = wake
             wake = shard.tick()
-            note_closes(shard, known, closes, clock.now)
+            sim.note_closes()
         clock.now = max(clock.now, t)
         shard.tick()
-        note_closes(shard, known, closes, clock.now)
+        sim.note_closes()
         l = learners[i]
-        shard.touch(l.name)  # the learner's Watch keeps its lease
-        if l.step == 0:  # joining: it pulls every fragment's current version and when to push it
-            for p, f in l.frags.items():
-                f.version = shard.fragments[p].version
-                due_in = shard.due_in(p, l.name)  # PullHeader.next_due_seconds
-                f.due_at = clock.now + due_in if due_in > 0 else None
-        l.step += 1
-        cadence = shard.cadence_seconds
-        per_period = steps_per_period(H, cadence, l.step_seconds)
-        blocked_until = clock.now
-        for p, f in l.frags.items():
-            if f.pushed_at_step is not None:
-                out = shard.fragments[p].version >= f.merged_in
-                adopt, _ = decide_adopt(
-                    step=l.step,
-                    task_step=f.pushed_at_step,
-                    done=out,
-                    overlap=TAU,
-                    per_period=per_period,
-                )
-                if adopt and not out:  # the run-ahead is spent: wait for the round
-                    return_at = close_time(closes[p], f.merged_in)
-                    if return_at is None:
-                        continue  # still not out: a real learner would block; try again next step
-                    blocked_until = max(blocked_until, return_at)
-                if adopt:
-                    f.version = shard.fragments[p].version
-                    f.pushed_at_step = None
-            if f.pushed_at_step is not None:
-                continue
-            push, f.due_at, _ = decide_push(
-                step=l.step,
-                first_step=first_steps[p],
-                last_sync_step=f.last_sync_step,
-                due_at=f.due_at,
-                now=clock.now,
-                period=H,
-                cadence_seconds=cadence,
-                step_seconds=l.step_seconds,
-            )
-            if push:
-                steps = l.step - (f.last_sync_step or 0)
-                l.seq += 1
-                h = PushHeader(
-                    l.name,
-                    p,
-                    f.version,
-                    l.seq,
-                    steps,
-                    steps * TOKENS_PER_STEP,
-                    int(codec.Codec.INT4),
-                    PLAN.fragment_sizes[p],
-                    PLAN.fingerprint,
-                    l.step_seconds,
-                    TAU,
-                    H,
-                )
-                answer = shard.push(h, frames[p])
-                note_closes(shard, known, closes, clock.now)
-                due_in = shard.due_in(p, l.name)  # PushResponse.next_due_seconds
-                f.due_at = (
-                    clock.now + due_in if due_in > 0 else (clock.now + cadence if cadence else None)
-                )
-                l.pushes.append((p, answer.staleness, answer.accepted))
-                f.last_sync_step = l.step
-                if answer.accepted:
-                    f.pushed_at_step, f.merged_in = l.step, f.version + answer.staleness + 1
-                else:  # resync: adopt the current version
-                    f.version = shard.fragments[p].version
+        blocked_until = step_learner(sim, l)
         l.blocked_seconds += blocked_until - clock.now
         step = l.step_seconds * (1 + l.rng.uniform(-jitter, jitter))
         if l.rng.random() < stalls:  # an evaluation, a GC pause, a busy host: a few steps lost
@@ -209,6 +142,100 @@ def simulate(
         order += 1
         heapq.heappush(events, (blocked_until + step, order, i))
     return shard, learners, closes, end
+
+
+@dataclasses.dataclass
+class Sim:
+    """The shard, the clock and the round closes seen so far, shared by the learners."""
+
+    shard: Shard
+    clock: Clock
+    frames: dict[int, bytes]  # the outer-gradient frame each push of a fragment sends
+    closes: dict[int, list[float]]  # per fragment, when each version came out
+    known: dict[int, int]  # per fragment, the versions in `closes`
+
+    def note_closes(self) -> None:
+        note_closes(self.shard, self.known, self.closes, self.clock.now)
+
+
+def step_learner(sim: Sim, l: Learner) -> float:
+    """Learner l's step boundary: adopts, blocks or pushes per fragment, as
+    `Synchronizer.after_step` does; returns when its next step may start."""
+    sim.shard.touch(l.name)  # the learner's Watch keeps its lease
+    if l.step == 0:  # joining: it pulls every fragment's current version and when to push it
+        for p, f in l.frags.items():
+            f.version = sim.shard.fragments[p].version
+            due_in = sim.shard.due_in(p, l.name)  # PullHeader.next_due_seconds
+            f.due_at = sim.clock.now + due_in if due_in > 0 else None
+    l.step += 1
+    cadence = sim.shard.cadence_seconds
+    per_period = steps_per_period(H, cadence, l.step_seconds)
+    blocked_until = sim.clock.now
+    for p, f in l.frags.items():
+        if f.pushed_at_step is not None:
+            out = sim.shard.fragments[p].version >= f.merged_in
+            adopt, _ = decide_adopt(
+                step=l.step,
+                task_step=f.pushed_at_step,
+                done=out,
+                overlap=TAU,
+                per_period=per_period,
+            )
+            if adopt and not out:  # the run-ahead is spent: wait for the round
+                return_at = close_time(sim.closes[p], f.merged_in)
+                if return_at is None:
+                    continue  # still not out: a real learner would block; try again next step
+                blocked_until = max(blocked_until, return_at)
+            if adopt:
+                f.version = sim.shard.fragments[p].version
+                f.pushed_at_step = None
+        if f.pushed_at_step is not None:
+            continue
+        push, f.due_at, _ = decide_push(
+            step=l.step,
+            first_step=FIRST_STEPS[p],
+            last_sync_step=f.last_sync_step,
+            due_at=f.due_at,
+            now=sim.clock.now,
+            period=H,
+            cadence_seconds=cadence,
+            step_seconds=l.step_seconds,
+        )
+        if push:
+            push_fragment(sim, l, p, f, cadence)
+    return blocked_until
+
+
+def push_fragment(sim: Sim, l: Learner, p: int, f: Frag, cadence: float | None) -> None:
+    """Learner l pushes fragment p to the shard and takes its answer."""
+    steps = l.step - (f.last_sync_step or 0)
+    l.seq += 1
+    h = PushHeader(
+        l.name,
+        p,
+        f.version,
+        l.seq,
+        steps,
+        steps * TOKENS_PER_STEP,
+        int(codec.Codec.INT4),
+        PLAN.fragment_sizes[p],
+        PLAN.fingerprint,
+        l.step_seconds,
+        TAU,
+        H,
+    )
+    answer = sim.shard.push(h, sim.frames[p])
+    sim.note_closes()
+    due_in = sim.shard.due_in(p, l.name)  # PushResponse.next_due_seconds
+    f.due_at = (
+        sim.clock.now + due_in if due_in > 0 else (sim.clock.now + cadence if cadence else None)
+    )
+    l.pushes.append((p, answer.staleness, answer.accepted))
+    f.last_sync_step = l.step
+    if answer.accepted:
+        f.pushed_at_step, f.merged_in = l.step, f.version + answer.staleness + 1
+    else:  # resync: adopt the current version
+        f.version = sim.shard.fragments[p].version
 
 
 def note_closes(
