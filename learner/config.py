@@ -10,7 +10,6 @@ import os
 import pathlib
 import re
 import tempfile
-from typing import TYPE_CHECKING
 
 # the learner's defaults (learner/defaults.py), re-exported for whoever builds configs
 from atoll.learner.defaults import (  # noqa: F401
@@ -27,14 +26,12 @@ from atoll.learner.defaults import (  # noqa: F401
     SEED,
     STEPS,
     SYNC_PATIENCE,
+    SyncConfig,
 )
 from atoll.learner.distributed import (
     DistributedConfig,
 )
 from atoll.wire.codec import Codec
-
-if TYPE_CHECKING:
-    from atoll.learner.sync import SyncConfig
 
 
 def _need(ok: bool, message: str) -> None:
@@ -216,8 +213,6 @@ class LearnerConfig:
 
     def sync_config(self) -> SyncConfig:
         """The synchronizer's settings of this learner."""
-        from atoll.learner.sync import SyncConfig  # here: sync.py reads this module's defaults
-
         return SyncConfig(
             period=self.period,
             overlap=self.overlap,

@@ -1,11 +1,14 @@
-"""The learner's defaults, declared once: LearnerConfig (`atoll learner`, learner/config.py
-re-exports them), SyncConfig (learner/sync.py), atoll.Learner (learner/api.py) and
+"""The learner's defaults, declared once, and SyncConfig, the synchronizer's settings: LearnerConfig (`atoll learner`, learner/config.py
+re-exports them), SyncConfig (below), atoll.Learner (learner/api.py) and
 UpConfig (`atoll up`) read them, and tests/test_defaults.py holds every entry point to
 them. The built-in benches (`atoll bench quality`, `atoll chaos`) keep budgets of their own
 and say so where they set them."""
 
 from __future__ import annotations
 
+import dataclasses
+
+from atoll.wire import codec
 from atoll.wire.codec import DEFAULT_CODEC
 
 # H = 32: on `atoll bench quality`'s budget the gap to data-parallel training grows with H
@@ -25,3 +28,34 @@ BATCH_SIZE = 16  # sequences per inner step
 STEPS = 200  # inner steps to run
 EVAL_BATCHES = 8  # held-out batches per evaluation
 SEED = 0  # model init seed and data order
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncConfig:
+    """A synchronizer's settings, checked at construction; the defaults are the
+    learner's (learner/defaults.py), declared once."""
+
+    period: int = PERIOD  # H: inner steps between two syncs of one fragment, >= 1
+    overlap: int = OVERLAP  # τ: steps training continues before adopting a push's result, in [0, H)
+    mix: float = MIX  # α: share of the local fragment kept when adopting, in [0, 1)
+    codec: codec.Codec = CODEC  # outer-gradient codec on the wire
+    max_backoff: float = 5.0  # seconds, cap of the retry backoff (jittered), > 0
+    patience: float = (
+        SYNC_PATIENCE  # seconds (at least; 4 periods of steps if longer) to wait for a round
+    )
+    wait_for_rounds: bool = False  # synchronous semantics: block when a round is a period late
+
+    def __post_init__(self) -> None:
+        if self.period < 1:
+            raise ValueError(f"period (H) must be at least 1, got {self.period}")
+        if not 0 <= self.overlap < self.period:
+            raise ValueError(
+                f"overlap (τ) must be in [0, H={self.period}), got {self.overlap}: "
+                "a fragment must be adopted before its next sync"
+            )
+        if not 0 <= self.mix < 1:
+            raise ValueError(f"mix (α) must be in [0, 1), got {self.mix}")
+        if self.patience <= 0:
+            raise ValueError(f"patience must be > 0 seconds, got {self.patience}")
+        if self.max_backoff <= 0:
+            raise ValueError(f"max_backoff must be > 0, got {self.max_backoff}")

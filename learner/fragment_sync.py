@@ -25,12 +25,13 @@ import concurrent.futures
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import grpc
 import numpy as np
 
 from atoll.learner import schedule
+from atoll.learner.defaults import SyncConfig
 from atoll.learner.routing import Router
 from atoll.learner.stopping import Stopped
 from atoll.learner.watch import Versions
@@ -38,9 +39,6 @@ from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire.client import IncompletePull, Pulled
 from atoll.wire.plan import FragmentPlan
-
-if TYPE_CHECKING:
-    from atoll.learner.sync import SyncConfig
 
 log = logging.getLogger("atoll.learner")
 

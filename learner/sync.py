@@ -19,7 +19,6 @@ only when the round is RUN_AHEAD_PERIODS late (see `schedule.decide_adopt`).
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
@@ -29,7 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from atoll.learner import schedule
-from atoll.learner.defaults import CODEC, MIX, OVERLAP, PERIOD, SYNC_PATIENCE
+from atoll.learner.defaults import SyncConfig
 from atoll.learner.fragment_sync import FragmentSync, Link, Pace
 from atoll.learner.routing import (
     ASK_OTHERS_AFTER,
@@ -80,37 +79,6 @@ __all__ = [
 log = logging.getLogger("atoll.learner")
 Params = dict[str, Any]  # nested str-keyed dict of arrays, the model's parameter tree
 T = TypeVar("T")
-
-
-@dataclasses.dataclass(frozen=True)
-class SyncConfig:
-    """A synchronizer's settings, checked at construction; the defaults are the
-    learner's (learner/defaults.py), declared once."""
-
-    period: int = PERIOD  # H: inner steps between two syncs of one fragment, >= 1
-    overlap: int = OVERLAP  # τ: steps training continues before adopting a push's result, in [0, H)
-    mix: float = MIX  # α: share of the local fragment kept when adopting, in [0, 1)
-    codec: codec.Codec = CODEC  # outer-gradient codec on the wire
-    max_backoff: float = 5.0  # seconds, cap of the retry backoff (jittered), > 0
-    patience: float = (
-        SYNC_PATIENCE  # seconds (at least; 4 periods of steps if longer) to wait for a round
-    )
-    wait_for_rounds: bool = False  # synchronous semantics: block when a round is a period late
-
-    def __post_init__(self) -> None:
-        if self.period < 1:
-            raise ValueError(f"period (H) must be at least 1, got {self.period}")
-        if not 0 <= self.overlap < self.period:
-            raise ValueError(
-                f"overlap (τ) must be in [0, H={self.period}), got {self.overlap}: "
-                "a fragment must be adopted before its next sync"
-            )
-        if not 0 <= self.mix < 1:
-            raise ValueError(f"mix (α) must be in [0, 1), got {self.mix}")
-        if self.patience <= 0:
-            raise ValueError(f"patience must be > 0 seconds, got {self.patience}")
-        if self.max_backoff <= 0:
-            raise ValueError(f"max_backoff must be > 0, got {self.max_backoff}")
 
 
 class Synchronizer:
