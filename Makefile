@@ -41,16 +41,18 @@ lint: setup-test
 	$(BIN)/ruff format --check .
 	$(MAKE) typecheck
 
-# mypy (strict, [tool.mypy]) on server/ and wire/ as the packages atoll.server and
-# atoll.wire. The editable install maps them with an import hook mypy cannot see, so
+# mypy (strict, [tool.mypy]) on server/, learner/ and wire/ as the packages atoll.server,
+# atoll.learner and atoll.wire. The editable install maps them with an import hook mypy
+# cannot see, so
 # build/typecheck/atoll/ links them in under their real names; [tool.mypy]'s mypy_path
 # puts that tree ahead of the repo's own ./atoll.
 typecheck: setup-test
 	mkdir -p build/typecheck/atoll
 	touch build/typecheck/atoll/__init__.py
 	ln -sfn ../../../server build/typecheck/atoll/server
+	ln -sfn ../../../learner build/typecheck/atoll/learner
 	ln -sfn ../../../wire build/typecheck/atoll/wire
-	$(BIN)/mypy -p atoll.server -p atoll.wire
+	$(BIN)/mypy -p atoll.server -p atoll.learner -p atoll.wire
 
 format: setup-test
 	$(BIN)/ruff check --fix .
