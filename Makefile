@@ -43,9 +43,8 @@ lint: setup-test
 
 # mypy (strict, [tool.mypy]) on server/, learner/ and wire/ as the packages atoll.server,
 # atoll.learner and atoll.wire. The editable install maps them with an import hook mypy
-# cannot see, so
-# build/typecheck/atoll/ links them in under their real names; [tool.mypy]'s mypy_path
-# puts that tree ahead of the repo's own ./atoll.
+# cannot see, so build/typecheck/atoll/ links them in under their real names;
+# [tool.mypy]'s mypy_path puts that tree ahead of the repo's own ./atoll.
 typecheck: setup-test
 	mkdir -p build/typecheck/atoll
 	touch build/typecheck/atoll/__init__.py
