@@ -213,6 +213,8 @@ def setup(cfg: LearnerConfig, stop: Stop, held: _Held) -> _Run | None:
     run = _Run(cfg, stop, trainer, None, _Metrics(cfg.learner_id), _status(cfg), leader)
     if cfg.metrics_port is not None and leader:
         prom.start_http_server(cfg.metrics_port, registry=run.metrics.registry)
+    # where the last run of this id got to, read before this run's first record
+    resume = _resume_point(cfg.status_file, cfg.learner_id) if leader else (0, 0)
     _emit(run, "joining")
     trainer.compile()
     if stop.is_set():
@@ -221,7 +223,7 @@ def setup(cfg: LearnerConfig, stop: Stop, held: _Held) -> _Run | None:
     if not cfg.baseline:
         run.learner = held.learner = _join(run)
     if not run.learner or not run.learner.resumed:
-        _resume_from_status(run)
+        _resume_from_status(run, resume)
     log.info(
         "learner %s: %s model (%d params), batch %d, %s, data %s, from step %d%s",
         cfg.learner_id,
@@ -319,11 +321,10 @@ def _join(run: _Run) -> Learner:
     return learner
 
 
-def _resume_from_status(run: _Run) -> None:
-    """No checkpoint: the step and tokens of this learner's last status record (process
-    0's), so a restart goes on with its data and schedule."""
-    cfg, trainer = run.cfg, run.trainer
-    resume = _resume_point(cfg.status_file, cfg.learner_id) if run.leader else (0, 0)
+def _resume_from_status(run: _Run, resume: tuple[int, int]) -> None:
+    """No checkpoint: the step and tokens of this learner's last status record (`resume`,
+    process 0's), so a restart goes on with its data and schedule."""
+    trainer = run.trainer
     steps, tokens = (int(x) for x in distributed.broadcast(np.asarray(resume, np.int64)))
     trainer.steps_done, trainer.tokens_total = steps, tokens
     if run.learner is not None:
