@@ -51,9 +51,11 @@ def frame_need(header: pb.InitHeader | pb.PushHeader, plan: FragmentPlan | None)
 
 async def read_chunks(
     context: grpc.aio.ServicerContext, kind: str, declared: int, field: str, idle_seconds: float
-) -> bytes:
-    """The chunks that follow a stream's header, joined: exactly the `declared` bytes
-    its header's `field` announced (the caller holds them against the budgets)."""
+) -> list[bytes]:
+    """The chunks that follow a stream's header, as they arrived: exactly the `declared`
+    bytes its header's `field` announced (the caller holds them against the budgets). Not
+    joined: a push's frame is checked, logged and merged in its pieces (a joined frame
+    above the allocator's mmap threshold faulted in fresh zeroed pages on every push)."""
     parts: list[bytes] = []
     received = 0
     while (request := await read_message(context, kind, idle_seconds)) is not grpc.aio.EOF:
@@ -71,7 +73,7 @@ async def read_chunks(
             Why.MALFORMED,
             f"truncated stream: {received} of {declared} {field.split('_')[0]} bytes arrived",
         )
-    return b"".join(parts)
+    return parts
 
 
 def describe_response(shard: Shard) -> pb.DescribeResponse:

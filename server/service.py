@@ -183,8 +183,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     @contextlib.asynccontextmanager
     async def _intake(
         self, kind: str, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[tuple[Any, bytes]]:
-        """Reads a header then chunks; yields (header, frame) with the frame's bytes held
+    ) -> AsyncIterator[tuple[Any, list[bytes]]]:
+        """Reads a header then chunks; yields (header, frame in its chunks) with its bytes held
         against the budgets until the block ends. Raises ShardError for a stream out of
         shape, oversize, stalled, or from a caller that may not send it."""
         first = await read_message(context, kind, self.cfg.stream_idle_seconds)
@@ -211,7 +211,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             frame = await read_chunks(
                 context, kind, declared, "frame_bytes", self.cfg.stream_idle_seconds
             )
-            self.shard.metrics.bytes_in.inc(len(frame))
+            self.shard.metrics.bytes_in.inc(declared)
             yield header, frame
 
     @contextlib.contextmanager
@@ -231,7 +231,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         with self._open("Init"):
             try:
                 async with self._intake("Init", context) as (header, frame):
-                    created, version = await self._call(self._init, header, frame)
+                    created, version = await self._call(self._init, header, b"".join(frame))
             except ShardError as e:
                 await self._refuse(context, "Init", e)
             return pb.InitResponse(created=created, version=version)
@@ -270,7 +270,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 next_due_seconds=self.shard.due_in(h.fragment, h.learner_id),
             )
 
-    def _push(self, h: PushHeader, frame: bytes) -> Answer:
+    def _push(self, h: PushHeader, frame: list[bytes]) -> Answer:
         with self.shard.metrics.push_seconds.time():
             return self.shard.push(h, frame)
 
@@ -457,9 +457,9 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                     raise ShardError(Why.MALFORMED, "the first message must be the header")
                 declared = first.header.payload_bytes
                 with self.budget.hold(context.peer(), declared):
-                    payload = await read_chunks(
-                        context, "Adopt", declared, "payload_bytes", self.cfg.stream_idle_seconds
-                    )
+                    idle = self.cfg.stream_idle_seconds
+                    parts = await read_chunks(context, "Adopt", declared, "payload_bytes", idle)
+                    payload = b"".join(parts)
                     try:
                         meta = json.loads(first.header.meta_json)
                     except (ValueError, RecursionError) as e:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -209,7 +210,7 @@ class Shard(Recovery, MoveCalls):
                 self._version_changed()
             return True, self.fragments[p].version
 
-    def push(self, h: PushHeader, frame: bytes) -> Answer:
+    def push(self, h: PushHeader, frame: bytes | Sequence[bytes]) -> Answer:
         """Judges, logs and merges one outer gradient; returns its acknowledgement once
         its record is durable.
 
@@ -235,7 +236,9 @@ class Shard(Recovery, MoveCalls):
         self._sync(durable_at)  # fsync before ack: the ack is a promise
         return self._count(answer)
 
-    def _checked_push(self, h: PushHeader, frame: bytes) -> tuple[Fragment, codec.Codes]:
+    def _checked_push(
+        self, h: PushHeader, frame: bytes | Sequence[bytes]
+    ) -> tuple[Fragment, codec.Codes]:
         """(fragment, the frame's checked codes) of a push whose header and frame pass
         every check made before a lock is taken; ShardError otherwise."""
         problem = h.problem()
@@ -262,7 +265,12 @@ class Shard(Recovery, MoveCalls):
         return frag, codes
 
     def _judged(
-        self, h: PushHeader, frag: Fragment, codes: codec.Codes, frame: bytes, now: float
+        self,
+        h: PushHeader,
+        frag: Fragment,
+        codes: codec.Codes,
+        frame: bytes | Sequence[bytes],
+        now: float,
     ) -> tuple[Answer, int | None]:
         """(answer, the LSN to make durable before it goes out; None: a refusal, nothing
         logged) of a push, under its fragment's lock: a retry gets its first answer, a new
@@ -318,7 +326,7 @@ class Shard(Recovery, MoveCalls):
         h: PushHeader,
         frag: Fragment,
         codes: codec.Codes,
-        frame: bytes,
+        frame: bytes | Sequence[bytes],
         answer: Answer,
         now: float,
     ) -> tuple[Answer, int]:
