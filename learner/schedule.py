@@ -24,6 +24,13 @@ import math
 Seconds = float  # a duration, or an instant on the learner's monotonic clock
 
 STEP_WINDOW = 128  # recent steps whose mean is this learner's step time (what the cadence follows)
+# ... and at least this many periods of them: on a loaded host each learner's pace swings
+# 3-6x for seconds at a time as other processes take the cores, and the shards pace the
+# cadence by the fastest learners. Over 2 periods (128 steps at H = 64) the fastest at any
+# moment is the luckiest one just then, so the period held ~0.6 H steps of the run's
+# actual pace and fragments took 1.6-1.8 outer steps per H steps; over 16 periods each
+# learner's figure is its own long-run pace, and the fastest is the one that really is.
+STEP_WINDOW_PERIODS = 16
 STEP_WARMUP = 2  # the first steps after joining are not counted (they compile)
 # Periods a fragment trains on while its push waits in an open round before the learner
 # waits for that round: 2 lets a push that just missed a close (back one period plus a
@@ -260,6 +267,12 @@ class StepTimer:
     mean). A period must hold H steps of wall time; a median or a trimmed mean gave a
     cadence half that long, so rounds came due twice as often as learners pushed and
     half the pushes arrived a version stale."""
+
+    @classmethod
+    def for_period(cls, period: int) -> StepTimer:
+        """A timer whose window spans STEP_WINDOW_PERIODS periods of H steps (at least
+        STEP_WINDOW steps): the pace a period's wall time actually holds."""
+        return cls(max(STEP_WINDOW, STEP_WINDOW_PERIODS * period))
 
     def __init__(self, window: int = STEP_WINDOW, warmup: int = STEP_WARMUP):
         self.warmup = warmup

@@ -148,7 +148,7 @@ class Synchronizer:
         self.pool = concurrent.futures.ThreadPoolExecutor(max(2, plan.num_fragments), "sync")
         self.seq = 0  # pushes so far; join() goes on from the newest seq the shards answered
         self.pushes_started = 0  # sync tasks started (the training loop times evaluations by it)
-        self._step_timer = schedule.StepTimer()
+        self._step_timer = schedule.StepTimer.for_period(cfg.period)
 
     # --- routing, as the router has it ---
 

@@ -64,6 +64,7 @@ class Learner:
     name: str
     step_seconds: float
     rng: random.Random
+    measured: bool = False  # report the StepTimer's estimate of the steps taken, as a learner does
     step: int = 0
     seq: int = 0
     blocked_seconds: float = 0.0
@@ -71,6 +72,27 @@ class Learner:
 
     def __post_init__(self):
         self.frags = {p: Frag() for p in range(PLAN.num_fragments)}
+        self.timer = StepTimer.for_period(H)  # as the learner keeps it (learner/sync.py)
+        self.estimate = self.step_seconds  # the step time it reports (StepTimer when measured)
+        self.load = 1.0  # what other processes on its host slow its steps by, now
+        self.load_until = 0.0
+
+    def step_time(
+        self, now: float, jitter: float, stalls: float, load, pauses: tuple[float, float]
+    ) -> float:
+        """How long its next step takes, started at `now`; records it when measured."""
+        rng = self.rng
+        if load is not None and now >= self.load_until:  # the host's load moves
+            self.load, hold = load(rng)
+            self.load_until = now + hold
+        step = self.step_seconds * self.load * (1 + rng.uniform(-jitter, jitter))
+        if rng.random() < stalls:  # an evaluation, a GC pause, a busy host: a few steps lost
+            step += self.step_seconds * rng.uniform(2, 8)
+        if pauses[0] and rng.random() < pauses[0]:  # descheduled: a pause of many steps
+            step += pauses[1]
+        if self.measured:
+            self.estimate = self.timer.add(self.step + 1, step)
+        return step
 
 
 def simulate(
@@ -82,8 +104,15 @@ def simulate(
     jitter: float = 0.05,
     stalls: float = 0.0,
     start_spread: float = 1.0,
+    load=None,
+    measured: bool = False,
+    pauses: tuple[float, float] = (0.0, 0.0),
 ):
-    """Runs the learners for `periods` sync periods of the fastest; returns (shard, learners, close times)."""
+    """Runs the learners for `periods` sync periods of the fastest; returns (shard, learners,
+    close times, end). `load(rng)` -> (factor, seconds): each learner's steps are slowed by
+    `factor` for `seconds` at a time (other processes on its host); `pauses` (p, seconds):
+    a step is held `seconds` longer with probability p (descheduled); `measured`: learners
+    report the StepTimer's estimate of the steps they took, not their nominal speed."""
     clock = Clock()
     cfg = ShardConfig(
         shard_index=0,
@@ -112,7 +141,9 @@ def simulate(
         )
         for p in range(PLAN.num_fragments)
     }
-    learners = [Learner(f"l{i}", s, random.Random(seed * 100 + i)) for i, s in enumerate(speeds)]
+    learners = [
+        Learner(f"l{i}", s, random.Random(seed * 100 + i), measured) for i, s in enumerate(speeds)
+    ]
     closes: dict[int, list[float]] = {p: [] for p in range(PLAN.num_fragments)}
     known = {p: 0 for p in range(PLAN.num_fragments)}
     sim = Sim(shard, clock, frames, closes, known)
@@ -136,9 +167,7 @@ def simulate(
         l = learners[i]
         blocked_until = step_learner(sim, l)
         l.blocked_seconds += blocked_until - clock.now
-        step = l.step_seconds * (1 + l.rng.uniform(-jitter, jitter))
-        if l.rng.random() < stalls:  # an evaluation, a GC pause, a busy host: a few steps lost
-            step += l.step_seconds * l.rng.uniform(2, 8)
+        step = l.step_time(blocked_until, jitter, stalls, load, pauses)
         order += 1
         heapq.heappush(events, (blocked_until + step, order, i))
     return shard, learners, closes, end
@@ -169,7 +198,7 @@ def step_learner(sim: Sim, l: Learner) -> float:
             f.due_at = sim.clock.now + due_in if due_in > 0 else None
     l.step += 1
     cadence = sim.shard.cadence_seconds
-    per_period = steps_per_period(H, cadence, l.step_seconds)
+    per_period = steps_per_period(H, cadence, l.estimate)
     blocked_until = sim.clock.now
     for p, f in l.frags.items():
         if f.pushed_at_step is not None:
@@ -199,7 +228,7 @@ def step_learner(sim: Sim, l: Learner) -> float:
             now=sim.clock.now,
             period=H,
             cadence_seconds=cadence,
-            step_seconds=l.step_seconds,
+            step_seconds=l.estimate,
         )
         if push:
             push_fragment(sim, l, p, f, cadence)
@@ -220,7 +249,7 @@ def push_fragment(sim: Sim, l: Learner, p: int, f: Frag, cadence: float | None) 
         int(codec.Codec.INT4),
         PLAN.fragment_sizes[p],
         PLAN.fingerprint,
-        l.step_seconds,
+        l.estimate,
         TAU,
         H,
     )
@@ -340,3 +369,25 @@ def test_the_step_time_a_learner_reports_holds_its_wall_time_with_skewed_steps()
     assert estimate > 2 * np.median(steps)
     fresh = StepTimer()
     assert fresh.add(1, 2.0) == 2.0  # before any other step, the first one is all there is
+
+
+def bursty_load(rng: random.Random) -> tuple[float, float]:
+    """Other processes on a loaded host: a learner's steps run at full speed or 4x slower,
+    switching every few periods (each learner on its own)."""
+    return rng.choice([1.0, 4.0]), rng.expovariate(1 / (4 * H * 0.1))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_period_holds_h_steps_of_the_fastest_learner_under_bursty_load(tmp_path, seed):
+    """Learners of one speed on a loaded host, reporting the step time they measure: the
+    fastest at any moment is whichever the load spared just then. The cadence must follow
+    each learner's long-run pace (StepTimer.for_period), not the luckiest recent window,
+    or a period holds fewer than H steps and fragments take more outer steps than the
+    fastest learner makes periods (1.6-1.8x in `atoll up` under load, with a 128-step window)."""
+    speeds = [0.1] * 4
+    shard, learners, _, _ = simulate(
+        speeds, quorum=2, periods=80, tmp_path=tmp_path, seed=seed, load=bursty_load, measured=True
+    )
+    periods = max(l.step for l in learners) / H
+    rates = [f.version / periods for f in shard.fragments.values()]
+    assert all(0.8 <= r <= 1.25 for r in rates), rates

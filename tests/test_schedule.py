@@ -264,3 +264,14 @@ def test_a_stop_ends_a_wait_on_a_version():
     stopping.set()
     with pytest.raises(Stopped):
         frag.link.versions.wait_for(0, 4)
+
+
+def test_the_step_timer_spans_many_periods_of_steps():
+    # a period's wall time holds H steps of a learner's long-run pace, not of its last
+    # two periods (on a loaded host the pace swings for seconds at a time)
+    assert schedule.StepTimer.for_period(64).recent.maxlen == schedule.STEP_WINDOW_PERIODS * 64
+    assert schedule.StepTimer.for_period(2).recent.maxlen == schedule.STEP_WINDOW
+    timer = schedule.StepTimer.for_period(64)
+    for step in range(1, 3 + 64 * schedule.STEP_WINDOW_PERIODS):
+        estimate = timer.add(step, 0.02 if (step // 256) % 2 else 0.08)  # fast, then loaded
+    assert estimate == pytest.approx(0.05, rel=0.01)  # the mean of both, not the last burst
