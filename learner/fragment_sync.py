@@ -213,15 +213,20 @@ class FragmentSync:
             period_steps=link.cfg.period,
             last=last,
         )
+        sent = [link.clock()]  # when the answered attempt left
+
+        def attempt() -> pb.PushResponse:
+            sent[0] = link.clock()
+            return link.router.client_of(p).push(header, frame)
+
         # a retry goes to p's owner by the newest map: the same seq, so a push that reached
         # the old owner first is answered once, from the state that moved with p
-        ack = link.router.retry(
-            lambda: link.router.client_of(p).push(header, frame), f"push fragment {p}", fragment=p
-        )
+        ack = link.router.retry(attempt, f"push fragment {p}", fragment=p)
         if ack.cadence_seconds > 0:
             link.pace.cadence_seconds = ack.cadence_seconds
-        # the fragment's schedule, from the shard (relative: no clock in common needed)
-        due_at = schedule.due_after(link.clock(), ack.next_due_seconds)
+        # the fragment's schedule, from the shard (relative: no clock in common needed),
+        # counted from when the push left (`schedule.due_after`)
+        due_at = schedule.due_after(sent[0], ack.next_due_seconds)
         link.count("bytes_sent", len(frame))
         link.count("pushes", 1)
         if link.on_push is not None:
@@ -261,13 +266,14 @@ class FragmentSync:
         """Asks the shard when this learner's first push of the fragment is due (a pull
         from the version just announced: no frames unless another round closed since)."""
         link, p = self.link, self.p
+        sent = link.clock()
         try:  # one try: on failure the first push goes on step counts (t_p) instead
             pulled = link.router.call_shard(lambda: link.router.client_of(p).pull(p, have))
         except (grpc.RpcError, IncompletePull, Stopped):
             return
         link.count("bytes_received", sum(len(f) for _, _, f in pulled.frames))
         if pulled.next_due_seconds > 0 and self.due_at is None:
-            self.due_at = link.clock() + pulled.next_due_seconds
+            self.due_at = schedule.due_after(sent, pulled.next_due_seconds)
 
     def pull(self, have: int | None) -> Pulled:
         link, p = self.link, self.p

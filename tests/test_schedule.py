@@ -241,6 +241,26 @@ def test_a_refused_push_resyncs_and_takes_the_shards_due_time_on_the_learners_cl
     assert shard.pushes[0].seq == 1 and shard.pushes[0].inner_steps == 8
 
 
+def test_the_due_time_counts_from_when_the_push_left_not_from_its_answer():
+    # on a loaded host a push and its answer each take hundreds of ms: the shard names the
+    # next push 3 s after it judged this one, so counted from the answer the learner's next
+    # push would arrive late by both ways, past the round's grace window
+    clock = Clock(500.0)
+
+    class Slow(_Shard):
+        def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushResponse:
+            clock.advance(0.2)  # the request's way there
+            answer = super().push(header, frame)
+            clock.advance(0.2)  # the answer's way back
+            return answer
+
+    shard = Slow(pb.PushResponse(accepted=False, next_due_seconds=3.0), np.zeros(4, np.float32), 7)
+    frag, _ = _fragment(shard, clock)
+    outcome = frag.sync(np.ones(4, np.float32), seq=1, steps=8, tokens=64)
+    # the shard's instant is 503.2 on this clock; the next push, sent at 503.0, gets there then
+    assert outcome.due_at == pytest.approx(503.0)
+
+
 def test_a_round_that_does_not_close_in_time_is_left_without_waiting_on_a_real_clock():
     # each reading of the clock moves it 10 s on: the patience (1 s) is spent at the first
     # look, so the task goes on without the round and nothing sleeps
