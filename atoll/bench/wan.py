@@ -326,32 +326,47 @@ def compare(dp: dict, atoll: dict, cfg: WanBenchConfig) -> dict:
 
 
 def plot(result: dict, out_dir: pathlib.Path) -> str:
-    """wan.png: eval loss against seconds of training, both runs."""
+    """wan.png: eval loss against seconds of training (log) and against tokens, both runs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cfg = result["config"]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    cfg, c = result["config"], result["comparison"]
+    fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for name, run, style in (
         ("data-parallel", result["data_parallel"], "o-"),
         ("atoll", result["atoll"], "s-"),
     ):
-        xs = [e["seconds"] for e in run["eval"]]
-        ys = [e["eval_loss"] for e in run["eval"]]
-        ax.plot(xs, ys, style, label=f"{name} ({run['train_seconds']:.0f} s)")
-    c = result["comparison"]
-    ax.axhline(c["equal_loss"], color="grey", lw=0.8, ls="--")
-    ax.set_xscale("log")
-    ax.set_xlabel("seconds of training (log)")
-    ax.set_ylabel("held-out eval loss")
-    ax.set_title(
+        # the untrained model's loss (at 0 s) stays in the JSON: a log axis has no 0
+        timed = [e for e in run["eval"] if e["seconds"] > 0 and e["tokens"] > 0]
+        by_time.plot(
+            [e["seconds"] for e in timed],
+            [e["eval_loss"] for e in timed],
+            style,
+            label=f"{name} ({run['train_seconds']:.0f} s)",
+        )
+        by_tokens.plot(
+            [e["tokens"] / 1e6 for e in timed],
+            [e["eval_loss"] for e in timed],
+            style,
+            label=name,
+        )
+    for ax in (by_time, by_tokens):
+        ax.axhline(c["equal_loss"], color="grey", lw=0.8, ls="--")
+        ax.legend()
+    by_time.set_xscale("log")
+    by_time.set_xlabel("seconds of training (log)")
+    by_time.set_ylabel("held-out eval loss")
+    by_time.set_title(
         f"{cfg['regions']} regions, {cfg['rate_mbit']:g} Mbit/s, +{cfg['latency_ms']:g} ms: "
         f"atoll {c['speedup_at_equal_loss']}x faster at equal loss",
         fontsize=10,
     )
-    ax.legend()
+    by_tokens.set_xlabel("tokens (M)")
+    by_tokens.set_title(
+        f"equal tokens: atoll {c['eval_loss_gap_pct_equal_tokens']:+.2f} % eval loss", fontsize=10
+    )
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "wan.png"
