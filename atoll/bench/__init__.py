@@ -15,6 +15,12 @@ BENCHES = (
         "atoll.bench.quality",
     ),
     Command(
+        "cadence",
+        "outer steps per fragment against steps / H and pull bits per sync, with the host "
+        "loaded on purpose by CPU-burning processes (about 2 minutes per seed)",
+        "atoll.bench.cadence",
+    ),
+    Command(
         "ingest",
         "one shard process's push ingest rate vs raw gRPC, fsync latency and memory per parameter",
         "atoll.bench.ingest",
