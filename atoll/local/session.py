@@ -306,7 +306,8 @@ class Session:
             # SIGTERM before its first step (before it set its handler, or while joining):
             # nothing it trained is lost, the same as a clean stop
             l.state = "stopped"
-            if l.returncode not in (0, -signal.SIGTERM):
+            # 128 + the signal: how `atoll learner` exits when a signal stopped it
+            if l.returncode not in (0, -signal.SIGTERM, 128 + signal.SIGTERM):
                 self.say(
                     f"{l.name} exited with status {l.returncode} as it stopped before its first "
                     "step; its log ends:",
