@@ -225,6 +225,17 @@ def read(path: pathlib.Path) -> Checkpoint | None:
     return Checkpoint(meta, params, opt, origins, residuals)
 
 
+def progress(path: pathlib.Path) -> tuple[int, int] | None:
+    """(step, tokens) of the checkpoint at `path` from its metadata alone, or None if there
+    is none or it cannot be read (`read` then says why)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+        return int(meta["step"]), int(meta.get("tokens", 0))
+    except Exception:  # absent, or not a checkpoint: `read` reports it at join
+        return None
+
+
 def check(ckpt: Checkpoint, identity: dict[str, Any], path: pathlib.Path) -> None:
     """CheckpointError unless `ckpt` is of the same model, plan and data shard as `identity`."""
     for key in (

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import prometheus_client as prom
 
-from atoll.learner import distributed, standby, stopping
+from atoll.learner import checkpoint, distributed, standby, stopping
 from atoll.learner.api import Learner
 from atoll.learner.config import LearnerConfig
 from atoll.learner.data import Batches, Corpus, load_corpus
@@ -215,7 +215,11 @@ def setup(cfg: LearnerConfig, stop: Stop, held: _Held) -> _Run | None:
         prom.start_http_server(cfg.metrics_port, registry=run.metrics.registry)
     # where the last run of this id got to, read before this run's first record
     resume = _resume_point(cfg.status_file, cfg.learner_id) if leader else (0, 0)
-    _emit(run, "joining")
+    saved = None  # its checkpoint's step, which join resumes: this life starts there
+    if cfg.checkpoint_dir is not None and not cfg.baseline:
+        saved = checkpoint.progress(checkpoint.path_for(cfg.checkpoint_dir, cfg.learner_id))
+    step, tokens = saved or resume
+    _emit(run, "joining", step=step, tokens=tokens)
     trainer.compile()
     if stop.is_set():
         _emit(run, "stopped")
