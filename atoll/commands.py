@@ -96,6 +96,30 @@ def non_negative_int(text: str) -> int:
     return _whole(text, 0)
 
 
+def _whole_list(text: str, least: int, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"want comma-separated whole numbers, got {text!r}"
+        ) from None
+    if any(v < least for v in values):
+        raise argparse.ArgumentTypeError(f"{what} must be at least {least}, got {text!r}")
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r} names one value twice")
+    return values
+
+
+def seed_list(text: str) -> tuple[int, ...]:
+    """'0,1,2': distinct seeds >= 0; a readable ArgumentTypeError for anything else."""
+    return _whole_list(text, 0, "seeds")
+
+
+def period_list(text: str) -> tuple[int, ...]:
+    """'32,64': distinct sync periods (H) >= 1; a readable ArgumentTypeError otherwise."""
+    return _whole_list(text, 1, "periods")
+
+
 def shard_addresses(text: str, flag: str = "--shards") -> list[str]:
     """'HOST:PORT,HOST:PORT' as a list; a readable ArgumentTypeError for anything else."""
     addresses = [a.strip() for a in text.split(",") if a.strip()]

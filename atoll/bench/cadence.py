@@ -22,7 +22,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-from atoll.commands import non_negative_int, positive_int
+from atoll.commands import non_negative_int, positive_int, seed_list
 from atoll.local.config import UpConfig, UpConfigError, learner_specs, prepare_run_dir
 from atoll.local.session import Session
 
@@ -128,18 +128,6 @@ def _overrides(cfg: UpConfig) -> dict:
     }
 
 
-def _seeds(text: str) -> tuple[int, ...]:
-    try:
-        seeds = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of seeds"
-        ) from None
-    if not seeds or any(s < 0 for s in seeds):
-        raise argparse.ArgumentTypeError(f"{text!r}: seeds are integers >= 0")
-    return seeds
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--steps", type=positive_int, default=2000, help="steps per learner (default %(default)s)"
@@ -152,7 +140,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="CPU-burning processes beside the run (default %(default)s)",
     )
-    p.add_argument("--seeds", type=_seeds, default=(0,), help="comma-separated (default 0)")
+    p.add_argument("--seeds", type=seed_list, default=(0,), help="comma-separated (default 0)")
     p.add_argument(
         "--work-dir", type=pathlib.Path, help="where the runs go (default: a temporary directory)"
     )

@@ -36,7 +36,7 @@ import statistics
 import sys
 import tempfile
 
-from atoll.commands import positive_int
+from atoll.commands import period_list, positive_int, seed_list
 from atoll.faults.chaos import lockstep_config
 from atoll.learner.defaults import SYNC_PATIENCE as SYNC_PATIENCE_DEFAULT
 from atoll.local.config import UpConfig, learner_specs, prepare_run_dir
@@ -356,25 +356,6 @@ def _settings(cfg: UpConfig) -> dict:
     }
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"want comma-separated whole numbers, got {text!r}"
-        ) from None
-    if len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"{text!r} names one value twice")
-    return values
-
-
-def _periods(text: str) -> tuple[int, ...]:
-    values = _int_list(text)
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"periods must be at least 1, got {text!r}")
-    return values
-
-
 def _slowdown(text: str) -> float:
     try:
         value = float(text)
@@ -405,7 +386,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--periods",
-        type=_periods,
+        type=period_list,
         default=PERIODS,
         help="sync periods H to measure, comma-separated (default 32,64)",
     )
@@ -430,7 +411,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--seeds",
-        type=_int_list,
+        type=seed_list,
         default=(0,),
         help="init and data-order seeds, comma-separated; every run for each (default 0)",
     )
