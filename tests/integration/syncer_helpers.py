@@ -8,6 +8,7 @@ killed by `syncer_processes` when its test ends, however it ends.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pathlib
 import queue
@@ -409,3 +410,16 @@ def syncer_processes(tmp_path: pathlib.Path) -> Iterator[Callable[..., SyncerPro
                 proc.kill()
                 proc._reader.join(timeout=10)  # EOF once the child is gone
                 proc.proc.stdout.close()
+
+
+def arrays_of(payload: bytes) -> dict[str, np.ndarray]:
+    """The arrays of an .npz payload (an Export's fragment state)."""
+    with np.load(io.BytesIO(payload)) as z:
+        return {k: z[k] for k in z.files}
+
+
+def npz(arrays: dict[str, np.ndarray]) -> bytes:
+    """`arrays` as an .npz payload (an Adopt's fragment state)."""
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()

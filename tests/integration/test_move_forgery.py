@@ -7,14 +7,13 @@ as a client holding an operator token could make them."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import pathlib
 
 import grpc
 import numpy as np
 import pytest
-from syncer_helpers import DEADLINE, PLAN, connect, describe, init, status_of
+from syncer_helpers import DEADLINE, PLAN, arrays_of, connect, describe, init, npz, status_of
 
 from atoll.server.config import ShardConfig
 from atoll.server.fragment import Fragment
@@ -88,17 +87,6 @@ def adopt(stub, meta: dict, payload: bytes):
     ]
     messages += [pb.FragmentState(chunk=payload)] if payload else []
     return stub.Adopt(iter(messages), timeout=DEADLINE)
-
-
-def arrays_of(payload: bytes) -> dict[str, np.ndarray]:
-    with np.load(io.BytesIO(payload)) as z:
-        return {k: z[k] for k in z.files}
-
-
-def npz(arrays: dict[str, np.ndarray]) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
 
 
 def refused_with_nothing_logged(server: SyncerServer, call) -> grpc.StatusCode:

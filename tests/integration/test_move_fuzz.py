@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import io
 import json
 import pathlib
 
@@ -30,10 +29,12 @@ from syncer_helpers import (
     DEADLINE,
     PLAN,
     SERVICE,
+    arrays_of,
     connect,
     describe,
     health_status,
     init,
+    npz,
     shard_state,
     syncer_processes,
 )
@@ -166,17 +167,6 @@ calls = st.fixed_dictionaries(
 # --- making one call ---
 
 
-def _arrays(payload: bytes) -> dict[str, np.ndarray]:
-    with np.load(io.BytesIO(payload)) as z:
-        return {k: z[k] for k in z.files}
-
-
-def _npz(arrays: dict[str, np.ndarray]) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
-
-
 def _adoption(c: Cluster, call: dict) -> tuple[dict, bytes]:
     """The meta and payload of an Adopt: the newest export of the fragment, tampered."""
     p = call["fragment"]
@@ -186,9 +176,9 @@ def _adoption(c: Cluster, call: dict) -> tuple[dict, bytes]:
     if tamper == "state" and isinstance(meta.get("state"), dict):
         meta["state"][call["key"]] = call["value"]
     elif tamper == "array" and payload:
-        arrays = _arrays(payload)
+        arrays = arrays_of(payload)
         key = sorted(arrays)[call["which"] % len(arrays)] if arrays else "params"
-        payload = _npz(arrays | {key: call["array"]})
+        payload = npz(arrays | {key: call["array"]})
     elif tamper == "freeze":
         meta["freeze"] = call["value"]
     elif tamper == "meta":
