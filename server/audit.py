@@ -13,7 +13,7 @@ import pathlib
 from typing import Any
 
 from atoll.server import storage
-from atoll.wire.records import LOG_PUSH, parse_log_record
+from atoll.server.log_records import LOG_PUSH, parse_log_record
 
 
 @dataclasses.dataclass

@@ -38,11 +38,11 @@ import numpy as np
 from atoll.server import rules
 from atoll.server.config import MAX_SHARDS
 from atoll.server.fragment import Answer, Fragment
+from atoll.server.log_records import LOG_ADOPT, LOG_FREEZE, LOG_MOVED, LOG_UNFREEZE, log_record
 from atoll.server.refusal import ShardError, Why
 from atoll.server.state import ShardState, _same_move
 from atoll.wire import codec
 from atoll.wire.plan import FragmentMap, FragmentPlan
-from atoll.wire.records import LOG_ADOPT, LOG_FREEZE, LOG_MOVED, LOG_UNFREEZE, log_record
 
 MAX_VERSION = (1 << 63) - 1  # map and fragment versions, LSNs and seqs: an int64's range
 LEARNER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # as the servicer checks a caller's id

@@ -12,16 +12,7 @@ import numpy as np
 
 from atoll.server import storage
 from atoll.server.fragment import Answer, Fragment
-from atoll.server.state import (
-    RecoveryError,
-    RecoveryStopped,
-    ShardState,
-    _magnitude_problem,
-    log,
-)
-from atoll.wire import codec
-from atoll.wire.plan import FragmentMap, FragmentPlan
-from atoll.wire.records import (
+from atoll.server.log_records import (
     LOG_ADOPT,
     LOG_CLOSE,
     LOG_FREEZE,
@@ -32,6 +23,15 @@ from atoll.wire.records import (
     LOG_UNFREEZE,
     parse_log_record,
 )
+from atoll.server.state import (
+    RecoveryError,
+    RecoveryStopped,
+    ShardState,
+    _magnitude_problem,
+    log,
+)
+from atoll.wire import codec
+from atoll.wire.plan import FragmentMap, FragmentPlan
 
 
 class Recovery(ShardState):

@@ -26,6 +26,14 @@ import numpy as np
 
 from atoll.server import merge, rules
 from atoll.server.fragment import Answer, Fragment
+from atoll.server.log_records import (
+    LOG_CLOSE,
+    LOG_INIT,
+    LOG_PLAN,
+    LOG_PUSH,
+    log_record,
+    log_record_parts,
+)
 from atoll.server.moves import MoveCalls
 from atoll.server.recovery import Recovery
 from atoll.server.refusal import ShardError, Why
@@ -40,14 +48,6 @@ from atoll.server.state import (
 )
 from atoll.wire import codec
 from atoll.wire.plan import FragmentMap, FragmentPlan
-from atoll.wire.records import (
-    LOG_CLOSE,
-    LOG_INIT,
-    LOG_PLAN,
-    LOG_PUSH,
-    log_record,
-    log_record_parts,
-)
 
 __all__ = [
     "MAX_ABS_VALUE",

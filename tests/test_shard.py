@@ -12,11 +12,11 @@ import pytest
 
 from atoll.server import storage
 from atoll.server.config import ShardConfig
+from atoll.server.log_records import parse_log_record
 from atoll.server.refusal import Why
 from atoll.server.shard import PushHeader, Shard, ShardError
 from atoll.wire import codec
 from atoll.wire.plan import FragmentMap, FragmentPlan, TensorSpec
-from atoll.wire.records import parse_log_record
 
 SPECS = [
     TensorSpec("embed", (64, 16)),

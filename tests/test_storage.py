@@ -169,7 +169,7 @@ def test_numpy_buffers_are_appended_without_conversion(backend):
 
 
 def test_a_push_record_in_the_pieces_its_frame_arrived_in_replays_as_one(backend):
-    from atoll.wire.records import LOG_PUSH, log_record, log_record_parts, parse_log_record
+    from atoll.server.log_records import LOG_PUSH, log_record, log_record_parts, parse_log_record
 
     frame = record(9, 10_000)
     pieces = [frame[i : i + 1024] for i in range(0, len(frame), 1024)]

@@ -28,10 +28,10 @@ from syncer_helpers import (
 )
 
 from atoll.server import storage
+from atoll.server.log_records import LOG_PUSH, log_record
 from atoll.server.rules import MAX_SEQ_JUMP
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
-from atoll.wire.records import LOG_PUSH, log_record
 
 U64 = (1 << 64) - 1
 SIZE0 = PLAN.fragment_sizes[0]

@@ -40,10 +40,11 @@ from syncer_helpers import (
 )
 
 from atoll.server.fragment import Answer
+from atoll.server.log_records import LOG_CLOSE, LOG_INIT, LOG_PLAN, LOG_PUSH, log_record
 from atoll.server.storage import WriteAheadLog
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
-from atoll.wire.records import LOG_CLOSE, LOG_INIT, LOG_PLAN, LOG_PUSH, log_record, read_jsonl
+from atoll.wire.records import read_jsonl
 
 STOP_SECONDS = 10.0  # SIGTERM to exit of one process: each takes 0.1-0.5 s here
 # ... of a whole run, children stopped in order (learners finish their step and evaluate,
