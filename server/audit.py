@@ -14,6 +14,7 @@ from typing import Any
 
 from atoll.server import storage
 from atoll.server.log_records import LOG_PUSH, parse_log_record
+from atoll.server.snapshots import SnapshotStore
 
 
 @dataclasses.dataclass
@@ -33,7 +34,7 @@ def durable_pushes(data_dir: str | pathlib.Path) -> dict[tuple[str, int], Durabl
     """{(learner, fragment): Durable} of a shard data directory; the shard must be stopped."""
     data = pathlib.Path(data_dir)
     out: dict[tuple[str, int], Durable] = {}
-    with storage.SnapshotStore(data / "snapshots") as snapshots:
+    with SnapshotStore(data / "snapshots") as snapshots:
         snap = snapshots.latest()
     if snap is not None:
         for p, fmeta in snap.meta["fragments"].items():

@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from atoll.server import storage
 from atoll.server.fragment import Answer, Fragment
 from atoll.server.log_records import (
     LOG_ADOPT,
@@ -23,6 +22,7 @@ from atoll.server.log_records import (
     LOG_UNFREEZE,
     parse_log_record,
 )
+from atoll.server.snapshots import Snapshot
 from atoll.server.state import (
     RecoveryError,
     RecoveryStopped,
@@ -221,7 +221,7 @@ class Recovery(ShardState):
             with self.lock:
                 self._snapshotting = False
 
-    def _restore(self, snap: storage.Snapshot) -> None:
+    def _restore(self, snap: Snapshot) -> None:
         meta = snap.meta
         # with a fragment map in the snapshot, the map says what this shard owns and
         # --num-shards only set the layout a run starts from: it may have grown since

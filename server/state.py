@@ -28,6 +28,7 @@ from atoll.server.config import ShardConfig
 from atoll.server.fragment import Fragment
 from atoll.server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
 from atoll.server.refusal import ShardError, Why
+from atoll.server.snapshots import SnapshotStorage, SnapshotStore
 from atoll.wire import codec
 from atoll.wire.client import FRAGMENT_KEY, MAP_VERSION_KEY, OWNER_KEY
 from atoll.wire.plan import FragmentMap, FragmentPlan
@@ -118,7 +119,7 @@ class ShardState:
         clock: Callable[[], float] = time.monotonic,
         *,
         log: storage.Log | None = None,
-        snapshots: storage.SnapshotStorage | None = None,
+        snapshots: SnapshotStorage | None = None,
     ):
         self.cfg = cfg
         self.clock = clock
@@ -131,8 +132,8 @@ class ShardState:
         )
         data = pathlib.Path(cfg.data_dir)
         self.wal: storage.Log = log if log is not None else storage.WriteAheadLog(data / "wal")
-        self.snapshots: storage.SnapshotStorage = (
-            snapshots if snapshots is not None else storage.SnapshotStore(data / "snapshots")
+        self.snapshots: SnapshotStorage = (
+            snapshots if snapshots is not None else SnapshotStore(data / "snapshots")
         )
         # Locks, always taken in this order: init_lock, a fragment's lock, lock.
         self.init_lock = threading.Lock()  # Init calls, one at a time (the first adopts the plan)

@@ -15,6 +15,7 @@ from atoll.server.config import ShardConfig
 from atoll.server.log_records import parse_log_record
 from atoll.server.refusal import Why
 from atoll.server.shard import PushHeader, Shard, ShardError
+from atoll.server.snapshots import SnapshotStore
 from atoll.wire import codec
 from atoll.wire.plan import FragmentMap, FragmentPlan, TensorSpec
 
@@ -116,7 +117,7 @@ def test_snapshots_taken_while_pushes_flow_recover_bit_identically(tmp_path, pla
     live = _state(shard)
     assert all(v[0] == 4 for v in live.values())
     _crash(shard)
-    lsns = storage.SnapshotStore(tmp_path / "snapshots").lsns()
+    lsns = SnapshotStore(tmp_path / "snapshots").lsns()
     assert lsns, "a snapshot was written in the background"
     again = _shard(tmp_path, snapshot_every=2)
     assert _state(again) == live
@@ -148,7 +149,7 @@ def test_replay_skips_what_the_snapshot_holds_per_fragment(tmp_path, plan):
     del shard.fragments[1].state
     live = _state(shard)
     _crash(shard)
-    with storage.SnapshotStore(tmp_path / "snapshots") as store:
+    with SnapshotStore(tmp_path / "snapshots") as store:
         saved = store.latest()
     assert (
         saved.meta["fragment_lsns"]["2"] > saved.lsn

@@ -18,7 +18,7 @@ from atoll.server.config import ShardConfig
 from atoll.server.log_records import LOG_PUSH, parse_log_record
 from atoll.server.refusal import Why
 from atoll.server.shard import PushHeader, Shard, ShardError
-from atoll.server.storage import Snapshot
+from atoll.server.snapshots import Snapshot
 from atoll.wire import codec
 from atoll.wire.client import FRAGMENT_KEY, MAP_VERSION_KEY, OWNER_KEY
 from atoll.wire.plan import FragmentMap, FragmentPlan, TensorSpec

@@ -21,16 +21,15 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from atoll.server import storage
+from atoll.server.snapshots import SnapshotStore, load_snapshot
 from atoll.server.storage import (
     LogFailed,
     MissingRecords,
     SnapshotCorruption,
-    SnapshotStore,
     StorageError,
     WALCorruption,
     WriteAheadLog,
     encode_frame_header,
-    load_snapshot,
 )
 
 

@@ -17,7 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from atoll.server.storage import SnapshotStore, WriteAheadLog
+from atoll.server.snapshots import SnapshotStore
+from atoll.server.storage import WriteAheadLog
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEGMENT_BYTES = 24 << 20  # small, so segments rotate during the run
@@ -67,7 +68,7 @@ else:
 CHILD_SNAPSHOTS = """
 import sys
 import numpy as np
-from atoll.server.storage import SnapshotStore
+from atoll.server.snapshots import SnapshotStore
 
 store = SnapshotStore(sys.argv[1])
 start = (store.lsns() or [0])[-1] + 1

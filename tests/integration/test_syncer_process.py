@@ -30,7 +30,7 @@ from syncer_helpers import (
 from atoll.server.config import ShardConfig
 from atoll.server.service import SyncerServer
 from atoll.server.shard import PushHeader, Shard
-from atoll.server.storage import SnapshotStore
+from atoll.server.snapshots import SnapshotStore
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 
