@@ -13,6 +13,11 @@ period T (H steps of the fastest live learners) and, with each answer, when this
 learner's next push of p is due; the learner pushes at the step boundary nearest that
 instant (`sync_due`), so a fast island takes about H steps per sync, a 2× slower one
 about H/2, and a round gathers one push per learner per period.
+
+Synchronous semantics (`wait_for_rounds`, K = M) keep to step counts instead: fragment
+p pushes at t_p + kH (`sync_step`), never skips a round, and waits for its round at most
+H steps after the push, so no two learners can each wait on a round that needs the
+other's next push.
 """
 
 from __future__ import annotations
@@ -65,15 +70,21 @@ def offsets(num_fragments: int, period: int) -> list[int]:
     return [max(1, round((p + 1) * period / num_fragments)) for p in range(num_fragments)]
 
 
-def steps_per_period(period: int, cadence_seconds: Seconds | None, step_seconds: Seconds) -> int:
+def steps_per_period(
+    period: int,
+    cadence_seconds: Seconds | None,
+    step_seconds: Seconds,
+    wait_for_rounds: bool = False,
+) -> int:
     """Inner steps this learner takes in one sync period: H until the shard names a
-    cadence, then as many of its own steps as fit in it (at least 1).
+    cadence, then as many of its own steps as fit in it (at least 1); always H with
+    synchronous semantics (`wait_for_rounds`: sync points go by step count).
 
     Example:
       >>> steps_per_period(32, 3.2, 0.2)  # a learner half as fast as the fastest
       16
     """
-    if not cadence_seconds or step_seconds <= 0:
+    if wait_for_rounds or not cadence_seconds or step_seconds <= 0:
         return period
     return max(1, round(cadence_seconds / step_seconds))
 
@@ -118,6 +129,25 @@ def sync_due(
     return now + step_seconds / 2 >= due_at
 
 
+def sync_step(first_step: int, last_sync_step: int | None, period: int) -> int:
+    """The step of fragment p's next sync point on the step-count grid t_p + kH: the
+    first one after `last_sync_step` (t_p itself before any push).
+
+    Synchronous semantics (`wait_for_rounds`) keep to this grid: every learner pushes its
+    k-th round of p at the same step count, and waits for it H steps later at most, so a
+    learner only ever waits on learners that are behind it in steps and no two can each
+    wait on the other (with the shard's wall-clock due times, pushes of one round came at
+    different step counts on different learners, and K = M rounds deadlocked).
+
+    Example:
+      >>> sync_step(8, None, 32), sync_step(8, 8, 32), sync_step(8, 50, 32)
+      (8, 40, 72)
+    """
+    if last_sync_step is None or last_sync_step < first_step:
+        return first_step
+    return first_step + ((last_sync_step - first_step) // period + 1) * period
+
+
 def take_next_round(
     *,
     step: int,
@@ -157,20 +187,26 @@ def decide_push(
     period: int,
     cadence_seconds: Seconds | None,
     step_seconds: Seconds,
+    wait_for_rounds: bool = False,
 ) -> tuple[bool, Seconds | None, Reason]:
     """Whether an idle fragment starts its push at this step boundary.
 
-    Args: as `sync_due`, with `cadence_seconds` the shards' sync period (None: not known).
+    Args: as `sync_due`, with `cadence_seconds` the shards' sync period (None: not known)
+      and `wait_for_rounds` synchronous semantics.
 
     Returns:
       (push, the fragment's due time from now on, reason): `take_next_round` first, then
-      `sync_due`.
+      `sync_due`; with `wait_for_rounds`, at the step-count grid's points (`sync_step`),
+      the due time ignored and never a round skipped.
 
     Example:
       >>> decide_push(step=40, first_step=8, last_sync_step=8, due_at=103.15, now=103.1,
       ...             period=32, cadence_seconds=6.4, step_seconds=0.2)
       (True, 103.15, <Reason.DUE: 'due'>)
     """
+    if wait_for_rounds:
+        due = step >= sync_step(first_step, last_sync_step, period)
+        return due, due_at, Reason.DUE if due else Reason.NOT_DUE
     per_period = steps_per_period(period, cadence_seconds, step_seconds)
     moved = take_next_round(
         step=step,
@@ -210,14 +246,16 @@ def decide_adopt(
     just missed a close and joined the next round, back about a period later) does not
     stop training: the fragment trains on and adopts when the round is back (with the
     steps made meanwhile). Only a round RUN_AHEAD_PERIODS late (one period with
-    synchronous semantics) is waited for, so a fragment's local drift stays bounded.
+    synchronous semantics, where `per_period` is H: see `sync_step`) is waited for, so
+    a fragment's local drift stays bounded.
 
     Args:
       step: inner steps done since joining.
       task_step: the step the task was started at.
       done: whether the task has finished.
       overlap: τ, steps trained before a finished task is adopted.
-      per_period: this learner's steps per sync period (`steps_per_period`).
+      per_period: this learner's steps per sync period (`steps_per_period`, given
+        the same `wait_for_rounds`).
       wait_for_rounds: synchronous semantics, run ahead one period only.
 
     Returns:

@@ -270,7 +270,7 @@ class Synchronizer:
         updates: dict[int, np.ndarray] = {}
         flat_now: dict[int, np.ndarray] = {}
         now, cadence = self.clock(), pace.cadence_seconds
-        per_period = steps_per_period(cfg.period, cadence, pace.step_seconds)
+        per_period = steps_per_period(cfg.period, cadence, pace.step_seconds, cfg.wait_for_rounds)
         for frag in self.frags:
             frag.compute += step_seconds
             if frag.task is not None:
@@ -298,6 +298,7 @@ class Synchronizer:
                     period=cfg.period,
                     cadence_seconds=cadence,
                     step_seconds=pace.step_seconds,
+                    wait_for_rounds=cfg.wait_for_rounds,
                 )
                 if push:
                     self._start_push(frag, step, params, updates, flat_now, tokens_per_step, final)

@@ -391,3 +391,144 @@ def test_the_period_holds_h_steps_of_the_fastest_learner_under_bursty_load(tmp_p
     periods = max(l.step for l in learners) / H
     rates = [f.version / periods for f in shard.fragments.values()]
     assert all(0.8 <= r <= 1.25 for r in rates), rates
+
+
+def simulate_lockstep(speeds: list[float], steps: int, tmp_path, seed: int = 0, load=None):
+    """Synchronous DiLoCo (`atoll chaos`'s lockstep: K = M, no grace, leases that never
+    lapse, `wait_for_rounds`) with P = 4 fragments on a fake clock. Unlike `simulate`, a
+    learner that waits for a round really stops until that round closes, as
+    `Synchronizer.after_step` does; the run ends when every learner has taken `steps`
+    steps or when nobody can move (a deadlock). Returns (shard, learners)."""
+    clock = Clock()
+    cfg = ShardConfig(
+        shard_index=0,
+        num_shards=1,
+        data_dir=tmp_path / "shard",
+        quorum=len(speeds),
+        grace_factor=0.0,
+        lease_seconds=1e9,
+        snapshot_every=1000,
+    )
+    shard = Shard(cfg, clock=clock)
+    shard.recover()
+    for p in range(PLAN.num_fragments):
+        shard.init(
+            "setup",
+            p,
+            PLAN.fingerprint,
+            PLAN.to_json(),
+            codec.encode(np.zeros(PLAN.fragment_sizes[p], np.float32), codec.Codec.FP32),
+            int(codec.Codec.FP32),
+            PLAN.fragment_sizes[p],
+        )
+    rng = np.random.default_rng(seed)
+    frames = {
+        p: codec.encode(
+            rng.normal(0, 1e-3, PLAN.fragment_sizes[p]).astype(np.float32), codec.Codec.INT4
+        )
+        for p in range(PLAN.num_fragments)
+    }
+    learners = [
+        Learner(f"l{i}", s, random.Random(seed * 100 + i), measured=True)
+        for i, s in enumerate(speeds)
+    ]
+    sim = Sim(
+        shard,
+        clock,
+        frames,
+        {p: [] for p in range(PLAN.num_fragments)},
+        dict.fromkeys(range(PLAN.num_fragments), 0),
+    )
+    blocked: dict[
+        int, tuple[int, int, int, float]
+    ] = {}  # learner -> (p, version, resume at p, now)
+    events = [(l.rng.uniform(0, 0.05 * H * min(speeds)), i, i) for i, l in enumerate(learners)]
+    heapq.heapify(events)
+    order = len(learners)
+
+    def boundary(i: int, first: int, now: float) -> None:
+        """Learner i's step boundary from fragment `first` on; blocks or schedules its next step."""
+        nonlocal order
+        l = learners[i]
+        cadence = shard.cadence_seconds
+        per_period = steps_per_period(H, cadence, l.estimate, wait_for_rounds=True)
+        for p in range(first, PLAN.num_fragments):
+            f = l.frags[p]
+            if f.pushed_at_step is not None:
+                out = shard.fragments[p].version >= f.merged_in
+                adopt, _ = decide_adopt(
+                    step=l.step,
+                    task_step=f.pushed_at_step,
+                    done=out,
+                    overlap=TAU,
+                    per_period=per_period,
+                    wait_for_rounds=True,
+                )
+                if adopt and not out:  # wait for the round: this learner stops here
+                    blocked[i] = (p, f.merged_in, p, now)
+                    return
+                if adopt:
+                    f.version = shard.fragments[p].version
+                    f.pushed_at_step = None
+            if f.pushed_at_step is None:
+                push, f.due_at, _ = decide_push(
+                    step=l.step,
+                    first_step=FIRST_STEPS[p],
+                    last_sync_step=f.last_sync_step,
+                    due_at=f.due_at,
+                    now=now,
+                    period=H,
+                    cadence_seconds=cadence,
+                    step_seconds=l.estimate,
+                    wait_for_rounds=True,
+                )
+                if push:
+                    push_fragment(sim, l, p, f, cadence)
+        if l.step < steps:
+            order += 1
+            heapq.heappush(
+                events, (clock.now + l.step_time(clock.now, 0.3, 0.05, load, (0.0, 0.0)), order, i)
+            )
+
+    while events:
+        t, _, i = heapq.heappop(events)
+        clock.now = max(clock.now, t)
+        shard.tick()
+        sim.note_closes()
+        l = learners[i]
+        shard.touch(l.name)  # the learner's Watch keeps its lease
+        if l.step == 0:  # joining: every fragment's version, and when to push it
+            for p, f in l.frags.items():
+                f.version = shard.fragments[p].version
+                due_in = shard.due_in(p, l.name)
+                f.due_at = clock.now + due_in if due_in > 0 else None
+        l.step += 1
+        boundary(i, 0, clock.now)
+        # learners whose round has closed since go on from where they stopped
+        for j, (p, version, resume, now) in list(blocked.items()):
+            if shard.fragments[p].version >= version:
+                del blocked[j]
+                learners[j].blocked_seconds += clock.now - now
+                boundary(j, resume, now)
+    return shard, learners, blocked
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_synchronous_rounds_with_several_fragments_never_deadlock(tmp_path, seed):
+    """Lockstep with P = 4 (K = M, learners that wait for their rounds): each learner
+    pushes fragment p at t_p + kH by its own step count and waits for that round before
+    it goes a period past it, so no two learners can each wait on a round that needs the
+    other's next push (a run at H = 64 stopped for good after 10 rounds when sync points
+    followed the shard's wall-clock due times)."""
+    speeds = [0.1, 0.1, 0.11, 0.13]
+    steps = 40 * H
+    shard, learners, blocked = simulate_lockstep(
+        speeds, steps, tmp_path, seed=seed, load=bursty_load
+    )
+    assert not blocked, {learners[i].name: b for i, b in blocked.items()}
+    assert all(l.step == steps for l in learners), [l.step for l in learners]
+    for l in learners:
+        assert all(ok for _, _, ok in l.pushes), l.name  # nothing refused: one push per round
+    # every round had every learner: a fragment's version counts the periods
+    versions = [f.version for f in shard.fragments.values()]
+    assert all(steps // H - 1 <= v <= steps // H for v in versions), versions

@@ -107,6 +107,22 @@ def test_a_push_due_too_soon_after_the_last_takes_the_next_round():
     )
 
 
+def test_synchronous_pushes_keep_to_the_step_grid_whatever_the_due_time():
+    # wait_for_rounds: t_p + kH by step count, the shard's due time ignored, no round skipped
+    kwargs = dict(first_step=8, period=H, cadence_seconds=6.4, step_seconds=0.2, now=50.0)
+
+    def push(step, last, due_at):
+        return schedule.decide_push(
+            step=step, last_sync_step=last, due_at=due_at, wait_for_rounds=True, **kwargs
+        )
+
+    assert push(8, None, 80.0) == (True, 80.0, Reason.DUE)  # due later by the clock: pushes
+    assert push(39, 8, 10.0) == (False, 10.0, Reason.NOT_DUE)  # overdue by the clock: waits
+    assert push(40, 8, 50.0) == (True, 50.0, Reason.DUE)  # never NEXT_ROUND
+    assert push(72, 50, None)[0] and not push(71, 50, None)[0]  # after a resync at step 50
+    assert schedule.steps_per_period(H, 3.2, 0.2, wait_for_rounds=True) == H
+
+
 def test_no_next_round_without_a_cadence():
     assert (
         schedule.take_next_round(
