@@ -134,10 +134,9 @@ def test_each_seed_runs_every_method_at_every_period_and_the_baseline_once():
     assert sync == dataclasses.replace(
         lockstep_config(atoll),
         momentum_delay=1,
-        fragments=1,
-        shards=1,
         sync_patience=quality.SYNC_PATIENCE,
     )
+    assert (sync.fragments, sync.shards) == (atoll.fragments, atoll.shards)  # the bench's P
     assert (sync.quorum, sync.grace_factor, sync.wait_for_rounds) == (4, 0.0, True)
     mixed = runs["mixed-h8"]
     assert mixed.slowdown == (1.0, 1.0, 3.0, 3.0) and not mixed.same_time

@@ -45,13 +45,6 @@ from atoll.local.session import Session
 
 PERIODS = (32, 64)
 MIXED_SLOWDOWN = 2.0  # how much slower the slow half of the islands is in the mixed run
-# Synchronous DiLoCo runs the whole model as one fragment, as the DiLoCo paper does (the
-# bytes per parameter per sync are the same). With P > 1 and K = M, every fragment keeps
-# its own wall-clock schedule and two learners can each wait on a round that needs the
-# other's next push of another fragment: at H = 64 a run with lockstep's unbounded
-# patience stopped for good after 10 rounds, and one with a 1 s patience had 13-20
-# stalls and 12-20 refused pushes per learner in 4,000 steps (docs/rounds.md).
-SYNC_FRAGMENTS = 1
 # A synchronous learner waits this long on a round before it trains on (the learner's
 # default; `atoll chaos`'s lockstep waits for ever): a run that stalls still ends, and
 # reports it (`stalls`).
@@ -67,15 +60,9 @@ TARGET_MIXED_GAP_MEAN = {32: 1.0}
 
 def synchronous_config(cfg: UpConfig) -> UpConfig:
     """Synchronous DiLoCo from `cfg`: `atoll chaos`'s lockstep semantics (K = M, no
-    grace window, nobody dropped, learners wait for their rounds), Nesterov every round,
-    the whole model as one fragment on one shard."""
-    return dataclasses.replace(
-        lockstep_config(cfg),
-        momentum_delay=1,
-        fragments=SYNC_FRAGMENTS,
-        shards=1,
-        sync_patience=SYNC_PATIENCE,
-    )
+    grace window, nobody dropped, learners wait for their rounds and push each fragment
+    by step count), Nesterov every round, the same fragments and shards as `cfg`."""
+    return dataclasses.replace(lockstep_config(cfg), momentum_delay=1, sync_patience=SYNC_PATIENCE)
 
 
 def mixed_config(cfg: UpConfig, slowdown: float) -> UpConfig:
@@ -323,7 +310,6 @@ def bench_quality(
             "batch_size": cfg.batch_size,
             "overlap": cfg.overlap,
             "fragments": cfg.fragments,
-            "sync_fragments": SYNC_FRAGMENTS,
             "mixed_slowdown": list(mixed_config(cfg, slowdown).slowdown),
         },
         "config": {
