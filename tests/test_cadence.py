@@ -95,6 +95,23 @@ class Learner:
         return step
 
 
+def _seeded_shard(cfg: ShardConfig, clock: Clock) -> Shard:
+    """A shard on `clock` with every fragment of PLAN seeded at zeros."""
+    shard = Shard(cfg, clock=clock)
+    shard.recover()
+    for p in range(PLAN.num_fragments):
+        shard.init(
+            "setup",
+            p,
+            PLAN.fingerprint,
+            PLAN.to_json(),
+            codec.encode(np.zeros(PLAN.fragment_sizes[p], np.float32), codec.Codec.FP32),
+            int(codec.Codec.FP32),
+            PLAN.fragment_sizes[p],
+        )
+    return shard
+
+
 def simulate(
     speeds: list[float],
     quorum: int,
@@ -122,19 +139,8 @@ def simulate(
         lease_seconds=30.0,
         snapshot_every=1000,
     )
-    shard = Shard(cfg, clock=clock)
-    shard.recover()
+    shard = _seeded_shard(cfg, clock)
     rng = np.random.default_rng(seed)
-    for p in range(PLAN.num_fragments):
-        shard.init(
-            "setup",
-            p,
-            PLAN.fingerprint,
-            PLAN.to_json(),
-            codec.encode(np.zeros(PLAN.fragment_sizes[p], np.float32), codec.Codec.FP32),
-            int(codec.Codec.FP32),
-            PLAN.fragment_sizes[p],
-        )
     frames = {
         p: codec.encode(
             rng.normal(0, 1e-3, PLAN.fragment_sizes[p]).astype(np.float32), codec.Codec.INT4
@@ -409,18 +415,7 @@ def simulate_lockstep(speeds: list[float], steps: int, tmp_path, seed: int = 0, 
         lease_seconds=1e9,
         snapshot_every=1000,
     )
-    shard = Shard(cfg, clock=clock)
-    shard.recover()
-    for p in range(PLAN.num_fragments):
-        shard.init(
-            "setup",
-            p,
-            PLAN.fingerprint,
-            PLAN.to_json(),
-            codec.encode(np.zeros(PLAN.fragment_sizes[p], np.float32), codec.Codec.FP32),
-            int(codec.Codec.FP32),
-            PLAN.fragment_sizes[p],
-        )
+    shard = _seeded_shard(cfg, clock)
     rng = np.random.default_rng(seed)
     frames = {
         p: codec.encode(
