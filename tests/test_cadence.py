@@ -112,6 +112,16 @@ def _seeded_shard(cfg: ShardConfig, clock: Clock) -> Shard:
     return shard
 
 
+def _frames(rng: np.random.Generator) -> dict[int, bytes]:
+    """One small int4 push frame per fragment of PLAN, the same for every push."""
+    return {
+        p: codec.encode(
+            rng.normal(0, 1e-3, PLAN.fragment_sizes[p]).astype(np.float32), codec.Codec.INT4
+        )
+        for p in range(PLAN.num_fragments)
+    }
+
+
 def simulate(
     speeds: list[float],
     quorum: int,
@@ -141,12 +151,7 @@ def simulate(
     )
     shard = _seeded_shard(cfg, clock)
     rng = np.random.default_rng(seed)
-    frames = {
-        p: codec.encode(
-            rng.normal(0, 1e-3, PLAN.fragment_sizes[p]).astype(np.float32), codec.Codec.INT4
-        )
-        for p in range(PLAN.num_fragments)
-    }
+    frames = _frames(rng)
     learners = [
         Learner(f"l{i}", s, random.Random(seed * 100 + i), measured) for i, s in enumerate(speeds)
     ]
@@ -417,12 +422,7 @@ def simulate_lockstep(speeds: list[float], steps: int, tmp_path, seed: int = 0, 
     )
     shard = _seeded_shard(cfg, clock)
     rng = np.random.default_rng(seed)
-    frames = {
-        p: codec.encode(
-            rng.normal(0, 1e-3, PLAN.fragment_sizes[p]).astype(np.float32), codec.Codec.INT4
-        )
-        for p in range(PLAN.num_fragments)
-    }
+    frames = _frames(rng)
     learners = [
         Learner(f"l{i}", s, random.Random(seed * 100 + i), measured=True)
         for i, s in enumerate(speeds)
