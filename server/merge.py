@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
-import threading
 from typing import Any, NamedTuple, TypeAlias
 
 import jax
@@ -110,61 +108,6 @@ def segment_norms(vec: np.ndarray, seg: Segments, *, finite: bool = False) -> np
     codes = Codes.of_values(vec, finite=finite)
     sq_norms: npt.NDArray[np.float64] = codes.range_sq_norms(seg.offsets, seg.ends)
     return np.sqrt(sq_norms)
-
-
-class BufferPool:
-    """Float32 buffers for round accumulators, handed out again once nothing holds them.
-
-    A fresh accumulator costs a page fault and the kernel's zeroing of every page, each
-    round (for a 12 M-parameter fragment, 50 MB); a reused one, one memset of warm
-    pages. At most `keep` buffers are held, each the size of the largest round asked
-    for; one is free again when only the pool holds it (the fragment has let go of the
-    merged round made in it). A round that finds none free gets a fresh, unpooled one.
-    The pool is within the memory target because a shard holds at most a few open
-    rounds anyway: `keep` buffers are what it holds between two rounds.
-    """
-
-    _FREE_REFS = 3  # the pool's list, the loop variable and getrefcount's argument
-
-    def __init__(self, keep: int):
-        self.keep = keep
-        self._buffers: list[np.ndarray] = []
-        self._lock = threading.Lock()
-        self.reused = 0  # rounds that found a free buffer (for tests and benches)
-
-    def zeros(self, size: int) -> np.ndarray:
-        """A zeroed float32 vector of `size` values."""
-        out = self.empty(size)
-        out.fill(0)
-        return out
-
-    def empty(self, size: int) -> np.ndarray:
-        """A float32 vector of `size` values, as the last round left it (or fresh)."""
-        with self._lock:
-            for i in range(len(self._buffers)):  # not enumerate: its tuple holds a reference
-                buf = self._buffers[i]
-                if sys.getrefcount(buf) != self._FREE_REFS:
-                    continue  # a round, or what a fragment made of one, still holds it
-                if buf.size < size:  # a larger fragment: let the small one go
-                    del buf
-                    self._buffers[i] = np.empty(size, np.float32)
-                    return self._buffers[i][:size]
-                self.reused += 1
-                return buf[:size]
-            if len(self._buffers) < self.keep:
-                self._buffers.append(np.empty(size, np.float32))
-                return self._buffers[-1][:size]
-        return np.empty(size, np.float32)
-
-    def clear(self) -> None:
-        """Lets go of every buffer (those still in use live on with their users)."""
-        with self._lock:
-            self._buffers.clear()
-
-
-# One buffer of the largest fragment: between two rounds a shard at 16 bytes per
-# parameter has room for one more float32 vector of a fragment (8 or more per shard).
-ACCUMULATOR_POOL = BufferPool(keep=1)
 
 
 def add_scaled(
@@ -297,8 +240,9 @@ class RoundAccumulator:
         # (denormal-sized values only): both add their weight and no direction.
         scales[rda] = np.where(unit <= _F32_MAX, unit, 0.0)
         # the round's first push is written straight into its accumulator (no zeros read)
-        first = self._acc is None
-        acc = ACCUMULATOR_POOL.empty(seg.size) if self._acc is None else self._acc
+        acc, first = self._acc, self._acc is None
+        if acc is None:
+            acc = np.empty(seg.size, np.float32)
         codes.accumulate_ranges(
             acc, seg.offsets, seg.ends, scales, add=not first
         )  # checks, then writes

@@ -7,7 +7,6 @@ import pytest
 
 from atoll.server.merge import (
     STEP_CHUNK,
-    BufferPool,
     RoundAccumulator,
     RoundState,
     Segments,
@@ -492,30 +491,6 @@ def test_outer_step_validates():
         outer_optimizer(lr=0.0)
     with pytest.raises(ValueError):
         outer_optimizer(momentum=1.0)
-
-
-# -- the accumulator pool ------------------------------------------------------------
-
-
-def test_pool_hands_a_buffer_out_again_only_once_nobody_holds_it():
-    pool = BufferPool(keep=1)
-    first = pool.zeros(100)
-    first[:] = 7.0
-    second = pool.zeros(100)  # the first is in use: a fresh, unpooled one
-    assert not np.shares_memory(first, second) and not second.any()
-    merged = first[10:]  # what a fragment makes of a taken round still holds it
-    del first
-    third = pool.zeros(100)
-    assert not np.shares_memory(third, merged) and pool.reused == 0
-    del merged, third
-    again = pool.zeros(80)  # free now: the same pages, zeroed
-    assert pool.reused == 1 and again.size == 80 and not again.any()
-    assert again.dtype == np.float32 and again.flags.c_contiguous and again.flags.writeable
-    del again
-    bigger = pool.zeros(200)  # a larger round replaces the free buffer
-    assert bigger.size == 200 and not bigger.any() and pool.reused == 1
-    held = pool.zeros(50)  # the only pooled buffer is held by `bigger`
-    assert not np.shares_memory(held, bigger)
 
 
 def test_rounds_reuse_the_accumulator_and_give_the_same_bits():
