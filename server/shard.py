@@ -224,11 +224,11 @@ class Shard(Recovery, MoveCalls):
             self._refuse_if_moving(h.fragment)
             now = self.clock()
             with self.lock:
-                self._heard_from(h, now)
                 if h.last:
                     self.finished[h.fragment].add(h.learner_id)
                 else:
                     self.finished[h.fragment].discard(h.learner_id)
+                self._heard_from(h, now)
             answer, durable_at = self._judged(h, frag, codes, frame, now)
         del codes
         if durable_at is None:  # refused: nothing was logged
@@ -349,10 +349,13 @@ class Shard(Recovery, MoveCalls):
         return frag.answers[h.learner_id], lsn
 
     def _heard_from(self, h: PushHeader, now: float) -> None:
-        """A push renews its learner's lease and brings its timing: step time, τ, H."""
+        """A push renews its learner's lease and brings its timing: step time, τ, H.
+        The pace is set by the learners still training: one whose last push of some
+        fragment came in has stopped stepping, though its lease runs on."""
         self.last_seen[h.learner_id] = now
         self.timings[h.learner_id] = Timing(h.step_seconds, h.overlap_steps, h.period_steps)
-        live = self._live_timings(now)
+        done = set().union(*self.finished.values())
+        live = {m: t for m, t in self._live_timings(now).items() if m not in done}
         periods = [t.period_steps for t in live.values() if t.period_steps]
         steps = {m: t.step_seconds for m, t in live.items()}
         period = rules.cadence(min(periods), steps, frozenset(live)) if periods else None

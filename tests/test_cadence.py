@@ -527,3 +527,34 @@ def test_synchronous_rounds_with_several_fragments_never_deadlock(tmp_path, seed
     # every round had every learner: a fragment's version counts the periods
     versions = [f.version for f in shard.fragments.values()]
     assert all(steps // H - 1 <= v <= steps // H for v in versions), versions
+
+
+def test_a_learner_done_training_no_longer_sets_the_pace(tmp_path):
+    """The fastest learner's last push ends its say in the cadence at once, not when its
+    lease lapses: the learners still training keep H of their own steps per period."""
+    clock = Clock()
+    cfg = ShardConfig(0, 1, tmp_path, quorum=2, lease_seconds=600.0)
+    shard = _seeded_shard(cfg, clock)
+    frames = _frames(np.random.default_rng(0))
+    seqs = {"fast": 0, "slow": 0}
+
+    def push(name: str, step_seconds: float, p: int, last: bool = False) -> None:
+        seqs[name] += 1
+        version = shard.fragments[p].version
+        shard.push(
+            PushHeader(
+                name, p, version, seqs[name], H, H * TOKENS_PER_STEP, int(codec.Codec.INT4),
+                PLAN.fragment_sizes[p], PLAN.fingerprint, step_seconds, TAU, H, last=last,
+            ),
+            frames[p],
+        )  # fmt: skip
+        clock.now += 0.01
+
+    push("fast", 0.1, 0)
+    push("slow", 0.4, 1)
+    assert shard.cadence_seconds == pytest.approx(H * 0.1)  # the fastest sets the pace
+    push("fast", 0.1, 2, last=True)
+    push("slow", 0.4, 3)
+    assert shard.cadence_seconds == pytest.approx(H * 0.4)  # well inside fast's lease
+    push("fast", 0.1, 2)  # a restarted learner trains again: it sets the pace again
+    assert shard.cadence_seconds == pytest.approx(H * 0.1)
