@@ -61,13 +61,14 @@ async def read_chunks(
     while (request := await read_message(context, kind, idle_seconds)) is not grpc.aio.EOF:
         if request.WhichOneof("kind") != "chunk":
             raise ShardError(Why.MALFORMED, "only chunks may follow the header")
-        received += len(request.chunk)
+        chunk = request.chunk  # each read of the field is a fresh copy of its bytes
+        received += len(chunk)
         if received > declared:
             raise ShardError(
                 Why.MALFORMED,
                 f"chunks exceed the header's {field}={declared}",
             )
-        parts.append(request.chunk)
+        parts.append(chunk)
     if received != declared:
         raise ShardError(
             Why.MALFORMED,
