@@ -22,6 +22,7 @@ again with the shard pinned to 1 and then 2 CPUs (the learners on the others).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -29,6 +30,7 @@ import os
 import pathlib
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -163,6 +165,121 @@ def _channel(address: str) -> grpc.Channel:
     )
 
 
+def _tally() -> dict:
+    """An empty count of pushes: bytes, accepted (and their params), refusals, latencies."""
+    return {"bytes": 0, "accepted": 0, "accepted_params": 0, "refused": {}, "latency": []}
+
+
+def _add(total: dict, part: dict) -> None:
+    for key in ("bytes", "accepted", "accepted_params"):
+        total[key] += part[key]
+    total["latency"] += part["latency"]
+    for k, v in part["refused"].items():
+        total["refused"][k] = total["refused"].get(k, 0) + v
+
+
+class _Pusher:
+    """One learner's connections: its Watch stream, and per connection a push stub to the
+    shard and a drain stub to the no-op server; fragment p goes on connection p mod their
+    number."""
+
+    def __init__(
+        self,
+        plan: FragmentPlan,
+        frames: list[bytes],
+        learner_id: str,
+        shard_address: str,
+        raw_address: str,
+        connections: int,
+    ):
+        self.plan, self.frames, self.learner_id = plan, frames, learner_id
+        self.shard = ShardClient(shard_address, learner_id)  # its Watch stream
+        self.channels = [
+            (_channel(shard_address), _channel(raw_address)) for _ in range(connections)
+        ]
+        self.pushes = [pb_grpc.SyncerStub(c).Push for c, _ in self.channels]
+        self.drains = [
+            r.stream_unary(_RAW_METHOD, request_serializer=pb.PushRequest.SerializeToString)
+            for _, r in self.channels
+        ]
+        self.versions, self.watch = _Versions(), None
+        self.joined = 0  # ingest rounds so far; also this learner's push sequence number
+        self.pool = futures.ThreadPoolExecutor(connections)
+
+    def follow(self) -> None:
+        """Watches every fragment until it has seen each one's first version."""
+        P = self.plan.num_fragments
+        self.watch = self.shard.watch(list(range(P)))
+        threading.Thread(target=_follow, args=(self.watch, self.versions), daemon=True).start()
+        for p in range(P):
+            self.versions.wait_for(p, 0)
+
+    def header(self, p: int, base: int) -> pb.PushHeader:
+        return pb.PushHeader(
+            learner_id=self.learner_id,
+            fragment=p,
+            base_version=base,
+            seq=self.joined,
+            inner_steps=INNER_STEPS,
+            tokens=TOKENS,
+            codec=pb.CODEC_INT4,
+            num_params=self.plan.fragment_sizes[p],
+            plan_fingerprint=self.plan.fingerprint,
+            frame_bytes=len(self.frames[p]),
+        )
+
+    def send_share(self, phase: str, c: int) -> dict:
+        """Connection c's fragments, one push (or drain) at a time, each timed to its ack."""
+        out = _tally()
+        for p in range(c, self.plan.num_fragments, len(self.channels)):
+            frame = self.frames[p]
+            if phase == "raw":
+                t0 = time.monotonic()
+                self.drains[c](_chunked(self.header(p, 0), frame, CHUNK_BYTES), timeout=120)
+            else:
+                # the round this learner joined last time must have closed: base = its version
+                base = self.versions.wait_for(p, self.joined - 1)
+                t0 = time.monotonic()
+                chunks = _chunked(self.header(p, base), frame, CHUNK_BYTES)
+                ack = self.pushes[c](chunks, timeout=120)
+                self.versions.saw(p, ack.version)
+                if ack.accepted:
+                    out["accepted"] += 1
+                    out["accepted_params"] += self.plan.fragment_sizes[p]
+                else:
+                    name = pb.PushReason.Name(ack.reason)
+                    out["refused"][name] = out["refused"].get(name, 0) + 1
+            out["latency"].append(time.monotonic() - t0)
+            out["bytes"] += len(frame)
+        return out
+
+    def rounds(self, phase: str, rounds: int) -> dict:
+        """`rounds` rounds of `phase` ("raw" or "ingest") over every connection at once."""
+        cpu0, started = time.process_time(), time.monotonic()
+        total = _tally()
+        for _ in range(rounds):
+            if phase != "raw":
+                self.joined += 1
+            shares = range(len(self.channels))
+            for part in self.pool.map(lambda c: self.send_share(phase, c), shares):
+                _add(total, part)
+        return {
+            "started": started,
+            "ended": time.monotonic(),
+            **total,
+            "cpu_seconds": time.process_time() - cpu0,
+        }
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.cancel()
+        self.pool.shutdown()
+        self.shard.close()
+        for c, r in self.channels:
+            c.close()
+            r.close()
+
+
 def _learner(
     conn, index: int, shard_address: str, raw_address: str, plan_json: str, connections: int
 ) -> None:
@@ -172,92 +289,19 @@ def _learner(
     on connection p mod `connections`; each push is timed from its first message to its ack."""
     _die_with_parent()
     plan = FragmentPlan.from_json(plan_json)
-    P = plan.num_fragments
     frames = learner_frames(plan, index)
     conn.send([len(f) for f in frames])
-    learner_id = f"bench-learner-{index}"
-    shard = ShardClient(shard_address, learner_id)  # its Watch stream
-    channels = [(_channel(shard_address), _channel(raw_address)) for _ in range(connections)]
-    pushes = [pb_grpc.SyncerStub(c).Push for c, _ in channels]
-    drains = [
-        r.stream_unary(_RAW_METHOD, request_serializer=pb.PushRequest.SerializeToString)
-        for _, r in channels
-    ]
-    versions, watch = _Versions(), None
-    joined = 0  # ingest rounds so far; also this learner's push sequence number
-
-    def header(p: int, base: int) -> pb.PushHeader:
-        return pb.PushHeader(
-            learner_id=learner_id,
-            fragment=p,
-            base_version=base,
-            seq=joined,
-            inner_steps=INNER_STEPS,
-            tokens=TOKENS,
-            codec=pb.CODEC_INT4,
-            num_params=plan.fragment_sizes[p],
-            plan_fingerprint=plan.fingerprint,
-            frame_bytes=len(frames[p]),
-        )
-
-    def run(phase: str, c: int) -> dict:
-        out = {"bytes": 0, "accepted": 0, "accepted_params": 0, "refused": {}, "latency": []}
-        for p in range(c, P, connections):
-            if phase == "raw":
-                t0 = time.monotonic()
-                drains[c](_chunked(header(p, 0), frames[p], CHUNK_BYTES), timeout=120)
-            else:
-                # the round this learner joined last time must have closed: base = its version
-                base = versions.wait_for(p, joined - 1)
-                t0 = time.monotonic()
-                ack = pushes[c](_chunked(header(p, base), frames[p], CHUNK_BYTES), timeout=120)
-                versions.saw(p, ack.version)
-                if ack.accepted:
-                    out["accepted"] += 1
-                    out["accepted_params"] += plan.fragment_sizes[p]
-                else:
-                    name = pb.PushReason.Name(ack.reason)
-                    out["refused"][name] = out["refused"].get(name, 0) + 1
-            out["latency"].append(time.monotonic() - t0)
-            out["bytes"] += len(frames[p])
-        return out
-
-    pool = futures.ThreadPoolExecutor(connections)
+    pusher = _Pusher(
+        plan, frames, f"bench-learner-{index}", shard_address, raw_address, connections
+    )
     while (command := conn.recv()) is not None:
         phase, rounds = command
         if phase == "watch":  # after Init; every learner is live before anyone pushes
-            watch = shard.watch(list(range(P)))
-            threading.Thread(target=_follow, args=(watch, versions), daemon=True).start()
-            for p in range(P):
-                versions.wait_for(p, 0)
+            pusher.follow()
             conn.send({})
-            continue
-        cpu0, started = time.process_time(), time.monotonic()
-        total = {"bytes": 0, "accepted": 0, "accepted_params": 0, "refused": {}, "latency": []}
-        for _ in range(rounds):
-            if phase != "raw":
-                joined += 1
-            for part in pool.map(lambda c: run(phase, c), range(connections)):
-                for key in ("bytes", "accepted", "accepted_params"):
-                    total[key] += part[key]
-                total["latency"] += part["latency"]
-                for k, v in part["refused"].items():
-                    total["refused"][k] = total["refused"].get(k, 0) + v
-        conn.send(
-            {
-                "started": started,
-                "ended": time.monotonic(),
-                **total,
-                "cpu_seconds": time.process_time() - cpu0,
-            }
-        )
-    if watch is not None:
-        watch.cancel()
-    pool.shutdown()
-    shard.close()
-    for c, r in channels:
-        c.close()
-        r.close()
+        else:
+            conn.send(pusher.rounds(phase, rounds))
+    pusher.close()
 
 
 # --- reading the shard from outside -------------------------------------------------
@@ -446,6 +490,215 @@ def _percentiles_ms(seconds: list[float]) -> dict[str, float | None]:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """One run's shape, checked: who pushes what over how many connections."""
+
+    plan: FragmentPlan
+    learners: int  # learner processes, also the quorum
+    connections: int  # push connections over all learners
+    per_learner: list[int]  # connections of each learner process
+    fragments: int
+    rounds: int  # measured rounds
+    warmup_rounds: int  # unmeasured rounds first
+
+
+def _layout(
+    num_params: int,
+    learners: int,
+    fragments: int,
+    rounds: int,
+    warmup_rounds: int,
+    connections: int | None,
+    cores: list[int] | None,
+    cpus: list[int],
+) -> _Layout:
+    """The run's layout; ValueError (worded for the flags) where one cannot run."""
+    if cores and max(cores) > len(cpus):
+        raise ValueError(f"--cores {max(cores)}: this host lets the bench use {len(cpus)} CPUs")
+    connections = learners if connections is None else connections
+    if connections < learners:
+        raise ValueError(f"--connections {connections}: want at least one per learner ({learners})")
+    if connections > learners * fragments:
+        raise ValueError(
+            f"--connections {connections}: at most {learners * fragments} (one per learner "
+            "and fragment) can push at once"
+        )
+    per_learner = [connections // learners + (i < connections % learners) for i in range(learners)]
+    specs = transformer_specs(num_params)
+    if len(specs) < fragments:
+        raise ValueError(
+            f"--fragments {fragments}: the {num_params}-param model has only "
+            f"{len(specs)} tensors; use --fragments <= {len(specs)} or more --params"
+        )
+    plan = FragmentPlan.build(specs, fragments)
+    return _Layout(plan, learners, connections, per_learner, fragments, rounds, warmup_rounds)
+
+
+@dataclasses.dataclass
+class _Run:
+    """The processes of one run, filled in as each starts so that `_stop` ends those that did."""
+
+    ctx: mp.context.SpawnContext
+    shard: subprocess.Popen | None = None
+    port: int = 0  # the shard's gRPC port
+    metrics_port: int = 0
+    rss_start: int = 0  # the shard's VmRSS once serving, before Init
+    raw: tuple | None = None  # (pipe, process) of the no-op gRPC server
+    learners: list = dataclasses.field(default_factory=list)  # (pipe, process) per learner
+
+
+def _start(run: _Run, lay: _Layout, root: pathlib.Path) -> None:
+    """The shard, the no-op server and the learners; then the shard's fragments are Init'ed."""
+    run.shard, run.port, run.metrics_port = start_shard(
+        ShardConfig(
+            shard_index=0,
+            num_shards=1,
+            data_dir=root / "data",
+            listen="127.0.0.1:0",
+            quorum=lay.learners,
+            grace_factor=0.0,
+            metrics_port=0,
+        ),
+        root / "syncer.log",
+    )
+    run.rss_start = _proc_status(run.shard.pid)["VmRSS"]
+    raw_conn, child = run.ctx.Pipe()
+    raw = run.ctx.Process(target=_serve_raw, name="raw-grpc-server", args=(child,), daemon=True)
+    run.raw = (raw_conn, raw)
+    raw.start()
+    raw_port = _recv(raw_conn, raw)
+    for i in range(lay.learners):
+        conn, child = run.ctx.Pipe()
+        proc = run.ctx.Process(
+            target=_learner,
+            name=f"learner-{i}",
+            daemon=True,
+            args=(
+                child,
+                i,
+                f"127.0.0.1:{run.port}",
+                f"127.0.0.1:{raw_port}",
+                lay.plan.to_json(),
+                lay.per_learner[i],
+            ),
+        )
+        proc.start()
+        run.learners.append((conn, proc))
+    _init_fragments(f"127.0.0.1:{run.port}", lay.plan)
+
+
+def _init_fragments(address: str, plan: FragmentPlan) -> None:
+    """Every fragment's first version: small random values, INT4-encoded."""
+    init = ShardClient(address, "bench-init")
+    rng = np.random.default_rng(12345)
+    for p, size in enumerate(plan.fragment_sizes):
+        values = rng.standard_normal(size, dtype=np.float32) * np.float32(0.02)
+        init.init(plan, p, codec.encode(values, codec.Codec.INT4), codec.Codec.INT4)
+    del values
+    init.close()
+
+
+def _stop(run: _Run) -> None:
+    """Ends whatever of `run` started."""
+    # learners first: a server that goes away under an open channel makes gRPC log it
+    for stage in [run.learners, [run.raw] if run.raw else []]:
+        for conn, _ in stage:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for _, proc in stage:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    if run.shard is not None:
+        # The data is thrown away, so no clean stop (and its final snapshot) is waited for.
+        run.shard.send_signal(signal.SIGKILL)
+        run.shard.wait()
+
+
+def _warm_up(learners, warmup_rounds: int) -> None:
+    """Every learner watches (and is live) before any pushes; then the unmeasured rounds."""
+    for conn, _ in learners:
+        conn.send(("watch", 0))
+    for conn, proc in learners:
+        _recv(conn, proc)
+    if warmup_rounds:
+        _run_phase(learners, "ingest", warmup_rounds)
+
+
+def _measured_ingest(run: _Run, rounds: int) -> dict:
+    """The measured ingest rounds, the shard's metrics, CPU time and memory read around them."""
+    pid = run.shard.pid
+    before = _scrape(run.metrics_port)
+    cpu_before = _cpu_seconds(pid)
+    try:  # "5" resets VmHWM, so the peak below is the measured phase's own
+        pathlib.Path(f"/proc/{pid}/clear_refs").write_text("5")
+        peak_scope = "the measured phase"
+    except OSError:
+        peak_scope = "the shard's whole life (could not reset VmHWM)"
+    ingest = _run_phase(run.learners, "ingest", rounds)
+    cpu_shard = _cpu_seconds(pid) - cpu_before
+    after = _scrape(run.metrics_port)
+    return {
+        "ingest": ingest,
+        "cpu_shard": cpu_shard,
+        "before": before,
+        "after": after,
+        "mem": _proc_status(pid),
+        "peak_scope": peak_scope,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Measured:
+    """What one run measured, before any figure is derived from it."""
+
+    rss_start: int  # the shard's VmRSS once serving, before Init
+    bits_per_param: float  # of the learners' frames
+    raw_before: dict  # _run_phase of the no-op server, before the ingest
+    ingest: dict  # _run_phase of the measured ingest rounds
+    cpu_shard: float  # the shard's CPU seconds over them
+    before: dict  # the shard's /metrics before them
+    after: dict  # and after
+    mem: dict  # the shard's VmRSS and VmHWM after them
+    peak_scope: str  # what VmHWM spans
+    ring: dict  # _delta_ring
+    fsyncs: int  # the shard's fsyncs over the measured rounds
+    limit: dict  # _limit
+    pinned: dict  # --cores K: _pinned_phase
+    raw_after: dict  # _run_phase of the no-op server, after everything else
+
+
+def _measure(run: _Run, lay: _Layout, cores, cpus: list[int], data_dir: pathlib.Path) -> _Measured:
+    """Warm-up, then raw, ingest, the limit, any pinned rounds, and raw again."""
+    frame_bytes = [_recv(conn, proc) for conn, proc in run.learners]  # frames are encoded
+    bits_per_param = 8 * sum(map(sum, frame_bytes)) / (lay.learners * lay.plan.num_params)
+    _warm_up(run.learners, lay.warmup_rounds)
+    raw_before = _run_phase(run.learners, "raw", lay.rounds)
+    shard = _measured_ingest(run, lay.rounds)
+    ring = _delta_ring(f"127.0.0.1:{run.port}")
+    fsyncs = _delta(shard["after"], shard["before"], "atoll_wal_fsync_seconds_count")
+    fsyncs = int(fsyncs.get("", 0.0))
+    limit = _limit(run.ctx, lay.plan, lay.learners, lay.rounds, data_dir, fsyncs, cpus)
+    pid = run.shard.pid
+    pinned = {k: _pinned_phase(pid, run.learners, cpus, k, lay.rounds) for k in cores or []}
+    if pinned:
+        _pin_all(pid, run.learners, cpus, cpus)
+    return _Measured(
+        rss_start=run.rss_start,
+        bits_per_param=bits_per_param,
+        raw_before=raw_before,
+        **shard,
+        ring=ring,
+        fsyncs=fsyncs,
+        limit=limit,
+        pinned=pinned,
+        raw_after=_run_phase(run.learners, "raw", lay.rounds),
+    )
+
+
 def bench_ingest(
     num_params: int = DEFAULT_PARAMS,
     learners: int = 4,
@@ -470,224 +723,102 @@ def bench_ingest(
     on the rest; ValueError for more CPUs than this process may use.
     """
     cpus = sorted(os.sched_getaffinity(0))
-    if cores and max(cores) > len(cpus):
-        raise ValueError(f"--cores {max(cores)}: this host lets the bench use {len(cpus)} CPUs")
-    connections = learners if connections is None else connections
-    if connections < learners:
-        raise ValueError(f"--connections {connections}: want at least one per learner ({learners})")
-    if connections > learners * fragments:
-        raise ValueError(
-            f"--connections {connections}: at most {learners * fragments} (one per learner "
-            "and fragment) can push at once"
-        )
-    per_learner = [connections // learners + (i < connections % learners) for i in range(learners)]
-    specs = transformer_specs(num_params)
-    if len(specs) < fragments:
-        raise ValueError(
-            f"--fragments {fragments}: the {num_params}-param model has only "
-            f"{len(specs)} tensors; use --fragments <= {len(specs)} or more --params"
-        )
-    plan = FragmentPlan.build(specs, fragments)
-    held = plan.num_params
+    lay = _layout(num_params, learners, fragments, rounds, warmup_rounds, connections, cores, cpus)
     load_before = os.getloadavg()[0]
-    ctx = mp.get_context("spawn")
+    run = _Run(mp.get_context("spawn"))
     root = pathlib.Path(tempfile.mkdtemp(prefix="atoll-bench-ingest-"))
-    shard = raw_conn = None
-    procs, learner_procs = [], []  # learner_procs: (pipe, process) per learner
     try:
-        shard, port, metrics_port = start_shard(
-            ShardConfig(
-                shard_index=0,
-                num_shards=1,
-                data_dir=root / "data",
-                listen="127.0.0.1:0",
-                quorum=learners,
-                grace_factor=0.0,
-                metrics_port=0,
-            ),
-            root / "syncer.log",
-        )
-        rss_start = _proc_status(shard.pid)["VmRSS"]
-        raw_conn, child = ctx.Pipe()
-        procs.append(
-            ctx.Process(target=_serve_raw, name="raw-grpc-server", args=(child,), daemon=True)
-        )
-        procs[-1].start()
-        raw_port = _recv(raw_conn, procs[-1])
-        for i in range(learners):
-            conn, child = ctx.Pipe()
-            procs.append(
-                ctx.Process(
-                    target=_learner,
-                    name=f"learner-{i}",
-                    daemon=True,
-                    args=(
-                        child,
-                        i,
-                        f"127.0.0.1:{port}",
-                        f"127.0.0.1:{raw_port}",
-                        plan.to_json(),
-                        per_learner[i],
-                    ),
-                )
-            )
-            procs[-1].start()
-            learner_procs.append((conn, procs[-1]))
-
-        init = ShardClient(f"127.0.0.1:{port}", "bench-init")
-        rng = np.random.default_rng(12345)
-        for p, size in enumerate(plan.fragment_sizes):
-            values = rng.standard_normal(size, dtype=np.float32) * np.float32(0.02)
-            init.init(plan, p, codec.encode(values, codec.Codec.INT4), codec.Codec.INT4)
-        del values
-        init.close()
-        frame_bytes = [_recv(conn, proc) for conn, proc in learner_procs]  # frames are encoded
-        bits_per_param = 8 * sum(map(sum, frame_bytes)) / (learners * held)
-
-        for conn, _ in learner_procs:
-            conn.send(("watch", 0))
-        for conn, proc in learner_procs:
-            _recv(conn, proc)
-        if warmup_rounds:
-            _run_phase(learner_procs, "ingest", warmup_rounds)
-        raw_before = _run_phase(learner_procs, "raw", rounds)
-        before = _scrape(metrics_port)
-        cpu_before = _cpu_seconds(shard.pid)
-        try:  # "5" resets VmHWM, so the peak below is the measured phase's own
-            pathlib.Path(f"/proc/{shard.pid}/clear_refs").write_text("5")
-            peak_scope = "the measured phase"
-        except OSError:
-            peak_scope = "the shard's whole life (could not reset VmHWM)"
-        ingest = _run_phase(learner_procs, "ingest", rounds)
-        cpu_shard = _cpu_seconds(shard.pid) - cpu_before
-        after = _scrape(metrics_port)
-        mem = _proc_status(shard.pid)
-        ring = _delta_ring(f"127.0.0.1:{port}")
-        fsyncs = int(_delta(after, before, "atoll_wal_fsync_seconds_count").get("", 0.0))
-        limit = _limit(ctx, plan, learners, rounds, root / "data", fsyncs, cpus)
-        pinned = {k: _pinned_phase(shard.pid, learner_procs, cpus, k, rounds) for k in cores or []}
-        if pinned:
-            _pin_all(shard.pid, learner_procs, cpus, cpus)
-        raw_after = _run_phase(learner_procs, "raw", rounds)
+        _start(run, lay, root)
+        measured = _measure(run, lay, cores, cpus, root / "data")
     finally:
-        # learners first: a server that goes away under an open channel makes gRPC log it
-        stages = [learner_procs, [(raw_conn, procs[0])] if raw_conn else []]
-        for stage in stages:
-            for conn, _ in stage:
-                try:
-                    conn.send(None)
-                except OSError:
-                    pass
-            for _, proc in stage:
-                proc.join(10)
-                if proc.is_alive():
-                    proc.kill()
-        if shard is not None:
-            # The data is thrown away, so no clean stop (and its final snapshot) is waited for.
-            shard.send_signal(signal.SIGKILL)
-            shard.wait()
+        _stop(run)
         shutil.rmtree(root, ignore_errors=True)
+    return _report(lay, measured, load_before)
 
-    def mb_per_s(phase: dict) -> float:
-        return phase["bytes"] / phase["seconds"] / 1e6
 
-    raw_runs = [mb_per_s(raw_before), mb_per_s(raw_after)]
-    raw = max(raw_runs)
-    wire = mb_per_s(ingest)
-    expected = learners * fragments * rounds
-    ingest_mparams = ingest["accepted_params"] / ingest["seconds"] / 1e6
-    fsync = fsyncs
-    ratio = wire / raw
-    core_ms_per_mb = cpu_shard * 1e3 / (ingest["bytes"] / 1e6)
-    limit_ms_per_mb = limit["cpu_seconds"] * 1e3 / (limit["bytes"] / 1e6)
-    cost_over_limit = core_ms_per_mb / limit_ms_per_mb
-    by_cores: dict = {str(k): v for k, v in pinned.items()}
-    if len(pinned) >= 2:
-        lo, hi = min(pinned), max(pinned)
-        scaling = pinned[hi]["wire_mb_per_s"] / pinned[lo]["wire_mb_per_s"]
+# --- the report ---------------------------------------------------------------------
+
+
+def _mb_per_s(phase: dict) -> float:
+    return phase["bytes"] / phase["seconds"] / 1e6
+
+
+def _figures(lay: _Layout, m: _Measured) -> dict:
+    """The rates, costs and memory figures derived from a run's measurements."""
+    held = lay.plan.num_params
+    raw_runs = [_mb_per_s(m.raw_before), _mb_per_s(m.raw_after)]
+    wire = _mb_per_s(m.ingest)
+    core_ms_per_mb = m.cpu_shard * 1e3 / (m.ingest["bytes"] / 1e6)
+    limit_ms_per_mb = m.limit["cpu_seconds"] * 1e3 / (m.limit["bytes"] / 1e6)
+    rss = (m.mem["VmRSS"] - m.rss_start) / held
+    ring_delta_bytes_per_param = m.ring["delta_bytes"] / held
+    ring_filled = min(m.ring["capacity"], lay.warmup_rounds + lay.rounds)
+    by_cores: dict = {str(k): v for k, v in m.pinned.items()}
+    if len(m.pinned) >= 2:
+        lo, hi = min(m.pinned), max(m.pinned)
+        scaling = m.pinned[hi]["wire_mb_per_s"] / m.pinned[lo]["wire_mb_per_s"]
         by_cores[f"mb_per_s_{hi}_over_{lo}"] = round(scaling, 3)
-    rss = (mem["VmRSS"] - rss_start) / held
-    ring_delta_bytes_per_param = ring["delta_bytes"] / held
-    ring_filled = min(ring["capacity"], warmup_rounds + rounds)
-    rss_ring_full = rss + (ring["capacity"] - ring_filled) * ring_delta_bytes_per_param
-    peak = (mem["VmHWM"] - rss_start) / held
     return {
-        "params": held,
-        "learners": learners,
-        "connections": connections,
-        "client_processes": learners,
-        "fragments": fragments,
-        "rounds": rounds,
-        "warmup_rounds": warmup_rounds,
+        "raw_runs": raw_runs,
+        "raw": max(raw_runs),
+        "wire": wire,
+        "ratio": wire / max(raw_runs),
+        "ingest_mparams": m.ingest["accepted_params"] / m.ingest["seconds"] / 1e6,
+        "core_ms_per_mb": core_ms_per_mb,
+        "limit_ms_per_mb": limit_ms_per_mb,
+        "cost_over_limit": core_ms_per_mb / limit_ms_per_mb,
+        "by_cores": by_cores,
+        "rss": rss,
+        "peak": (m.mem["VmHWM"] - m.rss_start) / held,
+        "ring_filled": ring_filled,
+        "ring_delta_bytes_per_param": ring_delta_bytes_per_param,
+        "rss_ring_full": rss + (m.ring["capacity"] - ring_filled) * ring_delta_bytes_per_param,
+    }
+
+
+def _report(lay: _Layout, m: _Measured, load_before: float) -> dict:
+    """The bench's JSON object."""
+    f = _figures(lay, m)
+    ingest, ratio, cost_over_limit = m.ingest, f["ratio"], f["cost_over_limit"]
+    return {
+        "params": lay.plan.num_params,
+        "learners": lay.learners,
+        "connections": lay.connections,
+        "client_processes": lay.learners,
+        "fragments": lay.fragments,
+        "rounds": lay.rounds,
+        "warmup_rounds": lay.warmup_rounds,
         "codec": "int4",
-        "bits_per_param": round(bits_per_param, 4),
+        "bits_per_param": round(m.bits_per_param, 4),
         "chunk_bytes": CHUNK_BYTES,
         "pushes_accepted": ingest["accepted"],
-        "pushes_expected": expected,
+        "pushes_expected": lay.learners * lay.fragments * lay.rounds,
         "pushes_refused": ingest["refused"],
         "measured_seconds": round(ingest["seconds"], 3),
         # each push from its first message to its ack, as a learner sees it (the raw runs:
         # the same messages drained by a no-op server)
         "push_latency_ms": _percentiles_ms(ingest["latency"]),
-        "raw_latency_ms": _percentiles_ms(raw_before["latency"] + raw_after["latency"]),
-        "ingest_mparams_per_s": round(ingest_mparams, 1),
-        "wire_mb_per_s": round(wire, 1),
-        "raw_grpc_mb_per_s": round(raw, 1),
-        "raw_grpc_mb_per_s_runs": [round(r, 1) for r in raw_runs],  # before, after the ingest
+        "raw_latency_ms": _percentiles_ms(m.raw_before["latency"] + m.raw_after["latency"]),
+        "ingest_mparams_per_s": round(f["ingest_mparams"], 1),
+        "wire_mb_per_s": round(f["wire"], 1),
+        "raw_grpc_mb_per_s": round(f["raw"], 1),
+        "raw_grpc_mb_per_s_runs": [round(r, 1) for r in f["raw_runs"]],  # before, after the ingest
         "ratio": round(ratio, 3),
         # the shard's CPU (user + system, all threads) per MB of frames it took, against
         # the same frames decoded, merged and logged by the codec's kernels on one core
-        "core_ms_per_mb": round(core_ms_per_mb, 3),
-        "limit_core_ms_per_mb": round(limit_ms_per_mb, 3),
+        "core_ms_per_mb": round(f["core_ms_per_mb"], 3),
+        "limit_core_ms_per_mb": round(f["limit_ms_per_mb"], 3),
         "cost_over_limit": round(cost_over_limit, 3),
         "limit": {
-            "cpu_seconds": round(limit["cpu_seconds"], 3),
-            "mb": round(limit["bytes"] / 1e6, 1),
-            "pushes": limit["pushes"],
-            "fsyncs": limit["fsyncs"],
-            "pinned_cpu": limit["pinned_cpu"],
+            "cpu_seconds": round(m.limit["cpu_seconds"], 3),
+            "mb": round(m.limit["bytes"] / 1e6, 1),
+            "pushes": m.limit["pushes"],
+            "fsyncs": m.limit["fsyncs"],
+            "pinned_cpu": m.limit["pinned_cpu"],
         },
-        **({"cores": by_cores} if by_cores else {}),
-        "fsync_ms_p50": _quantile_ms(after, before, "atoll_wal_fsync_seconds"),
-        "fsync_ms_p99": _quantile_ms(after, before, "atoll_wal_fsync_seconds", 0.99),
-        "fsyncs": int(fsync),
-        "rss_bytes_per_param": round(rss, 2),
-        "rss_peak_bytes_per_param": round(peak, 2),
-        "rss_ring_full_bytes_per_param_est": round(rss_ring_full, 2),
-        "rss_note": (
-            "rss_bytes_per_param: the shard's VmRSS after the measured rounds minus its "
-            "VmRSS once serving (before Init), per parameter held; the target applies to "
-            f"it. rss_peak_bytes_per_param: VmHWM over {peak_scope}, same baseline. The "
-            f"delta ring then holds {ring_filled} of its {ring['capacity']} published deltas "
-            "per fragment; rss_ring_full_bytes_per_param_est adds the rest at the measured "
-            "delta size."
-        ),
-        "delta_ring": {
-            "capacity": ring["capacity"],
-            "filled": ring_filled,
-            "bytes_per_param_per_delta": round(ring_delta_bytes_per_param, 4),
-        },
-        "shard": {
-            "rss_start_bytes": rss_start,
-            "rss_after_bytes": mem["VmRSS"],
-            "rss_peak_bytes": mem["VmHWM"],
-            "cpu_cores_busy": round(cpu_shard / ingest["seconds"], 2),
-            "push_ms_p50": _quantile_ms(after, before, "atoll_push_seconds"),
-            "push_seconds_sum": round(
-                _delta(after, before, "atoll_push_seconds_sum").get("", 0.0), 3
-            ),
-            "merge_ms_p50": _quantile_ms(after, before, "atoll_merge_seconds"),
-            "merge_seconds_sum": round(
-                _delta(after, before, "atoll_merge_seconds_sum").get("", 0.0), 3
-            ),
-            "fsync_seconds_sum": round(
-                _delta(after, before, "atoll_wal_fsync_seconds_sum").get("", 0.0), 3
-            ),
-            "rounds_closed": int(_delta(after, before, "atoll_rounds_total").get("", 0.0)),
-            "received_mb": round(
-                _delta(after, before, "atoll_received_bytes_total").get("", 0.0) / 1e6, 1
-            ),
-        },
+        **({"cores": f["by_cores"]} if f["by_cores"] else {}),
+        **_memory_report(m, f),
+        "shard": _shard_report(m),
         "clients_cpu_cores_busy": round(ingest["client_cpu_seconds"] / ingest["seconds"], 2),
         # other work on the machine skews every rate: compare runs only under similar load
         "host": {
@@ -695,35 +826,89 @@ def bench_ingest(
             "loadavg_1m_before": round(load_before, 2),
             "loadavg_1m_after": round(os.getloadavg()[0], 2),
         },
-        "targets": {
-            "ratio": {
-                "want": f">= {TARGET_RATIO}",
-                "got": round(ratio, 3),
-                "met": ratio >= TARGET_RATIO,
-            },
-            "rss_bytes_per_param": {
-                "want": f"<= {TARGET_RSS_BYTES_PER_PARAM}",
-                "got": round(rss, 2),
-                "met": rss <= TARGET_RSS_BYTES_PER_PARAM,
-            },
-            "fsync_ms_p50": {"want": "reported", "met": fsync > 0},
-            "cost_over_limit": {
-                "want": f"<= {TARGET_COST_OVER_LIMIT}",
-                "got": round(cost_over_limit, 3),
-                "met": cost_over_limit <= TARGET_COST_OVER_LIMIT,
-            },
-            **(
-                {
-                    "cores_scaling": {
-                        "want": f">= {TARGET_CORES_SCALING} (MB/s on 2 CPUs over 1)",
-                        "got": by_cores["mb_per_s_2_over_1"],
-                        "met": by_cores["mb_per_s_2_over_1"] >= TARGET_CORES_SCALING,
-                    }
-                }
-                if "mb_per_s_2_over_1" in by_cores
-                else {}
-            ),
+        "targets": _targets(f, m.fsyncs),
+    }
+
+
+def _memory_report(m: _Measured, f: dict) -> dict:
+    """fsync latency and count, and the shard's memory per parameter held."""
+    capacity, filled = m.ring["capacity"], f["ring_filled"]
+    return {
+        "fsync_ms_p50": _quantile_ms(m.after, m.before, "atoll_wal_fsync_seconds"),
+        "fsync_ms_p99": _quantile_ms(m.after, m.before, "atoll_wal_fsync_seconds", 0.99),
+        "fsyncs": int(m.fsyncs),
+        "rss_bytes_per_param": round(f["rss"], 2),
+        "rss_peak_bytes_per_param": round(f["peak"], 2),
+        "rss_ring_full_bytes_per_param_est": round(f["rss_ring_full"], 2),
+        "rss_note": (
+            "rss_bytes_per_param: the shard's VmRSS after the measured rounds minus its "
+            "VmRSS once serving (before Init), per parameter held; the target applies to "
+            f"it. rss_peak_bytes_per_param: VmHWM over {m.peak_scope}, same baseline. The "
+            f"delta ring then holds {filled} of its {capacity} published deltas "
+            "per fragment; rss_ring_full_bytes_per_param_est adds the rest at the measured "
+            "delta size."
+        ),
+        "delta_ring": {
+            "capacity": capacity,
+            "filled": filled,
+            "bytes_per_param_per_delta": round(f["ring_delta_bytes_per_param"], 4),
         },
+    }
+
+
+def _shard_report(m: _Measured) -> dict:
+    """The shard's own view of the measured rounds: memory, CPU, and its /metrics."""
+
+    def total(name: str) -> float:
+        return _delta(m.after, m.before, name).get("", 0.0)
+
+    return {
+        "rss_start_bytes": m.rss_start,
+        "rss_after_bytes": m.mem["VmRSS"],
+        "rss_peak_bytes": m.mem["VmHWM"],
+        "cpu_cores_busy": round(m.cpu_shard / m.ingest["seconds"], 2),
+        "push_ms_p50": _quantile_ms(m.after, m.before, "atoll_push_seconds"),
+        "push_seconds_sum": round(total("atoll_push_seconds_sum"), 3),
+        "merge_ms_p50": _quantile_ms(m.after, m.before, "atoll_merge_seconds"),
+        "merge_seconds_sum": round(total("atoll_merge_seconds_sum"), 3),
+        "fsync_seconds_sum": round(total("atoll_wal_fsync_seconds_sum"), 3),
+        "rounds_closed": int(total("atoll_rounds_total")),
+        "received_mb": round(total("atoll_received_bytes_total") / 1e6, 1),
+    }
+
+
+def _targets(f: dict, fsyncs: int) -> dict:
+    """Each target: what is wanted, what this run got, and whether it met it."""
+    ratio, rss, cost_over_limit = f["ratio"], f["rss"], f["cost_over_limit"]
+    by_cores = f["by_cores"]
+    return {
+        "ratio": {
+            "want": f">= {TARGET_RATIO}",
+            "got": round(ratio, 3),
+            "met": ratio >= TARGET_RATIO,
+        },
+        "rss_bytes_per_param": {
+            "want": f"<= {TARGET_RSS_BYTES_PER_PARAM}",
+            "got": round(rss, 2),
+            "met": rss <= TARGET_RSS_BYTES_PER_PARAM,
+        },
+        "fsync_ms_p50": {"want": "reported", "met": fsyncs > 0},
+        "cost_over_limit": {
+            "want": f"<= {TARGET_COST_OVER_LIMIT}",
+            "got": round(cost_over_limit, 3),
+            "met": cost_over_limit <= TARGET_COST_OVER_LIMIT,
+        },
+        **(
+            {
+                "cores_scaling": {
+                    "want": f">= {TARGET_CORES_SCALING} (MB/s on 2 CPUs over 1)",
+                    "got": by_cores["mb_per_s_2_over_1"],
+                    "met": by_cores["mb_per_s_2_over_1"] >= TARGET_CORES_SCALING,
+                }
+            }
+            if "mb_per_s_2_over_1" in by_cores
+            else {}
+        ),
     }
 
 
