@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -84,55 +85,39 @@ def _use_gloo_host(host: str) -> None:
     xla_bridge.register_backend_factory("cpu", cpu_client, priority=0)
 
 
-def train(
-    cfg: DataParallelConfig,
-    process_id: int = 0,
-    num_processes: int = 1,
-    on_record: Callable[[dict], None] | None = None,
-) -> dict:
-    """Trains; every process returns the same summary (process 0's evaluations included).
+@dataclasses.dataclass
+class _Replica:
+    """One process's part of the job: its rows, the step's compiled pieces, and its model."""
 
-    With one process it trains on all `cfg.shards` shards' rows per step; with several,
-    `num_processes` must equal `cfg.shards` and process p trains on shard p.
-    """
+    model_cfg: Any  # learner.model's config of cfg.preset
+    shards: list  # Batches of the shards this process trains on
+    heldout: Any  # held-out batches (process 0 evaluates on them)
+    local_mesh: Any  # evaluation's mesh: this process's first device
+    size: int  # parameters; a gradient vector holds them, then the loss
+    gradient: Callable  # (params, batch) -> the gradient and the loss, one vector
+    update: Callable  # (params, opt_state, vector) -> (params, opt_state)
+    all_reduce: Callable  # vector -> the mean of every process's vector
+    params: Any
+    opt_state: Any
+
+    def eval_loss(self, params, batches) -> float:
+        """The mean held-out loss of `params` over `batches`."""
+        from atoll.learner.train import evaluate
+
+        return evaluate(params, batches, self.model_cfg, self.local_mesh)["loss"]
+
+
+def _step_pieces(model_cfg, optimizer, params, num_processes: int):
+    """The step's three compiled pieces (gradient, update, all-reduce) and the vector's
+    parameter count."""
     import jax
     import jax.numpy as jnp
     import optax
     from jax.flatten_util import ravel_pytree
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from atoll.learner.data import Batches, eval_batches, load_corpus
-    from atoll.learner.model import init_params, loss_fn, preset
-    from atoll.learner.train import TrainConfig, data_mesh, evaluate, make_optimizer
+    from atoll.learner.model import loss_fn
 
-    if num_processes not in (1, cfg.shards):
-        raise ValueError(
-            f"{num_processes} processes for {cfg.shards} shards: use 1 or {cfg.shards}"
-        )
-    model_cfg = preset(cfg.preset)
-    corpus = load_corpus(None, vocab=model_cfg.vocab)
-    tcfg = TrainConfig(
-        batch_size=cfg.batch_size * cfg.shards,
-        peak_lr=cfg.lr,
-        warmup_steps=min(cfg.warmup, cfg.steps - 1),
-        total_steps=cfg.steps,
-        seed=cfg.seed,
-    )
-    mine = range(cfg.shards) if num_processes == 1 else [process_id]
-    shards = [
-        Batches(
-            corpus.train,
-            context=model_cfg.context,
-            batch_size=cfg.batch_size,
-            learner=i,
-            num_learners=cfg.shards,
-            seed=cfg.seed,
-        )
-        for i in mine
-    ]
-    optimizer = make_optimizer(tcfg)
-    params = init_params(model_cfg, cfg.seed)
-    opt_state = optimizer.init(params)
     flat, unravel = ravel_pytree(params)
     size = flat.size
 
@@ -158,6 +143,42 @@ def train(
         stacked = jax.make_array_from_process_local_data(rows, local, (num_processes, size + 1))
         return mean(stacked).addressable_data(0)
 
+    return gradient, update, all_reduce, size
+
+
+def _replica(cfg: DataParallelConfig, process_id: int, num_processes: int) -> _Replica:
+    """This process's data, model, optimiser and step, the model on its first device."""
+    import jax
+
+    from atoll.learner.data import Batches, eval_batches, load_corpus
+    from atoll.learner.model import init_params, preset
+    from atoll.learner.train import TrainConfig, data_mesh, make_optimizer
+
+    model_cfg = preset(cfg.preset)
+    corpus = load_corpus(None, vocab=model_cfg.vocab)
+    tcfg = TrainConfig(
+        batch_size=cfg.batch_size * cfg.shards,
+        peak_lr=cfg.lr,
+        warmup_steps=min(cfg.warmup, cfg.steps - 1),
+        total_steps=cfg.steps,
+        seed=cfg.seed,
+    )
+    mine = range(cfg.shards) if num_processes == 1 else [process_id]
+    shards = [
+        Batches(
+            corpus.train,
+            context=model_cfg.context,
+            batch_size=cfg.batch_size,
+            learner=i,
+            num_learners=cfg.shards,
+            seed=cfg.seed,
+        )
+        for i in mine
+    ]
+    optimizer = make_optimizer(tcfg)
+    params = init_params(model_cfg, cfg.seed)
+    opt_state = optimizer.init(params)
+    gradient, update, all_reduce, size = _step_pieces(model_cfg, optimizer, params, num_processes)
     heldout = eval_batches(
         corpus.heldout,
         context=model_cfg.context,
@@ -165,69 +186,131 @@ def train(
         num_batches=cfg.eval_batches,
     )
     local_mesh = data_mesh(jax.local_devices()[:1])
-    # compile everything before the clock starts (two steps: the first step's inputs are
-    # placed differently from later ones'); the last all-reduce waits for every process
     params, opt_state = jax.device_put((params, opt_state), jax.local_devices()[0])
-    warm_params, warm_state = params, opt_state
-    for step in range(2):
-        batch = np.concatenate([s[step] for s in shards])
-        vector = all_reduce(gradient(warm_params, batch))
-        evaluate(warm_params, heldout[:1], model_cfg, local_mesh)
-        warm_params, warm_state = update(warm_params, warm_state, vector)
-    jax.block_until_ready(all_reduce(vector))
-    records: list[dict] = []
-    clock = 0.0  # seconds of training (evaluations excluded)
-    tokens_per_step = cfg.batch_size * cfg.shards * model_cfg.context
+    return _Replica(
+        model_cfg=model_cfg,
+        shards=shards,
+        heldout=heldout,
+        local_mesh=local_mesh,
+        size=size,
+        gradient=gradient,
+        update=update,
+        all_reduce=all_reduce,
+        params=params,
+        opt_state=opt_state,
+    )
 
-    def record(step: int, row: dict) -> None:
+
+def _compile(r: _Replica) -> None:
+    """Compiles everything before the clock starts: two steps on a copy of the model (the
+    first step's inputs are placed differently from later ones'); the last all-reduce waits
+    for every process."""
+    import jax
+
+    warm_params, warm_state = r.params, r.opt_state
+    for step in range(2):
+        batch = np.concatenate([s[step] for s in r.shards])
+        vector = r.all_reduce(r.gradient(warm_params, batch))
+        r.eval_loss(warm_params, r.heldout[:1])
+        warm_params, warm_state = r.update(warm_params, warm_state, vector)
+    jax.block_until_ready(r.all_reduce(vector))
+
+
+def _step(r: _Replica, step: int) -> tuple[float, dict[str, float], Any]:
+    """One step, each phase waited for and timed: its seconds, each phase's, and the
+    all-reduced vector (the mean gradient, then the mean loss)."""
+    import jax
+
+    start = time.perf_counter()
+    batch = np.concatenate([s[step] for s in r.shards]) if len(r.shards) > 1 else r.shards[0][step]
+    vector = r.gradient(r.params, batch).block_until_ready()
+    computed = time.perf_counter()
+    vector = r.all_reduce(vector)
+    vector = jax.block_until_ready(vector)
+    reduced = time.perf_counter()
+    r.params, r.opt_state = r.update(r.params, r.opt_state, vector)
+    r.params = jax.block_until_ready(r.params)
+    done = time.perf_counter()
+    phases = {
+        "compute_s": computed - start,
+        "all_reduce_s": reduced - computed,
+        "update_s": done - reduced,
+    }
+    return done - start, phases, vector
+
+
+class _Records:
+    """A run's records, each stamped with its step, training time, wall time and tokens."""
+
+    def __init__(self, tokens_per_step: int, on_record: Callable[[dict], None] | None):
+        self.rows: list[dict] = []
+        self.clock = 0.0  # seconds of training (evaluations excluded)
+        self.tokens_per_step = tokens_per_step
+        self.on_record = on_record
+
+    def add(self, step: int, row: dict) -> None:
         row = {
             "step": step,
-            "time": round(clock, 4),  # seconds of training before this record
+            "time": round(self.clock, 4),  # seconds of training before this record
             "wall": time.time(),  # when (the bench finds the training window with it)
-            "tokens": step * tokens_per_step,
+            "tokens": step * self.tokens_per_step,
             **row,
         }
-        records.append(row)
-        if on_record is not None:
-            on_record(row)
+        self.rows.append(row)
+        if self.on_record is not None:
+            self.on_record(row)
+
+
+def train(
+    cfg: DataParallelConfig,
+    process_id: int = 0,
+    num_processes: int = 1,
+    on_record: Callable[[dict], None] | None = None,
+) -> dict:
+    """Trains; every process returns the same summary (process 0's evaluations included).
+
+    With one process it trains on all `cfg.shards` shards' rows per step; with several,
+    `num_processes` must equal `cfg.shards` and process p trains on shard p.
+    """
+    if num_processes not in (1, cfg.shards):
+        raise ValueError(
+            f"{num_processes} processes for {cfg.shards} shards: use 1 or {cfg.shards}"
+        )
+    r = _replica(cfg, process_id, num_processes)
+    _compile(r)
+    records = _Records(cfg.batch_size * cfg.shards * r.model_cfg.context, on_record)
 
     def evaluate_now(step: int) -> None:
         if process_id == 0:
-            loss = evaluate(params, heldout, model_cfg, local_mesh)["loss"]
-            record(step, {"eval_loss": loss})
+            records.add(step, {"eval_loss": r.eval_loss(r.params, r.heldout)})
 
     evaluate_now(0)
-    phases = {"compute_s": [], "all_reduce_s": [], "update_s": []}
+    phases: dict[str, list[float]] = {"compute_s": [], "all_reduce_s": [], "update_s": []}
     for step in range(cfg.steps):
-        start = time.perf_counter()
-        batch = np.concatenate([s[step] for s in shards]) if len(shards) > 1 else shards[0][step]
-        vector = gradient(params, batch).block_until_ready()
-        computed = time.perf_counter()
-        vector = all_reduce(vector)
-        vector = jax.block_until_ready(vector)
-        reduced = time.perf_counter()
-        params, opt_state = update(params, opt_state, vector)
-        params = jax.block_until_ready(params)
-        done = time.perf_counter()
-        clock += done - start
-        phases["compute_s"].append(computed - start)
-        phases["all_reduce_s"].append(reduced - computed)
-        phases["update_s"].append(done - reduced)
+        seconds, times, vector = _step(r, step)
+        records.clock += seconds
+        for name, t in times.items():
+            phases[name].append(t)
         if process_id == 0:
-            record(step + 1, {"loss": float(vector[size])})
+            records.add(step + 1, {"loss": float(vector[r.size])})
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
             evaluate_now(step + 1)
-    evals = [r for r in records if "eval_loss" in r]
+    return _summary(cfg, num_processes, r.size, records, phases)
+
+
+def _summary(cfg, num_processes: int, size: int, records: _Records, phases: dict) -> dict:
+    """What `train` returns: the run's shape, its time, its last evaluation, its records."""
+    evals = [row for row in records.rows if "eval_loss" in row]
     return {
         "config": dataclasses.asdict(cfg),
         "processes": num_processes,
         "params": int(size),
         "steps": cfg.steps,
-        "tokens": cfg.steps * tokens_per_step,
-        "train_seconds": clock,
+        "tokens": cfg.steps * records.tokens_per_step,
+        "train_seconds": records.clock,
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
         "median": {k: float(np.median(v)) for k, v in phases.items()},
-        "records": records,
+        "records": records.rows,
     }
 
 
