@@ -3,6 +3,7 @@ exactly what one process trains on both shards' rows (no emulation: both on this
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
@@ -42,3 +43,58 @@ def test_a_job_needs_one_process_per_shard():
         dp.train(dp.DataParallelConfig(shards=2, steps=1), process_id=0, num_processes=3)
     with pytest.raises(ValueError, match="steps must be an int >= 1"):
         dp.DataParallelConfig(steps=0)
+
+
+PARENT = """
+import pathlib, sys
+from atoll.bench import data_parallel as dp
+port, work = int(sys.argv[1]), pathlib.Path(sys.argv[2])
+cfg = dp.DataParallelConfig(preset="tiny", shards=2, batch_size=4, steps=100000, eval_every=0)
+coordinator = dp.start_coordinator(2, port)
+here = dp.Placement([], f"127.0.0.1:{port}", "127.0.0.1")
+dp.run_job(cfg, [here, here], work, timeout=600)
+"""
+
+
+def _pids_naming(*marks: str) -> list[int]:
+    """Live processes whose command line holds one of `marks`."""
+    found = []
+    for proc in pathlib.Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError, IndexError):
+            continue
+        if state != "Z" and any(m in cmdline for m in marks):
+            found.append(int(proc.name))
+    return found
+
+
+def test_a_killed_job_takes_its_coordinator_and_workers_along(tmp_path: pathlib.Path):
+    """However the bench dies, its coordinator and workers go too, within seconds: the
+    coordinator's own shutdown waited minutes for workers that were killed."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    port = dp.free_port()
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(port), str(tmp_path)])
+    marks = (f"--port {port} ", str(tmp_path / "records.jsonl"))
+    try:
+        deadline = time.monotonic() + 300
+        records = tmp_path / "records.jsonl"  # a step recorded: the workers joined the service
+        while not (records.exists() and records.read_text().strip()):
+            assert parent.poll() is None and time.monotonic() < deadline, "the job never trained"
+            time.sleep(0.2)
+        assert len(_pids_naming(*marks)) == 3  # the coordinator and both workers
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        gone_by = time.monotonic() + 15
+        while (left := _pids_naming(*marks)) and time.monotonic() < gone_by:
+            time.sleep(0.2)
+        assert not left, f"outlived the killed job: {left}"
+    finally:
+        parent.kill()
+        for pid in _pids_naming(*marks):
+            os.kill(pid, signal.SIGKILL)

@@ -33,6 +33,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,9 +42,13 @@ import numpy as np
 
 from atoll.learner.config import LearnerConfig
 from atoll.learner.defaults import EVAL_BATCHES, SEED
+from atoll.local.processes import _die_with_parent
 
 WORKER_START_SECONDS = 300.0  # jax.distributed's wait for every process to join
 READY = "coordinator ready"
+# how long a stopped coordinator waits for its workers to leave: killed ones never do, and
+# the service's own shutdown waited for them for minutes after a stopped bench had exited
+SHUTDOWN_WAIT_SECONDS = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,6 +336,7 @@ def start_coordinator(processes: int, port: int) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=open(os.environ.get("ATOLL_DP_COORD_LOG", os.devnull), "w"),
         text=True,
+        preexec_fn=_die_with_parent,  # a bench killed however it dies takes it along
     )
     line = proc.stdout.readline()
     if READY not in line:
@@ -385,6 +391,7 @@ def run_job(
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    preexec_fn=_die_with_parent,
                 )
             )
         if on_started is not None:
@@ -417,8 +424,11 @@ def _coordinator(args: argparse.Namespace) -> int:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     print(READY, flush=True)
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
-    service.shutdown()
-    return 0
+    leaving = threading.Thread(target=service.shutdown, name="shutdown", daemon=True)
+    leaving.start()
+    leaving.join(SHUTDOWN_WAIT_SECONDS)
+    sys.stdout.flush()
+    os._exit(0)  # not a return: the interpreter's exit would wait on the shutdown too
 
 
 def _say(text: str) -> None:
