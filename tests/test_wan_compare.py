@@ -66,3 +66,13 @@ def test_bad_settings_are_refused():
         wan.WanBenchConfig(regions=1)
     with pytest.raises(Exception, match="rate_mbit"):
         wan.WanBenchConfig(rate_mbit=0)
+
+
+def test_the_data_parallel_job_is_given_time_for_the_steps_asked():
+    """The job's hang bound follows steps and links: a fixed 900 s had stopped a 4,000-step
+    run at 20 Mbit/s (0.23 s a step) at step ~3,900."""
+    from atoll.bench.wan import WanBenchConfig, dp_timeout
+
+    assert dp_timeout(WanBenchConfig()) > 1.5 * 534  # the defaults' measured 534 s
+    assert dp_timeout(WanBenchConfig(steps=4000, rate_mbit=20)) > 1.5 * 4000 * 0.23
+    assert dp_timeout(WanBenchConfig(steps=4000)) > 2 * dp_timeout(WanBenchConfig(steps=1000))

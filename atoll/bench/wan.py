@@ -118,6 +118,17 @@ class LinkSampler:
         return out
 
 
+def dp_timeout(cfg: WanBenchConfig) -> float:
+    """Seconds the data-parallel job may take before it counts as hung: one and a half
+    times what its all-reduces need over the links (each step sends and receives about 2 x 4 bytes a
+    parameter on every link, and crosses the delay four times), plus 10 minutes."""
+    from atoll.learner.model import PRESETS
+
+    step_bits = 2 * 4 * 8 * PRESETS[cfg.preset].num_params
+    step_seconds = step_bits / (cfg.rate_mbit * 1e6) + 4 * cfg.latency_ms / 1e3
+    return 600.0 + 1.5 * cfg.steps * step_seconds
+
+
 def run_data_parallel(cfg: WanBenchConfig, work_dir: pathlib.Path) -> dict:
     from atoll.bench import data_parallel as dp
     from atoll.faults.wan import Wan, WanConfig
@@ -142,7 +153,7 @@ def run_data_parallel(cfg: WanBenchConfig, work_dir: pathlib.Path) -> dict:
                 for r in range(cfg.regions)
             ]
             with LinkSampler(wan) as sampler:
-                summary = dp.run_job(dcfg, placements, work_dir, timeout=900)
+                summary = dp.run_job(dcfg, placements, work_dir, timeout=dp_timeout(cfg))
     finally:
         coordinator.terminate()
         coordinator.wait()
@@ -453,6 +464,10 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     work_dir = args.work_dir or pathlib.Path(tempfile.mkdtemp(prefix="atoll-bench-wan-"))
     if args.work_dir is not None and work_dir.exists() and any(work_dir.iterdir()):
         parser.error(f"--work-dir {work_dir} is not empty: give a new or empty directory")
-    result = bench_wan(cfg, work_dir, args.out)
+    try:
+        result = bench_wan(cfg, work_dir, args.out)
+    except RuntimeError as e:  # a run that failed or hung: what it said, and where it ran
+        print(f"atoll bench wan: {e}\n(the runs are in {work_dir})", file=sys.stderr)
+        return 1
     print(json.dumps(result, indent=2))
     return 0
