@@ -336,7 +336,6 @@ def start_coordinator(processes: int, port: int) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=open(os.environ.get("ATOLL_DP_COORD_LOG", os.devnull), "w"),
         text=True,
-        preexec_fn=_die_with_parent,  # a bench killed however it dies takes it along
     )
     line = proc.stdout.readline()
     if READY not in line:
@@ -391,7 +390,6 @@ def run_job(
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                    preexec_fn=_die_with_parent,
                 )
             )
         if on_started is not None:
@@ -420,6 +418,9 @@ def run_job(
 def _coordinator(args: argparse.Namespace) -> int:
     from jax._src.lib import _jax
 
+    _die_with_parent()  # a bench killed however it dies takes it along (not a preexec_fn:
+    # forking a process that runs JAX's threads to run Python before exec can deadlock)
+
     service = _jax.get_distributed_runtime_service(f"127.0.0.1:{args.port}", args.processes)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     print(READY, flush=True)
@@ -436,6 +437,7 @@ def _say(text: str) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    _die_with_parent()  # as the coordinator does
     cfg = DataParallelConfig(**json.loads(args.config))
     _say(f"process {args.process_id}: joining {args.coordinator}, gloo on {args.gloo_host}")
     _use_gloo_host(args.gloo_host)
