@@ -56,6 +56,7 @@ class Fragment:
         publish_codec: codec.Codec,
         quorum: int = 1,
         momentum_delay: int = 1,
+        pool: merge.AccumulatorPool | None = None,
     ):
         self.index = index
         self.size = plan.fragment_sizes[index]
@@ -68,7 +69,8 @@ class Fragment:
         self.version = 0
         self.ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=delta_ring)
         self.quorum = quorum  # K, for stamping when the open round reaches it
-        self.round = merge.RoundAccumulator(self.segments, rda=rda)
+        self.pool = pool  # round accumulators, shared by the shard's fragments
+        self.round = merge.RoundAccumulator(self.segments, rda=rda, pool=pool)
         self.round_state = rules.open_round()  # who is in the open round, and since when
         self.full_weight = 0.0  # Σ token weights of the open round before staleness discounts
         self.last_round_size = 0  # learners merged into the round that made `version`
@@ -129,14 +131,17 @@ class Fragment:
         )
         # The published copy follows params through quantised deltas; what a delta
         # fails to carry stays in params − published and goes out with the next one.
-        diff = np.subtract(self.params, self.published, out=merged)  # merged is spent
-        frame: bytes = codec.encode(diff, self.publish_codec)
-        # published + 1.0 × each value: the bits a learner's decode_into(frame, held, 1.0)
-        # gives; into the old copy, or (lent) into the difference's buffer over a copy of it
+        # It moves on by published + 1.0 × each value, the bits a learner's
+        # decode_into(frame, held, 1.0) gives: in place, or (lent) in merged's spent
+        # buffer over a copy of it.
         if not in_place:
-            np.copyto(diff, self.published)
-            self.published = diff
-        codec.decode_into(frame, self.published, 1.0)
+            np.copyto(merged, self.published)
+            self.published = merged
+            if self.pool is not None:
+                self.pool.keep(merged)
+        elif self.pool is not None:
+            self.pool.give(merged)  # spent: the next round's first push writes over it
+        frame: bytes = codec.encode_publish(self.params, self.published, self.publish_codec)
         self.version += 1
         self.ring.append((self.version, frame))
         self.round_state = rules.open_round()
@@ -239,6 +244,7 @@ class Fragment:
                 count=meta["round"]["count"],
             ),
             self.segments,
+            pool=self.pool,
         )
         self.full_weight = float(meta["round"].get("full_weight", meta["round"]["total_weight"]))
         self.round_state = self.restamp(meta["contributors"], now)

@@ -142,6 +142,7 @@ class ShardState:
         )  # shard-wide state (leases, timings, cadence); never held over I/O or a merge
         self.changed = threading.Condition(self.lock)
         self.snapshot_lock = threading.Lock()  # one snapshot written at a time
+        self.pool = merge.AccumulatorPool()  # its own lock, taken under a fragment's (last)
         self._snapshotting = False  # a background snapshot is under way (under lock)
         self._snapshot_thread: threading.Thread | None = None
         self.listeners: list[
@@ -244,6 +245,7 @@ class ShardState:
             publish_codec=self.cfg.publish_codec,
             quorum=self.policy.quorum,
             momentum_delay=self.cfg.momentum_delay,
+            pool=self.pool,
         )
 
     def _add_fragment(self, p: int) -> None:

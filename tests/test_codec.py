@@ -43,6 +43,7 @@ from atoll.wire.codec import (
     decode,
     decode_into,
     encode,
+    encode_publish,
     frame_info,
     max_frame_bytes,
     range_sq_norms,
@@ -520,6 +521,36 @@ def test_shapes_levels_and_threads():
     serial = [encode(v) for v in xs]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         assert list(pool.map(encode, xs)) == serial
+
+
+@pytest.mark.parametrize("codec", [INT4, MXFP4, FP32])
+@pytest.mark.parametrize("n", [1, 31, 32 * 8 * 3 + 5, CHUNK_VALUES + 777])
+def test_encode_publish_is_subtract_encode_and_decode_into_bit_for_bit(codec, n):
+    """What a shard's close sends and what its published copy becomes, in one pass: the
+    frame of params − published, and published + 1.0 × each decoded value (what a
+    learner's decode_into gives), over whole groups, lone blocks, tails and chunks, with
+    magnitudes from denormal to near float32's limit."""
+    rng = np.random.default_rng(n)
+    mags = 10.0 ** rng.uniform(-40, 37, -(-n // BLOCK)).repeat(BLOCK)[:n]
+    published = (rng.standard_normal(n) * mags).astype(np.float32)
+    params = (published + rng.standard_normal(n) * mags * 0.1).astype(np.float32)
+    params[: n // 7] = published[: n // 7]  # whole blocks that did not move
+    want_frame = encode(params - published, codec)
+    want = published.copy()
+    decode_into(want_frame, want, 1.0)
+    got = published.copy()
+    assert encode_publish(params, got, codec) == want_frame
+    assert got.tobytes() == want.tobytes()
+
+
+def test_encode_publish_refuses_what_it_cannot_write():
+    x = np.ones(64, np.float32)
+    for bad in (np.ones(63, np.float32), np.ones(64), np.ones(128, np.float32)[::2]):
+        with pytest.raises(CodecError):
+            encode_publish(x, bad)
+    far = np.full(64, F32_MAX, np.float32)
+    with pytest.raises(CodecError, match="non-finite"):
+        encode_publish(far, -far)  # the difference overflows
 
 
 # ---- 3. error feedback ----

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from atoll.server import rules
+from atoll.server import merge, rules
 from atoll.server.fragment import Answer, Fragment
 from atoll.wire import codec
 from atoll.wire.plan import FragmentPlan, TensorSpec
@@ -528,3 +528,39 @@ def test_a_close_steps_in_place_unless_lent_and_either_way_gives_the_same_bits(p
         assert _everything(owned) == _everything(lent)
     with pytest.raises(AssertionError, match="without lend"):
         owned.give_back()
+
+
+def test_fragments_sharing_an_accumulator_pool_give_the_bits_of_ones_without(plan):
+    """Two fragments whose rounds overlap, each round's first push taking the buffer the
+    other's close just gave back: with closes in place and lent among them, every frame
+    and state is what fragments with fresh buffers give, and once no round is open the
+    pool keeps nothing."""
+    pool = merge.AccumulatorPool()
+    pooled, plain = (
+        [_fragment(plan, index=p) for p in (0, 1)],
+        [_fragment(plan, index=p) for p in (0, 1)],
+    )
+    for f in pooled:
+        f.pool = f.round.pool = pool
+
+    def push(p: int, r: int) -> None:
+        for f in (pooled[p], plain[p]):
+            _push(f, "a", r + 1, _delta(f.size, r, p), 0.0)
+
+    push(0, 0), push(1, 0)
+    for r in range(1, 5):
+        for p in (0, 1):
+            lent = r == 3 and p == 0  # this close makes fresh arrays: its buffer is kept
+            if lent:
+                pooled[p].lend(), plain[p].lend()
+            assert pooled[p].close_round() == plain[p].close_round()
+            assert pool.kept == (0 if lent else 1)  # the other fragment's round is open
+            push(p, r)
+            assert pool.kept == 0
+            if lent:
+                pooled[p].give_back(), plain[p].give_back()
+    for p, kept in ((0, 1), (1, 0)):  # the last close with no round open lets go of all
+        assert pooled[p].close_round() == plain[p].close_round()
+        assert pool.kept == kept
+    for a, b in zip(pooled, plain):
+        assert _everything(a) == _everything(b)

@@ -1,5 +1,7 @@
 """Tests for server/merge.py: RDA vs plain averaging, weights, determinism, outer step."""
 
+import gc
+
 import jax
 import numpy as np
 import optax
@@ -7,6 +9,7 @@ import pytest
 
 from atoll.server.merge import (
     STEP_CHUNK,
+    AccumulatorPool,
     RoundAccumulator,
     RoundState,
     Segments,
@@ -503,6 +506,68 @@ def test_rounds_reuse_the_accumulator_and_give_the_same_bits():
         for d in deltas:
             acc.add(d, 1.0)
         assert acc.take().tobytes() == want.tobytes()
+
+
+# -- the accumulator pool -------------------------------------------------------------
+
+
+def test_pooled_rounds_write_over_old_buffers_and_give_the_bits_of_fresh_ones():
+    """A round whose accumulator was another fragment's (bigger, holding its old sums)
+    merges to the bits a fresh buffer gives: the first push writes every value."""
+    rng = np.random.default_rng(5)
+    small = Segments.from_sizes([300, 200, 500], embedding=[False, True, False])
+    big = Segments.from_sizes([1000, 37, 40], embedding=[True, False, False])
+    pool = AccumulatorPool()
+    a, b = RoundAccumulator(big, pool=pool), RoundAccumulator(small, pool=pool)
+    for _ in range(3):
+        big_d, small_d = rand_deltas(rng, 3, big.size), rand_deltas(rng, 3, small.size)
+        for d in big_d:
+            a.add(d, 1.5)
+        for d in small_d[:2]:
+            b.add(d, 1.0)
+        out = a.take()
+        assert out.tobytes() == merged(big, big_d, [1.5] * 3).tobytes()
+        pool.give(out)  # b's round is still open: the buffer is kept
+        assert pool.kept == 1
+        c = RoundAccumulator(small, pool=pool)
+        c.add(small_d[2], 2.0)  # a round opened now writes into the kept buffer
+        assert pool.kept == 0
+        assert c.take().tobytes() == merged(small, small_d[2:], [2.0]).tobytes()
+        b.add(small_d[2], 1.0)
+        assert b.take().tobytes() == merged(small, small_d).tobytes()
+
+
+def test_the_pool_keeps_buffers_only_while_a_round_that_took_one_is_open():
+    pool = AccumulatorPool()
+    x, y, z = pool.take(10), pool.take(10), pool.take(6)
+    pool.give(x)
+    pool.give(y)
+    assert pool.kept == 2
+    pool.keep(z)  # z stays with its taker: no round is out, so nothing is kept
+    assert pool.kept == 0
+    # a round dropped without settling its buffer (an abandoned fragment) counts as closed
+    u, v = pool.take(10), pool.take(10)
+    pool.give(u)
+    assert pool.kept == 1
+    del v
+    gc.collect()
+    assert pool.kept == 0
+    with pytest.raises(AssertionError, match="did not lend"):
+        pool.give(np.empty(3, np.float32))
+
+
+def test_the_pool_never_holds_more_buffers_than_were_out_at_once():
+    """A take no kept buffer fits makes a new one in place of a kept one: buffers in use
+    plus kept never exceed the most that were in use together."""
+    pool = AccumulatorPool()
+    held = [pool.take(n) for n in (4, 8)]
+    pool.give(held.pop(0))  # kept: one of 4 values; out: one of 8
+    bigger = pool.take(16)  # the 4 cannot serve: dropped, a 16 made
+    assert pool.kept == 0 and bigger.size == 16 and bigger.base.size == 16
+    pool.give(bigger)
+    small = pool.take(3)
+    assert small.base is bigger.base  # the smallest kept buffer that fits is reused
+    assert small.shape == (3,) and small.dtype == np.float32
 
 
 def test_segment_norms_of_a_vector_known_finite_skip_only_the_check():

@@ -65,9 +65,11 @@ INLINE Py_ssize_t smax(Py_ssize_t a, Py_ssize_t b) { return a > b ? a : b; }
 
 /* y = x + r over one block; returns the max of |y| as float bits (>= INF_BITS: non-finite).
  * Integer max over the bit patterns: one vector compare per 8 lanes, no NaN branches. */
-INLINE uint32_t load_block(const float *restrict x, const float *restrict r, float *restrict y) {
+INLINE uint32_t load_block(const float *restrict x, const float *restrict r, float *restrict y, int sub) {
     uint32_t bits[BLOCK];
-    if (r)
+    if (r && sub)
+        for (int i = 0; i < BLOCK; i++) y[i] = x[i] - r[i];
+    else if (r)
         for (int i = 0; i < BLOCK; i++) y[i] = x[i] + r[i];
     else
         memcpy(y, x, sizeof(float) * BLOCK);
@@ -108,7 +110,7 @@ INLINE void store_block(const float *restrict v, float w, int acc, float *restri
 /* ---- int4: symmetric [-7, 7], bfloat16 scale >= absmax / 7 ---- */
 
 INLINE uint16_t int4_block(const float *restrict y, uint32_t amax_bits, float *restrict r_out,
-                                  uint8_t *restrict codes) {
+                                  uint8_t *restrict codes, int publish) {
     uint32_t s_bits = f2u(u2f(amax_bits) / 7.0f);
     if (s_bits & 0xffffu) s_bits += 0x10000u; /* round the scale up: no value exceeds 7 */
     s_bits &= 0xffff0000u;
@@ -122,7 +124,7 @@ INLINE uint16_t int4_block(const float *restrict y, uint32_t amax_bits, float *r
         q[i] = (int8_t)v;
     }
     if (r_out)
-        for (int i = 0; i < BLOCK; i++) r_out[i] = y[i] - (float)q[i] * s;
+        for (int i = 0; i < BLOCK; i++) r_out[i] = publish ? r_out[i] + (float)q[i] * s : y[i] - (float)q[i] * s;
     for (int j = 0; j < HALF; j++) codes[j] = (uint8_t)((q[j] & 15) | (q[j + HALF] << 4));
     return (uint16_t)(s_bits >> 16);
 }
@@ -132,7 +134,7 @@ INLINE uint16_t int4_block(const float *restrict y, uint32_t amax_bits, float *r
 /* int4_block for GROUP whole blocks at once, vectorized: the same bits. x (+ r) must be
  * finite (the caller checks amax first); writes GROUP scales, codes and residuals. */
 INLINE void int4_group(const blk_t *restrict y, const uint32_t *restrict amax, float *restrict r_out,
-                       uint8_t *restrict scales, uint8_t *restrict codes) {
+                       uint8_t *restrict scales, uint8_t *restrict codes, int publish) {
     u32x8 bits;
     memcpy(&bits, amax, sizeof bits);
     bits = (u32x8)((f32x8)bits / 7.0f);
@@ -156,7 +158,8 @@ INLINE void int4_group(const blk_t *restrict y, const uint32_t *restrict amax, f
             }
         if (r_out)
             for (int k = 0; k < 4; k++) {
-                f32x8 d = y[b].v[k] - __builtin_convertvector(q[k], f32x8) * s;
+                f32x8 v = __builtin_convertvector(q[k], f32x8) * s, d = y[b].v[k] - v;
+                if (publish) { memcpy(&d, r_out + b * BLOCK + 8 * k, sizeof d); d = d + v; }
                 memcpy(r_out + b * BLOCK + 8 * k, &d, sizeof d);
             }
         i32x8 lo = (q[0] & 15) | ((q[2] & 15) << 4), hi = (q[1] & 15) | ((q[3] & 15) << 4);
@@ -207,7 +210,7 @@ INLINE int mxfp4_exponent(uint32_t amax_bits) {
 }
 
 INLINE uint8_t mxfp4_block(const float *restrict y, uint32_t amax_bits, float *restrict r_out,
-                                  uint8_t *restrict codes) {
+                                  uint8_t *restrict codes, int publish) {
     int e = mxfp4_exponent(amax_bits);
     float scale = POW2[e + 127], inv = POW2[127 - e];
     uint8_t c[BLOCK];
@@ -229,14 +232,14 @@ INLINE uint8_t mxfp4_block(const float *restrict y, uint32_t amax_bits, float *r
         d[i] = u2f(f2u(k * step) | sign);
     }
     if (r_out)
-        for (int i = 0; i < BLOCK; i++) r_out[i] = y[i] - d[i] * scale;
+        for (int i = 0; i < BLOCK; i++) r_out[i] = publish ? r_out[i] + d[i] * scale : y[i] - d[i] * scale;
     for (int j = 0; j < HALF; j++) codes[j] = (uint8_t)(c[j] | (c[j + HALF] << 4));
     return (uint8_t)(e + 127);
 }
 
 /* mxfp4_block for GROUP whole blocks, vectorized: the same bits (see int4_group). */
 INLINE void mxfp4_group(const blk_t *restrict y, const uint32_t *restrict amax, float *restrict r_out,
-                        uint8_t *restrict scales, uint8_t *restrict codes) {
+                        uint8_t *restrict scales, uint8_t *restrict codes, int publish) {
     int32_t packed[GROUP * HALF];
     const f32x8 zero = {0};
     for (int b = 0; b < GROUP; b++) {
@@ -260,6 +263,7 @@ INLINE void mxfp4_group(const blk_t *restrict y, const uint32_t *restrict amax, 
             c[k] = __builtin_convertvector(idx + neg, i32x8);
             if (r_out) {
                 f32x8 d = (f32x8)((u32x8)(kq * step) | sign), res = y[b].v[k] - d * scale;
+                if (publish) { memcpy(&res, r_out + b * BLOCK + 8 * k, sizeof res); res = res + d * scale; }
                 memcpy(r_out + b * BLOCK + 8 * k, &res, sizeof res);
             }
         }
@@ -373,7 +377,7 @@ INLINE double block_sq(const chunk_t *c, Py_ssize_t b, int lo, int hi) {
 /* Returns -1 on success, else the index of the first non-finite input (nothing then
  * is meaningful in the outputs, and the caller discards them). */
 HOT static Py_ssize_t encode_all(fmt_t fmt, const float *x, const float *r, float *r_out, Py_ssize_t n,
-                                 uint8_t *scales, uint8_t *codes) {
+                                 uint8_t *scales, uint8_t *codes, int publish) {
     Py_ssize_t nb = (n + BLOCK - 1) / BLOCK, b = 0;
     float y[BLOCK], tx[BLOCK], tr[BLOCK], tro[BLOCK];
     for (; (b + GROUP) * BLOCK <= n; b += GROUP) { /* groups of whole blocks, vectorized */
@@ -385,7 +389,7 @@ HOT static Py_ssize_t encode_all(fmt_t fmt, const float *x, const float *r, floa
             for (int k = 0; k < 4; k++) {
                 f32x8 v, t;
                 memcpy(&v, bx + 8 * k, sizeof v);
-                if (br) { memcpy(&t, br + 8 * k, sizeof t); v = v + t; }
+                if (br) { memcpy(&t, br + 8 * k, sizeof t); v = publish ? v - t : v + t; }
                 yg[g].v[k] = v;
                 u32x8 u = (u32x8)v & ABS_MASK;
                 m = USEL(u > m, u, m); /* integer max of |y| bits: no NaN branches */
@@ -396,9 +400,9 @@ HOT static Py_ssize_t encode_all(fmt_t fmt, const float *x, const float *r, floa
         }
         if (worst >= INF_BITS) break; /* the block-at-a-time loop finds and reports it */
         if (fmt == FMT_INT4)
-            int4_group(yg, amax, r_out ? r_out + b * BLOCK : NULL, scales + 2 * b, codes + b * HALF);
+            int4_group(yg, amax, r_out ? r_out + b * BLOCK : NULL, scales + 2 * b, codes + b * HALF, publish);
         else
-            mxfp4_group(yg, amax, r_out ? r_out + b * BLOCK : NULL, scales + b, codes + b * HALF);
+            mxfp4_group(yg, amax, r_out ? r_out + b * BLOCK : NULL, scales + b, codes + b * HALF, publish);
     }
     for (; b < nb; b++) { /* the rest (and a group holding a non-finite value) one block at a time */
         Py_ssize_t off = b * BLOCK, len = n - off < BLOCK ? n - off : BLOCK;
@@ -409,17 +413,18 @@ HOT static Py_ssize_t encode_all(fmt_t fmt, const float *x, const float *r, floa
             memcpy(tx, bx, len * sizeof(float));
             if (br) { memcpy(tr, br, len * sizeof(float)); br = tr; }
             bx = tx; bro = r_out ? tro : NULL;
+            if (publish && r_out) memcpy(tro, r_out + off, len * sizeof(float));
         }
-        uint32_t amax = load_block(bx, br, y);
+        uint32_t amax = load_block(bx, br, y, publish);
         if (amax >= INF_BITS) {
             for (Py_ssize_t i = 0; i < len; i++)
                 if (!isfinite(y[i])) return off + i;
         }
         if (fmt == FMT_INT4) {
-            uint16_t s = int4_block(y, amax, bro, codes + b * HALF);
+            uint16_t s = int4_block(y, amax, bro, codes + b * HALF, publish);
             memcpy(scales + 2 * b, &s, 2);
         } else {
-            scales[b] = mxfp4_block(y, amax, bro, codes + b * HALF);
+            scales[b] = mxfp4_block(y, amax, bro, codes + b * HALF, publish);
         }
         if (bro == tro) memcpy(r_out + off, tro, len * sizeof(float));
     }
@@ -615,16 +620,19 @@ static int get_ranges(Py_buffer *offsets, Py_buffer *ends, Py_buffer *per_range,
 }
 
 PyDoc_STRVAR(encode_doc,
-"encode(fmt, x, residual, residual_out, body) -> int\n\n"
+"encode(fmt, x, residual, residual_out, body, publish=False) -> int\n\n"
 "Quantises float32 x (+ residual when not None) into body (scales then codes; 4-bit\n"
 "formats only). Writes x + residual - decoded into residual_out when not None. Returns\n"
-"-1, or the index of the first non-finite value (outputs are then meaningless).");
+"-1, or the index of the first non-finite value (outputs are then meaningless).\n"
+"publish=True quantises x - residual instead and adds each decoded value to\n"
+"residual_out (residual_out[i] + 1.0 * value, the bits decode_into gives); residual_out\n"
+"may be residual itself.");
 
 static PyObject *py_encode(PyObject *self, PyObject *args) {
-    int code;
+    int code, publish = 0;
     Py_buffer x, r = {0}, ro = {0}, body;
     PyObject *r_obj, *ro_obj;
-    if (!PyArg_ParseTuple(args, "iy*OOw*", &code, &x, &r_obj, &ro_obj, &body)) return NULL;
+    if (!PyArg_ParseTuple(args, "iy*OOw*|p", &code, &x, &r_obj, &ro_obj, &body, &publish)) return NULL;
     PyObject *result = NULL;
     int have_r = 0, have_ro = 0;
     fmt_t fmt;
@@ -644,7 +652,7 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
     Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
     bad = encode_all(fmt, x.buf, have_r ? r.buf : NULL, have_ro ? ro.buf : NULL, n, body.buf,
-                     (uint8_t *)body.buf + nb * scale_bytes(fmt));
+                     (uint8_t *)body.buf + nb * scale_bytes(fmt), publish);
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(bad);
 done:

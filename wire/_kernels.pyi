@@ -11,7 +11,13 @@ FP32: int
 BLOCK: int
 
 def encode(
-    fmt: int, x: _Buffer, residual: _Buffer | None, residual_out: _Buffer | None, body: _Buffer, /
+    fmt: int,
+    x: _Buffer,
+    residual: _Buffer | None,
+    residual_out: _Buffer | None,
+    body: _Buffer,
+    publish: bool = False,
+    /,
 ) -> int: ...
 def check(fmt: int, scales: _Buffer, codes: _Buffer, count: int, /) -> int: ...
 def decode(

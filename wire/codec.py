@@ -365,10 +365,13 @@ def _encode(
     codec: Codec,
     level: int | None,
     r_out: np.ndarray | None = None,
+    publish: bool = False,
 ) -> bytes:
     """The frame of x (+ residual); raises CodecError on non-finite input.
 
-    When r_out is given (never `residual` itself) the new residual is written there."""
+    When r_out is given (never `residual` itself) the new residual is written there.
+    publish: the frame of x − residual instead, each decoded value added to r_out (which
+    may be `residual` itself) as `decode_into` adds it."""
     codec = _codec(codec)
     spans = _chunk_spans(x.size)
 
@@ -377,17 +380,24 @@ def _encode(
         xs = x[start:stop]
         rs = None if residual is None else residual[start:stop]
         if codec == Codec.FP32:
-            with np.errstate(over="ignore", invalid="ignore"):  # x + r may overflow: refused below
-                y = xs if rs is None else xs + rs
+            with np.errstate(over="ignore", invalid="ignore"):  # x ± r may overflow: refused below
+                y = xs if rs is None else (xs - rs if publish else xs + rs)
             bad = np.flatnonzero(~np.isfinite(y))
             if bad.size:
                 return start + int(bad[0])
-            if r_out is not None:
+            if r_out is not None and publish:
+                np.add(r_out[start:stop], y, out=r_out[start:stop])
+            elif r_out is not None:
                 r_out[start:stop] = 0.0  # lossless: nothing is left over
             return [_compressor(level).compress(y.astype("<f4", copy=False).data)]
         body = _scratch(body_bytes(codec, stop - start))
         bad_at: int = _kernels.encode(
-            _KERNEL_FORMAT[codec], xs, rs, None if r_out is None else r_out[start:stop], body
+            _KERNEL_FORMAT[codec],
+            xs,
+            rs,
+            None if r_out is None else r_out[start:stop],
+            body,
+            publish,
         )
         if bad_at >= 0:
             return start + bad_at
@@ -409,6 +419,33 @@ def _encode(
                 value = x[c] if residual is None else x[c] + residual[c]
             raise CodecError(f"cannot encode non-finite value {value} at index {c}")
     return _assemble(codec, x.size, chunks)
+
+
+def encode_publish(x: np.ndarray, published: np.ndarray, codec: Codec = DEFAULT_CODEC) -> bytes:
+    """The frame of x − published, with `published` advanced by it in place.
+
+    One pass instead of three (subtract, encode, `decode_into`): a shard's close encodes
+    its new params against the published copy learners hold and moves that copy on by
+    what the frame carries. published ends as `decode_into(frame, published, 1.0)` would
+    leave it, bit for bit, which is what every learner rebuilding from the frame holds.
+
+    Raises:
+      CodecError: a non-finite difference. `published` may then be partly advanced.
+
+    Example:
+      >>> held = np.zeros(4, np.float32)
+      >>> frame = encode_publish(np.array([7, 0, -7, 3.5], np.float32), held)
+      >>> held.tolist(), decode(frame).tolist()
+      ([7.0, 0.0, -7.0, 4.0], [7.0, 0.0, -7.0, 4.0])
+    """
+    flat = _as_f32(x, "x")
+    if published.dtype != np.float32 or published.shape != (flat.size,):
+        raise CodecError(
+            f"published {published.dtype}{published.shape}: want float32 ({flat.size},)"
+        )
+    if not (published.flags.c_contiguous and published.flags.writeable):
+        raise CodecError("published must be a writable contiguous float32 vector")
+    return _encode(flat, published, codec, None, r_out=published, publish=True)
 
 
 def encode(x: np.ndarray, codec: Codec = DEFAULT_CODEC, *, level: int | None = None) -> bytes:
