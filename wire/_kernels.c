@@ -53,6 +53,8 @@ typedef uint8_t u8x8 __attribute__((vector_size(8)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef float f32x8 __attribute__((vector_size(32)));
+typedef double f64x4 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
 typedef struct { f32x8 v[4]; } blk_t;
 
 static float POW2[255]; /* POW2[k] = 2^(k-127), the E8M0 value of code k */
@@ -488,7 +490,20 @@ HOT static void decode_chunk(const chunk_t *c, float *out, float w, int acc) {
 
 /* Sum of squares of the 32 values of full block b, as block_sq(c, b, 0, 32). */
 INLINE double full_block_sq(const chunk_t *c, Py_ssize_t b) {
-    if (c->fmt == FMT_FP32) return block_sq(c, b, 0, BLOCK);
+    if (c->fmt == FMT_FP32) { /* block_sq's pairwise tree, four lanes at a time: the same sums */
+        const float *v = (const float *)c->codes + b * BLOCK;
+        f64x4 q[8];
+        for (int k = 0; k < 8; k++) {
+            f32x4 x;
+            memcpy(&x, v + 4 * k, sizeof x);
+            f64x4 d = __builtin_convertvector(x, f64x4);
+            q[k] = d * d;
+        }
+        for (int k = 0; k < 4; k++) q[k] = q[k] + q[k + 4]; /* sq[j] + sq[j + 16] */
+        for (int k = 0; k < 2; k++) q[k] = q[k] + q[k + 2]; /* sq[j] + sq[j + 8] */
+        f64x4 t = q[0] + q[1];                              /* sq[j] + sq[j + 4] */
+        return (t[0] + t[2]) + (t[1] + t[3]);
+    }
     u32x8 n[4];
     i32x8 sum = {0};
     nibbles8(c->codes + b * HALF, n);

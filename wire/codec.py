@@ -646,8 +646,9 @@ class Codes:
         self._chunks = tuple(chunks)
         self._format = _KERNEL_FORMAT[info.codec]
         # the newest range_sq_norms and max |value| bounds (exact=False) of the same ranges:
-        # a shard checks a push's norms, then merges it with them (and the bounds)
-        self._sq_norms: tuple[bytes, bytes, np.ndarray, np.ndarray] | None = None
+        # a shard checks a push's norms, then merges it with them (and the bounds). FP32
+        # keeps no bounds: they would cost a scan of every value, not a read of the scales
+        self._sq_norms: tuple[bytes, bytes, np.ndarray, np.ndarray | None] | None = None
 
     @property
     def num_values(self) -> int:
@@ -710,9 +711,11 @@ class Codes:
         ):  # the codes never change: neither do their sums
             return cached[2].copy()
 
+        bounds = self.info.codec != Codec.FP32
+
         def part(i: int) -> tuple[np.ndarray, np.ndarray]:
             c, (r0, r1) = self._chunks[i], meets[i]
-            sq, m = np.empty(r1 - r0, np.float64), np.empty(r1 - r0, np.float64)
+            sq, m = np.empty(r1 - r0, np.float64), np.zeros(r1 - r0, np.float64)
             if r1 > r0:  # the bounds come from the scales the pass reads anyway
                 _kernels.range_stats(
                     self._format,
@@ -723,7 +726,7 @@ class Codes:
                     o[r0:r1],
                     e[r0:r1],
                     sq,
-                    m,
+                    m if bounds else None,
                     False,
                 )
             return sq, m
@@ -735,7 +738,7 @@ class Codes:
             np.maximum(bound[r0:r1], m, out=bound[r0:r1])
         if not np.all(np.isfinite(total)):  # cannot happen for checked codes; refuse all the same
             raise CodecError("a range's sum of squares is not finite")
-        self._sq_norms = (*key, total.copy(), bound)
+        self._sq_norms = (*key, total.copy(), bound if bounds else None)
         return total
 
     def accumulate_ranges(
@@ -770,7 +773,11 @@ class Codes:
             raise CodecError(f"scale {s64[bad]!r} of range {bad} is not finite in float32")
         flat = out.reshape(-1)
         cached = self._sq_norms
-        if cached is not None and cached[:2] == (o.tobytes(), e.tobytes()):
+        if (
+            cached is not None
+            and cached[3] is not None
+            and cached[:2] == (o.tobytes(), e.tobytes())
+        ):
             peaks = cached[3]  # taken with the norms, in the same pass
         else:
             peaks = self._max_abs(o, e, meets, exact=False)
