@@ -31,6 +31,7 @@ import threading
 import time
 
 from atoll.commands import positive_int
+from atoll.learner.defaults import PERIOD
 
 SAMPLE_S = 0.5  # how often the links' counters are read
 PEER_PORTS = (61000, 61031)  # each region's ephemeral ports (gloo binds one)
@@ -50,6 +51,7 @@ class WanBenchConfig:
     batch_size: int = 16  # sequences per learner per step; the global batch is R x this
     evals: int = 8  # evaluations during each run (plus the final one)
     seed: int = 0
+    period: int = PERIOD  # atoll's H (its default): inner steps between syncs of a fragment
 
     def __post_init__(self):
         from atoll.faults.wan import WanConfig
@@ -57,6 +59,8 @@ class WanBenchConfig:
         if not (isinstance(self.regions, int) and self.regions >= 2):
             raise ValueError(f"--regions must be >= 2 (one is no all-reduce), got {self.regions}")
         WanConfig(self.regions, self.rate_mbit, self.latency_ms)  # checks rate and latency
+        if not (isinstance(self.period, int) and self.period >= 1):
+            raise ValueError(f"--period must be >= 1, got {self.period}")
         if self.steps < 2 * self.evals:
             raise ValueError(f"--steps must be at least 2 x evals ({2 * self.evals})")
 
@@ -214,6 +218,7 @@ def run_atoll(cfg: WanBenchConfig, run_dir: pathlib.Path) -> dict:
         batch_size=cfg.batch_size,
         evals=cfg.evals,
         seed=cfg.seed,
+        period=cfg.period,
     )
     up, _ = prepare_run_dir(run_dir, dataclasses.asdict(up) | {"slowdown": list(up.slowdown)})
     holder: dict = {}
@@ -262,7 +267,7 @@ def run_atoll(cfg: WanBenchConfig, run_dir: pathlib.Path) -> dict:
         "steps_per_s": round(steps / (end - start), 3),
         "tokens": g["tokens"],
         "final_eval_loss": g["eval_loss"],
-        "defaults": {
+        "settings": {  # atoll's defaults but for --period
             "period": up.period,
             "overlap": up.overlap,
             "fragments": up.fragments,
@@ -434,6 +439,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--evals", type=positive_int, default=d.evals, help="(default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="(default %(default)s)")
+    p.add_argument(
+        "--period",
+        type=positive_int,
+        default=d.period,
+        help="atoll's H, inner steps between syncs of a fragment (default: atoll's, "
+        "%(default)s); fewer steps per sync close more of the gap at equal tokens on a short "
+        "run and send proportionally more bytes",
+    )
     p.add_argument("--work-dir", type=pathlib.Path, default=None, help="default: a temp dir")
     p.add_argument("--out", type=pathlib.Path, default=None, help="draw wan.png in this folder")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -458,6 +471,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             batch_size=args.batch_size,
             evals=args.evals,
             seed=args.seed,
+            period=args.period,
         )
     except (ValueError, WanError) as e:
         parser.error(str(e))

@@ -90,7 +90,8 @@ def test_tiny_run_reports_every_figure(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "atoll.cli", "bench", "wan", "--json"]
         + ["--steps", "16", "--evals", "2", "--batch-size", "8", "--rate-mbit", "20"]
-        + ["--latency-ms", "10", "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path)],
+        + ["--latency-ms", "10", "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path)]
+        + ["--period", "4"],
         capture_output=True,
         text=True,
         timeout=560,
@@ -112,6 +113,7 @@ def test_tiny_run_reports_every_figure(tmp_path):
     assert min(v["bytes"] for v in dp["links"].values()) >= 16 // 2 * 4 * dp["params"]
     assert dp["median_step_s"]["all_reduce_s"] > 0 and dp["all_reduce_over_compute"] > 0
     assert atoll["eval"][-1]["model"] == "global"
+    assert atoll["settings"]["period"] == 4  # --period reached the learners
     for key in ("speedup_at_equal_loss", "bandwidth_ratio", "dp_needed_mbit_s"):
         assert c[key] is not None and c[key] > 0, key
     assert set(c["targets"]) == {
