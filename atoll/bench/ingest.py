@@ -32,21 +32,16 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import threading
 import time
-from concurrent import futures
 
-import grpc
 import numpy as np
 
-from atoll.bench.ingest_limit import learner_frames, run_limit
+from atoll.bench.ingest_clients import learner, serve_raw
+from atoll.bench.ingest_limit import run_limit
 from atoll.bench.shard import start_shard
 from atoll.commands import positive_int
-from atoll.local.processes import _die_with_parent
 from atoll.server.config import ShardConfig
 from atoll.wire import codec
-from atoll.wire import syncer_pb2 as pb
-from atoll.wire import syncer_pb2_grpc as pb_grpc
 from atoll.wire.client import CHUNK_BYTES, ShardClient
 from atoll.wire.metrics import read_metrics
 from atoll.wire.plan import FragmentPlan, TensorSpec
@@ -56,8 +51,6 @@ TARGET_RATIO = 0.5  # ingest wire rate / raw gRPC rate (docs/design.md §6)
 TARGET_RSS_BYTES_PER_PARAM = 16.0  # docs/design.md §6, with the delta ring full
 TARGET_COST_OVER_LIMIT = 2.0  # shard CPU per MB over the unavoidable work's (issue 31)
 TARGET_CORES_SCALING = 1.7  # shard MB/s pinned to 2 CPUs over 1
-INNER_STEPS, TOKENS = 100, 100 * 8192  # what each push claims; sets the merge weight only
-_RAW_METHOD = "/atoll.bench.Raw/Drain"
 
 
 def transformer_specs(num_params: int) -> list[TensorSpec]:
@@ -88,220 +81,6 @@ def transformer_specs(num_params: int) -> list[TensorSpec]:
             )
         ]
     return specs
-
-
-# --- the processes ---------------------------------------------------------------
-
-
-def _chunked(header: pb.PushHeader, frame: bytes, chunk_bytes: int):
-    """The messages of one push, exactly as ShardClient.push sends them."""
-    yield pb.PushRequest(header=header)
-    for start in range(0, len(frame), chunk_bytes):
-        yield pb.PushRequest(chunk=frame[start : start + chunk_bytes])
-
-
-def _serve_raw(conn) -> None:
-    """A no-op client-streaming gRPC server: drains each stream, acks its byte count."""
-    _die_with_parent()  # a bench killed mid-phase takes its children with it
-
-    def drain(requests, context):
-        return str(sum(len(r) for r in requests)).encode()
-
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=64),
-        options=[("grpc.max_receive_message_length", 8 << 20), ("grpc.max_concurrent_streams", 64)],
-    )
-    service, method = _RAW_METHOD.strip("/").split("/")
-    server.add_generic_rpc_handlers(
-        [
-            grpc.method_handlers_generic_handler(
-                service, {method: grpc.stream_unary_rpc_method_handler(drain)}
-            )
-        ]
-    )
-    conn.send(server.add_insecure_port("127.0.0.1:0"))
-    server.start()
-    conn.recv()  # any message, or the parent going away, stops it
-    server.stop(0)
-
-
-class _Versions:
-    """A learner's view of fragment versions: raised by push acks and a Watch stream."""
-
-    def __init__(self):
-        self.known: dict[int, int] = {}
-        self.cond = threading.Condition()
-
-    def saw(self, p: int, version: int) -> None:
-        with self.cond:
-            if version > self.known.get(p, -1):
-                self.known[p] = version
-                self.cond.notify_all()
-
-    def wait_for(self, p: int, version: int, timeout: float = 120.0) -> int:
-        with self.cond:
-            if not self.cond.wait_for(lambda: self.known.get(p, -1) >= version, timeout):
-                raise TimeoutError(f"fragment {p} never reached version {version}")
-            return self.known[p]
-
-
-def _follow(watch, versions: _Versions) -> None:
-    try:
-        for w in watch:
-            versions.saw(w.fragment, w.version)
-    except grpc.RpcError:
-        pass  # cancelled at the end, or the shard went away
-
-
-def _channel(address: str) -> grpc.Channel:
-    """A channel on a TCP connection of its own (gRPC otherwise shares one per process and address)."""
-    return grpc.insecure_channel(
-        address,
-        [
-            ("grpc.use_local_subchannel_pool", 1),
-            ("grpc.max_send_message_length", 8 << 20),
-            ("grpc.max_receive_message_length", 8 << 20),
-        ],
-    )
-
-
-def _tally() -> dict:
-    """An empty count of pushes: bytes, accepted (and their params), refusals, latencies."""
-    return {"bytes": 0, "accepted": 0, "accepted_params": 0, "refused": {}, "latency": []}
-
-
-def _add(total: dict, part: dict) -> None:
-    for key in ("bytes", "accepted", "accepted_params"):
-        total[key] += part[key]
-    total["latency"] += part["latency"]
-    for k, v in part["refused"].items():
-        total["refused"][k] = total["refused"].get(k, 0) + v
-
-
-class _Pusher:
-    """One learner's connections: its Watch stream, and per connection a push stub to the
-    shard and a drain stub to the no-op server; fragment p goes on connection p mod their
-    number."""
-
-    def __init__(
-        self,
-        plan: FragmentPlan,
-        frames: list[bytes],
-        learner_id: str,
-        shard_address: str,
-        raw_address: str,
-        connections: int,
-    ):
-        self.plan, self.frames, self.learner_id = plan, frames, learner_id
-        self.shard = ShardClient(shard_address, learner_id)  # its Watch stream
-        self.channels = [
-            (_channel(shard_address), _channel(raw_address)) for _ in range(connections)
-        ]
-        self.pushes = [pb_grpc.SyncerStub(c).Push for c, _ in self.channels]
-        self.drains = [
-            r.stream_unary(_RAW_METHOD, request_serializer=pb.PushRequest.SerializeToString)
-            for _, r in self.channels
-        ]
-        self.versions, self.watch = _Versions(), None
-        self.joined = 0  # ingest rounds so far; also this learner's push sequence number
-        self.pool = futures.ThreadPoolExecutor(connections)
-
-    def follow(self) -> None:
-        """Watches every fragment until it has seen each one's first version."""
-        P = self.plan.num_fragments
-        self.watch = self.shard.watch(list(range(P)))
-        threading.Thread(target=_follow, args=(self.watch, self.versions), daemon=True).start()
-        for p in range(P):
-            self.versions.wait_for(p, 0)
-
-    def header(self, p: int, base: int) -> pb.PushHeader:
-        return pb.PushHeader(
-            learner_id=self.learner_id,
-            fragment=p,
-            base_version=base,
-            seq=self.joined,
-            inner_steps=INNER_STEPS,
-            tokens=TOKENS,
-            codec=pb.CODEC_INT4,
-            num_params=self.plan.fragment_sizes[p],
-            plan_fingerprint=self.plan.fingerprint,
-            frame_bytes=len(self.frames[p]),
-        )
-
-    def send_share(self, phase: str, c: int) -> dict:
-        """Connection c's fragments, one push (or drain) at a time, each timed to its ack."""
-        out = _tally()
-        for p in range(c, self.plan.num_fragments, len(self.channels)):
-            frame = self.frames[p]
-            if phase == "raw":
-                t0 = time.monotonic()
-                self.drains[c](_chunked(self.header(p, 0), frame, CHUNK_BYTES), timeout=120)
-            else:
-                # the round this learner joined last time must have closed: base = its version
-                base = self.versions.wait_for(p, self.joined - 1)
-                t0 = time.monotonic()
-                chunks = _chunked(self.header(p, base), frame, CHUNK_BYTES)
-                ack = self.pushes[c](chunks, timeout=120)
-                self.versions.saw(p, ack.version)
-                if ack.accepted:
-                    out["accepted"] += 1
-                    out["accepted_params"] += self.plan.fragment_sizes[p]
-                else:
-                    name = pb.PushReason.Name(ack.reason)
-                    out["refused"][name] = out["refused"].get(name, 0) + 1
-            out["latency"].append(time.monotonic() - t0)
-            out["bytes"] += len(frame)
-        return out
-
-    def rounds(self, phase: str, rounds: int) -> dict:
-        """`rounds` rounds of `phase` ("raw" or "ingest") over every connection at once."""
-        cpu0, started = time.process_time(), time.monotonic()
-        total = _tally()
-        for _ in range(rounds):
-            if phase != "raw":
-                self.joined += 1
-            shares = range(len(self.channels))
-            for part in self.pool.map(lambda c: self.send_share(phase, c), shares):
-                _add(total, part)
-        return {
-            "started": started,
-            "ended": time.monotonic(),
-            **total,
-            "cpu_seconds": time.process_time() - cpu0,
-        }
-
-    def close(self) -> None:
-        if self.watch is not None:
-            self.watch.cancel()
-        self.pool.shutdown()
-        self.shard.close()
-        for c, r in self.channels:
-            c.close()
-            r.close()
-
-
-def _learner(
-    conn, index: int, shard_address: str, raw_address: str, plan_json: str, connections: int
-) -> None:
-    """One simulated learner: encodes its frames once, then runs the phases it is sent.
-
-    Its pushes go over `connections` connections of its own, one thread each, fragment p
-    on connection p mod `connections`; each push is timed from its first message to its ack."""
-    _die_with_parent()
-    plan = FragmentPlan.from_json(plan_json)
-    frames = learner_frames(plan, index)
-    conn.send([len(f) for f in frames])
-    pusher = _Pusher(
-        plan, frames, f"bench-learner-{index}", shard_address, raw_address, connections
-    )
-    while (command := conn.recv()) is not None:
-        phase, rounds = command
-        if phase == "watch":  # after Init; every learner is live before anyone pushes
-            pusher.follow()
-            conn.send({})
-        else:
-            conn.send(pusher.rounds(phase, rounds))
-    pusher.close()
 
 
 # --- reading the shard from outside -------------------------------------------------
@@ -564,14 +343,14 @@ def _start(run: _Run, lay: _Layout, root: pathlib.Path) -> None:
     )
     run.rss_start = _proc_status(run.shard.pid)["VmRSS"]
     raw_conn, child = run.ctx.Pipe()
-    raw = run.ctx.Process(target=_serve_raw, name="raw-grpc-server", args=(child,), daemon=True)
+    raw = run.ctx.Process(target=serve_raw, name="raw-grpc-server", args=(child,), daemon=True)
     run.raw = (raw_conn, raw)
     raw.start()
     raw_port = _recv(raw_conn, raw)
     for i in range(lay.learners):
         conn, child = run.ctx.Pipe()
         proc = run.ctx.Process(
-            target=_learner,
+            target=learner,
             name=f"learner-{i}",
             daemon=True,
             args=(
