@@ -68,8 +68,53 @@ class Malformed:
         self.reason = f"the request does not parse ({type(error).__name__}: {error})"
 
 
-def lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+_CHUNK_TAG = 0x12  # field 2 (`bytes chunk` of every streamed request), length-delimited
+
+
+class Chunk:
+    """A streamed request that is a `chunk` and nothing else (PushRequest, InitRequest and
+    FragmentState alike), its bytes a view into the message grpc received: the full parse
+    copies them twice more (into protobuf's arena, and out of it on each read of the field).
+    Reads as the parsed message does where the servicer reads it."""
+
+    __slots__ = ("chunk",)
+
+    def __init__(self, chunk: memoryview):
+        self.chunk = chunk
+
+    def WhichOneof(self, group: str) -> str | None:  # noqa: N802  # protobuf's name
+        return "chunk" if group == "kind" else None
+
+
+def only_chunk(data: bytes) -> Chunk | None:
+    """`data` as a Chunk when it is exactly one `chunk` field (its tag, the varint length
+    and that many bytes to the end), else None (the full parse decides what it is).
+
+    Example:
+      >>> bytes(only_chunk(b"\x12\x03abc").chunk), only_chunk(b"\x12\x03ab")
+      (b'abc', None)
+    """
+    if len(data) < 2 or data[0] != _CHUNK_TAG:
+        return None
+    size, shift, i = 0, 0, 1
+    while True:  # the length: a varint of at most 10 bytes
+        if i >= len(data) or i > 10:
+            return None
+        byte = data[i]
+        size |= (byte & 0x7F) << shift
+        shift, i = shift + 7, i + 1
+        if byte < 0x80:
+            break
+    return Chunk(memoryview(data)[i:]) if i + size == len(data) else None
+
+
+def lenient(deserialize: Callable[[bytes], Any], chunks: bool = False) -> Callable[[bytes], Any]:
+    """`deserialize` answering Malformed instead of raising; with `chunks` (a streamed
+    request type whose field 2 is `bytes chunk`), a bare chunk is read without a copy."""
+
     def parse(data: bytes) -> Any:
+        if chunks and (chunk := only_chunk(data)) is not None:
+            return chunk
         try:
             return deserialize(data)
         except (DecodeError, RecursionError, ValueError) as e:
@@ -95,7 +140,8 @@ class RefuseMalformed(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
 
 def parsing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """`handler` with a lenient deserializer, refusing a single request that did not parse."""
-    parse = lenient(handler.request_deserializer)
+    # every streamed Syncer request (Init, Push, Adopt) is a header, then `bytes chunk = 2`
+    parse = lenient(handler.request_deserializer, chunks=handler.request_streaming)
     serialize = handler.response_serializer
     if handler.request_streaming:
         make = (
