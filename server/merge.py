@@ -208,7 +208,7 @@ class AccumulatorPool:
                 buf = self._kept.pop(min(fits, key=lambda i: self._kept[i].size))
             else:
                 if self._kept:  # a new buffer stands in for a kept one too small
-                    self._kept.remove(max(self._kept, key=lambda b: b.size))
+                    self._kept.pop(max(range(len(self._kept)), key=lambda i: self._kept[i].size))
                 buf = np.empty(size, np.float32)
             view = buf[:size]
             self._out[id(view)] = weakref.finalize(view, self._dropped, id(view))

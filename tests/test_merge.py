@@ -568,6 +568,12 @@ def test_the_pool_never_holds_more_buffers_than_were_out_at_once():
     small = pool.take(3)
     assert small.base is bigger.base  # the smallest kept buffer that fits is reused
     assert small.shape == (3,) and small.dtype == np.float32
+    # several kept, none big enough: the largest goes (picked by identity, never by value)
+    out = [pool.take(n) for n in (5, 6, 7)]
+    pool.give(out[0])
+    pool.give(out[1])
+    kept = pool.kept
+    assert pool.take(40).size == 40 and pool.kept == kept - 1
 
 
 def test_segment_norms_of_a_vector_known_finite_skip_only_the_check():
