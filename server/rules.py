@@ -338,7 +338,13 @@ def grace_window(
     return g * max(0.0, tau * step - quorum - sync)
 
 
-GRACE_PERIOD_SHARE = 1 / 8  # times γ: the shortest grace window, as a share of the period
+# times γ: the shortest grace window, as a share of the period; with the default γ = 2,
+# the whole period (the cap below). On a loaded host a learner's push can leave a tenth
+# of a period or more after its due time, and one that misses its round joins the next,
+# so the learners pull two versions: with γ/8 (a quarter period), 4 learners beside a
+# CPU burner pulled 5.0-5.5 bits per parameter per sync, with γ/2 4.3-4.5, at the same
+# eval loss over seeds 0-2 (docs/rounds.md "Under load")
+GRACE_PERIOD_SHARE = 1 / 2
 
 
 def estimate_grace(
@@ -359,7 +365,7 @@ def estimate_grace(
     arrive spread by up to one of its steps, since a learner pushes between steps, so
     the window is never shorter than that step (with τ = 1 and a slow merge the formula
     alone gives nothing, and each period's pushes split into two rounds). Nor is it
-    shorter than γ/8 of a period (`GRACE_PERIOD_SHARE`): pushes due at one instant also
+    shorter than γ/2 of a period (`GRACE_PERIOD_SHARE`): pushes due at one instant also
     arrive spread by their hosts' scheduling and the transfer, which with short steps on
     a busy host is many steps. No step time yet means no grace. Past one period
     (`cadence_seconds`) the next period's pushes are due, so waiting longer would only

@@ -349,9 +349,12 @@ def test_rounds_close_once_per_period_whatever_k(tmp_path):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_stalls_do_not_split_rounds(tmp_path, seed):
     """Learners that lose a few steps now and then (an evaluation, a busy host) still
-    push on the fragment's one schedule: a late push joins the next round, and the
-    round after it is still due a period after the last, so rounds do not split into
-    a punctual group and a late one."""
+    push on the fragment's one schedule: a round waits up to a period (γ/2 of one, γ = 2)
+    for a late push (and a later one joins the next round, still due a period after the last), so
+    rounds do not split into a punctual group and a late one, and a learner seldom
+    pulls two versions in one sync. Waiting merges a few periods' pushes into one
+    round: 0.84-0.96 outer steps per period here, 1.01-1.14 versions pulled per push
+    (γ/8 of a period: 0.96-1.0 and 1.03-1.25)."""
     speeds = [0.1, 0.1, 0.2, 0.2]
     shard, learners, closes, end = simulate(
         speeds, quorum=2, periods=30, tmp_path=tmp_path, seed=seed, jitter=0.3, stalls=0.05
@@ -359,12 +362,12 @@ def test_stalls_do_not_split_rounds(tmp_path, seed):
     period = H * min(speeds)
     start = 5 * period
     rates = [outer_steps_per_period(c, period, start, end) for c in closes.values()]
-    assert all(0.9 <= r <= 1.1 for r in rates), rates
+    assert all(0.8 <= r <= 1.1 for r in rates), rates
     for l in learners:
         assert all(ok for _, _, ok in l.pushes), l.name
         # versions a learner has to pull per push it makes (what pull bandwidth pays for)
         pushes = sum(1 for _ in l.pushes) / PLAN.num_fragments
-        assert sum(rates) / len(rates) * (end / period) / pushes <= 1.3, l.name
+        assert sum(rates) / len(rates) * (end / period) / pushes <= 1.2, l.name
 
 
 def test_the_step_time_a_learner_reports_holds_its_wall_time_with_skewed_steps():

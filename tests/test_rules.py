@@ -212,10 +212,11 @@ def test_estimate_grace_from_running_timings():
     assert estimate_grace(RoundPolicy(grace_factor=0.0), 4, step, Ewma()) == 0.0
     # never past one sync period: the next period's pushes are due then
     assert estimate_grace(policy, 4, step, Ewma(), cadence_seconds=1.5) == 1.5
-    assert estimate_grace(policy, 4, step, Ewma(), cadence_seconds=9.0) == pytest.approx(2.0)
-    # nor shorter than γ/8 of a period: short steps on a busy host arrive spread by more than a step
+    assert estimate_grace(policy, 4, step, Ewma(), cadence_seconds=3.0) == pytest.approx(2.0)
+    # nor shorter than γ/2 of a period: pushes on a busy host arrive spread by more than a step
+    assert estimate_grace(policy, 4, step, Ewma(), cadence_seconds=9.0) == pytest.approx(4.5)
     assert estimate_grace(
-        RoundPolicy(grace_factor=2.0), 1, 0.005, Ewma(), cadence_seconds=0.32
+        RoundPolicy(grace_factor=0.5), 1, 0.005, Ewma(), cadence_seconds=0.32
     ) == pytest.approx(0.08)
     assert (
         estimate_grace(RoundPolicy(grace_factor=0.0), 1, 0.005, Ewma(), cadence_seconds=0.32) == 0.0
