@@ -22,6 +22,7 @@ that decodes to delta give the same bits too.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -194,15 +195,23 @@ class AccumulatorPool:
         self._out: dict[
             int, weakref.finalize[[int], np.ndarray]
         ] = {}  # id(taken view) -> its drop callback
+        # ids of views let go unsettled: the callback only appends (the collector may run it
+        # on any thread at any allocation, this pool's own locked ones included), and the
+        # next call under the lock settles them, always before a new view's id is entered
+        # (a dead view's id can only be reused after its callback ran)
+        self._gone: collections.deque[int] = collections.deque()
 
     @property
     def kept(self) -> int:
         """Buffers held for reuse now."""
-        return len(self._kept)
+        with self._lock:
+            self._reap()
+            return len(self._kept)
 
     def take(self, size: int) -> np.ndarray:
         """A float32 vector of `size` values with undefined contents (write all of it)."""
         with self._lock:
+            self._reap()
             fits = [i for i, b in enumerate(self._kept) if b.size >= size]
             if fits:
                 buf = self._kept.pop(min(fits, key=lambda i: self._kept[i].size))
@@ -211,6 +220,7 @@ class AccumulatorPool:
                     self._kept.pop(max(range(len(self._kept)), key=lambda i: self._kept[i].size))
                 buf = np.empty(size, np.float32)
             view = buf[:size]
+            self._reap()  # a view dropped meanwhile may have had this id
             self._out[id(view)] = weakref.finalize(view, self._dropped, id(view))
         return view
 
@@ -224,6 +234,7 @@ class AccumulatorPool:
 
     def _settle(self, view: np.ndarray, keep: bool) -> None:
         with self._lock:
+            self._reap()
             ticket = self._out.pop(id(view), None)
             assert ticket is not None, "a buffer this pool did not lend, or settled twice"
             ticket.detach()
@@ -233,10 +244,13 @@ class AccumulatorPool:
                 self._kept.clear()
 
     def _dropped(self, key: int) -> None:  # a taken buffer was let go unsettled
-        with self._lock:
-            self._out.pop(key, None)
-            if not self._out:
-                self._kept.clear()
+        self._gone.append(key)
+
+    def _reap(self) -> None:  # under the lock
+        while self._gone:
+            self._out.pop(self._gone.popleft(), None)
+        if not self._out:
+            self._kept.clear()
 
 
 class RoundAccumulator:

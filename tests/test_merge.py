@@ -1,6 +1,7 @@
 """Tests for server/merge.py: RDA vs plain averaging, weights, determinism, outer step."""
 
 import gc
+import threading
 
 import jax
 import numpy as np
@@ -554,6 +555,25 @@ def test_the_pool_keeps_buffers_only_while_a_round_that_took_one_is_open():
     assert pool.kept == 0
     with pytest.raises(AssertionError, match="did not lend"):
         pool.give(np.empty(3, np.float32))
+
+
+def test_a_buffer_collected_while_the_pool_is_locked_does_not_stop_it():
+    """The collector can free a dropped round's buffer at any allocation, the pool's own
+    locked ones included: its callback must not wait for the lock."""
+    pool = AccumulatorPool()
+    u, w = pool.take(4), pool.take(4)
+
+    def drop_under_the_lock():
+        nonlocal u
+        with pool._lock:
+            del u  # the callback runs here, while this thread holds the lock
+
+    t = threading.Thread(target=drop_under_the_lock, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the pool deadlocked on its own lock"
+    pool.give(w)  # the dropped one counts as settled: nothing is out, nothing kept
+    assert pool.kept == 0
 
 
 def test_the_pool_never_holds_more_buffers_than_were_out_at_once():
