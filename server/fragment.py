@@ -69,7 +69,7 @@ class Fragment:
         self.version = 0
         self.ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=delta_ring)
         self.quorum = quorum  # K, for stamping when the open round reaches it
-        self.pool = pool  # round accumulators, shared by the shard's fragments
+        # round accumulators come from `pool`, shared by the shard's fragments
         self.round = merge.RoundAccumulator(self.segments, rda=rda, pool=pool)
         self.round_state = rules.open_round()  # who is in the open round, and since when
         self.full_weight = 0.0  # Σ token weights of the open round before staleness discounts
@@ -137,10 +137,10 @@ class Fragment:
         if not in_place:
             np.copyto(merged, self.published)
             self.published = merged
-            if self.pool is not None:
-                self.pool.keep(merged)
-        elif self.pool is not None:
-            self.pool.give(merged)  # spent: the next round's first push writes over it
+            if self.round.pool is not None:
+                self.round.pool.keep(merged)
+        elif self.round.pool is not None:
+            self.round.pool.give(merged)  # spent: the next round's first push writes over it
         frame: bytes = codec.encode_publish(self.params, self.published, self.publish_codec)
         self.version += 1
         self.ring.append((self.version, frame))
@@ -244,7 +244,7 @@ class Fragment:
                 count=meta["round"]["count"],
             ),
             self.segments,
-            pool=self.pool,
+            pool=self.round.pool,
         )
         self.full_weight = float(meta["round"].get("full_weight", meta["round"]["total_weight"]))
         self.round_state = self.restamp(meta["contributors"], now)

@@ -549,8 +549,8 @@ def test_encode_publish_refuses_what_it_cannot_write():
         with pytest.raises(CodecError):
             encode_publish(x, bad)
     far = np.full(64, F32_MAX, np.float32)
-    with pytest.raises(CodecError, match="non-finite"):
-        encode_publish(far, -far)  # the difference overflows
+    with pytest.raises(CodecError, match="non-finite value inf at index 0"):
+        encode_publish(far, -far)  # the difference overflows (named as x − published)
 
 
 # ---- 3. error feedback ----

@@ -541,7 +541,7 @@ def test_fragments_sharing_an_accumulator_pool_give_the_bits_of_ones_without(pla
         [_fragment(plan, index=p) for p in (0, 1)],
     )
     for f in pooled:
-        f.pool = f.round.pool = pool
+        f.round.pool = pool
 
     def push(p: int, r: int) -> None:
         for f in (pooled[p], plain[p]):

@@ -416,7 +416,10 @@ def _encode(
     for c in chunks:
         if isinstance(c, int):
             with np.errstate(over="ignore", invalid="ignore"):
-                value = x[c] if residual is None else x[c] + residual[c]
+                if residual is None:
+                    value = x[c]
+                else:
+                    value = x[c] - residual[c] if publish else x[c] + residual[c]
             raise CodecError(f"cannot encode non-finite value {value} at index {c}")
     return _assemble(codec, x.size, chunks)
 
@@ -439,12 +442,9 @@ def encode_publish(x: np.ndarray, published: np.ndarray, codec: Codec = DEFAULT_
       ([7.0, 0.0, -7.0, 4.0], [7.0, 0.0, -7.0, 4.0])
     """
     flat = _as_f32(x, "x")
-    if published.dtype != np.float32 or published.shape != (flat.size,):
-        raise CodecError(
-            f"published {published.dtype}{published.shape}: want float32 ({flat.size},)"
-        )
-    if not (published.flags.c_contiguous and published.flags.writeable):
-        raise CodecError("published must be a writable contiguous float32 vector")
+    _check_out(published, flat.size)  # as decode_into checks its out
+    if published.ndim != 1:
+        raise CodecError(f"published {published.shape}: want a flat vector ({flat.size},)")
     return _encode(flat, published, codec, None, r_out=published, publish=True)
 
 
