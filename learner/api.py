@@ -52,7 +52,7 @@ log = logging.getLogger("atoll.learner")
 _SYNC = SyncConfig()  # the sync settings' defaults, declared once (learner/sync.py)
 _NEW, _JOINED, _FINISHED, _CLOSED = "new", "joined", "finished", "closed"
 # SyncConfig's settings that are Learner arguments of the same name (`from_config`)
-_SYNC_ARGS = ("period", "overlap", "mix", "codec", "patience", "wait_for_rounds")
+_SYNC_ARGS = ("period", "overlap", "mix", "late_mix", "codec", "patience", "wait_for_rounds")
 _Claim = standby.Claim  # (`standby` is also an argument's name)
 
 
@@ -113,6 +113,9 @@ class Learner:
       fragments: P, fragments the params are split into; at least the number of shards
         and at most the number of float leaves.
       mix: α, share of the local fragment kept when adopting a global one, in [0, 1).
+      late_mix: α's cap for a sync adopted d steps after its push, d past τ: α is then
+        (d − τ)/H up to this, in [0, 1); 0 (the default) turns it off. For links whose
+        round trip spans many steps (docs/rounds.md, "Late adoption").
       codec: the outer gradients' wire codec (`Codec.INT4`, `Codec.MXFP4`, `Codec.FP32`).
       token: this learner's bearer token, if the shards ask for one.
       tls: CA (and client certificate and key, for mutual TLS) of the shards' TLS.
@@ -169,6 +172,7 @@ class Learner:
         overlap: int = _SYNC.overlap,
         fragments: int = LearnerConfig.fragments,
         mix: float = _SYNC.mix,
+        late_mix: float = _SYNC.late_mix,
         codec: Codec | str = _SYNC.codec,
         token: str | None = None,
         tls: TlsFiles | None = None,
@@ -194,7 +198,8 @@ class Learner:
             f"fragments ({fragments!r}) must be an int, at least the number of shards "
             f"({len(self.addresses)}): each shard owns one fragment or more",
         )
-        self.sync_config = _sync_config(period, overlap, mix, codec, patience, wait_for_rounds)
+        sync = (period, overlap, mix, late_mix, codec, patience, wait_for_rounds)
+        self.sync_config = _sync_config(*sync)
         _need(deadline > 0, f"deadline must be > 0 seconds, got {deadline}")
         _need(checkpoint_every >= 0, f"checkpoint_every must be >= 0 steps, got {checkpoint_every}")
         _need(num_learners >= 1, f"num_learners must be >= 1, got {num_learners}")
@@ -214,8 +219,7 @@ class Learner:
         self.fragments, self.is_embedding = fragments, is_embedding
         self.token, self.tls, self.deadline = token, tls, deadline
         self.checkpoint_every, self.standby = checkpoint_every, standby
-        self.on_push, self.claim_id = on_push, claim_id
-        self.run_info = dict(run_info or {})
+        self.on_push, self.claim_id, self.run_info = on_push, claim_id, dict(run_info or {})
         # inner steps and tokens this learner id has trained (a resumed checkpoint's
         # too); what a checkpoint records as its data position: set them after `join`
         # if your loop resumed from a position of its own
@@ -792,6 +796,7 @@ def _sync_config(
     period: int,
     overlap: int,
     mix: float,
+    late_mix: float,
     codec: Codec | str,
     patience: float,
     wait_for_rounds: bool,
@@ -808,6 +813,7 @@ def _sync_config(
             period=period,
             overlap=overlap,
             mix=mix,
+            late_mix=late_mix,
             codec=wire_codec,
             patience=patience,
             wait_for_rounds=wait_for_rounds,

@@ -19,6 +19,7 @@ from atoll.learner.defaults import (  # noqa: F401
     DEADLINE,
     EVAL_BATCHES,
     FRAGMENTS,
+    LATE_MIX,
     MIX,
     OVERLAP,
     PERIOD,
@@ -82,6 +83,7 @@ class LearnerConfig:
     period: int = PERIOD  # H: inner steps between syncs of one fragment, >= 1
     overlap: int = OVERLAP  # τ: steps trained while a sync is in flight, in [0, H)
     mix: float = MIX  # α: share of local weights kept when adopting a global fragment, in [0, 1)
+    late_mix: float = LATE_MIX  # α up to this for a late adoption, (d − τ)/H; in [0, 1), 0: off
     fragments: int = FRAGMENTS  # P: fragments (>= shards); every learner and shard must agree
     codec: Codec = CODEC  # outer-gradient codec
     seed: int = SEED  # model init seed (the same on every learner) and data order
@@ -217,6 +219,7 @@ class LearnerConfig:
             period=self.period,
             overlap=self.overlap,
             mix=self.mix,
+            late_mix=self.late_mix,
             codec=self.codec,
             patience=self.sync_patience,
             wait_for_rounds=self.wait_for_rounds,
@@ -281,6 +284,7 @@ _SYNC_FLAGS = {
     "period": "--period",
     "overlap": "--overlap",
     "mix": "--mix",
+    "late_mix": "--late-mix",
     "patience": "--sync-patience",
 }
 

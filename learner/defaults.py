@@ -18,6 +18,7 @@ from atoll.wire.codec import DEFAULT_CODEC
 PERIOD = 32  # H: inner steps between two syncs of one fragment
 OVERLAP = 1  # τ: steps trained while a sync is in flight
 MIX = 0.0  # α: share of local weights kept when adopting (0: the global fragment, as DiLoCo)
+LATE_MIX = 0.0  # α's cap for a late adoption, (d − τ)/H after d steps (0: off; docs/rounds.md)
 FRAGMENTS = 4  # P: fragments the model is synced in, staggered over the period
 CODEC = DEFAULT_CODEC  # outer-gradient codec: the wire's default (int4)
 SYNC_PATIENCE = 30.0  # seconds (at least; 4 periods of steps if longer) to wait on a round
@@ -38,6 +39,7 @@ class SyncConfig:
     period: int = PERIOD  # H: inner steps between two syncs of one fragment, >= 1
     overlap: int = OVERLAP  # τ: steps training continues before adopting a push's result, in [0, H)
     mix: float = MIX  # α: share of the local fragment kept when adopting, in [0, 1)
+    late_mix: float = LATE_MIX  # α up to this when adopted d > τ steps after the push: (d − τ)/H
     codec: codec.Codec = CODEC  # outer-gradient codec on the wire
     max_backoff: float = 5.0  # seconds, cap of the retry backoff (jittered), > 0
     patience: float = (
@@ -55,6 +57,8 @@ class SyncConfig:
             )
         if not 0 <= self.mix < 1:
             raise ValueError(f"mix (α) must be in [0, 1), got {self.mix}")
+        if not 0 <= self.late_mix < 1:
+            raise ValueError(f"late_mix must be in [0, 1), got {self.late_mix}")
         if self.patience <= 0:
             raise ValueError(f"patience must be > 0 seconds, got {self.patience}")
         if self.max_backoff <= 0:

@@ -11,7 +11,10 @@ at the first step boundary where the task is done, the training thread adopts
     θ_p ← θ_p + (1−α)·(Θ_new − θ_p(t))
 
 that is, the new global fragment plus whatever the τ overlapped steps added (α = 0),
-or a mix with the local weights (α > 0).
+or a mix with the local weights (α > 0). α is `mix`, or, with `late_mix` set and the
+result adopted d steps after the push, (d − τ)/H where that is more, up to `late_mix`:
+a learner whose syncs come back late (a slow link, a round held open for stragglers)
+keeps more of its own fragment (docs/rounds.md, "Late adoption").
 
 A push refused as too stale, or one in a round that already holds this learner,
 resyncs the fragment instead: θ_p ← Θ_current, residual dropped. A learner that gave
@@ -71,7 +74,8 @@ class Outcome:
     """What a finished sync task hands the training thread."""
 
     version: int
-    correction: np.ndarray | None  # add to θ_p (adopt), or None with `values` set (resync)
+    correction: np.ndarray | None  # Θ_new − θ_p(t): (1 − α)× it is added to θ_p (adopt), or
+    # None with `values` set (resync)
     values: np.ndarray | None = None
     due_at: float | None = None  # when the next push of the fragment is due; None: not known
 
@@ -130,7 +134,8 @@ class FragmentSync:
         outcome = self.task.result()
         self.task = None
         if outcome.correction is not None:
-            vector: np.ndarray = theta_now() + outcome.correction
+            keep = np.float32(1.0 - self.mix_at(step))
+            vector: np.ndarray = theta_now() + keep * outcome.correction
         else:
             assert outcome.values is not None
             vector = outcome.values
@@ -138,6 +143,12 @@ class FragmentSync:
         self.version = outcome.version
         self.due_at = outcome.due_at
         return vector
+
+    def mix_at(self, step: int) -> float:
+        """α for adopting at `step` the sync started at `task_step`."""
+        cfg = self.link.cfg
+        late = (step - self.task_step - cfg.overlap) / cfg.period
+        return max(cfg.mix, min(cfg.late_mix, late))
 
     # --- the task ---
 
@@ -188,8 +199,7 @@ class FragmentSync:
         due_at = self._due(due_at)
         self.advance(merged_in)
         self.origin = None
-        keep = 1.0 - link.cfg.mix
-        return Outcome(self.version, np.float32(keep) * (self.base - theta), due_at=due_at)
+        return Outcome(self.version, self.base - theta, due_at=due_at)
 
     def _push(
         self, theta: np.ndarray, seq: int, steps: int, tokens: int, compute: float, last: bool

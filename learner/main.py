@@ -188,6 +188,13 @@ def _add_sync(g: argparse._ArgumentGroup, d: dict[str, Any]) -> None:
         help="α: share of local weights kept when adopting (default %(default)s)",
     )
     g.add_argument(
+        "--late-mix",
+        type=float,
+        default=d["late_mix"],
+        help="α's cap for a sync adopted d steps after its push, past τ: α = (d − τ)/H up to "
+        "this; helps on links whose round trip spans many steps (default %(default)s: off)",
+    )
+    g.add_argument(
         "--fragments",
         type=int,
         default=d["fragments"],
@@ -318,6 +325,7 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
         period=a.period,
         overlap=a.overlap,
         mix=a.mix,
+        late_mix=a.late_mix,
         fragments=a.fragments,
         codec=Codec[a.codec.upper()],
         seed=a.seed,

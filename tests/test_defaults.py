@@ -83,6 +83,7 @@ LEARNER_DEFAULTS = {
     "period": home.PERIOD,
     "overlap": home.OVERLAP,
     "mix": home.MIX,
+    "late_mix": home.LATE_MIX,
     "fragments": home.FRAGMENTS,
     "codec": home.CODEC,
     "seed": home.SEED,

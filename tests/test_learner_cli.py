@@ -45,6 +45,7 @@ def run(capsys):
         # H, τ, α and the patience are checked by SyncConfig, and named here as flags
         (("--shards", "127.0.0.1:1", "--period", "0"), "--period must be at least 1, got 0"),
         (("--shards", "127.0.0.1:1", "--mix", "1"), "--mix must be in [0, 1), got 1.0"),
+        (("--shards", "127.0.0.1:1", "--late-mix", "-0.1"), "--late-mix must be in [0, 1)"),
         (("--shards", "127.0.0.1:1", "--sync-patience", "0"), "--sync-patience must be > 0"),
         (("--baseline", "--deadline", "0"), "--deadline must be > 0 seconds"),
         (("--baseline", "--lease-exit-wait", "-1"), "--lease-exit-wait must be >= 0 seconds"),

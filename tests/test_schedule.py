@@ -4,6 +4,7 @@ are given."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 
 import numpy as np
@@ -234,9 +235,11 @@ class _Shard:
         pass
 
 
-def _fragment(shard: _Shard, clock: Clock) -> tuple[FragmentSync, threading.Event]:
+def _fragment(
+    shard: _Shard, clock: Clock, **settings: float
+) -> tuple[FragmentSync, threading.Event]:
     plan = FragmentPlan.build([TensorSpec("w", (2, 2))], 1)
-    cfg = SyncConfig(period=8, patience=1.0, max_backoff=0.01)
+    cfg = SyncConfig(period=8, patience=1.0, max_backoff=0.01, **settings)
     stopping = threading.Event()
     router = Router(plan, [shard], stopping, cfg.max_backoff)
     versions = Versions(router, stopping, cfg.max_backoff, clock)
@@ -291,6 +294,35 @@ def test_a_round_that_does_not_close_in_time_is_left_without_waiting_on_a_real_c
     np.testing.assert_array_equal(outcome.correction, np.zeros(4, np.float32))  # keep local
     assert frag.origin is not None and frag.version == 0  # the next Δ starts from θ at the push
     assert outcome.due_at is None  # no schedule from the shard, and no cadence yet
+
+
+@pytest.mark.parametrize(
+    ("settings", "adopted_after", "alpha"),
+    [
+        ({}, 30, 0.0),  # the default: the global fragment plus the overlapped steps, however late
+        ({"late_mix": 0.5}, 1, 0.0),  # adopted at τ: on time, nothing kept
+        ({"late_mix": 0.5}, 3, 0.25),  # 2 steps past τ of H = 8
+        ({"late_mix": 0.5}, 5, 0.5),
+        ({"late_mix": 0.5}, 30, 0.5),  # capped
+        ({"late_mix": 0.5, "mix": 0.3}, 2, 0.3),  # α is mix where mix is more
+        ({"late_mix": 0.5, "mix": 0.3}, 7, 0.5),
+    ],
+)
+def test_a_late_adoption_keeps_up_to_late_mix_of_the_local_fragment(settings, adopted_after, alpha):
+    base = np.array([1.0, 2.0, 3.0, 4.0], np.float32)  # Θ_new
+    shard = _Shard(pb.PushResponse(accepted=True, staleness=0), base, 1)
+    frag, _ = _fragment(shard, Clock(0.0), **settings)
+    frag.link.versions.note(0, 1)  # the round holding the push has closed
+    theta_at_push = np.zeros(4, np.float32)
+    outcome = frag.sync(theta_at_push, seq=1, steps=8, tokens=64)
+    np.testing.assert_array_equal(outcome.correction, base - theta_at_push)
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_result(outcome)
+    frag.task, frag.task_step = done, 40
+    theta_now = np.full(4, 0.5, np.float32)  # the steps trained since the push moved it
+    vector = frag.adopt(40 + adopted_after, lambda: theta_now)
+    np.testing.assert_allclose(vector, theta_now + (1 - alpha) * (base - theta_at_push), rtol=1e-6)
+    assert frag.version == 1 and frag.task is None
 
 
 def test_a_stop_ends_a_wait_on_a_version():

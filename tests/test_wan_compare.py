@@ -68,6 +68,8 @@ def test_bad_settings_are_refused():
         wan.WanBenchConfig(rate_mbit=0)
     with pytest.raises(ValueError, match="--period must be >= 1"):
         wan.WanBenchConfig(period=0)
+    with pytest.raises(ValueError, match="--late-mix must be in"):
+        wan.WanBenchConfig(late_mix=1.0)
 
 
 def test_the_data_parallel_job_is_given_time_for_the_steps_asked():

@@ -31,7 +31,7 @@ import threading
 import time
 
 from atoll.commands import positive_int
-from atoll.learner.defaults import PERIOD
+from atoll.learner.defaults import LATE_MIX, PERIOD
 
 SAMPLE_S = 0.5  # how often the links' counters are read
 PEER_PORTS = (61000, 61031)  # each region's ephemeral ports (gloo binds one)
@@ -52,6 +52,7 @@ class WanBenchConfig:
     evals: int = 8  # evaluations during each run (plus the final one)
     seed: int = 0
     period: int = PERIOD  # atoll's H (its default): inner steps between syncs of a fragment
+    late_mix: float = LATE_MIX  # atoll's late-adoption mix cap (its default: off)
 
     def __post_init__(self):
         from atoll.faults.wan import WanConfig
@@ -61,6 +62,8 @@ class WanBenchConfig:
         WanConfig(self.regions, self.rate_mbit, self.latency_ms)  # checks rate and latency
         if not (isinstance(self.period, int) and self.period >= 1):
             raise ValueError(f"--period must be >= 1, got {self.period}")
+        if not 0 <= self.late_mix < 1:
+            raise ValueError(f"--late-mix must be in [0, 1), got {self.late_mix}")
         if self.steps < 2 * self.evals:
             raise ValueError(f"--steps must be at least 2 x evals ({2 * self.evals})")
 
@@ -219,6 +222,7 @@ def run_atoll(cfg: WanBenchConfig, run_dir: pathlib.Path) -> dict:
         evals=cfg.evals,
         seed=cfg.seed,
         period=cfg.period,
+        late_mix=cfg.late_mix,
     )
     up, _ = prepare_run_dir(run_dir, dataclasses.asdict(up) | {"slowdown": list(up.slowdown)})
     holder: dict = {}
@@ -270,6 +274,7 @@ def run_atoll(cfg: WanBenchConfig, run_dir: pathlib.Path) -> dict:
         "settings": {  # atoll's defaults but for --period
             "period": up.period,
             "overlap": up.overlap,
+            "late_mix": up.late_mix,
             "fragments": up.fragments,
             "codec": up.codec,
             "shards": up.shards,
@@ -447,6 +452,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "%(default)s); fewer steps per sync close more of the gap at equal tokens on a short "
         "run and send proportionally more bytes",
     )
+    p.add_argument(
+        "--late-mix",
+        type=float,
+        default=d.late_mix,
+        help="atoll's --late-mix: the share of its own fragment a learner keeps when a sync "
+        "comes back late, at most (default: atoll's, %(default)g, off)",
+    )
     p.add_argument("--work-dir", type=pathlib.Path, default=None, help="default: a temp dir")
     p.add_argument("--out", type=pathlib.Path, default=None, help="draw wan.png in this folder")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -472,6 +484,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             evals=args.evals,
             seed=args.seed,
             period=args.period,
+            late_mix=args.late_mix,
         )
     except (ValueError, WanError) as e:
         parser.error(str(e))

@@ -19,6 +19,7 @@ from atoll.learner.config import (
     CODEC,
     EVAL_BATCHES,
     FRAGMENTS,
+    LATE_MIX,
     OVERLAP,
     PERIOD,
     PRESET,
@@ -60,6 +61,7 @@ class UpConfig:
     batch_size: int = BATCH_SIZE  # sequences per inner step per learner
     period: int = PERIOD  # H: inner steps between two syncs of a fragment
     overlap: int = OVERLAP  # τ: steps trained while a sync is in flight, in [0, H)
+    late_mix: float = LATE_MIX  # α's cap for a late adoption, (d − τ)/H; 0: off
     fragments: int = FRAGMENTS  # P: fragments, >= shards
     codec: str = CODEC.name.lower()  # outer-gradient and published-delta codec: int4, mxfp4, fp32
     quorum: int = 0  # K: learners to close a round, <= learners; 0 = min(2, M)
@@ -169,6 +171,7 @@ class UpConfig:
             steps=spec.steps,
             period=self.period,
             overlap=self.overlap,
+            late_mix=self.late_mix,
             fragments=self.fragments,
             codec=Codec[self.codec.upper()],
             seed=self.seed,

@@ -109,6 +109,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         help=f"τ: steps trained while a sync is in flight (default {d['overlap']})",
     )
+    p.add_argument(
+        "--late-mix",
+        type=float,
+        help="α's cap for a sync adopted d steps after its push, past τ: the learner keeps "
+        f"(d − τ)/H of its own fragment, up to this (default {d['late_mix']:g}: off)",
+    )
     p.add_argument("--fragments", type=int, help=f"P: fragments (default {d['fragments']})")
     p.add_argument(
         "--codec", choices=["int4", "mxfp4", "fp32"], help=f"wire codec (default {d['codec']})"
