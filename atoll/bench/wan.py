@@ -271,7 +271,7 @@ def run_atoll(cfg: WanBenchConfig, run_dir: pathlib.Path) -> dict:
         "steps_per_s": round(steps / (end - start), 3),
         "tokens": g["tokens"],
         "final_eval_loss": g["eval_loss"],
-        "settings": {  # atoll's defaults but for --period
+        "settings": {  # atoll's defaults but for --period and --late-mix
             "period": up.period,
             "overlap": up.overlap,
             "late_mix": up.late_mix,
