@@ -172,6 +172,11 @@ class LearnerConfig:
         )
         _need(not self.standby or not self.baseline, "--standby and --baseline do not go together")
         _need(
+            self.checkpoint_dir is None or not self.baseline,
+            "--checkpoint-dir is for a learner that syncs: the --baseline trains alone and "
+            "keeps no checkpoints",
+        )
+        _need(
             self.distributed is None or not self.standby,
             "--standby is for one-process learners: a multi-host learner's spare is a whole slice, "
             "which its controller (a JobSet) recreates",

@@ -60,6 +60,7 @@ def run(capsys):
             "--learner-index must be in [0, 4)",
         ),
         (("--baseline", "--slowdown", "0.5"), "--slowdown must be >= 1"),
+        (("--baseline", "--checkpoint-dir", "ck"), "the --baseline trains alone and keeps no"),
         (("--baseline", "--metrics-port", "99999"), "--metrics-port must be in 1-65535"),
         (("--baseline", "--metrics-port", "-1"), "--metrics-port must be in 1-65535"),
         (("--shards", "127.0.0.1:99999"), "'127.0.0.1:99999': the port must be in 1-65535"),

@@ -16,7 +16,7 @@ from atoll.local.config import (
     learner_specs,
     prepare_run_dir,
 )
-from atoll.local.processes import Learner, Standby
+from atoll.local.processes import Learner, Standby, child_env
 from atoll.local.report import build_report, learner_summary, lives, write_report
 from atoll.local.up import summary
 
@@ -100,6 +100,11 @@ def test_each_learner_runs_the_command_line_of_its_config(tmp_path, monkeypatch)
     baseline = Learner(baseline_spec(cfg), cfg, run, []).config
     assert baseline.baseline and baseline.shards == () and not baseline.wait_for_rounds
     assert baseline.push_log is None and baseline.checkpoint_dir is None
+    # the variable that defaults --checkpoint-dir does not reach the children: the
+    # baseline, asked for none, would be refused, and a learner given none would keep them
+    monkeypatch.setenv("ATOLL_CHECKPOINT_DIR", str(tmp_path / "elsewhere"))
+    assert "ATOLL_CHECKPOINT_DIR" not in child_env(single_thread=False)
+    assert os.environ["ATOLL_CHECKPOINT_DIR"] == str(tmp_path / "elsewhere")  # ours is kept
     standby = Standby("standby-0", learner_specs(cfg)[0], cfg, run, addresses)
     assert standby.args[:3] == ["learner", "--learner-id", "standby-0"]
     assert "--standby" in standby.args and str(run / "learners" / "{id}.jsonl") in standby.args

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from atoll.learner.config import LearnerConfig
+from atoll.learner.config import ENV_CHECKPOINT_DIR, LearnerConfig
 from atoll.local import progress
 from atoll.local.config import LearnerSpec, UpConfig
 from atoll.wire.records import parse_serving
@@ -43,6 +43,9 @@ def _die_with_parent() -> None:
 
 def child_env(single_thread: bool) -> dict[str, str]:
     env = dict(os.environ)
+    # a launcher spells out --checkpoint-dir where it wants one: the variable must not give
+    # checkpoints to a learner it asked none of (the baseline refuses them)
+    env.pop(ENV_CHECKPOINT_DIR, None)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
