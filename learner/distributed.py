@@ -148,6 +148,12 @@ def broadcast(tree: Any) -> Any:
     return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
 
 
+def agree_status(status: int) -> int:
+    """Process 0's exit status on every process: a process stopped only because process
+    0 was leaves as process 0 does (143 for its SIGTERM), not with an error's 1."""
+    return int(broadcast(np.asarray([status], np.int32))[0])
+
+
 def broadcast_step(
     updates: dict[int, np.ndarray] | None, flags: Sequence[bool], fragment_sizes: Sequence[int]
 ) -> tuple[dict[int, np.ndarray], list[bool]]:

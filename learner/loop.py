@@ -12,7 +12,8 @@ learner resumes its data position and schedule from the last one.
 Exit status: 0 once this learner's steps are trained (or, waiting as a standby, once
 its own id's are); stopped by a signal before that, 128 + the signal (143 for SIGTERM,
 130 for SIGINT), after it checkpointed and wrote its final record, so a Job does not
-count a preempted learner as completed.
+count a preempted learner as completed. The processes of a multi-process learner stop
+at the same step and all exit with process 0's status.
 """
 
 from __future__ import annotations
@@ -182,7 +183,11 @@ def _run(cfg: LearnerConfig, stop: Stop, held: _Held) -> int:
         _finish(run, finished)
     finally:
         held.done = run.trainer.steps_done >= run.cfg.steps
-    return 0 if finished else stopped_status(stop)
+    if finished:
+        return 0
+    if distributed.process_count() > 1:  # every process agreed the stop: process 0's status
+        return distributed.agree_status(stopped_status(stop))
+    return stopped_status(stop)
 
 
 def setup(cfg: LearnerConfig, stop: Stop, held: _Held) -> _Run | None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from syncer_helpers import REPO, syncer_processes
@@ -35,6 +37,26 @@ def _run(
     tmp: pathlib.Path, name: str, processes: int, flags: list[str], timeout: float = 240.0
 ) -> list[str]:
     """Runs one learner as `processes` processes to the end; returns each process's log."""
+    procs, logs = _start(tmp, name, processes, flags)
+    try:
+        for i, proc in enumerate(procs):
+            assert proc.wait(timeout=timeout) == 0, f"process {i} failed:\n{logs[i].read_text()}"
+    finally:
+        _kill(procs)
+    return [log.read_text() for log in logs]
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def _start(
+    tmp: pathlib.Path, name: str, processes: int, flags: list[str]
+) -> tuple[list[subprocess.Popen], list[pathlib.Path]]:
+    """Starts one learner as `processes` processes; returns them and their log files."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
     base = [
         sys.executable,
@@ -51,7 +73,8 @@ def _run(
         *flags,
     ]
     port = _free_port()
-    procs, logs = [], [tmp / f"{name}.{i}.log" for i in range(processes)]
+    procs: list[subprocess.Popen] = []
+    logs = [tmp / f"{name}.{i}.log" for i in range(processes)]
     try:
         for i in range(processes):
             extra = (
@@ -77,14 +100,10 @@ def _run(
                         stderr=subprocess.STDOUT,
                     )
                 )
-        for i, proc in enumerate(procs):
-            assert proc.wait(timeout=timeout) == 0, f"process {i} failed:\n{logs[i].read_text()}"
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-    return [log.read_text() for log in logs]
+    except BaseException:
+        _kill(procs)
+        raise
+    return procs, logs
 
 
 def _losses(path: pathlib.Path) -> list[float]:
@@ -211,3 +230,38 @@ def test_a_two_process_learner_resumes_its_checkpoint_and_joins_a_moved_on_shard
     assert "resumed its checkpoint at step 16" in logs[0]
     # process 1 took process 0's start (the joined global weights), not its own
     assert _final_eval(logs[0]) == _final_eval(logs[1]), logs
+
+
+def test_a_process_stopped_through_process_0_exits_as_process_0_does(tmp_path):
+    """SIGTERM to process 0 alone: every process stops at the same step, and each exits
+    143 (128 + SIGTERM, a stop before the steps were done), none with an error's 1."""
+    with syncer_processes(tmp_path) as start:
+        shard = start(
+            tmp_path / "s0",
+            "--shard-index",
+            "0",
+            "--num-shards",
+            "1",
+            "--quorum",
+            "1",
+            "--lease-seconds",
+            "5",
+        )
+        status = tmp_path / "mh.jsonl"
+        flags = ["--shards", f"127.0.0.1:{shard.port}", "--steps", "100000", "--period", "8"]
+        flags += ["--eval-every", "0", "--slowdown", "2"]
+        procs, logs = _start(tmp_path, "mh", 2, flags)
+        try:
+            deadline = time.monotonic() + 180
+            while not any(r["state"] == "training" for r in read_jsonl(status)):
+                assert time.monotonic() < deadline, logs[0].read_text()
+                assert all(p.poll() is None for p in procs), [f.read_text() for f in logs]
+                time.sleep(0.2)
+            procs[0].send_signal(signal.SIGTERM)
+            codes = [p.wait(timeout=120) for p in procs]
+        finally:
+            _kill(procs)
+    assert codes == [143, 143], [f.read_text() for f in logs]
+    assert "stopped by process 0" in logs[1].read_text()
+    stopped = [r for r in read_jsonl(status) if r["state"] == "stopped"]
+    assert len(stopped) == 1 and stopped[0]["step"] < 100000, stopped
