@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import signal
 import sys
 import tempfile
 import threading
@@ -493,10 +494,27 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     work_dir = args.work_dir or pathlib.Path(tempfile.mkdtemp(prefix="atoll-bench-wan-"))
     if args.work_dir is not None and work_dir.exists() and any(work_dir.iterdir()):
         parser.error(f"--work-dir {work_dir} is not empty: give a new or empty directory")
+    # SIGTERM unwinds the bench like an error: the data-parallel workers and coordinator are
+    # killed and the regions removed at once (by default they were orphaned, to die by the
+    # coordinator's heartbeat timeout about 100 s later)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         result = bench_wan(cfg, work_dir, args.out)
     except RuntimeError as e:  # a run that failed or hung: what it said, and where it ran
         print(f"atoll bench wan: {e}\n(the runs are in {work_dir})", file=sys.stderr)
         return 1
+    except Terminated:
+        print(f"atoll bench wan: stopped by SIGTERM (the runs are in {work_dir})", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(json.dumps(result, indent=2))
     return 0
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread (a BaseException: no `except Exception` keeps it)."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()

@@ -123,3 +123,51 @@ def test_tiny_run_reports_every_figure(tmp_path):
     }
     assert (tmp_path / "wan.png").stat().st_size > 10_000
     assert time.monotonic() - started < 560
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_during_the_data_parallel_run_ends_it_at_once(tmp_path):
+    """SIGTERM while the data-parallel job trains: the bench exits 143 within seconds, with
+    its workers, its coordinator and its regions gone (not orphaned until the coordination
+    service's heartbeat timeout)."""
+    runs = tmp_path / "runs"
+    before = set(
+        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    )
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "atoll.cli", "bench", "wan", "--json", "--steps", "100000"]
+        + ["--rate-mbit", "20", "--latency-ms", "5", "--work-dir", str(runs)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    try:
+        records = runs / "data-parallel" / "records.jsonl"
+        deadline = time.monotonic() + 240
+        while not (records.exists() and records.read_text().count("\n") >= 3):
+            assert bench.poll() is None, bench.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the data-parallel job never trained"
+            time.sleep(0.5)
+        assert _processes_naming(runs / "data-parallel"), "no worker names its directory"
+        bench.terminate()
+        stopped = time.monotonic()
+        _, err = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode == 143, err[-3000:]
+    assert time.monotonic() - stopped < 30 and "stopped by SIGTERM" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert _processes_naming(runs / "data-parallel") == [], "workers left running"
+    after = set(
+        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    )
+    assert not {n for n in after - before if n.startswith("atoll-")}, after - before
+
+
+def _processes_naming(path) -> list[int]:
+    """Pids of processes whose command line names `path`."""
+    found = subprocess.run(["pgrep", "-f", str(path)], capture_output=True, text=True).stdout
+    return [int(pid) for pid in found.split()]
