@@ -25,6 +25,9 @@ pytestmark = pytest.mark.e2e  # a whole run: `make test-fast` skips it
 # Measured here: 1, 2 and 4 processes agree to within 1e-6 (float32 reduction order).
 LOSS_TOLERANCE = 1e-4
 FLAGS = ["--preset", "tiny", "--batch-size", "8", "--eval-batches", "1", "--quiet"]
+# the one shard of the tests that sync: K = 1, so process 0's pushes close rounds alone
+ONE_SHARD = ["--shard-index", "0", "--num-shards", "1", "--quorum", "1", "--grace-factor", "1"]
+ONE_SHARD += ["--lease-seconds", "5"]
 
 
 def _free_port() -> int:
@@ -132,19 +135,7 @@ def test_a_multi_process_learner_follows_the_one_process_trajectory(tmp_path, pr
 
 def test_a_two_process_learner_syncs_with_a_real_shard(tmp_path):
     with syncer_processes(tmp_path) as start:
-        shard = start(
-            tmp_path / "s0",
-            "--shard-index",
-            "0",
-            "--num-shards",
-            "1",
-            "--quorum",
-            "1",
-            "--grace-factor",
-            "1",
-            "--lease-seconds",
-            "5",
-        )
+        shard = start(tmp_path / "s0", *ONE_SHARD)
         push_log = tmp_path / "pushes.jsonl"
         logs = _run(
             tmp_path,
@@ -182,19 +173,7 @@ def test_a_two_process_learner_syncs_with_a_real_shard(tmp_path):
 
 def test_a_two_process_learner_resumes_its_checkpoint_and_joins_a_moved_on_shard(tmp_path):
     with syncer_processes(tmp_path) as start:
-        shard = start(
-            tmp_path / "s0",
-            "--shard-index",
-            "0",
-            "--num-shards",
-            "1",
-            "--quorum",
-            "1",
-            "--grace-factor",
-            "1",
-            "--lease-seconds",
-            "5",
-        )
+        shard = start(tmp_path / "s0", *ONE_SHARD)
         flags = [
             "--shards",
             f"127.0.0.1:{shard.port}",
@@ -236,17 +215,7 @@ def test_a_process_stopped_through_process_0_exits_as_process_0_does(tmp_path):
     """SIGTERM to process 0 alone: every process stops at the same step, and each exits
     143 (128 + SIGTERM, a stop before the steps were done), none with an error's 1."""
     with syncer_processes(tmp_path) as start:
-        shard = start(
-            tmp_path / "s0",
-            "--shard-index",
-            "0",
-            "--num-shards",
-            "1",
-            "--quorum",
-            "1",
-            "--lease-seconds",
-            "5",
-        )
+        shard = start(tmp_path / "s0", *ONE_SHARD)
         status = tmp_path / "mh.jsonl"
         flags = ["--shards", f"127.0.0.1:{shard.port}", "--steps", "100000", "--period", "8"]
         flags += ["--eval-every", "0", "--slowdown", "2"]
