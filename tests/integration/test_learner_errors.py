@@ -36,7 +36,9 @@ def test_a_directory_the_learner_may_not_write_is_refused(tmp_path):
     locked = pathlib.Path("/proc") if os.geteuid() == 0 else tmp_path / "locked"
     locked.mkdir(mode=0o555, exist_ok=True)
     ck = locked / f"atoll-ck-{os.getpid()}"
-    result = run_atoll("learner", "--baseline", "--checkpoint-dir", str(ck), timeout=60)
+    result = run_atoll(
+        "learner", "--shards", "127.0.0.1:7070", "--checkpoint-dir", str(ck), timeout=60
+    )
     assert result.returncode == 2 and f"cannot be made: {locked} is not writable" in result.stderr
     assert "Traceback" not in result.stderr and not ck.exists()
 
