@@ -78,6 +78,21 @@ def run(args: argparse.Namespace, table: Sequence[Command], dest: str) -> int:
 # --- flag types every command may use ---
 
 
+class Terminated(BaseException):
+    """A signal (SIGTERM) that ends a command, raised in the main thread through any wait
+    or call in flight by `raise_terminated`; a BaseException, so no handler of the
+    command's own errors takes it for one."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def raise_terminated(signum: int, _frame: object) -> None:
+    """A signal handler (`signal.signal(signal.SIGTERM, raise_terminated)`)."""
+    raise Terminated(signum)
+
+
 def _whole(text: str, least: int) -> int:
     try:
         value = int(text.replace("_", ""))

@@ -150,7 +150,8 @@ def broadcast(tree: Any) -> Any:
 
 def agree_status(status: int) -> int:
     """Process 0's exit status on every process: a process stopped only because process
-    0 was leaves as process 0 does (143 for its SIGTERM), not with an error's 1."""
+    0 was leaves as process 0 does (143 for its SIGTERM), not with an error's 1. With one
+    process, `status`."""
     return int(broadcast(np.asarray([status], np.int32))[0])
 
 

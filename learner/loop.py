@@ -183,11 +183,8 @@ def _run(cfg: LearnerConfig, stop: Stop, held: _Held) -> int:
         _finish(run, finished)
     finally:
         held.done = run.trainer.steps_done >= run.cfg.steps
-    if finished:
-        return 0
-    if distributed.process_count() > 1:  # every process agreed the stop: process 0's status
-        return distributed.agree_status(stopped_status(stop))
-    return stopped_status(stop)
+    # every process agreed the stop: each leaves with process 0's status
+    return 0 if finished else distributed.agree_status(stopped_status(stop))
 
 
 def setup(cfg: LearnerConfig, stop: Stop, held: _Held) -> _Run | None:

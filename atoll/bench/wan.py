@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 
-from atoll.commands import positive_int
+from atoll.commands import Terminated, positive_int, raise_terminated
 from atoll.learner.defaults import LATE_MIX, PERIOD
 
 SAMPLE_S = 0.5  # how often the links' counters are read
@@ -497,24 +497,17 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # SIGTERM unwinds the bench like an error: the data-parallel workers and coordinator are
     # killed and the regions removed at once (by default they were orphaned, to die by the
     # coordinator's heartbeat timeout about 100 s later)
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         result = bench_wan(cfg, work_dir, args.out)
     except RuntimeError as e:  # a run that failed or hung: what it said, and where it ran
         print(f"atoll bench wan: {e}\n(the runs are in {work_dir})", file=sys.stderr)
         return 1
-    except Terminated:
-        print(f"atoll bench wan: stopped by SIGTERM (the runs are in {work_dir})", file=sys.stderr)
-        return 128 + signal.SIGTERM
+    except Terminated as e:
+        name = signal.Signals(e.signum).name
+        print(f"atoll bench wan: stopped by {name} (the runs are in {work_dir})", file=sys.stderr)
+        return 128 + e.signum
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(json.dumps(result, indent=2))
     return 0
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread (a BaseException: no `except Exception` keeps it)."""
-
-
-def _terminate(signum, frame) -> None:
-    raise Terminated()

@@ -26,10 +26,12 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from atoll.commands import (
+    Terminated,
     add_tls_arguments,
     check_tls_pairs,
     non_negative_int,
     positive_int,
+    raise_terminated,
     shard_addresses,
     tls_from_args,
 )
@@ -310,19 +312,6 @@ class DrainError(RuntimeError):
     """The drain could not finish; the message says what is left and how to finish it."""
 
 
-class DrainStopped(BaseException):
-    """SIGTERM ended the drain (raised in the main thread, through any wait or call in
-    flight); a BaseException, so no handler of a shard's errors takes it for one."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _stopped_by(signum: int, _frame: object) -> None:
-    raise DrainStopped(signum)
-
-
 TRANSIENT = (  # what a drain waits out: shards restarting, moves another planner began
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -600,7 +589,7 @@ def drain_main(
 
     say = lambda line: print(f"atoll drain: {line}", flush=True)  # noqa: E731
     stay = "N"  # the shards that stay, once known (for the way out of a stopped drain)
-    previous = signal.signal(signal.SIGTERM, _stopped_by)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         ordered = False  # --replicas given: as shipped, Parallel
         if replicas is None:
@@ -647,9 +636,9 @@ def drain_main(
     except grpc.RpcError as e:
         say(f"{e.code().name}: {e.details()}")
         return 1
-    except (DrainStopped, KeyboardInterrupt) as e:
+    except (Terminated, KeyboardInterrupt) as e:
         # a move cut short is finished by the next reshard (every step is durable)
-        signum = e.signum if isinstance(e, DrainStopped) else signal.SIGINT
+        signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
         say(
             f"stopped by {signal.Signals(signum).name}: what shard {index} still owns stays on "
             f"its volume; run atoll reshard --to {stay} while it is up"
