@@ -36,6 +36,8 @@ import prometheus_client
 import prometheus_client.parser
 import pytest
 import yaml
+from jobset_webhook import VERSION as JOBSET_VERSION
+from jobset_webhook import admission_errors
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
@@ -301,18 +303,20 @@ def learner_settings(objs) -> dict[str, str]:
     return one(objs, "ConfigMap", name)["data"]
 
 
-def learner_workloads(objs) -> list[tuple[dict, dict, int]]:
-    """(owner, pod template, learners it runs) of every learner JobSet or Job (standbys run
-    none of their own)."""
+def learner_workloads(objs) -> list[tuple[dict, dict, range]]:
+    """(owner, pod template, the cluster's learner indices it runs) of every learner JobSet or
+    Job (standbys run none of their own): a TPU JobSet is one slice, its index the pods'
+    atoll.dev/slice label; a CPU Job runs one learner per completion index."""
     out = []
     for o in objs:
         if o["kind"] == "JobSet":
-            out += [
-                (o, rj["template"]["spec"]["template"], rj["replicas"])
-                for rj in o["spec"]["replicatedJobs"]
-            ]
+            (rj,) = o["spec"]["replicatedJobs"]
+            assert rj["replicas"] == 1, f"{o['metadata']['name']}: one slice per JobSet"
+            template = rj["template"]["spec"]["template"]
+            first = int(template["metadata"]["labels"]["atoll.dev/slice"])
+            out.append((o, template, range(first, first + 1)))
         elif o["kind"] == "Job" and component_of(o["spec"]["template"]) == "learner":
-            out.append((o, o["spec"]["template"], o["spec"]["completions"]))
+            out.append((o, o["spec"]["template"], range(o["spec"]["completions"])))
     return out
 
 
@@ -346,7 +350,8 @@ def container_env(container: dict, objs, fields: dict[str, str]) -> dict[str, st
 
 
 def pod_fields(owner: dict, template: dict, index: int) -> dict[str, str]:
-    """What the downward API gives a pod of `owner` with job/completion index `index`."""
+    """What the downward API gives a pod of `owner` with completion index `index` (a JobSet's
+    one Job has job index 0)."""
     labels = template["metadata"]["labels"]
     fields = {f"metadata.labels['{k}']": v for k, v in labels.items()}
     fields.update(
@@ -354,11 +359,16 @@ def pod_fields(owner: dict, template: dict, index: int) -> dict[str, str]:
             "metadata.name": f"{owner['metadata']['name']}-{index}",
             "metadata.namespace": NAMESPACE,
             "metadata.labels['jobset.sigs.k8s.io/jobset-name']": owner["metadata"]["name"],
-            "metadata.labels['jobset.sigs.k8s.io/job-index']": str(index),
+            "metadata.labels['jobset.sigs.k8s.io/job-index']": "0",
             "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(index),
         }
     )
     return fields
+
+
+def learner_pod_fields(owner: dict, template: dict, learner: int) -> dict[str, str]:
+    """The downward API of the (first) pod of the cluster's learner `learner`."""
+    return pod_fields(owner, template, learner if owner["kind"] == "Job" else 0)
 
 
 def run_container(
@@ -1109,15 +1119,15 @@ def _learner_config(args: list[str], seen: dict, token: pathlib.Path, monkeypatc
 def test_learner_command_line_is_a_valid_learner_config(overlay, tmp_path, monkeypatch):
     """For every learner the overlay runs: the kubelet's expansion, then the shell wrapper,
     then the real parser and LearnerConfig. The learner index is the cluster's base plus
-    the job index, and the id is stable and unique."""
+    the slice's (or completion) index, and the id is stable and unique."""
     objs = render(overlay)
     token = tmp_path / "token"
     token.write_text("0123456789abcdef" * 4 + "\n")
     ids = set()
     for owner, template, learners in learner_workloads(objs):
         (c,) = template["spec"]["containers"]
-        for index in range(learners):
-            env = container_env(c, objs, pod_fields(owner, template, index))
+        for index in learners:
+            env = container_env(c, objs, learner_pod_fields(owner, template, index))
             args, seen = run_container(c, env, tmp_path)
             base = int(env["ATOLL_LEARNER_INDEX_BASE"])
             assert seen["ATOLL_LEARNER_INDEX"] == str(base + index)
@@ -1134,7 +1144,9 @@ def test_learner_command_line_is_a_valid_learner_config(overlay, tmp_path, monke
             )
             assert cfg.checkpoint_every == int(env["ATOLL_CHECKPOINT_EVERY"]) > 0
             ids.add(cfg.learner_id)
-    assert len(ids) == sum(n for _, _, n in learner_workloads(objs)), "learner ids must be unique"
+    assert len(ids) == sum(len(n) for _, _, n in learner_workloads(objs)), (
+        "learner ids must be unique"
+    )
 
 
 @needs_kubectl
@@ -1148,10 +1160,7 @@ def test_learner_clusters_read_disjoint_data_shards():
             int(config["ATOLL_LEARNER_INDEX_BASE"]),
             sizes | {int(config["ATOLL_NUM_LEARNERS"])},
         )
-        (jobset,) = find(objs, "JobSet")
-        ranges.append(
-            range(base, base + sum(rj["replicas"] for rj in jobset["spec"]["replicatedJobs"]))
-        )
+        ranges.append([base + i for _, _, learners in learner_workloads(objs) for i in learners])
     (m,) = sizes
     seen = [i for r in ranges for i in r]
     assert len(seen) == len(set(seen)), f"overlapping learner indices {ranges}"
@@ -1170,12 +1179,20 @@ def _chips(topology: str) -> int:
 def test_tpu_jobset(overlay):
     accelerator, chips_per_host = TPU_OVERLAYS[overlay]
     objs = render(overlay)
-    (jobset,) = find(objs, "JobSet")
-    assert jobset["metadata"]["name"] == f"atoll-learner-{overlay.rsplit('-', 1)[1]}"
+    jobsets = find(objs, "JobSet")
+    assert len(jobsets) >= 2, "a JobSet per slice, several slices per region"
+    for slice_index, jobset in enumerate(jobsets):
+        assert jobset["metadata"]["name"] == (
+            f"atoll-learner-{overlay.removeprefix('learners-tpu-')}-{slice_index}"
+        )
+        _check_single_host_jobset(jobset, accelerator, chips_per_host)
+
+
+def _check_single_host_jobset(jobset: dict, accelerator: str, chips_per_host: int) -> None:
     # No exclusive-topology annotation: a single-host pool holds many slices, one per node.
     assert not any("exclusive-topology" in k for k in jobset["metadata"].get("annotations", {}))
     (rj,) = jobset["spec"]["replicatedJobs"]
-    assert rj["replicas"] >= 2, "one JobSet per region, one replicated Job per slice"
+    assert rj["replicas"] == 1, "one slice per JobSet: its restart recreates that slice alone"
     job = rj["template"]["spec"]
     pod = job["template"]["spec"]
     selector = pod["nodeSelector"]
@@ -1201,14 +1218,20 @@ def test_tpu_jobset(overlay):
 def test_multi_host_tpu_jobset(overlay, tmp_path, monkeypatch):
     """One Job per slice, one pod per host, all under one learner id; each pod's command
     line, given what GKE sets on a multi-host slice, is a learner joining its slice."""
+    single = MULTI_HOST_OVERLAYS[overlay][3]
+    objs = render(overlay)
+    jobsets = find(objs, "JobSet")
+    single_names = {j["metadata"]["name"] for j in find(render(single), "JobSet")}
+    assert len(jobsets) >= 2 and not single_names & {j["metadata"]["name"] for j in jobsets}
+    for jobset in jobsets:
+        _check_multi_host_jobset(jobset, objs, MULTI_HOST_OVERLAYS[overlay], tmp_path, monkeypatch)
+
+
+def _check_multi_host_jobset(jobset, objs, expected, tmp_path, monkeypatch) -> None:
     from atoll.learner.distributed import DistributedConfig
     from atoll.learner.main import config_from_args
 
-    accelerator, chips_per_host, hosts, single = MULTI_HOST_OVERLAYS[overlay]
-    objs = render(overlay)
-    (jobset,) = find(objs, "JobSet")
-    (single_jobset,) = find(render(single), "JobSet")
-    assert jobset["metadata"]["name"] != single_jobset["metadata"]["name"]
+    accelerator, chips_per_host, hosts, _ = expected
     assert jobset["spec"]["network"]["enableDNSHostnames"] is True, (
         "pods of a slice find each other by name"
     )
@@ -1222,6 +1245,7 @@ def test_multi_host_tpu_jobset(overlay, tmp_path, monkeypatch):
         "cloud.google.com/gke-nodepool"
     )
     (rj,) = jobset["spec"]["replicatedJobs"]
+    assert rj["replicas"] == 1, "one slice per JobSet: its restart recreates that slice alone"
     job = rj["template"]["spec"]
     pod = job["template"]["spec"]
     selector = pod["nodeSelector"]
@@ -1252,6 +1276,47 @@ def test_multi_host_tpu_jobset(overlay, tmp_path, monkeypatch):
     assert cfg.distributed == DistributedConfig(), (
         "jax.distributed reads the slice from the TPU metadata"
     )
+
+
+@needs_kubectl
+@pytest.mark.parametrize(
+    "overlay, components",
+    [(o, ()) for o in LEARNER_OVERLAYS] + [c for c in COMBINATIONS if c[0] in LEARNER_OVERLAYS],
+)
+def test_jobsets_are_admitted_by_a_default_jobset_install(overlay, components):
+    """The CRD's schema is not enough: JobSet's webhook refuses more (tests/jobset_webhook.py,
+    the rules of the version docs/kubernetes.md requires, with its default feature gates)."""
+    for jobset in find(render(overlay, components), "JobSet"):
+        assert admission_errors(jobset) == [], (
+            f"JobSet {JOBSET_VERSION}'s webhook refuses {jobset['metadata']['name']}"
+        )
+
+
+def test_the_jobset_webhook_rules_refuse_what_jobset_refuses():
+    """The rules the test above applies refuse what the webhook refuses, starting with the
+    JobSet this tree once shipped: every slice of a region in one JobSet, a failed slice's Job
+    recreated alone by RestartJob, which is alpha and off by default."""
+    shipped = _jobset()
+    assert admission_errors(shipped) == []
+    region = copy.deepcopy(shipped)
+    region["spec"]["replicatedJobs"][0]["replicas"] = 2
+    region["spec"]["failurePolicy"]["rules"][-1]["action"] = "RestartJob"
+    (error,) = admission_errors(region)
+    assert "RestartJob feature gate is disabled" in error
+    assert admission_errors(region, gates=frozenset({"RestartJob"})) == []
+    broken = copy.deepcopy(shipped)
+    broken["metadata"]["name"] = "atoll-learner-" + "x" * 40  # pod names past 63 characters
+    broken["spec"]["failurePolicy"]["rules"][0]["onJobFailureReasons"] = ["Evicted"]
+    broken["spec"]["failurePolicy"]["rules"][1]["name"] = "SettingError"  # twice
+    broken["spec"]["replicatedJobs"][0]["dependsOn"] = [{"name": "slice", "status": "Ready"}]
+    errors = " | ".join(admission_errors(broken))
+    for expected in (
+        "pod name",
+        "job failure reason 'Evicted'",
+        "not unique",
+        "DependsOn can't be set for the first",
+    ):
+        assert expected in errors
 
 
 def _pod_failure_rules(job_spec: dict) -> dict[str, dict]:
@@ -1289,7 +1354,9 @@ def test_learner_failure_policy(overlay):
             assert first["action"] == "FailJobSet" and first["onJobFailureReasons"] == [
                 "PodFailurePolicy"
             ]
-            assert last["action"] == "RestartJob" and not last.get("onJobFailureReasons")
+            # Any other failure recreates the slice: its JobSet's one Job.
+            assert last["action"] == "RestartJobSet" and not last.get("onJobFailureReasons")
+            assert [rj["replicas"] for rj in owner["spec"]["replicatedJobs"]] == [1]
             assert policy["maxRestarts"] > 0
         else:
             assert job["backoffLimit"] > 0
@@ -1297,11 +1364,12 @@ def test_learner_failure_policy(overlay):
 
 @needs_kubectl
 def test_state_volume_is_owned_by_the_learner():
-    ((_, template, _),) = learner_workloads(render("learners-tpu-v5p"))
-    (init,) = template["spec"]["initContainers"]
-    uid = template["spec"]["securityContext"]["runAsUser"]
-    assert init["command"] == ["chown", f"{uid}:{uid}", "/var/lib/atoll"]
-    assert {m["mountPath"]: m["name"] for m in init["volumeMounts"]}["/var/lib/atoll"] == "state"
+    for _, template, _ in learner_workloads(render("learners-tpu-v5p")):
+        (init,) = template["spec"]["initContainers"]
+        uid = template["spec"]["securityContext"]["runAsUser"]
+        assert init["command"] == ["chown", f"{uid}:{uid}", "/var/lib/atoll"]
+        mounts = {m["mountPath"]: m["name"] for m in init["volumeMounts"]}
+        assert mounts["/var/lib/atoll"] == "state"
     # all-in-one keeps the state in the pod and asks for no claim it does not make.
     objs = render("all-in-one")
     ((_, template, _),) = learner_workloads(objs)
@@ -1317,18 +1385,18 @@ def test_state_volume_is_owned_by_the_learner():
 @needs_kubectl
 def test_queue_and_capacity_components():
     objs = render("learners-tpu-v5p", ("kueue", "spot"))
-    (jobset,) = find(objs, "JobSet")
-    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "atoll"
-    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-    assert pod["nodeSelector"]["cloud.google.com/gke-spot"] == "true"
-    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu-v5p-slice"  # kept
-    assert {
-        "key": "cloud.google.com/gke-spot",
-        "operator": "Equal",
-        "value": "true",
-        "effect": "NoSchedule",
-    } in pod["tolerations"]
-    assert pod["terminationGracePeriodSeconds"] < 30  # inside Spot's notice
+    for jobset in find(objs, "JobSet"):
+        assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "atoll"
+        pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        assert pod["nodeSelector"]["cloud.google.com/gke-spot"] == "true"
+        assert pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu-v5p-slice"
+        assert {
+            "key": "cloud.google.com/gke-spot",
+            "operator": "Equal",
+            "value": "true",
+            "effect": "NoSchedule",
+        } in pod["tolerations"]
+        assert pod["terminationGracePeriodSeconds"] < 30  # inside Spot's notice
     pod = find(render("learners-tpu-v6e", ("kueue", "flex-start")), "JobSet")[0]["spec"][
         "replicatedJobs"
     ][0]
@@ -1962,19 +2030,24 @@ def test_learners_hold_only_their_own_bound_tokens(overlay):
         for s in find(objs, "Secret"):
             assert operator not in _secret_data(s).values(), s["metadata"]["name"]
     ids = set()
+    secrets = set()
     for owner, template, learners in learner_workloads(objs):
         mount, name = _token_mount(template)
+        secrets.add(name)
         data = _secret_data(one(objs, "Secret", name))
         assert operator not in data.values()
         (c,) = template["spec"]["containers"]
-        for index in range(learners):
-            env = container_env(c, objs, pod_fields(owner, template, index))
+        for index in learners:
+            env = container_env(c, objs, learner_pod_fields(owner, template, index))
             learner = env["ATOLL_LEARNER_ID"]
             path = pathlib.PurePath(env["ATOLL_TOKEN_FILE"])
             assert path.parent == pathlib.PurePath(mount) and path.name == learner
             assert tokens[data[learner]] == learner, f"{learner}'s token is not bound to it"
             ids.add(learner)
-        assert set(data) == ids, "the Secret holds exactly this cluster's learners' tokens"
+    (name,) = secrets
+    assert set(_secret_data(one(objs, "Secret", name))) == ids, (
+        "the Secret holds exactly this cluster's learners' tokens"
+    )
     for t in learner_templates(objs):
         if is_standby(t):  # the token of the id it takes, from the same Secret
             mount, name = _token_mount(t)
