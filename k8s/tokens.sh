@@ -6,12 +6,17 @@
 #   overlays/OVERLAY/learner-tokens.env LEARNER_ID=TOKEN, one line per learner of that
 #                                       learner cluster: the ids its .example lists
 #   base/common/token                   the shards' token file: the operator token, then
-#                                       LEARNER_ID TOKEN for every learner of every OVERLAY
-# Name every learner overlay of the run, all-in-one included when you use it:
+#                                       LEARNER_ID TOKEN for every learner of every
+#                                       overlay that has a learner-tokens.env, named
+#                                       this time or before
+# Name the learner overlays to write tokens for (all-in-one too when you use it):
 #   k8s/tokens.sh learners-tpu-v5p learners-tpu-v6e
 # Tokens already written are kept, so running it again with another overlay, or after
-# adding ids to an .example, adds only what is missing. Rotate a token by deleting its
-# line (or file) and running it again, then apply the overlays it changed.
+# adding ids to an .example, adds only what is missing, and the shards' file keeps every
+# other overlay's learners. Rotate a token by deleting its line and running it again for
+# its overlay, then apply the overlays it changed (the syncer's, and that learner
+# overlay). Remove a cluster's learners from the shards' file by deleting its overlay's
+# learner-tokens.env and running it for any other overlay.
 set -eu
 cd "$(dirname "$0")"
 [ $# -gt 0 ] || { echo "usage: $0 LEARNER_OVERLAY..." >&2; exit 2; }
@@ -35,11 +40,16 @@ for overlay in "$@"; do
     done
 done
 
+# From every overlay's learner tokens, not only those named now: the shards admit the
+# learners of every cluster of the run. Written aside, then renamed: never half a file.
 {
     echo "# Written by k8s/tokens.sh: the operator token, then each learner's."
     cat base/common/operator-token
     echo
-    for overlay in "$@"; do
-        sed -n 's/^\([^#=][^=]*\)=\(.*\)$/\1 \2/p' "overlays/$overlay/learner-tokens.env"
+    for file in overlays/*/learner-tokens.env; do
+        [ -f "$file" ] || continue
+        echo "# ${file%/learner-tokens.env}"
+        sed -n 's/^\([^#=][^=]*\)=\(.*\)$/\1 \2/p' "$file"
     done
-} > base/common/token
+} > base/common/token.new
+mv base/common/token.new base/common/token

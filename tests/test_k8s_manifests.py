@@ -2142,22 +2142,37 @@ def test_tokens_script_keeps_tokens_and_adds_what_is_missing(tmp_path):
     assert set(_env_file(first)) == set(
         _env_file((K8S / "overlays/learners-tpu-v5p/learner-tokens.env.example").read_text())
     )
-    # Another cluster joins, and the example grows by a slice: only those are new.
-    example = tree / "overlays/learners-tpu-v5p/learner-tokens.env.example"
-    example.write_text(example.read_text() + "us-east5-atoll-learner-v5p-2=REPLACE-ME\n")
-    assert tokens_sh("learners-tpu-v5p", "learners-cpu").returncode == 0
-    assert v5p.read_text().startswith(first) and len(_env_file(v5p.read_text())) == 3
-    assert (tree / "base/common/operator-token").read_text() == operator
     from atoll.server.config import load_tokens
 
-    tokens = load_tokens(tree / "base/common/token")
-    learners = {
-        **_env_file(v5p.read_text()),
-        **_env_file((tree / "overlays/learners-cpu/learner-tokens.env").read_text()),
-    }
-    assert tokens == {operator.strip(): None} | {
-        token: learner for learner, token in learners.items()
-    }
+    def shards_admit(*overlays: str) -> None:
+        """The shards' file: the operator token and exactly these overlays' learners."""
+        learners = {
+            token: learner
+            for o in overlays
+            for learner, token in _env_file(
+                (tree / "overlays" / o / "learner-tokens.env").read_text()
+            ).items()
+        }
+        tokens = load_tokens(tree / "base/common/token")
+        assert tokens == {operator.strip(): None} | learners
+
+    shards_admit("learners-tpu-v5p")
+    # Another cluster joins, named alone: the shards keep admitting the first one's learners.
+    assert tokens_sh("learners-cpu").returncode == 0
+    assert v5p.read_text() == first
+    shards_admit("learners-tpu-v5p", "learners-cpu")
+    # The example grows by a slice: only that one is new.
+    example = tree / "overlays/learners-tpu-v5p/learner-tokens.env.example"
+    example.write_text(example.read_text() + "us-east5-atoll-learner-v5p-2=REPLACE-ME\n")
+    assert tokens_sh("learners-tpu-v5p").returncode == 0
+    assert v5p.read_text().startswith(first) and len(_env_file(v5p.read_text())) == 3
+    assert (tree / "base/common/operator-token").read_text() == operator
+    shards_admit("learners-tpu-v5p", "learners-cpu")
+    # A cluster leaves: its file goes, and the next run of the script drops its learners.
+    (tree / "overlays/learners-cpu/learner-tokens.env").unlink()
+    assert tokens_sh("learners-tpu-v5p").returncode == 0
+    shards_admit("learners-tpu-v5p")
+    assert not (tree / "base/common/token.new").exists()
     for f in TOKEN_FILES[:2]:
         assert (tree / "base/common" / f).stat().st_mode & 0o077 == 0, "readable by others"
 
