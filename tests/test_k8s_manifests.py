@@ -207,13 +207,19 @@ def _kustomize(path: pathlib.Path) -> list[dict]:
 
 # The files k8s/tokens.sh writes: secrets, never tracked, so a clean clone has none.
 TOKEN_FILES = ("token", "operator-token", "learner-tokens.env")
+# What k8s/storage/network.env says in these tests (each cluster writes its own).
+FILESTORE_NETWORK = "projects/atoll-host/global/networks/atoll-vpc"
 
 
 def copy_k8s(to: pathlib.Path) -> pathlib.Path:
     """k8s/ copied to `to`/k8s, without any token file the checkout may hold, then with
     the token files k8s/tokens.sh writes for every learner overlay, as a run does."""
     tree = to / "k8s"
-    shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns(*TOKEN_FILES))
+    shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns(*TOKEN_FILES, "network.env"))
+    example = (tree / "storage/network.env.example").read_text()
+    (tree / "storage/network.env").write_text(
+        re.sub(r"(?m)^FILESTORE_NETWORK=.*$", f"FILESTORE_NETWORK={FILESTORE_NETWORK}", example)
+    )
     out = subprocess.run(
         [str(tree / "tokens.sh"), *LEARNER_OVERLAYS], capture_output=True, text=True, timeout=60
     )
@@ -549,8 +555,12 @@ def test_storage_classes_retain_their_disks():
         assert c["reclaimPolicy"] == "Retain", c["metadata"]["name"]
         assert c["volumeBindingMode"] == "WaitForFirstConsumer"
     assert classes["atoll-wal"]["parameters"]["type"] == "pd-ssd"
-    # No VPC wired in: the driver's default, or the network the docs' patch names.
-    assert "network" not in classes["atoll-learner-state"]["parameters"]
+    # The cluster's own network, never the driver's fallback (the VPC named `default`).
+    assert classes["atoll-learner-state"]["parameters"]["network"] == FILESTORE_NETWORK
+    assert classes["atoll-learner-state"]["parameters"]["connect-mode"] in (
+        "DIRECT_PEERING",
+        "PRIVATE_SERVICE_ACCESS",
+    )
     sts = one(render("syncer"), "StatefulSet", "atoll-syncer")
     (claim,) = sts["spec"]["volumeClaimTemplates"]
     assert claim["spec"]["storageClassName"] == "atoll-wal"
@@ -561,6 +571,21 @@ def test_storage_classes_retain_their_disks():
     state = one(render_dir("learner-state"), "PersistentVolumeClaim", "atoll-learner-state")
     assert state["spec"]["storageClassName"] == "atoll-learner-state"
     assert state["spec"]["accessModes"] == ["ReadWriteMany"]  # a recreated pod lands on any node
+
+
+@needs_kubectl
+def test_storage_needs_the_clusters_network(tmp_path):
+    """Without network.env, k8s/storage does not render (kustomize names the file), and the
+    settings it reads are never applied as an object."""
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S / "storage", tree / "storage", ignore=shutil.ignore_patterns("*.env"))
+    out = subprocess.run(
+        [KUBECTL, "kustomize", str(tree / "storage")], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode != 0 and "network.env" in out.stderr
+    assert [o["kind"] for o in render_dir("storage")] == ["StorageClass", "StorageClass"]
+    example = _env_file((K8S / "storage/network.env.example").read_text())
+    assert set(example) == {"FILESTORE_NETWORK", "FILESTORE_CONNECT_MODE"}
 
 
 @needs_kubectl
@@ -2184,6 +2209,7 @@ def test_token_files_are_never_tracked():
         "k8s/base/common/token",
         "k8s/base/common/operator-token",
         *(f"k8s/overlays/{o}/learner-tokens.env" for o in LEARNER_OVERLAYS),
+        "k8s/storage/network.env",
     ]
     ignored = subprocess.run(
         ["git", "check-ignore", "--no-index", *files], cwd=REPO, capture_output=True, text=True
