@@ -817,6 +817,30 @@ def test_tls_keeps_grpc_probes_on_a_plaintext_health_port():
         )
 
 
+def overlay_shard_count(overlay: str) -> int:
+    """The shard count the overlay's kustomization.yaml sets (`replicas:`), or fails."""
+    kustomization = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
+    counts = [r["count"] for r in kustomization.get("replicas", []) if r["name"] == "atoll-syncer"]
+    assert len(counts) == 1, f"overlays/{overlay} must set the shard count (`replicas:`)"
+    return counts[0]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", SYNCER_OVERLAYS)
+def test_the_shard_count_is_the_overlays_setting(overlay, tmp_path):
+    """`kubectl apply -k` of the overlay sends the count the overlay sets, so re-applying it
+    (a token or setting change) never scales the shards back to a number in the base; and
+    changing that one setting changes the StatefulSet."""
+    count = overlay_shard_count(overlay)
+    assert one(render(overlay), "StatefulSet", "atoll-syncer")["spec"]["replicas"] == count
+    tree = copy_k8s(tmp_path)
+    path = tree / "overlays" / overlay / "kustomization.yaml"
+    path.write_text(re.sub(r"(?m)^(\s+count:) \d+$", rf"\1 {count + 2}", path.read_text(), count=1))
+    assert one(_kustomize(tree / "overlays" / overlay), "StatefulSet")["spec"]["replicas"] == (
+        count + 2
+    )
+
+
 @needs_kubectl
 @pytest.mark.parametrize("overlay", SYNCER_OVERLAYS)
 def test_syncer_services(overlay):
