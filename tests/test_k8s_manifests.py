@@ -94,7 +94,7 @@ PATCHES_ONLY = {"kueue", "spot", "flex-start", "tls", "learner-tls"}
 KUBERNETES_VERSIONS = ["1.27", "1.37"]
 NAMESPACE = "atoll"
 COMMON_LABELS = {"app.kubernetes.io/name": "atoll", "app.kubernetes.io/part-of": "atoll"}
-CLUSTER_SCOPED = {"Namespace", "StorageClass"}
+CLUSTER_SCOPED = {"Namespace", "StorageClass", "PriorityClass", "ResourceFlavor", "ClusterQueue"}
 # kind -> (schema file in tests/data: a CRD, or a CRD's version schema as JSON; the version)
 CRDS = {
     ("jobset.x-k8s.io/v1alpha2", "JobSet"): ("jobset.x-k8s.io_jobsets.yaml", "v1alpha2"),
@@ -540,10 +540,32 @@ def test_no_manifest_sets_grpc_keepalive():
 
 @needs_kubectl
 def test_namespace_is_applied_apart():
-    (namespace,) = render_dir("namespace")
+    objs = render_dir("namespace")
+    _validate_all(objs, "k8s/namespace")
+    namespace = one(objs, "Namespace")
     assert namespace["kind"] == "Namespace" and namespace["metadata"]["name"] == NAMESPACE
     assert namespace["metadata"]["labels"]["atoll.dev/enabled"] == "true"
     _validate_all([namespace], "k8s/namespace")
+
+
+@needs_kubectl
+def test_shards_go_before_learners():
+    """Every shard and learner pod names a priority class of k8s/namespace, shards above
+    learners: a shard waiting for room stalls every learner, a learner only its island."""
+    classes = {c["metadata"]["name"]: c for c in find(render_dir("namespace"), "PriorityClass")}
+    assert not any(c.get("globalDefault") for c in classes.values())
+    assert classes["atoll-shard"]["value"] > classes["atoll-learner"]["value"] > 0
+    for overlay, components in [(o, ()) for o in OVERLAYS] + COMBINATIONS:
+        for template in pod_templates(render(overlay, components)):
+            wanted = {"syncer": "atoll-shard", "learner": "atoll-learner"}.get(
+                component_of(template)
+            )
+            named = template["spec"].get("priorityClassName")
+            assert named == wanted or (wanted is None and named in (None, *classes)), (
+                overlay,
+                components,
+                template["metadata"]["labels"],
+            )
 
 
 @needs_kubectl
@@ -742,8 +764,9 @@ def test_syncer_command_line_is_a_valid_shard_config(overlay, components, tmp_pa
 @needs_kubectl
 @pytest.mark.parametrize("overlay", SYNCER_OVERLAYS)
 def test_shards_stay_put(overlay):
-    """Shards never go to VMs taken away at short notice, spread over zones and nodes,
-    get Guaranteed QoS, and the cluster autoscaler leaves their nodes alone."""
+    """Shards never go to VMs taken away at short notice, spread over zones (one per node:
+    test_no_two_shards_share_a_node), get Guaranteed QoS, and the cluster autoscaler
+    leaves their nodes alone."""
     objs = render(overlay)
     template = one(objs, "StatefulSet", "atoll-syncer")["spec"]["template"]
     spec = template["spec"]
@@ -762,7 +785,7 @@ def test_shards_stay_put(overlay):
     ):
         assert _selects({"matchExpressions": term["matchExpressions"]}, node) is allowed, node
     spread = {c["topologyKey"]: c for c in spec["topologySpreadConstraints"]}
-    assert set(spread) == {"topology.kubernetes.io/zone", "kubernetes.io/hostname"}
+    assert set(spread) == {"topology.kubernetes.io/zone"}
     for c in spread.values():
         assert _selects(c["labelSelector"], template["metadata"]["labels"])
     (c,) = spec["containers"]
@@ -781,6 +804,47 @@ def test_a_long_log_replay_is_not_killed(overlay, components):
     ]["containers"]
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", SYNCER_OVERLAYS)
+def test_no_two_shards_share_a_node(overlay):
+    """A node's failure takes at most one shard (a rule); zones stay a preference, so a
+    shard whose zone failed still starts in its regional disk's other zone."""
+    template = one(render(overlay), "StatefulSet", "atoll-syncer")["spec"]["template"]
+    (rule,) = template["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert rule["topologyKey"] == "kubernetes.io/hostname"
+    assert _selects(rule["labelSelector"], template["metadata"]["labels"])
+    spread = {c["topologyKey"]: c for c in template["spec"]["topologySpreadConstraints"]}
+    assert spread["topology.kubernetes.io/zone"]["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert "kubernetes.io/hostname" not in spread
+
+
+@needs_kubectl
+def test_every_empty_dir_has_a_size_limit():
+    """A runaway writer evicts its own pod, not the node's other pods."""
+    for overlay, components in [(o, ()) for o in OVERLAYS] + COMBINATIONS:
+        for template in pod_templates(render(overlay, components)):
+            for v in template["spec"].get("volumes", []):
+                if "emptyDir" in v:
+                    assert v["emptyDir"].get("sizeLimit"), (overlay, components, v["name"])
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", [*TPU_OVERLAYS, *MULTI_HOST_OVERLAYS])
+def test_tpu_learners_have_time_to_write_their_checkpoint(overlay):
+    """SIGTERM makes a learner write a checkpoint before it exits: 20 bytes per parameter
+    (params, AdamW's two moments, sync origins, residuals; learner/checkpoint.py). The
+    largest preset's must fit twice over in the grace period at Filestore basic's ~100 MiB/s
+    of writes; the kubelet's default 30 s would cut it off."""
+    from atoll.learner.model import PRESETS
+
+    largest = max(c.num_params for c in PRESETS.values())
+    seconds = 20 * largest / (100 * 2**20)
+    for _, template, _ in learner_workloads(render(overlay)):
+        assert template["spec"]["terminationGracePeriodSeconds"] >= 2 * seconds > 30
 
 
 @needs_kubectl
@@ -1423,7 +1487,7 @@ def test_state_volume_is_owned_by_the_learner():
     objs = render("all-in-one")
     ((_, template, _),) = learner_workloads(objs)
     volumes = {v["name"]: v for v in template["spec"]["volumes"]}
-    assert volumes["state"] == {"name": "state", "emptyDir": {}} and not find(
+    assert volumes["state"] == {"name": "state", "emptyDir": {"sizeLimit": "2Gi"}} and not find(
         objs, "PersistentVolumeClaim"
     )
 
