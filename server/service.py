@@ -37,6 +37,7 @@ from grpc_health.v1 import _async as aio_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from atoll.server.certificates import CertificateFiles, ReloadingCertificate
 from atoll.server.config import ConfigError, ShardConfig, load_tokens
 from atoll.server.fragment import Answer
 from atoll.server.guards import (
@@ -502,6 +503,7 @@ class SyncerServer:
         tokens = load_tokens(cfg.token_file) if cfg.token_file else None
         self.metrics_port: int | None = None
         self.health_port: int | None = None
+        self.certificate: ReloadingCertificate | None = None  # with TLS on
         self._started = self._stopping = self._stopped = False
         self._tick_failures = 0
         self._stop = threading.Event()
@@ -549,20 +551,19 @@ class SyncerServer:
             (SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server
         )
         await self._publish_health()
-        creds, tls_flags = None, ""
+        creds = None
         if cfg.tls:
             assert (
                 cfg.tls_key is not None and cfg.tls_cert is not None
             )  # ShardConfig checks both are set
-            creds = grpc.ssl_server_credentials(
-                [(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())],
-                root_certificates=cfg.tls_client_ca.read_bytes() if cfg.tls_client_ca else None,
-                require_client_auth=cfg.tls_client_ca is not None,
+            # a ConfigError now when the files cannot be served; renewed files are taken
+            # at the next handshake after they change (server/certificates.py)
+            self.certificate = ReloadingCertificate(
+                CertificateFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca),
+                self.shard.metrics.registry,
             )
-            tls_flags = f"--tls-cert {cfg.tls_cert}, --tls-key {cfg.tls_key}" + (
-                f", --tls-client-ca {cfg.tls_client_ca}" if cfg.tls_client_ca else ""
-            )
-        port = listen(self.server, "--listen", cfg.host, cfg.port, creds, tls_flags)
+            creds = self.certificate.credentials()
+        port = listen(self.server, "--listen", cfg.host, cfg.port, creds)
         self.health_server = None
         if cfg.health_port is not None:
             # Plaintext health only, mirroring the main port's: probes read NOT_SERVING

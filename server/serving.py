@@ -135,10 +135,9 @@ def listen(
     host: str,
     port: int,
     creds: grpc.ServerCredentials | None = None,
-    tls_flags: str = "",
 ) -> int:
     """Binds `server` to host:port and returns the port; a ConfigError naming `flag`, the
-    address and the reason when it cannot (`tls_flags` names the files of `creds`)."""
+    address and the reason when it cannot (TLS files are checked before, where they load)."""
     address = host_port(host, port)
     try:
         bound: int = (
@@ -146,11 +145,6 @@ def listen(
         )
     except RuntimeError:  # "Failed to bind to address": grpc names no cause
         why = why_not_listening(host, port)
-        if why is None and tls_flags:
-            raise ConfigError(
-                f"{tls_flags}: gRPC cannot load them; each must be PEM, and the key the "
-                "certificate's own, unencrypted"
-            ) from None
         raise ConfigError(
             f"{flag}: cannot listen on {address}: "
             + (why or "gRPC refused it (GRPC_VERBOSITY=debug logs its reason)")
