@@ -25,6 +25,7 @@ class Pki:
     stranger_ca: pathlib.Path  # another CA, trusted by nobody here
     stranger_cert: pathlib.Path  # a client certificate signed by stranger_ca
     stranger_key: pathlib.Path
+    ca_key: pathlib.Path | None = None  # the CA's own key, for renew_server
 
 
 def _key():
@@ -40,6 +41,7 @@ def _cert(
     ca: bool = False,
     server: bool = False,
     client: bool = False,
+    days: float = 1,
 ) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
     builder = (
@@ -49,7 +51,7 @@ def _cert(
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if ca:
@@ -107,7 +109,7 @@ def make_pki(d: pathlib.Path) -> Pki:
     ca = _cert("atoll test CA", ca_key, "atoll test CA", ca_key, ca=True)
     stranger = _cert("stranger CA", stranger_key, "stranger CA", stranger_key, ca=True)
     server_key, client_key, impostor_key = _key(), _key(), _key()
-    ca_path, _ = _write(d, "ca", ca)
+    ca_path, ca_key_path = _write(d, "ca", ca, ca_key)
     stranger_path, _ = _write(d, "stranger-ca", stranger)
     server_cert, server_key_path = _write(
         d, "server", _cert("syncer", server_key, "atoll test CA", ca_key, server=True), server_key
@@ -133,6 +135,19 @@ def make_pki(d: pathlib.Path) -> Pki:
         stranger_path,
         impostor_cert,
         impostor_key_path,
+        ca_key_path,
+    )
+
+
+def renew_server(pki: Pki, d: pathlib.Path, days: float) -> tuple[pathlib.Path, pathlib.Path]:
+    """A new server certificate and key from pki's CA, for the same names as
+    `pki.server_cert` (a new serial, valid for `days`), written under `d` as
+    server.pem and server.key: what a renewal brings."""
+    assert pki.ca_key is not None
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), None)
+    key = _key()
+    return _write(
+        d, "server", _cert("syncer", key, "atoll test CA", ca_key, server=True, days=days), key
     )
 
 
