@@ -11,7 +11,9 @@ are found in the first, learner pods in all of them.
 * status: syncer pods (StatefulSet `atoll-syncer`, shard index = ordinal) and learner
   pods with phase, readiness, restarts, node and region; each ready shard is asked
   for its fragments' versions and open rounds by gRPC Describe, at the pod IP and its
-  `grpc` port unless `--address-template` says how to reach it.
+  `grpc` port unless `--address-template` says how to reach it (the in-cluster Job:
+  `{pod}.atoll-syncer:{port}`, the headless Service's per-pod name, which the shards'
+  TLS certificate holds where it holds no pod IP).
 * chaos: deletes learner pods as a Poisson process, mean time between failures
   `mtbf` seconds per pod (so the total rate grows with the pods), and leaves their
   restart to the cluster's controllers. Goodput over the window, from every shard's
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import ipaddress
 import json
 import math
 import os
@@ -121,8 +124,9 @@ def _call(api, what: str, method: str, *args, absent_ok: bool = False, **kwargs)
             return None
         if e.status in (401, 403):
             raise KubeError(
-                f"{what}: forbidden ({e.status} {e.reason}); the account needs the Role of "
-                "k8s/components/operator (get the namespace; get, list and delete pods)"
+                f"{what}: forbidden ({e.status} {e.reason}); the account needs a Role of "
+                "k8s/components/operator: atoll-operator for status (get the namespace; get "
+                "and list pods), atoll-chaos for chaos (and delete pods)"
             ) from None
         raise KubeError(f"{what}: the API answered {e.status} {e.reason}") from None
     except (HTTPError, OSError) as e:
@@ -250,12 +254,28 @@ def describe_shard(
     }
 
 
+def _tls_hint(address: str, tls) -> str:
+    """Why a shard dialled by IP over TLS may not answer: its certificate names hosts."""
+    if tls is None:
+        return ""
+    try:
+        ipaddress.ip_address(address.rpartition(":")[0].strip("[]"))
+    except ValueError:
+        return ""  # a name: the certificate may well hold it
+    return (
+        "; dialled by IP over TLS: if the shards' certificate holds no IP address, dial a "
+        "name it holds (in a cluster, --address-template '{pod}.atoll-syncer:{port}')"
+    )
+
+
 def _describe_all(shards: list[dict], deadline: float, token: str | None, tls=None) -> list[dict]:
     """Fills in each shard row's Describe (in parallel, so one dead shard costs one deadline)."""
     asked = [s for s in shards if s["address"] and s["ready"] is not False]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(asked)))) as pool:
         answers = pool.map(lambda s: describe_shard(s["address"], deadline, token, tls), asked)
         for shard, answer in zip(asked, answers):
+            if "error" in answer:
+                answer["error"] += _tls_hint(shard["address"], tls)
             shard.update(answer)
     for s in shards:
         if "describe" not in s and "error" not in s:
@@ -691,7 +711,8 @@ def _cluster_arguments(add) -> None:
         "--address-template",
         default=ADDRESS_TEMPLATE,
         help="how to reach a pod's port: fields {pod} {ip} {port} {namespace} {index}, e.g. "
-        "'{pod}.{namespace}.svc:{port}' through the per-shard Services (default %(default)s)",
+        "'{pod}.atoll-syncer:{port}' by the headless Service's per-pod names, which a shard's "
+        "TLS certificate holds (default %(default)s)",
     )
 
 
