@@ -6,7 +6,8 @@ pods here also check that atoll repeats the label check itself before showing or
 
 A second emulator plays a learner cluster (`--learner-context`), and a third, over HTTPS
 with a service-account token, the cluster the operator Jobs of k8s/components/operator run
-in; every request atoll makes is checked against that component's Role.
+in; every request atoll makes is checked against that component's Role for its Job
+(atoll-operator for status, which may not delete; atoll-chaos for chaos).
 """
 
 from __future__ import annotations
@@ -760,8 +761,12 @@ def _self_signed(tmp_path) -> tuple[ssl.SSLContext, pathlib.Path]:
     return context, ca
 
 
-def _operator_role() -> dict:
-    (role,) = [d for d in yaml.safe_load_all(ROLE.read_text()) if d["kind"] == "Role"]
+def _operator_role(name: str) -> dict:
+    (role,) = [
+        d
+        for d in yaml.safe_load_all(ROLE.read_text())
+        if d["kind"] == "Role" and d["metadata"]["name"] == name
+    ]
     return role
 
 
@@ -785,9 +790,12 @@ def _allowed(role: dict, method: str, path: str) -> bool:
 
 
 def test_role_check_refuses_what_the_role_does_not_grant():
-    role = _operator_role()
+    role = _operator_role("atoll-chaos")
     assert _allowed(role, "GET", "/api/v1/namespaces/atoll") and _allowed(
         role, "DELETE", "/api/v1/namespaces/atoll/pods/x"
+    )
+    assert not _allowed(
+        _operator_role("atoll-operator"), "DELETE", "/api/v1/namespaces/atoll/pods/x"
     )
     assert not _allowed(role, "GET", "/api/v1/namespaces/kube-system")  # only its own namespace
     assert not _allowed(role, "PATCH", "/api/v1/namespaces/atoll/pods/x")
@@ -798,7 +806,8 @@ def test_operator_jobs_run_in_cluster_with_the_operator_role(
     shards, tmp_path, monkeypatch, capsys, chaos_time
 ):
     """As the operator component's Jobs run them: no kubeconfig, the pod's service account
-    (token and CA files, KUBERNETES_SERVICE_HOST/PORT), an API server over HTTPS."""
+    (token and CA files, KUBERNETES_SERVICE_HOST/PORT), an API server over HTTPS; each
+    Job's requests within its own account's Role."""
     from kubernetes.config import incluster_config
 
     context, ca = _self_signed(tmp_path)
@@ -818,6 +827,7 @@ def test_operator_jobs_run_in_cluster_with_the_operator_role(
         assert all("describe" in s for s in report["shards"]) and len(report["learners"]) == len(
             LEARNERS
         )
+        by_status = len(list(api.k))
         argv = [
             "--kubernetes",
             "--namespace",
@@ -839,13 +849,17 @@ def test_operator_jobs_run_in_cluster_with_the_operator_role(
             q.headers.get("Authorization", "").lower() == "bearer service-account-token"
             for q in requests
         )
-        role = _operator_role()
-        refused = [
-            (q.method.value.upper(), q.url.path)
-            for q in requests
-            if not _allowed(role, q.method.value.upper(), q.url.path)
-        ]
-        assert not refused, f"the operator Role does not allow {refused}"
-        assert {q.method.value.upper() for q in requests} == {"GET", "DELETE"}
+        for role, made in (
+            ("atoll-operator", requests[:by_status]),
+            ("atoll-chaos", requests[by_status:]),
+        ):
+            refused = [
+                (q.method.value.upper(), q.url.path)
+                for q in made
+                if not _allowed(_operator_role(role), q.method.value.upper(), q.url.path)
+            ]
+            assert made and not refused, f"the Role {role} does not allow {refused}"
+        assert {q.method.value.upper() for q in requests[:by_status]} == {"GET"}
+        assert {q.method.value.upper() for q in requests[by_status:]} == {"GET", "DELETE"}
     finally:
         api.close()
