@@ -862,6 +862,27 @@ def test_syncer_grpc_probes(overlay):
 
 
 @needs_kubectl
+@pytest.mark.parametrize("overlay", SYNCER_OVERLAYS)
+def test_renewed_certificates_reach_running_shards(overlay):
+    """The shards reload their certificate files when they change (server/certificates.py);
+    the kubelet updates a mounted Secret's files, but never those of a subPath mount."""
+    template = one(render(overlay, ("tls",)), "StatefulSet", "atoll-syncer")["spec"]["template"]
+    tls_volumes = {
+        v["name"]
+        for v in template["spec"]["volumes"]
+        if v.get("secret", {}).get("secretName") == "atoll-tls"
+    }
+    assert tls_volumes
+    (c,) = template["spec"]["containers"]
+    mounts = [m for m in c["volumeMounts"] if m["name"] in tls_volumes]
+    assert mounts and not [m for m in mounts if "subPath" in m or "subPathExpr" in m]
+    for flag in ("--tls-cert", "--tls-key"):
+        assert pathlib.PurePath(_flag(c, flag)).parent in {
+            pathlib.PurePath(m["mountPath"]) for m in mounts
+        }
+
+
+@needs_kubectl
 def test_tls_keeps_grpc_probes_on_a_plaintext_health_port():
     objs = render("syncer", ("tls",))
     (c,) = one(objs, "StatefulSet", "atoll-syncer")["spec"]["template"]["spec"]["containers"]
