@@ -78,12 +78,16 @@ MULTI_HOST_OVERLAYS = {
     "learners-tpu-v6e-4x4": ("tpu-v6e-slice", 4, 4, "learners-tpu-v6e"),
 }
 # Each component added to overlays the way an operator would add it (every component is used).
+# Scraping goes to every cluster, alerts (they read the shards' series) to the syncer's alone.
 COMBINATIONS = [
-    ("syncer", ("tls", "operator-tls", "monitoring-gmp")),
-    ("syncer", ("operator-tls", "tls")),
-    ("syncer", ("monitoring-prometheus-operator",)),
-    ("all-in-one", ("operator", "monitoring-prometheus-operator")),
-    ("all-in-one", ("tls", "operator-tls", "learner-tls")),
+    ("syncer", ("tls", "operator-tls", "monitoring-gmp", "monitoring-gmp-alerts")),
+    ("syncer", ("operator-tls", "tls", "cert-manager")),
+    ("syncer", ("monitoring-prometheus-operator", "monitoring-prometheus-operator-alerts")),
+    (
+        "all-in-one",
+        ("operator", "monitoring-prometheus-operator", "monitoring-prometheus-operator-alerts"),
+    ),
+    ("all-in-one", ("tls", "operator-tls", "learner-tls", "cert-manager")),
     ("learners-tpu-v5p", ("kueue", "spot", "monitoring-gmp", "learner-tls")),
     ("learners-tpu-v6e", ("kueue", "flex-start", "monitoring-prometheus-operator")),
     ("learners-tpu-v6e-4x4", ("learner-tls",)),
@@ -111,6 +115,13 @@ CRDS = {
         "monitoring.coreos.com_prometheusrule_v1.json",
         "v1",
     ),
+    ("kueue.x-k8s.io/v1beta2", "ResourceFlavor"): (
+        "kueue.x-k8s.io_resourceflavors.yaml",
+        "v1beta2",
+    ),
+    ("kueue.x-k8s.io/v1beta2", "ClusterQueue"): ("kueue.x-k8s.io_clusterqueues.yaml", "v1beta2"),
+    ("kueue.x-k8s.io/v1beta2", "LocalQueue"): ("kueue.x-k8s.io_localqueues.yaml", "v1beta2"),
+    ("cert-manager.io/v1", "Certificate"): ("cert-manager.io_certificates.yaml", "v1"),
 }
 
 
@@ -1746,12 +1757,16 @@ def _alert_groups(component: str) -> list[dict]:
 
 
 def test_alerts_are_the_same_for_both_monitoring_stacks():
-    assert _alert_groups("monitoring-gmp") == _alert_groups("monitoring-prometheus-operator")
+    assert _alert_groups("monitoring-gmp-alerts") == _alert_groups(
+        "monitoring-prometheus-operator-alerts"
+    )
 
 
 def test_alerts_read_metrics_atoll_exposes():
     rules = {
-        r["alert"]: r for g in _alert_groups("monitoring-prometheus-operator") for r in g["rules"]
+        r["alert"]: r
+        for g in _alert_groups("monitoring-prometheus-operator-alerts")
+        for r in g["rules"]
     }
     assert {
         "AtollShardNotServing",
@@ -1762,6 +1777,8 @@ def test_alerts_read_metrics_atoll_exposes():
         "AtollFragmentVersionAbsent",
         "AtollFragmentMoveStuck",
         "AtollWalVolumeFilling",
+        "AtollCertificateExpiringSoon",
+        "AtollCertificateExpiryImminent",
     } <= set(rules)
     known = exposed_metric_names() | {"up"} | KUBELET_VOLUME_METRICS
     for name, rule in rules.items():
@@ -1804,7 +1821,7 @@ def _anchors(markdown: pathlib.Path) -> set[str]:
 def _alert(name: str) -> dict:
     (rule,) = [
         r
-        for g in _alert_groups("monitoring-prometheus-operator")
+        for g in _alert_groups("monitoring-prometheus-operator-alerts")
         for r in g["rules"]
         if r["alert"] == name
     ]
@@ -1913,6 +1930,7 @@ def _families(registry_text: str) -> dict[str, object]:
 def exposed_metric_names() -> frozenset[str]:
     """Sample names a shard and a learner expose, as Prometheus stores them."""
     from atoll.learner.loop import _Metrics
+    from atoll.server.certificates import CertificateMetrics
     from atoll.server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
     from atoll.server.service import ServingMetrics
 
@@ -1920,6 +1938,7 @@ def exposed_metric_names() -> frozenset[str]:
         0, gauges=lambda: ScrapeGauges({0: FragmentGauges(1, 0, 1.0)}, 1, 0.0, 2.0)
     )
     ServingMetrics(shard.registry)
+    CertificateMetrics(shard.registry)  # a shard serving TLS
     texts = [
         shard.text(),
         prometheus_client.generate_latest(_Metrics("learner-0").registry).decode(),
@@ -2369,7 +2388,7 @@ def _jobset() -> dict:
 
 def _rules() -> dict:
     return yaml.safe_load(
-        (K8S / "components" / "monitoring-prometheus-operator" / "alerts.yaml").read_text()
+        (K8S / "components" / "monitoring-prometheus-operator-alerts" / "alerts.yaml").read_text()
     )
 
 
