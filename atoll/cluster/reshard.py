@@ -4,7 +4,11 @@ them out on live shards, one fragment at a time (docs/resharding.md).
 It keeps no state of its own: each move is freeze (source), export + adopt (target),
 commit (source), every step durable on its shard and answered the same way when
 repeated, and a rerun after any failure finds where each move stands from the shards'
-`Describe` answers and finishes it.
+`Describe` answers and finishes it. A shard counts only once its health service says
+SERVING (its log replayed, so its map is current): a fragment is frozen only for a
+target that serves, and thawed again when its target stops serving before the state
+was sent (or refuses it), so a restarting target never leaves a fragment frozen that
+it could not hold.
 
 `atoll drain` is the syncer pod's preStop hook in Kubernetes: a pod that a scale-down
 takes away (its ordinal at or past the StatefulSet's replicas) hands its fragments to
@@ -24,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from atoll.commands import (
     Terminated,
@@ -40,6 +45,16 @@ from atoll.wire.client import ShardClient, TlsFiles, described_map
 from atoll.wire.plan import FragmentMap
 
 PROBE_SECONDS = 5.0  # a shard past those that must answer that is silent this long is not up
+SYNCER_SERVICE = pb.DESCRIPTOR.services_by_name["Syncer"].full_name  # as its health names it
+# An Adopt refused with these was checked and refused before the target logged anything
+# (docs/resharding.md, "What a shard checks"): its source may take the fragment back.
+REFUSED_UNLOGGED = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
+)
 DRAIN_POLL_SECONDS = 1.0
 # A drain's calls give up after this: the last move started before its --timeout still
 # ends inside the pod's grace period (4 calls per move)
@@ -93,13 +108,34 @@ class NoPlanError(RuntimeError):
     """No shard holds a fragment plan yet: there is nothing to move."""
 
 
-def describe_all(clients: Sequence[ShardClient]) -> dict[int, pb.DescribeResponse]:
-    """{shard: its Describe} of the shards that answer (one that is down or restarting is
-    left out; any other refusal is raised)."""
+class NotServing(RuntimeError):
+    """A move's target stopped serving before it was sent the fragment: the move waits."""
+
+
+def serving(client: ShardClient) -> bool:
+    """Whether the shard's health service says SERVING: it has replayed its log (its map
+    and fragments are current) and is not stopping. Down or restarting: False."""
+    request = health_pb2.HealthCheckRequest(service=SYNCER_SERVICE)
+    try:
+        answer = health_pb2_grpc.HealthStub(client.channel).Check(request, timeout=PROBE_SECONDS)
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return False
+        raise
+    return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def describe_all(
+    clients: Sequence[ShardClient], ready: Callable[[ShardClient], bool] = serving
+) -> dict[int, pb.DescribeResponse]:
+    """{shard: its Describe} of the shards that serve (one that is down, or restarting and
+    still replaying its log, whose map may be behind, is left out; any other refusal is
+    raised)."""
     out = {}
     for i, c in enumerate(clients):
         try:
-            out[i] = c.describe(timeout=PROBE_SECONDS)
+            if ready(c):
+                out[i] = c.describe(timeout=PROBE_SECONDS)
         except grpc.RpcError as e:
             if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
@@ -120,12 +156,21 @@ def move(
     m: Move,
     say: Callable[[str], None] = lambda _: None,
     new: FragmentMap | None = None,
+    ready: Callable[[ShardClient], bool] = serving,
 ) -> tuple[FragmentMap, dict]:
     """Carries out one move from `current` (to `new`, by default `current` with the
     fragment moved one version on); returns the new map and what it cost.
 
     Resumes a move a failure left half done: a target that already adopted the fragment
-    under the new map only needs the source's commit."""
+    under the new map only needs the source's commit.
+
+    A fragment is frozen only while its target serves (`ready`). A move this call froze
+    is thawed on its source (Unfreeze) when the target stops serving before the Adopt is
+    sent, or refuses it before logging anything: the target cannot hold the fragment, so
+    the source takes pushes again and `NotServing` (or the refusal) is raised. An Adopt
+    that fails any other way (the target killed mid-call) may have been logged, so the
+    fragment stays frozen until the target answers again and the move is finished: only
+    one shard may ever take its pushes."""
     new = new or current.moved(m.fragment, m.target)
     source, target = clients[m.source], clients[m.target]
     started = time.monotonic()
@@ -135,15 +180,31 @@ def move(
         and d.owners[m.fragment] == m.target
         and d.moved_at[m.fragment] >= new.version
     )
+    moving = {f.fragment: f.moving_version for f in source.describe().fragments}
     moved_bytes = 0
     if not adopted:
+        if not ready(target):
+            raise NotServing(f"shard {m.target} is not serving: fragment {m.fragment} waits")
+        mine = moving.get(m.fragment) == 0  # this call freezes it (not resuming a move)
         source.freeze(m.fragment, new)
         say(f"fragment {m.fragment}: frozen on shard {m.source}")
         meta, payload = source.export(m.fragment)
         moved_bytes = len(payload)
-        target.adopt(meta, payload)
+        # checked again just before the state is sent: until then the target holds none of
+        # it, so thawing is safe; once an Adopt is sent it may be logged whatever we hear
+        sent = ready(target)
+        try:
+            if not sent:
+                raise NotServing(f"shard {m.target} stopped serving: fragment {m.fragment} waits")
+            target.adopt(meta, payload)
+        except (NotServing, grpc.RpcError) as e:
+            unlogged = isinstance(e, NotServing) or e.code() in REFUSED_UNLOGGED
+            if mine and unlogged:
+                source.unfreeze(m.fragment)
+                say(f"fragment {m.fragment}: thawed on shard {m.source} ({e})")
+            raise
         say(f"fragment {m.fragment}: adopted by shard {m.target} ({moved_bytes} bytes)")
-    elif any(f.fragment == m.fragment and f.moving_version for f in source.describe().fragments):
+    elif moving.get(m.fragment):
         source.export(m.fragment)  # a source commits only a state it handed out since it froze
     source.commit(m.fragment, new)
     say(f"fragment {m.fragment}: committed, map version {new.version}")
@@ -199,29 +260,44 @@ def reshard(
     say: Callable[[str], None] = print,
     until: float | None = None,
     clock: Callable[[], float] = time.monotonic,
+    ready: Callable[[ShardClient], bool] = serving,
 ) -> dict:
     """Finishes any move a failure interrupted, then plans and carries out the moves
     that balance the fragments over `num_shards`. A move from or to a shard that does not
-    answer is left for a rerun (`skipped`); none starts once `clock()` passes `until`."""
+    serve (down, or restarting: `ready`) is left for a rerun (`skipped`), its fragment
+    serving where it was; none starts once `clock()` passes `until`."""
     done: list[dict] = []
     skipped: list[dict] = []
-    described = describe_all(clients)
+    described = describe_all(clients, ready)
 
     def carry_out(current: FragmentMap, m: Move, new: FragmentMap | None = None) -> FragmentMap:
         if m.source not in described or m.target not in described:
             skipped.append(dataclasses.asdict(m))
-            say(f"fragment {m.fragment}: shard {m.source} or {m.target} does not answer")
+            say(f"fragment {m.fragment}: shard {m.source} or {m.target} is not serving")
             return current
         if until is not None and clock() >= until:
             raise TimeoutError(f"out of time before moving fragment {m.fragment}")
-        current, record = move(clients, current, m, say, new=new)
+        try:
+            current, record = move(clients, current, m, say, new=new, ready=ready)
+        except NotServing as e:
+            skipped.append(dataclasses.asdict(m))
+            say(str(e))
+            return current
         done.append(record)
         return current
 
+    current = newest_map(described)
     for m, frozen_for in interrupted(described):
         say(f"fragment {m.fragment}: finishing its move to shard {m.target}")
-        carry_out(frozen_for, m, new=frozen_for)
-    current = newest_map(described)
+        current = current.merged(carry_out(current, m, new=frozen_for))
+    if skipped:  # a move begun holds the next map version: no other starts before it ends
+        say("a move begun waits for its shard: no other move starts before it ends")
+        return {
+            "map_version": current.version,
+            "owners": list(current.owners),
+            "moves": done,
+            "skipped": skipped,
+        }
     if num_shards > len(clients):
         raise ValueError(f"--to {num_shards} shards, but {len(clients)} addresses were given")
     unreached = sorted({s for s in current.owners if s >= len(clients)})
@@ -340,6 +416,12 @@ class _Dialled:
         except grpc.RpcError:
             return False
 
+    def forget(self, i: int) -> None:
+        """Closes shard i's client: the next use dials afresh (a channel that failed while
+        its shard restarted may wait out a long reconnect backoff before trying again)."""
+        if i in self.made:
+            self.made.pop(i).close()
+
     def close(self) -> None:
         for c in self.made.values():
             c.close()
@@ -367,6 +449,17 @@ def _plan_drain(
         return None  # no fragment anywhere yet
 
 
+def _frozen(d: pb.DescribeResponse) -> str:
+    """The fragments a shard's Describe shows frozen mid-move, for a drain that stops
+    ("" if none: every fragment it holds takes pushes)."""
+    return "".join(
+        f"; fragment {f.fragment} is frozen mid-move to shard {f.moving_to}, which may hold "
+        "it already: it takes no pushes until that shard answers and the move ends"
+        for f in d.fragments
+        if f.moving_version
+    )
+
+
 def drain(
     index: int,
     replicas: Callable[[], int],
@@ -375,6 +468,7 @@ def drain(
     say: Callable[[str], None] = print,
     clock: Callable[[], float] = time.monotonic,
     ordered: bool = False,
+    shards: str = "HOST-{i}:PORT",
 ) -> dict:
     """Shard `index` is stopping; `replicas()` says how many pods its StatefulSet keeps
     (asked again each round: a second scale-down may come), `connect(i)` makes shard i's
@@ -388,13 +482,22 @@ def drain(
     highest first, while the rest still run, so each plans in its turn. Every leaving
     shard, the planner too, returns only once it owns no fragment and moves none; until
     `timeout` it asks again after anything transient (a shard restarting, a move another
-    planner began: the rerun finishes it)."""
+    planner began: the rerun finishes it).
+
+    A shard that stays but restarts meanwhile (a rolling update) is waited for: no
+    fragment is frozen for it until it answers SERVING (`reshard`), and one whose target
+    stopped serving before it was sent the state is thawed, so a drain that runs out of
+    time leaves each fragment serving where it was. The DrainError then says what this
+    shard still holds, which shards did not serve, and the `atoll reshard` (over the
+    `shards` pattern) that finishes."""
     deadline = clock() + timeout
     dialled = _Dialled(connect)
     client, answers = dialled.client, dialled.answers
     moves: list[dict] = []
     planned: dict = {}  # the map the last plan left: map_version, owners
     left = "its fragments"  # what the last round found on this shard
+    frozen = ""  # which of them are frozen mid-move
+    waiting: set[int] = set()  # shards the last plan's moves waited for
     try:
         while True:
             kept = replicas()
@@ -412,9 +515,12 @@ def drain(
                     if result is not None:
                         moves += result["moves"]
                         planned = {k: result[k] for k in ("map_version", "owners")}
-                held = sorted(
-                    f.fragment for f in client(index).describe(timeout=PROBE_SECONDS).fragments
-                )
+                        skipped = result.get("skipped", [])
+                        waiting = {s for m in skipped for s in (m["source"], m["target"])}
+                        for s in waiting - {index}:
+                            dialled.forget(s)
+                own = client(index).describe(timeout=PROBE_SECONDS)
+                held = sorted(f.fragment for f in own.fragments)
                 if not held:
                     say(f"shard {index} owns no fragment any more")
                     return {
@@ -424,8 +530,8 @@ def drain(
                         "moves": moves,
                         **planned,
                     }
-                left = f"fragments {held}"
-                say(f"shard {index} still holds {left}")
+                left, frozen = f"fragments {held}", _frozen(own)
+                say(f"shard {index} still holds {left}{frozen}")
             except grpc.RpcError as e:
                 if e.code() not in TRANSIENT:
                     raise
@@ -434,9 +540,15 @@ def drain(
             except (ValueError, RuntimeError) as e:  # a shard owning fragments is not up
                 say(f"{e}; asking again")
             if clock() >= deadline:
+                others = sorted(waiting - {index})
+                why = f" (shards {others} did not serve)" if others else ""
                 raise DrainError(
-                    f"shard {index} still holds {left} after {timeout:g} s: they stay on "
-                    f"its volume; run atoll reshard --to {kept} while it is up"
+                    f"shard {index} still holds {left} after {timeout:g} s{why}"
+                    f"{frozen or ', none frozen'}; they stay on its volume, served by no "
+                    f"shard once its pod stops. To finish: scale the StatefulSet back up to "
+                    f"{index + 1} or more (the pod returns with them), run atoll reshard --shards "
+                    f"'{shards}' --to {kept} (with the operator token) once shards 0 to "
+                    f"{kept - 1} answer, then scale down again"
                 )
             time.sleep(DRAIN_POLL_SECONDS)
     finally:
@@ -629,7 +741,7 @@ def drain_main(
             address = spec.replace("{i}", str(i))
             return ShardClient(address, "", token=token, tls=tls, deadline=DRAIN_CALL_SECONDS)
 
-        result = drain(index, kept, connect, timeout, say, ordered=ordered)
+        result = drain(index, kept, connect, timeout, say, ordered=ordered, shards=spec)
     except (DrainError, KubeError, ConfigError, OSError) as e:
         say(str(e))
         return 2

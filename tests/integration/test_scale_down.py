@@ -5,6 +5,7 @@ address pattern, and the StatefulSet's size read from a Kubernetes API (kmock)."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -279,3 +280,122 @@ def test_drain_says_what_it_cannot_do(tmp_path, api):
         "--token-file", str(token),
     )  # fmt: skip
     assert stays.returncode == 0 and "stays" in stays.stdout
+
+
+LAYOUT = {0: 0, 1: 1, 2: 3, 3: 2}  # {fragment: shard} after `atoll reshard --to 4`
+
+
+@contextlib.contextmanager
+def _four_shards(tmp_path: pathlib.Path):
+    """Four shard processes on consecutive ports, the fragments on them as in LAYOUT (by
+    `atoll reshard --to 4`), fragment p given p + 1 acknowledged pushes; yields (pattern,
+    start(i) -> shard i (re)started on its data directory, procs, clients, {fragment: its
+    version})."""
+    prefix = consecutive_ports(SHARDS)
+    pattern = f"127.0.0.1:{prefix}{{i}}"
+    with syncer_processes(tmp_path) as start:
+
+        def shard(i: int):
+            listen = pattern.replace("{i}", str(i))
+            return start(tmp_path / f"s{i}", "--shard-index", str(i), "--listen", listen, *FLAGS)
+
+        procs = [shard(i) for i in range(SHARDS)]
+        clients = [
+            ShardClient(pattern.replace("{i}", str(i)), "l0", deadline=30.0) for i in range(SHARDS)
+        ]
+        try:
+            _seed(clients)
+            up = run_atoll("reshard", "--shards", pattern, "--to", "4")
+            assert up.returncode == 0, up.stdout + up.stderr
+            assert {p: i for p, (i, _) in _owned(clients).items()} == LAYOUT
+            acked = {}
+            for p, i in LAYOUT.items():
+                for seq in range(1, 2 + p):
+                    assert client_push(clients[i], p, seq, seq - 1).accepted
+                acked[p] = 1 + p
+            yield pattern, shard, procs, clients, acked
+        finally:
+            for c in clients:
+                c.close()
+
+
+def _frozen(clients: list[ShardClient]) -> list[tuple[int, int]]:
+    """(shard, fragment) of every fragment a shard holds frozen mid-move."""
+    return [(i, f.fragment) for i, c in enumerate(clients) for f in c.describe().fragments
+            if f.moving_version]  # fmt: skip
+
+
+def test_a_drain_waits_for_a_target_that_restarts(tmp_path, api, spawn):
+    # shards 4 -> 2 while shard 0 restarts (a rolling update): shard 2 plans, moves fragment
+    # 2 from shard 3 to shard 1, and fragment 3 waits on shard 2, serving, for shard 0
+    with _four_shards(tmp_path) as (pattern, shard, procs, clients, acked):
+        procs[0].kill()  # SIGKILL: it comes back on its volume
+        leaving = {
+            i: spawn(
+                [
+                    "drain",
+                    "--shards",
+                    pattern,
+                    "--shard-index",
+                    str(i),
+                    "--namespace",
+                    "atoll",
+                    "--timeout",
+                    "45",
+                ],
+                api,
+            )  # fmt: skip
+            for i in (3, 2)
+        }
+        out3 = leaving[3].communicate(timeout=40)[0]
+        assert leaving[3].returncode == 0, out3  # its fragment is on shard 1
+        assert [f.fragment for f in clients[1].describe().fragments] == [1, 2]
+        # fragment 3 waits unfrozen on shard 2, and takes pushes meanwhile
+        assert leaving[2].poll() is None
+        assert _frozen(clients[1:]) == []
+        assert client_push(clients[2], 3, acked[3] + 1, acked[3]).accepted
+        acked[3] += 1
+        procs[0] = shard(0)  # back after a delay, replaying its log
+        out2 = leaving[2].communicate(timeout=40)[0]
+        assert leaving[2].returncode == 0, out2
+        assert "fragment 3: shard 2 or 0 is not serving" in out2, out2
+        assert "Traceback" not in out2 + out3
+        after = _owned(clients[:2])  # every fragment on exactly one shard that stays
+        assert sorted(i for i, _ in after.values()) == [0, 0, 1, 1]
+        assert {p: v for p, (_, v) in after.items()} == acked  # nothing acknowledged lost
+        assert _frozen(clients) == [] and [len(c.describe().fragments) for c in clients[2:]] == [
+            0,
+            0,
+        ]
+        for p, (i, v) in after.items():
+            assert client_push(clients[i], p, v + 1, v).accepted
+
+
+def test_a_drain_whose_target_never_returns_leaves_nothing_frozen(tmp_path, api):
+    # shard 0, the target of fragment 3, is gone for longer than the drain's --timeout
+    with _four_shards(tmp_path) as (pattern, shard, procs, clients, acked):
+        procs[0].kill()
+        out = run_atoll(
+            "drain", "--shards", pattern, "--shard-index", "2", "--namespace", "atoll",
+            "--timeout", "10", env=api,
+        )  # fmt: skip
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert "Traceback" not in out.stdout + out.stderr
+        message = out.stdout.strip().splitlines()[-1]
+        assert "shard 2 still holds fragments [3] after 10 s (shards [0] did not serve)" in message
+        assert "none frozen" in message and f"atoll reshard --shards '{pattern}' --to 2" in message
+        # every fragment but shard 0's own takes pushes where it is; none is frozen
+        live = {i: clients[i] for i in (1, 2, 3)}
+        assert _frozen(list(live.values())) == []
+        owners = {f.fragment: i for i, c in live.items() for f in c.describe().fragments}
+        assert owners == {1: 1, 2: 1, 3: 2}
+        for p, i in owners.items():
+            assert client_push(clients[i], p, acked[p] + 1, acked[p]).accepted
+            acked[p] += 1
+        # the way out the message gives: shard 0 back, then atoll reshard
+        procs[0] = shard(0)
+        done = run_atoll("reshard", "--shards", pattern, "--to", "2")
+        assert done.returncode == 0, done.stdout + done.stderr
+        after = _owned(clients)
+        assert sorted(i for i, _ in after.values()) == [0, 0, 1, 1]
+        assert {p: v for p, (_, v) in after.items()} == acked
