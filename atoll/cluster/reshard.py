@@ -642,6 +642,9 @@ def add_drain_arguments(p: argparse.ArgumentParser) -> None:
         "(env ATOLL_TOKEN_FILE)",
     )
     add_tls_arguments(p)
+    for action in p._actions:  # the preStop hook gives no flags: each has its env default
+        if action.dest in ENV_DRAIN_TLS:
+            action.help = f"{action.help} (env {ENV_DRAIN_TLS[action.dest]})"
     p.add_argument(
         "--timeout",
         type=float,
@@ -666,6 +669,9 @@ def drain_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(str(e))
     if index is None:
         parser.error("give --shard-index (or set ATOLL_SHARD_INDEX or ATOLL_POD_NAME)")
+    for flag in ("tls_ca", "tls_cert", "tls_key"):  # the preStop hook gives no flags
+        if getattr(args, flag) is None and env[flag]:
+            setattr(args, flag, pathlib.Path(env[flag]))
     check_tls_pairs(args, parser)  # the files are read only if this shard leaves
     token_file = args.token_file or (pathlib.Path(env["token_file"]) if env["token_file"] else None)
     if not args.timeout > 0:
@@ -764,6 +770,14 @@ def drain_main(
 
 ENV_DRAIN_SHARDS = "ATOLL_DRAIN_SHARDS"
 ENV_NAMESPACE = "ATOLL_NAMESPACE"
+# the drain's TLS files (--tls-ca, --tls-cert, --tls-key) when the hook gives no flags:
+# the CA of the shards' certificates, and a client certificate and key for shards that
+# require mutual TLS (--tls-client-ca)
+ENV_DRAIN_TLS = {
+    "tls_ca": "ATOLL_DRAIN_TLS_CA",
+    "tls_cert": "ATOLL_DRAIN_TLS_CERT",
+    "tls_key": "ATOLL_DRAIN_TLS_KEY",
+}
 DEFAULT_DRAIN_SHARDS = "atoll-syncer-{i}.atoll-syncer:50051"
 
 
@@ -773,4 +787,5 @@ def drain_defaults() -> dict:
         "shards": os.environ.get(ENV_DRAIN_SHARDS, DEFAULT_DRAIN_SHARDS),
         "namespace": os.environ.get(ENV_NAMESPACE),
         "token_file": os.environ.get("ATOLL_TOKEN_FILE"),
+        **{key: os.environ.get(name) or None for key, name in ENV_DRAIN_TLS.items()},
     }

@@ -257,7 +257,20 @@ def test_drain_says_what_it_cannot_do(tmp_path, api):
         "--tls-ca", str(tmp_path / "ca.crt"),
     )  # fmt: skip
     assert no_ca.returncode == 2 and "no such file" in no_ca.stdout, no_ca.stdout + no_ca.stderr
-    for out in (down, no_ca):
+    # the preStop hook gives no flags: the TLS files come from the pod's environment
+    env_ca = run_atoll(
+        "drain", "--shards", pattern, "--shard-index", "3", "--replicas", "1",
+        env={"ATOLL_DRAIN_TLS_CA": str(tmp_path / "ca.crt")},
+    )  # fmt: skip
+    assert (
+        env_ca.returncode == 2 and "--tls-ca" in env_ca.stdout and "no such file" in env_ca.stdout
+    )
+    env_cert = run_atoll(
+        "drain", "--shards", pattern, "--shard-index", "3", "--replicas", "1",
+        env={"ATOLL_DRAIN_TLS_CA": "ca.crt", "ATOLL_DRAIN_TLS_CERT": "tls.crt"},
+    )  # fmt: skip
+    assert env_cert.returncode == 2 and "go together" in env_cert.stderr, env_cert.stderr
+    for out in (down, no_ca, env_ca, env_cert):
         assert "Traceback" not in out.stdout + out.stderr
     for bad, says in [
         (["--shards", "h:1,h:2"], "pattern"),
