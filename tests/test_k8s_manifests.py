@@ -82,6 +82,7 @@ MULTI_HOST_OVERLAYS = {
 COMBINATIONS = [
     ("syncer", ("tls", "operator-tls", "monitoring-gmp", "monitoring-gmp-alerts")),
     ("syncer", ("operator-tls", "tls", "cert-manager")),
+    ("syncer", ("tls", "mutual-tls")),
     ("syncer", ("monitoring-prometheus-operator", "monitoring-prometheus-operator-alerts")),
     (
         "all-in-one",
@@ -94,7 +95,7 @@ COMBINATIONS = [
     ("learners-cpu", ("kueue", "spot", "learner-tls")),
 ]
 # Components that only patch what the overlay has (they add no object).
-PATCHES_ONLY = {"kueue", "spot", "flex-start", "tls", "learner-tls"}
+PATCHES_ONLY = {"kueue", "spot", "flex-start", "tls", "mutual-tls", "learner-tls"}
 KUBERNETES_VERSIONS = ["1.27", "1.37"]
 NAMESPACE = "atoll"
 COMMON_LABELS = {"app.kubernetes.io/name": "atoll", "app.kubernetes.io/part-of": "atoll"}
@@ -740,7 +741,8 @@ def test_syncer_statefulset(overlay):
 
 @needs_kubectl
 @pytest.mark.parametrize(
-    "overlay, components", [("syncer", ()), ("all-in-one", ()), ("syncer", ("tls",))]
+    "overlay, components",
+    [("syncer", ()), ("all-in-one", ()), ("syncer", ("tls",)), ("syncer", ("tls", "mutual-tls"))],
 )
 def test_syncer_command_line_is_a_valid_shard_config(overlay, components, tmp_path, monkeypatch):
     """The StatefulSet's args, expanded as the kubelet does, make a ShardConfig that validates."""
@@ -752,7 +754,7 @@ def test_syncer_command_line_is_a_valid_shard_config(overlay, components, tmp_pa
     env = container_env(c, objs, pod_fields(sts, sts["spec"]["template"], 1))
     args, seen = run_container(c, env, tmp_path)
     # Files the pod mounts, made here.
-    for flag in ("--tls-cert", "--tls-key"):
+    for flag in ("--tls-cert", "--tls-key", "--tls-client-ca"):
         for i, a in enumerate(args):
             if a.startswith(flag + "="):
                 (tmp_path / flag[2:]).write_text("pem")
@@ -767,6 +769,7 @@ def test_syncer_command_line_is_a_valid_shard_config(overlay, components, tmp_pa
     assert cfg.shard_index == 1 and cfg.num_shards == sts["spec"]["replicas"]
     assert cfg.port == 50051 and cfg.metrics_port == 9090
     assert cfg.tls == ("tls" in components)
+    assert (cfg.tls_client_ca is not None) == ("mutual-tls" in components)
     if "tls" in components:
         health = {p["name"]: p["containerPort"] for p in c["ports"]}["health"]
         assert cfg.health_port == health
@@ -961,7 +964,8 @@ def test_syncer_services(overlay):
 
 @needs_kubectl
 @pytest.mark.parametrize(
-    "overlay, components", [("syncer", ()), ("all-in-one", ()), ("syncer", ("tls",))]
+    "overlay, components",
+    [("syncer", ()), ("all-in-one", ()), ("syncer", ("tls",)), ("syncer", ("tls", "mutual-tls"))],
 )
 def test_a_scale_down_drains_the_leaving_shards_first(overlay, components):
     """The preStop hook is a valid `atoll drain` that can reach the shards, read the
@@ -976,11 +980,11 @@ def test_a_scale_down_drains_the_leaving_shards_first(overlay, components):
     assert command[0] == "atoll"
     args = atoll_parser().parse_args(command[1:])
     assert args.command == "drain" and args.statefulset == sts["metadata"]["name"]
-    # it starts no move after --timeout, and the last one (four calls) ends inside the grace
-    # period with time left for the shard's final snapshot
-    from atoll.cluster.reshard import DRAIN_CALL_SECONDS
+    # it starts no move after --timeout, and the last one (its calls and health checks) ends
+    # inside the grace period with time left for the shard's final snapshot
+    from atoll.cluster.reshard import MOVE_SECONDS
 
-    assert spec["terminationGracePeriodSeconds"] >= args.timeout + 4 * DRAIN_CALL_SECONDS + 30
+    assert spec["terminationGracePeriodSeconds"] >= args.timeout + MOVE_SECONDS + 30
     # the shards by the headless Service's per-pod names, which stay while pods stop
     pattern = args.shards or DEFAULT_DRAIN_SHARDS
     host, port = pattern.rsplit(":", 1)
@@ -1020,6 +1024,21 @@ def test_a_scale_down_drains_the_leaving_shards_first(overlay, components):
         assert ca == f"--tls-ca={tls_mount}/ca.crt"
     else:
         assert args.tls_ca is None
+    if "mutual-tls" in components:  # a client certificate, from the environment it reads
+        from atoll.cluster.reshard import ENV_DRAIN_TLS
+
+        mounts = {
+            m["name"]: pathlib.PurePath(m["mountPath"])
+            for m in c["volumeMounts"]
+            if m.get("readOnly")
+        }
+        (volume,) = [
+            v["name"]
+            for v in spec["volumes"]
+            if v.get("secret", {}).get("secretName") == "atoll-drain-tls"
+        ]
+        for key, name in (("tls_cert", "tls.crt"), ("tls_key", "tls.key")):
+            assert env[ENV_DRAIN_TLS[key]]["value"] == str(mounts[volume] / name)
 
 
 @needs_kubectl
@@ -2242,7 +2261,13 @@ def test_the_syncer_holds_the_operator_token(overlay):
 
 
 # Secrets made by hand (docs/kubernetes.md), which no overlay generates.
-MADE_BY_HAND = {"atoll-tls", "atoll-learner-tls", "atoll-kubeconfig"}
+MADE_BY_HAND = {
+    "atoll-tls",
+    "atoll-learner-tls",
+    "atoll-kubeconfig",
+    "atoll-client-ca",
+    "atoll-drain-tls",
+}
 
 
 @needs_kubectl

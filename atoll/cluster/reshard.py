@@ -57,8 +57,12 @@ REFUSED_UNLOGGED = (
 )
 DRAIN_POLL_SECONDS = 1.0
 # A drain's calls give up after this: the last move started before its --timeout still
-# ends inside the pod's grace period (4 calls per move)
+# ends inside the pod's grace period
 DRAIN_CALL_SECONDS = 15.0
+# The most a move can take: MOVE_CALLS calls (Describe of target and source, Freeze,
+# Export, Adopt, Commit) and two health checks of its target (`move`)
+MOVE_CALLS = 6
+MOVE_SECONDS = MOVE_CALLS * DRAIN_CALL_SECONDS + 2 * PROBE_SECONDS
 
 
 @dataclasses.dataclass(frozen=True)
