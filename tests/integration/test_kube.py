@@ -130,6 +130,25 @@ class Emulator:
             self.ready.set()
             await self.stop.wait()
 
+    def kubeconfig(self, path: pathlib.Path, token: str = "test-token") -> pathlib.Path:
+        """Writes a kubeconfig whose current context ("kmock") reaches this emulator with a
+        bearer `token`; returns its path."""
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "kmock",
+                    "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+                    "users": [{"name": "user", "user": {"token": token}}],
+                    "contexts": [
+                        {"name": "kmock", "context": {"cluster": "kmock", "user": "user"}}
+                    ],
+                }
+            )
+        )
+        return path
+
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.stop.set)
         self.thread.join(timeout=30)

@@ -101,21 +101,7 @@ def run(tmp_path):
                 client.close()
         api = Emulator(lambda k: seed_run(k, [(port, free_port()) for port in ports]))
         try:
-            kubeconfig = tmp_path / "kubeconfig"
-            kubeconfig.write_text(
-                json.dumps(
-                    {
-                        "apiVersion": "v1",
-                        "kind": "Config",
-                        "current-context": "kmock",
-                        "clusters": [{"name": "kmock", "cluster": {"server": api.url}}],
-                        "users": [{"name": "operator", "user": {"token": "sa-token"}}],
-                        "contexts": [
-                            {"name": "kmock", "context": {"cluster": "kmock", "user": "operator"}}
-                        ],
-                    }
-                )
-            )
+            kubeconfig = api.kubeconfig(tmp_path / "kubeconfig", token="sa-token")
             operator_token = tmp_path / "operator-token"  # the Secret's key the Job mounts
             operator_token.write_text(OPERATOR)
             yield kubeconfig, ca, operator_token, ports

@@ -84,19 +84,7 @@ def api(tmp_path):
             k[route] << _answer(_statefulset(namespace, 2, policy))
 
     emulator = Emulator(seed)
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "kmock",
-                "clusters": [{"name": "kmock", "cluster": {"server": emulator.url}}],
-                "users": [{"name": "tester", "user": {"token": "test-token"}}],
-                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "tester"}}],
-            }
-        )
-    )
+    kubeconfig = emulator.kubeconfig(tmp_path / "kubeconfig")
     yield {"KUBECONFIG": str(kubeconfig), "KUBERNETES_SERVICE_HOST": ""}
     emulator.close()
 
@@ -146,92 +134,65 @@ def _owned(clients: list[ShardClient]) -> dict[int, tuple[int, int]]:
 
 
 def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, api, spawn):
-    prefix = consecutive_ports(SHARDS)
-    pattern = f"127.0.0.1:{prefix}{{i}}"
-    with syncer_processes(tmp_path) as start:
-
-        def shard(i: int):
-            listen = pattern.replace("{i}", str(i))
-            return start(tmp_path / f"s{i}", "--shard-index", str(i), "--listen", listen, *FLAGS)
-
-        procs = [shard(i) for i in range(SHARDS)]
-        clients = [
-            ShardClient(pattern.replace("{i}", str(i)), "l0", deadline=30.0) for i in range(SHARDS)
+    # scaled up: `atoll reshard` found shards 2 and 3 through the pattern (LAYOUT)
+    with _four_shards(tmp_path) as (pattern, shard, procs, clients, acked):
+        owners = dict(LAYOUT)
+        # a shard that stays keeps its fragments (a restart, an eviction)
+        stays = run_atoll("drain", "--shards", pattern, "--shard-index", "1", env=api)
+        assert stays.returncode == 0, stays.stdout + stays.stderr
+        assert "stays (2 replicas)" in stays.stdout
+        # the StatefulSet went from 4 to 2: pods 2 and 3 run their preStop hooks at once
+        leaving = [
+            spawn(
+                ["drain", "--shards", pattern, "--shard-index", str(i), "--namespace", "atoll"],
+                api,
+            )
+            for i in (3, 2)
         ]
-        try:
-            _seed(clients)
-            # scale up: `atoll reshard` finds shards 2 and 3 through the pattern
-            up = run_atoll("reshard", "--shards", pattern, "--to", "4")
-            assert up.returncode == 0, up.stdout + up.stderr
-            planned = json.loads(up.stdout[up.stdout.index("\n{") :])["owners"]
-            owners = {p: i for p, (i, _) in _owned(clients).items()}
-            assert (
-                sorted(owners.values()) == [0, 1, 2, 3] and [owners[p] for p in range(4)] == planned
-            )
-            acked = {}
-            for p, i in owners.items():  # quorum 1: each push closes a round
-                for seq in range(1, 3 + p):
-                    assert client_push(clients[i], p, seq, seq - 1).accepted
-                acked[p] = 2 + p
-            # a shard that stays keeps its fragments (a restart, an eviction)
-            stays = run_atoll("drain", "--shards", pattern, "--shard-index", "1", env=api)
-            assert stays.returncode == 0, stays.stdout + stays.stderr
-            assert "stays (2 replicas)" in stays.stdout
-            # the StatefulSet went from 4 to 2: pods 2 and 3 run their preStop hooks at once
-            leaving = [
-                spawn(
-                    ["drain", "--shards", pattern, "--shard-index", str(i), "--namespace", "atoll"],
-                    api,
-                )
-                for i in (3, 2)
-            ]
-            outs = [p.communicate(timeout=180)[0] for p in leaving]
-            assert [p.returncode for p in leaving] == [0, 0], outs
-            waited, led = outs
-            assert "owns no fragment" in waited and "plans" not in waited  # shard 2 planned
-            moves = json.loads(led[led.index("\n{") :])["moves"]
-            assert sorted((m["fragment"], m["from"]) for m in moves) == sorted(
-                (p, i) for p, i in owners.items() if i >= 2
-            )
-            assert {m["to"] for m in moves} == {0, 1}
-            after = _owned(clients)
-            # every fragment on a shard that stays, balanced, with every acknowledged push
-            assert {i for i, _ in after.values()} == {0, 1}
-            assert sorted(i for i, _ in after.values()) == [0, 0, 1, 1]
-            assert {p: v for p, (_, v) in after.items()} == acked
-            for i in (2, 3):  # the pods go
-                procs[i].kill()
-            # the map the shards that stay hold sends every fragment to them, versions go on
-            for p, (i, v) in after.items():
-                assert client_push(clients[i], p, v + 1, v).accepted
-            again = _owned(clients[:2])
-            assert {p: v for p, (_, v) in again.items()} == {p: n + 1 for p, n in acked.items()}
-            # nothing left to do: the first leaving shard finds no shard past the others
-            done = run_atoll("reshard", "--shards", pattern, "--to", "2")
-            assert done.returncode == 0, done.stdout + done.stderr
-            assert json.loads(done.stdout[done.stdout.index("\n{") :])["moves"] == []
-            # pods stopped one at a time (OrderedReady), highest first: shard 3's hook moves
-            # what shards 2 and 3 own while shard 2 still runs, and shard 2's finds nothing
-            for i in (2, 3):
-                procs[i] = shard(i)
-            up = run_atoll("reshard", "--shards", pattern, "--to", "4")
-            assert up.returncode == 0, up.stdout + up.stderr
-            ordered = {"--namespace": "ordered"}
-            first = run_atoll(
-                "drain", "--shards", pattern, "--shard-index", "3", *_flat(ordered), env=api
-            )
-            assert first.returncode == 0, first.stdout + first.stderr
-            assert len(json.loads(first.stdout[first.stdout.index("\n{") :])["moves"]) == 2
-            procs[3].kill()
-            second = run_atoll(
-                "drain", "--shards", pattern, "--shard-index", "2", *_flat(ordered), env=api
-            )
-            assert second.returncode == 0, second.stdout + second.stderr
-            assert json.loads(second.stdout[second.stdout.index("\n{") :])["moves"] == []
-            assert sorted(i for i, _ in _owned(clients[:3]).values()) == [0, 0, 1, 1]
-        finally:
-            for c in clients:
-                c.close()
+        outs = [p.communicate(timeout=180)[0] for p in leaving]
+        assert [p.returncode for p in leaving] == [0, 0], outs
+        waited, led = outs
+        assert "owns no fragment" in waited and "plans" not in waited  # shard 2 planned
+        moves = json.loads(led[led.index("\n{") :])["moves"]
+        assert sorted((m["fragment"], m["from"]) for m in moves) == sorted(
+            (p, i) for p, i in owners.items() if i >= 2
+        )
+        assert {m["to"] for m in moves} == {0, 1}
+        after = _owned(clients)
+        # every fragment on a shard that stays, balanced, with every acknowledged push
+        assert {i for i, _ in after.values()} == {0, 1}
+        assert sorted(i for i, _ in after.values()) == [0, 0, 1, 1]
+        assert {p: v for p, (_, v) in after.items()} == acked
+        for i in (2, 3):  # the pods go
+            procs[i].kill()
+        # the map the shards that stay hold sends every fragment to them, versions go on
+        for p, (i, v) in after.items():
+            assert client_push(clients[i], p, v + 1, v).accepted
+        again = _owned(clients[:2])
+        assert {p: v for p, (_, v) in again.items()} == {p: n + 1 for p, n in acked.items()}
+        # nothing left to do: the first leaving shard finds no shard past the others
+        done = run_atoll("reshard", "--shards", pattern, "--to", "2")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert json.loads(done.stdout[done.stdout.index("\n{") :])["moves"] == []
+        # pods stopped one at a time (OrderedReady), highest first: shard 3's hook moves
+        # what shards 2 and 3 own while shard 2 still runs, and shard 2's finds nothing
+        for i in (2, 3):
+            procs[i] = shard(i)
+        up = run_atoll("reshard", "--shards", pattern, "--to", "4")
+        assert up.returncode == 0, up.stdout + up.stderr
+        ordered = {"--namespace": "ordered"}
+        first = run_atoll(
+            "drain", "--shards", pattern, "--shard-index", "3", *_flat(ordered), env=api
+        )
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert len(json.loads(first.stdout[first.stdout.index("\n{") :])["moves"]) == 2
+        procs[3].kill()
+        second = run_atoll(
+            "drain", "--shards", pattern, "--shard-index", "2", *_flat(ordered), env=api
+        )
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert json.loads(second.stdout[second.stdout.index("\n{") :])["moves"] == []
+        assert sorted(i for i, _ in _owned(clients[:3]).values()) == [0, 0, 1, 1]
 
 
 def test_drain_says_what_it_cannot_do(tmp_path, api):
@@ -321,6 +282,8 @@ def _four_shards(tmp_path: pathlib.Path):
             up = run_atoll("reshard", "--shards", pattern, "--to", "4")
             assert up.returncode == 0, up.stdout + up.stderr
             assert {p: i for p, (i, _) in _owned(clients).items()} == LAYOUT
+            planned = json.loads(up.stdout[up.stdout.index("\n{") :])["owners"]
+            assert planned == [LAYOUT[p] for p in range(len(LAYOUT))], "what it said it did"
             acked = {}
             for p, i in LAYOUT.items():
                 for seq in range(1, 2 + p):
