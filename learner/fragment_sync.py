@@ -52,6 +52,9 @@ class Pace:
     time) and by sync tasks (cadence)."""
 
     step_seconds: float = 0.0  # this learner's seconds per inner step (StepTimer)
+    # what pushes report as the step time: StepTimer.measured, 0.0 (not known) until a
+    # counted step is in, so a compile step never sets the shards' cadence
+    reported_seconds: float = 0.0
     cadence_seconds: float | None = None  # the sync period the shards ask for
 
 
@@ -218,7 +221,7 @@ class FragmentSync:
             codec=cast(pb.Codec, int(link.cfg.codec)),
             num_params=theta.size,
             plan_fingerprint=link.plan.fingerprint,
-            step_seconds=link.pace.step_seconds,
+            step_seconds=link.pace.reported_seconds,
             overlap_steps=link.cfg.overlap,
             period_steps=link.cfg.period,
             last=last,

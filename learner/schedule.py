@@ -341,3 +341,15 @@ class StepTimer:
             else:
                 self._total += float(seconds) - evicted
         return self._total / len(self.recent) if self.recent else float(seconds)
+
+    @property
+    def measured(self) -> Seconds:
+        """The mean of the counted steps; 0.0 before any (STEP_WARMUP steps in).
+
+        This, not `add`'s estimate, is what a push reports: the shards build the
+        cadence, and each round's next due time, from it. A compile step's time reported
+        as the pace (a push at step 1: a restarted learner due at once, or t_p = 1) gave
+        a cadence of H compiles, and the fragment whose round closed on it was next due
+        that far ahead, 5-11 s while the others kept their period; 0 tells the shards
+        "not known yet", and they keep the cadence they have."""
+        return self._total / len(self.recent) if self.recent else 0.0

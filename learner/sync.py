@@ -267,6 +267,7 @@ class Synchronizer:
         Returns {fragment: new vector} for the fragments whose tensors the caller must replace."""
         pace, cfg = self.pace, self.cfg
         pace.step_seconds = self._step_timer.add(step, step_seconds)
+        pace.reported_seconds = self._step_timer.measured
         updates: dict[int, np.ndarray] = {}
         flat_now: dict[int, np.ndarray] = {}
         now, cadence = self.clock(), pace.cadence_seconds

@@ -5,6 +5,10 @@ are given."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import heapq
+import itertools
+import random
 import threading
 
 import numpy as np
@@ -17,6 +21,8 @@ from atoll.learner.schedule import Reason
 from atoll.learner.stopping import Stopped
 from atoll.learner.sync import SyncConfig, Synchronizer
 from atoll.learner.watch import Versions
+from atoll.server.config import ShardConfig
+from atoll.server.shard import PushHeader, Shard
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire.client import Pulled
@@ -343,3 +349,207 @@ def test_the_step_timer_spans_many_periods_of_steps():
     for step in range(1, 3 + 64 * schedule.STEP_WINDOW_PERIODS):
         estimate = timer.add(step, 0.02 if (step // 256) % 2 else 0.08)  # fast, then loaded
     assert estimate == pytest.approx(0.05, rel=0.01)  # the mean of both, not the last burst
+
+
+def test_a_push_reports_no_step_time_until_a_counted_step():
+    timer = schedule.StepTimer(window=8, warmup=2)
+    assert timer.add(1, 3.0) == 3.0 and timer.measured == 0.0  # a compile: not a pace
+    timer.add(2, 0.5)
+    assert timer.measured == 0.0
+    timer.add(3, 0.03)
+    assert timer.measured == pytest.approx(0.03)
+
+
+# --- the first push's step time, against the real shard (docs: issue 40's schedule bug) ---
+
+_PLAN = FragmentPlan.build([TensorSpec("w1", (32, 32)), TensorSpec("w2", (32, 32))], 2)
+_H, _TAU, _STEP = 16, 1, 0.03
+
+
+@dataclasses.dataclass
+class _Task:
+    step: int
+    pushed_at: float
+    due: float | None
+    merged_in: int | None  # None: refused (a resync)
+    patience: float
+
+
+@dataclasses.dataclass
+class _Frag:
+    version: int = 0
+    last_sync_step: int | None = None
+    due_at: float | None = None
+    task: _Task | None = None
+
+
+class _SimLearner:
+    """A learner as `Synchronizer.after_step` drives one: the real StepTimer, the real
+    schedule; its first step takes `compile_seconds` (jit), the others _STEP."""
+
+    def __init__(self, name: str, compile_seconds: float, seed: int):
+        self.name, self.compile_seconds = name, compile_seconds
+        self.rng = random.Random(seed)
+        self.timer = schedule.StepTimer.for_period(_H)
+        self.estimate, self.cadence = 0.0, None
+        self.step = self.seq = 0
+        self.frags = [_Frag() for _ in range(_PLAN.num_fragments)]
+        self.pushes: list[tuple[int, int, float, float]] = []  # (p, step, when, reported)
+        self.stalls: list[tuple[int, int]] = []  # (p, version given up on)
+
+    def gaps(self, p: int) -> list[float]:
+        times = [t for q, _, t, _ in self.pushes if q == p]
+        return [b - a for a, b in itertools.pairwise(times)]
+
+
+def _sim_shard(tmp_path, clock: Clock, quorum: int) -> Shard:
+    shard = Shard(
+        ShardConfig(
+            shard_index=0, num_shards=1, data_dir=tmp_path, quorum=quorum, snapshot_every=1000
+        ),
+        clock=clock,
+    )
+    shard.recover()
+    for p in range(_PLAN.num_fragments):
+        zeros = np.zeros(_PLAN.fragment_sizes[p], np.float32)
+        shard.init(
+            "setup",
+            p,
+            _PLAN.fingerprint,
+            _PLAN.to_json(),
+            codec.encode(zeros, codec.Codec.FP32),
+            int(codec.Codec.FP32),
+            _PLAN.fragment_sizes[p],
+        )
+    return shard
+
+
+def _sim_push(shard: Shard, clock: Clock, l: _SimLearner, p: int, last: bool = False) -> None:
+    f = l.frags[p]
+    steps = max(1, l.step - (f.last_sync_step or 0))
+    l.seq += 1
+    reported = l.timer.measured  # what FragmentSync._push puts in the header (Pace)
+    header = PushHeader(
+        l.name,
+        p,
+        f.version,
+        l.seq,
+        steps,
+        steps * 64,
+        int(codec.Codec.INT4),
+        _PLAN.fragment_sizes[p],
+        _PLAN.fingerprint,
+        reported,
+        _TAU,
+        _H,
+        last,
+    )
+    frame = codec.encode(np.full(_PLAN.fragment_sizes[p], 1e-3, np.float32), codec.Codec.INT4)
+    answer = shard.push(header, frame)
+    if shard.cadence_seconds:
+        l.cadence = shard.cadence_seconds
+    due = schedule.due_after(clock.now, shard.due_in(p, l.name))
+    l.pushes.append((p, l.step, clock.now, reported))
+    f.last_sync_step = l.step
+    merged_in = f.version + answer.staleness + 1 if answer.accepted else None
+    patience = schedule.round_patience(SyncConfig().patience, _H, l.estimate)
+    f.task = _Task(l.step, clock.now, due, merged_in, patience)
+
+
+def _sim_boundary(shard: Shard, clock: Clock, l: _SimLearner) -> bool:
+    """`after_step` at l's step boundary; True: blocked on a round (come back later)."""
+    shard.touch(l.name)  # its Watch keeps the lease
+    now = clock.now
+    per_period = schedule.steps_per_period(_H, l.cadence, l.estimate)
+    for p, f in enumerate(l.frags):
+        task = f.task
+        if task is not None:
+            version = shard.fragments[p].version
+            out = task.merged_in is None or version >= task.merged_in
+            done = out or now >= task.pushed_at + task.patience
+            adopt, _ = schedule.decide_adopt(
+                step=l.step, task_step=task.step, done=done, overlap=_TAU, per_period=per_period
+            )
+            if adopt and not done:
+                return True
+            if adopt:
+                if not out:
+                    l.stalls.append((p, task.merged_in or 0))
+                elif task.merged_in is None:
+                    f.last_sync_step = l.step
+                f.version = version if out else f.version
+                f.due_at = schedule.next_due(task.due, now, l.cadence)
+                f.task = None
+        if f.task is None:
+            push, f.due_at, _ = schedule.decide_push(
+                step=l.step,
+                first_step=schedule.offsets(_PLAN.num_fragments, _H)[p],
+                last_sync_step=f.last_sync_step,
+                due_at=f.due_at,
+                now=now,
+                period=_H,
+                cadence_seconds=l.cadence,
+                step_seconds=l.estimate,
+            )
+            if push:
+                _sim_push(shard, clock, l, p)
+    return False
+
+
+def _sim_run(shard: Shard, clock: Clock, learners: list[_SimLearner], until: float) -> None:
+    """Runs the learners from now (each joining then) to `until`; then their last pushes."""
+    for l in learners:
+        shard.touch(l.name)
+        for p, f in enumerate(l.frags):  # join: the current version and when to push it
+            f.version = shard.fragments[p].version
+            f.due_at = schedule.due_after(clock.now, shard.due_in(p, l.name))
+    events = [(clock.now + l.compile_seconds, i, False) for i, l in enumerate(learners)]
+    while events:
+        t, i, blocked = heapq.heappop(events)
+        if t > until:
+            break
+        wake = shard.tick()
+        while wake is not None and wake < t:  # the shard's round timers fire first
+            clock.now = max(clock.now, wake)
+            wake = shard.tick()
+        clock.now = max(clock.now, t)
+        shard.tick()
+        l = learners[i]
+        if not blocked:
+            l.step += 1
+            seconds = l.compile_seconds if l.step == 1 else _STEP * l.rng.uniform(0.9, 1.1)
+            l.estimate = l.timer.add(l.step, seconds)
+        if _sim_boundary(shard, clock, l):
+            heapq.heappush(events, (clock.now + 0.005, i, True))
+        else:
+            heapq.heappush(events, (clock.now + _STEP * l.rng.uniform(0.9, 1.1), i, False))
+    for l in learners:
+        for p, f in enumerate(l.frags):
+            if f.task is None and l.step > (f.last_sync_step or 0):
+                _sim_push(shard, clock, l, p, last=True)
+
+
+@pytest.mark.parametrize("learners,compile_seconds", [(1, (0.5,)), (2, (2.0, 3.0))])
+def test_a_restarted_learner_keeps_every_fragments_cadence(tmp_path, learners, compile_seconds):
+    """Learners restarted against shards that served a run: fragment 0 is due at once,
+    so they push it at step 1, whose time is the jit compile. Reported as the step time,
+    the shard's cadence became H compiles and fragment 0's next round was due that far
+    ahead: one learner at quorum 1 did not push it again for 7 s (230 steps) while
+    fragment 1 kept its period; two at quorum 2 with slower compiles, 30-36 s, past the
+    30 s a sync task waits for its round ("fragment 0: no version 2 after 30 s")."""
+    clock = Clock(0.0)
+    shard = _sim_shard(tmp_path / "shard", clock, quorum=learners)
+    before = [_SimLearner(f"old{i}", 0.5, i) for i in range(learners)]
+    _sim_run(shard, clock, before, until=5.0)
+    clock.advance(1.0)
+    now = [_SimLearner(f"new{i}", c, 10 + i) for i, c in enumerate(compile_seconds)]
+    _sim_run(shard, clock, now, until=clock.now + 45.0)
+    period = _H * _STEP
+    for l in now:
+        assert l.pushes[0][:2] == (0, 1)  # the fault's trigger fired: fragment 0 at step 1
+        assert all(reported == 0.0 for _, step, _, reported in l.pushes if step <= 2)
+        for p in range(_PLAN.num_fragments):
+            assert max(l.gaps(p)) < 4 * period, (l.name, p, max(l.gaps(p)))
+        assert not l.stalls
+    versions = [[f.version for f in l.frags] for l in now]
+    assert all(abs(a - b) <= 1 for a, b in zip(*versions)) if learners > 1 else versions
