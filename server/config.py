@@ -85,6 +85,9 @@ class ShardConfig:
     )  # frame bytes all open Push/Init streams may declare at once, >= 1 MiB
     max_connection_inflight_bytes: int = 512 << 20  # the same for one client connection, >= 1 MiB
     stream_idle_seconds: float = 60.0  # a Push or Init stream silent this long is aborted, > 0
+    # a push in parts still missing some this many leases after its first part came in is
+    # dropped, none of it merged (a process of its learner died), > 0
+    part_wait_leases: float = 2.0
 
     def __post_init__(self) -> None:
         _need(
@@ -113,6 +116,10 @@ class ShardConfig:
             f"--staleness-discount must be >= 0 (0 disables it), got {self.staleness_discount}",
         )
         _need(self.lease_seconds > 0, f"--lease-seconds must be > 0, got {self.lease_seconds}")
+        _need(
+            math.isfinite(self.part_wait_leases) and self.part_wait_leases > 0,
+            f"--part-wait-leases must be a number > 0, got {self.part_wait_leases}",
+        )
         _need(self.outer_lr > 0, f"--outer-lr must be > 0, got {self.outer_lr}")
         _need(
             0 <= self.outer_momentum < 1,

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from atoll.server import merge, rules
+from atoll.server import merge, parts, rules
 from atoll.wire import codec
 from atoll.wire.plan import FragmentPlan
 
@@ -77,6 +77,10 @@ class Fragment:
         self.lent = 0  # loans of params, optimiser state or published copy not given back
         self.answers: dict[str, Answer] = {}  # learner -> answer to its newest accepted push
         self.refusals: dict[str, Answer] = {}  # learner -> its newest refused push (not durable)
+        # learner -> the parts held of its push in parts, until all are in (server/parts.py)
+        self.part_sets: dict[str, parts.PartSet] = {}
+        slots = plan.tensors_of(index)
+        self.shapes = tuple(tuple(s.spec.shape) for s in slots)  # its tensors' shapes, in order
 
     @property
     def initialized(self) -> bool:
@@ -109,6 +113,78 @@ class Fragment:
         self.full_weight += answer.weight / answer.discount
         self.round_state = rules.add_contributor(self.round_state, learner, now, self.quorum)
         self.answers[learner] = answer
+
+    def hold_part(
+        self,
+        learner: str,
+        seq: int,
+        header: dict[str, Any],
+        part: int,
+        boxes: tuple[parts.Box, ...],
+        frame: bytes,
+        now: float,
+    ) -> None:
+        """Holds one part of `learner`'s push `seq` (judged by `parts.judge_part`)."""
+        held = self.part_sets.get(learner)
+        if held is None or held.seq != seq:
+            held = self.part_sets[learner] = parts.PartSet(seq, dict(header), {}, {}, now)
+        held.boxes[part], held.frames[part] = boxes, frame
+
+    def drop_parts(self, learner: str) -> parts.PartSet | None:
+        """Forgets `learner`'s held parts (none of them merged); returns them."""
+        return self.part_sets.pop(learner, None)
+
+    def contribute_parts(self, learner: str, answer: Answer, now: float) -> None:
+        """Folds `learner`'s complete push in parts into the open round as one contribution.
+
+        The parts are decoded into one float32 vector of the fragment and added as that
+        vector: `RoundAccumulator.add` of it gives the bits `add_frame` gives a whole frame
+        decoding to the same values (per-tensor norms over the whole tensor, in the codec's
+        fixed order), however the tensors were split between parts."""
+        held = self.part_sets.pop(learner)
+        assert len(held.frames) == held.parts, "a push in parts merged before all were in"
+        delta = np.empty(self.size, np.float32)
+        for part in sorted(held.frames):
+            boxes = held.boxes[part]
+            n = sum(b.size(self.shapes[b.tensor]) for b in boxes)
+            values = np.empty(n, np.float32)
+            codec.read_codes(held.frames[part], num_values=n).decode_into(values, accumulate=False)
+            parts.assemble(delta, self.segments.offsets.tolist(), self.shapes, boxes, values)
+        self.contribute(learner, delta, answer, now)
+
+    def parts_state(self) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+        """(JSON-able meta, arrays) of the held parts, for a snapshot (not moved with the
+        fragment: a push in parts caught by a move is finished again at its new shard)."""
+        meta, arrays = [], {}
+        for i, (learner, held) in enumerate(sorted(self.part_sets.items())):
+            meta.append(
+                {
+                    "learner": learner,
+                    "seq": held.seq,
+                    "header": held.header,
+                    "boxes": {str(k): [b.to_json() for b in v] for k, v in held.boxes.items()},
+                }
+            )
+            for k, frame in held.frames.items():
+                arrays[f"parts.{i}.{k}"] = np.frombuffer(frame, np.uint8)
+        return meta, arrays
+
+    def restore_parts(
+        self, meta: list[dict[str, Any]], arrays: dict[str, np.ndarray], now: float
+    ) -> None:
+        """Inverse of `parts_state()`; each part set's wait restarts at `now`."""
+        self.part_sets = {}
+        for i, m in enumerate(meta):
+            for k, boxes in m["boxes"].items():
+                self.hold_part(
+                    m["learner"],
+                    int(m["seq"]),
+                    m["header"],
+                    int(k),
+                    tuple(parts.Box.from_json(b) for b in boxes),
+                    arrays[f"parts.{i}.{k}"].tobytes(),
+                    now,
+                )
 
     def close_round(self, trigger: str | None = None) -> bytes:
         """Merges the round, takes one outer step, publishes; returns the delta frame.

@@ -1,17 +1,19 @@
 """What the servicer reads and writes beside its calls: a stream's messages (each within
-the idle limit, none malformed), a header's most frame bytes, the chunks after a
-header, and the Describe answer."""
+the idle limit, none malformed), a push's header, a header's most frame bytes, the chunks
+after a header, and the Describe answer."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any, cast
 
 import grpc
 
 from atoll.server.guards import Malformed
+from atoll.server.parts import Box
 from atoll.server.refusal import ShardError, Why
-from atoll.server.shard import Shard
+from atoll.server.shard import PushHeader, Shard
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire.plan import FragmentPlan
@@ -31,6 +33,18 @@ async def read_message(context: grpc.aio.ServicerContext, kind: str, idle_second
     if isinstance(message, Malformed):
         raise ShardError(Why.MALFORMED, f"{kind} stream: {message.reason}")
     return message
+
+
+# The domain's PushHeader, read from the protobuf's fields of the same names (every one
+# of them is there: tests/test_shard.py checks it).
+PUSH_FIELDS = tuple(f.name for f in dataclasses.fields(PushHeader))
+
+
+def push_header(header: pb.PushHeader) -> PushHeader:
+    """The shard's PushHeader from a Push stream's header, field by name."""
+    fields = {name: getattr(header, name) for name in PUSH_FIELDS}
+    fields["boxes"] = tuple(Box(b.tensor, tuple(b.start), tuple(b.stop)) for b in header.boxes)
+    return PushHeader(**fields)
 
 
 def frame_need(header: pb.InitHeader | pb.PushHeader, plan: FragmentPlan | None) -> int:

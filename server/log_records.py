@@ -17,6 +17,9 @@ LOG_PLAN, LOG_INIT, LOG_PUSH, LOG_CLOSE = 1, 2, 3, 4  # record kinds
 # moving a fragment between shards (docs/resharding.md): the source freezes it (or
 # unfreezes it, aborting), the target adopts its state, the source records it moved
 LOG_FREEZE, LOG_UNFREEZE, LOG_ADOPT, LOG_MOVED = 5, 6, 7, 8
+# a push in parts (server/parts.py): one part held (its frame the payload); the push's
+# parts merged as one contribution (with its answer); its parts dropped, none merged
+LOG_PART, LOG_ASSEMBLED, LOG_PARTS_DROPPED = 9, 10, 11
 _LOG_HEADER = struct.Struct("<BI")
 
 

@@ -209,6 +209,13 @@ def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
         default=d["stream_idle_seconds"].default,
         help="a Push or Init stream that sends nothing this long is aborted (default %(default)s)",
     )
+    p.add_argument(
+        "--part-wait-leases",
+        type=float,
+        default=d["part_wait_leases"].default,
+        help="a push in parts still missing some this many leases after its first part is "
+        "dropped, none of it merged (default %(default)s)",
+    )
 
 
 def config_from_args(a: argparse.Namespace) -> ShardConfig:
@@ -254,6 +261,7 @@ def config_from_args(a: argparse.Namespace) -> ShardConfig:
         max_inflight_bytes=a.max_inflight_bytes,
         max_connection_inflight_bytes=a.max_connection_inflight_bytes,
         stream_idle_seconds=a.stream_idle_seconds,
+        part_wait_leases=a.part_wait_leases,
         quarantine_records=tuple(a.quarantine_record),
     )
 

@@ -69,6 +69,14 @@ class ShardMetrics:
             ["reason"],
             registry=r,
         )
+        self.parts_dropped = prom.Counter(
+            "atoll_push_parts_dropped",
+            "Pushes in parts dropped before every part came in, none of them merged, by "
+            "reason (expired: waited past --part-wait-leases; superseded: a newer push of "
+            "the learner came; refused: judged at its last part and refused)",
+            ["reason"],
+            registry=r,
+        )
         self.refused = prom.Counter(
             "atoll_refused_calls",
             "Calls refused with a gRPC status, by method and status code",

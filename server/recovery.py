@@ -10,13 +10,17 @@ from typing import Any
 
 import numpy as np
 
+from atoll.server import parts
 from atoll.server.fragment import Answer, Fragment
 from atoll.server.log_records import (
     LOG_ADOPT,
+    LOG_ASSEMBLED,
     LOG_CLOSE,
     LOG_FREEZE,
     LOG_INIT,
     LOG_MOVED,
+    LOG_PART,
+    LOG_PARTS_DROPPED,
     LOG_PLAN,
     LOG_PUSH,
     LOG_UNFREEZE,
@@ -24,6 +28,7 @@ from atoll.server.log_records import (
 )
 from atoll.server.snapshots import Snapshot
 from atoll.server.state import (
+    MAX_ABS_VALUE,
     RecoveryError,
     RecoveryStopped,
     ShardState,
@@ -67,6 +72,10 @@ class Recovery(ShardState):
                 # learners known before the restart get a fresh lease, so the first
                 # one back does not find itself alone and close a round below quorum
                 for learner in frag.answers:
+                    self.last_seen[learner] = now
+                # held parts wait for the rest of their push from now (not durable either)
+                for learner, held in frag.part_sets.items():
+                    held.started = now
                     self.last_seen[learner] = now
             self.ready = True
             return replayed
@@ -136,6 +145,27 @@ class Recovery(ShardState):
             frag = self.fragments[meta["fragment"]]
             codes = self._checked(codec.read_codes(payload, num_values=frag.size), frag, live)
             frag.contribute(meta["learner"], codes, Answer(**meta["answer"]), self.clock())
+        elif kind == LOG_PART:
+            frag = self.fragments[meta["fragment"]]
+            boxes = tuple(parts.Box.from_json(b) for b in meta["boxes"])
+            n = sum(b.size(frag.shapes[b.tensor]) for b in boxes)
+            codes = codec.read_codes(payload, num_values=n)  # finite, or CodecError
+            if not live and float(codes.range_max_abs([0], [n]).max(initial=0.0)) > MAX_ABS_VALUE:
+                raise ValueError(f"a part with values beyond ±{MAX_ABS_VALUE:g}")
+            frag.hold_part(
+                meta["learner"],
+                meta["seq"],
+                meta["header"],
+                meta["part"],
+                boxes,
+                bytes(payload),
+                self.clock(),
+            )
+        elif kind == LOG_ASSEMBLED:
+            frag = self.fragments[meta["fragment"]]
+            frag.contribute_parts(meta["learner"], Answer(**meta["answer"]), self.clock())
+        elif kind == LOG_PARTS_DROPPED:
+            self.fragments[meta["fragment"]].drop_parts(meta["learner"])
         elif kind == LOG_CLOSE:
             self.fragments[meta["fragment"]].close_round(meta.get("trigger"))
         elif kind == LOG_FREEZE:
@@ -188,6 +218,8 @@ class Recovery(ShardState):
                 for p in sorted(self.fragments):
                     with self.frag_locks[p]:
                         fmeta, farrays = self.fragments[p].state()
+                        fmeta["parts"], parts_arrays = self.fragments[p].parts_state()
+                        farrays = {**farrays, **parts_arrays}
                         meta["fragment_lsns"][str(p)] = self.wal.written_lsn
                         self.fragments[p].lend()
                         lent.append(p)
@@ -241,11 +273,10 @@ class Recovery(ShardState):
             prefix = f"f{key}."
             if int(key) not in self.fragments:  # adopted from another shard
                 self._add_fragment(int(key))
-            self.fragments[int(key)].restore(
-                fmeta,
-                {k[len(prefix) :]: v for k, v in snap.arrays.items() if k.startswith(prefix)},
-                self.clock(),
-            )
+            farrays = {k[len(prefix) :]: v for k, v in snap.arrays.items() if k.startswith(prefix)}
+            self.fragments[int(key)].restore(fmeta, farrays, self.clock())
+            # pushes in parts still missing some (older snapshots: none)
+            self.fragments[int(key)].restore_parts(fmeta.get("parts", []), farrays, self.clock())
         for p in [p for p in self.fragments if str(p) not in meta["fragments"]]:
             self._drop_fragment(p)  # moved away before the snapshot
         self.frozen = {int(p): FragmentMap.from_json(m) for p, m in meta.get("frozen", {}).items()}

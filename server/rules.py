@@ -34,6 +34,9 @@ class Reason(enum.StrEnum):
     # Sequence numbers (admit).
     DUPLICATE = "duplicate"  # a retry (same seq: answered with the first answer) or an older seq
     SEQ_TOO_FAR = "seq_too_far"  # refused as invalid: more than MAX_SEQ_JUMP past the newest
+    # A push in parts (server/parts.py).
+    PART_HELD = "part_held"  # a part is durable and held; the push is judged at its last part
+    PARTS_DROPPED = "parts_dropped"  # refused: its parts did not all come in; nothing merged
     # Closing a round (decide_close).
     EMPTY = "empty"  # no contribution yet: nothing to close
     WAITING_FOR_QUORUM = "waiting_for_quorum"  # fewer than K contributors

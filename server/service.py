@@ -25,7 +25,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import json
 import logging
 import threading
@@ -37,6 +36,7 @@ from grpc_health.v1 import _async as aio_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from atoll.server import intake
 from atoll.server.certificates import CertificateFiles, ReloadingCertificate
 from atoll.server.config import ConfigError, ShardConfig, load_tokens
 from atoll.server.fragment import Answer
@@ -92,6 +92,8 @@ _REASONS = {
     "duplicate": pb.PUSH_REASON_DUPLICATE,
     "too_stale": pb.PUSH_REASON_TOO_STALE,
     "already_in_round": pb.PUSH_REASON_ALREADY_IN_ROUND,
+    "part_held": pb.PUSH_REASON_PART_HELD,
+    "parts_dropped": pb.PUSH_REASON_PARTS_DROPPED,
 }
 # The one place a refusal's reason becomes a gRPC status code.
 STATUS = {
@@ -118,15 +120,6 @@ LEARNER_KEEPALIVE_MS = KEEPALIVE_MS
 
 
 # --- the servicer -------------------------------------------------------------------
-
-# The domain's PushHeader, read from the protobuf's fields of the same names (every one
-# of them is there: tests/test_shard.py checks it).
-PUSH_FIELDS = tuple(f.name for f in dataclasses.fields(PushHeader))
-
-
-def push_header(header: pb.PushHeader) -> PushHeader:
-    """The shard's PushHeader from a Push stream's header, field by name."""
-    return PushHeader(**{name: getattr(header, name) for name in PUSH_FIELDS})
 
 
 class SyncerServicer(pb_grpc.SyncerServicer):
@@ -256,7 +249,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         with self._open("Push"):
             try:
                 async with self._intake("Push", context) as (header, frame):
-                    h = push_header(header)
+                    h = intake.push_header(header)
                     a = await self._call(self._push, h, frame)
             except ShardError as e:
                 await self._refuse(context, "Push", e)

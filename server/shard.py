@@ -17,7 +17,6 @@ on (`server/recovery.py`); moves are `server/moves.py`'s, the shared state
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +34,8 @@ from atoll.server.log_records import (
     log_record_parts,
 )
 from atoll.server.moves import MoveCalls
+from atoll.server.part_calls import ACCEPTED_CODECS, PartCalls
+from atoll.server.push_header import PushHeader
 from atoll.server.recovery import Recovery
 from atoll.server.refusal import ShardError, Why
 from atoll.server.state import (
@@ -62,59 +63,10 @@ __all__ = [
 ]
 
 FIRST_ROUND_GRACE_PERIODS = 1.5  # how long a fragment's first round waits for every live learner
-ACCEPTED_CODECS = (codec.Codec.INT4, codec.Codec.MXFP4, codec.Codec.FP32)
-# Header bounds. Weights tokens²/steps stay below 2^80 and outer-gradient values below
-# MAX_ABS_VALUE, so a round of up to 2^17 pushes cannot overflow its float32 accumulator.
-MAX_TOKENS = 1 << 40  # tokens one push may carry (a trillion: more than any sync period trains)
-MAX_INNER_STEPS = 1 << 31
-MAX_SEQ = (1 << 63) - 1
-MAX_STEP_SECONDS = 86400.0  # a step longer than a day is a broken clock, not a slow island
-MAX_PERIOD_STEPS = 1 << 20
 PRUNE_AFTER_LEASES = 10  # a learner silent this many leases is forgotten (its lease table entry)
 
 
-@dataclasses.dataclass(frozen=True)
-class PushHeader:
-    learner_id: str
-    fragment: int
-    base_version: int
-    seq: int
-    inner_steps: int
-    tokens: int
-    codec: int
-    num_params: int
-    plan_fingerprint: str
-    step_seconds: float = 0.0
-    overlap_steps: int = 0
-    period_steps: int = 0  # H of the learner; 0: not given
-    last: bool = False  # the learner's last push of this fragment: its rounds stop waiting for it
-
-    def problem(self) -> str | None:
-        """What is out of range in this header, or None. Every field is checked here,
-        before anything is logged: the timing fields size the grace window and the
-        cadence, tokens and steps the merge weight."""
-        if not self.learner_id:
-            return "learner_id is empty"
-        for name, value, low, high in (
-            ("inner_steps", self.inner_steps, 1, MAX_INNER_STEPS),
-            ("tokens", self.tokens, 1, MAX_TOKENS),
-            ("seq", self.seq, 0, MAX_SEQ),
-        ):
-            if not low <= value <= high:
-                return f"{name}={value}: must be in [{low}, {high}]"
-        if self.tokens < self.inner_steps:
-            return f"tokens={self.tokens} < inner_steps={self.inner_steps}: a step trains on at least one token"
-        if not (math.isfinite(self.step_seconds) and 0 <= self.step_seconds <= MAX_STEP_SECONDS):
-            return f"step_seconds={self.step_seconds}: must be a finite number in [0, {MAX_STEP_SECONDS}]"
-        if not 0 <= self.period_steps <= MAX_PERIOD_STEPS:
-            return f"period_steps={self.period_steps}: must be in [0, {MAX_PERIOD_STEPS}]"
-        most = self.period_steps - 1 if self.period_steps else MAX_PERIOD_STEPS
-        if not 0 <= self.overlap_steps <= most:
-            return f"overlap_steps={self.overlap_steps}: must be in [0, {most}] (below period_steps when given)"
-        return None
-
-
-class Shard(Recovery, MoveCalls):
+class Shard(Recovery, MoveCalls, PartCalls):
     """Create, then `recover()` before serving (the state: `server/state.py`)."""
 
     def _refuse_if_moving(self, p: int) -> None:
@@ -218,6 +170,8 @@ class Shard(Recovery, MoveCalls):
         lock the push is judged, its record written and its codes merged; the fsync comes
         after the lock is let go, shared with whatever other pushes wait for one."""
         self._require_ready()
+        if h.parts:
+            return self._push_part(h, frame)
         frag, codes = self._checked_push(h, frame)
         with self._lock_of(h.fragment, frag):
             self._require_ready()
@@ -283,7 +237,14 @@ class Shard(Recovery, MoveCalls):
             return duplicate, self.wal.written_lsn
         if refused is not None and refused.seq == h.seq:
             return refused, None  # a retried refusal gets its first answer
-        newest = max((a.seq for a in (prior, refused) if a is not None), default=None)
+        held = frag.part_sets.get(h.learner_id)
+        if held is not None and held.seq == h.seq:
+            raise ShardError(
+                Why.MALFORMED,
+                f"fragment {h.fragment}: seq {h.seq} of {h.learner_id} is a push in parts; "
+                "send its parts (parts > 0), or push whole with a new seq",
+            )
+        newest = max((a.seq for a in (prior, refused, held) if a is not None), default=None)
         verdict = rules.admit(
             seq=h.seq,
             newest_seq=newest,
@@ -337,16 +298,25 @@ class Shard(Recovery, MoveCalls):
             "learner": h.learner_id,
             "answer": dataclasses.asdict(answer),
         }
-        lsn = self._write([log_record_parts(LOG_PUSH, meta, frame)])
+        # an older push in parts of this learner's will never finish: a newer push replaced it
+        dropped = self._dropped_parts(frag, h.learner_id, "superseded")
+        lsn = self._write([*dropped, log_record_parts(LOG_PUSH, meta, frame)])
+        if dropped:
+            frag.drop_parts(h.learner_id)
         frag.contribute(h.learner_id, codes, answer, now)
+        return self._joined_round(h, frag, now), lsn
+
+    def _joined_round(self, h: PushHeader, frag: Fragment, now: float) -> Answer:
+        """What follows an accepted contribution (whole or assembled from parts): leases,
+        metrics, and the round's close if the rules say so; returns its answer."""
         frag.refusals.pop(h.learner_id, None)
         with self.lock:
             self.known.add(h.learner_id)
-        self.metrics.staleness.observe(answer.staleness)
+        self.metrics.staleness.observe(frag.answers[h.learner_id].staleness)
         assert self.plan is not None  # _fragment found it
         self.metrics.compute_seconds.inc(h.inner_steps * h.step_seconds / self.plan.num_fragments)
         self._maybe_close(h.fragment, now, trigger=h.learner_id)
-        return frag.answers[h.learner_id], lsn
+        return frag.answers[h.learner_id]
 
     def _heard_from(self, h: PushHeader, now: float) -> None:
         """A push renews its learner's lease and brings its timing: step time, τ, H.
@@ -462,6 +432,8 @@ class Shard(Recovery, MoveCalls):
                     continue
                 for learner in gone:
                     frag.refusals.pop(learner, None)
+                if frag.part_sets:
+                    wakes.append(self._drop_expired_parts(p, now))
                 if frag.round.count:
                     wakes.append(self._maybe_close(p, now))
         with self.lock:

@@ -406,7 +406,8 @@ def test_a_restart_with_another_num_shards_keeps_the_map_of_the_first_init(tmp_p
 
 
 def test_the_servicer_reads_every_push_header_field_from_the_protobuf_by_name():
-    from atoll.server.service import PUSH_FIELDS, push_header
+    from atoll.server.intake import PUSH_FIELDS, push_header
+    from atoll.server.parts import Box
     from atoll.wire import syncer_pb2 as pb
 
     assert set(PUSH_FIELDS) <= set(pb.PushHeader.DESCRIPTOR.fields_by_name)
@@ -424,9 +425,14 @@ def test_the_servicer_reads_every_push_header_field_from_the_protobuf_by_name():
         "overlap_steps": 1,
         "period_steps": 8,
         "last": True,
+        "parts": 4,
+        "part": 2,
     }
-    assert set(values) == set(PUSH_FIELDS)
-    assert push_header(pb.PushHeader(**values, frame_bytes=9)) == PushHeader(**values)
+    boxes = [pb.TensorBox(tensor=1, start=[0, 2], stop=[3, 4]), pb.TensorBox(tensor=0)]
+    assert set(values) | {"boxes"} == set(PUSH_FIELDS)
+    assert push_header(pb.PushHeader(**values, boxes=boxes, frame_bytes=9)) == PushHeader(
+        **values, boxes=(Box(1, (0, 2), (3, 4)), Box(0))
+    )
 
 
 def test_the_shard_reads_in_one_sitting():

@@ -23,6 +23,8 @@ class PushReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUSH_REASON_DUPLICATE: _ClassVar[PushReason]
     PUSH_REASON_TOO_STALE: _ClassVar[PushReason]
     PUSH_REASON_ALREADY_IN_ROUND: _ClassVar[PushReason]
+    PUSH_REASON_PART_HELD: _ClassVar[PushReason]
+    PUSH_REASON_PARTS_DROPPED: _ClassVar[PushReason]
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_MXFP4: Codec
@@ -33,6 +35,8 @@ PUSH_REASON_STALE_DISCOUNTED: PushReason
 PUSH_REASON_DUPLICATE: PushReason
 PUSH_REASON_TOO_STALE: PushReason
 PUSH_REASON_ALREADY_IN_ROUND: PushReason
+PUSH_REASON_PART_HELD: PushReason
+PUSH_REASON_PARTS_DROPPED: PushReason
 
 class FragmentMap(_message.Message):
     __slots__ = ("version", "owners", "moved_at")
@@ -119,7 +123,7 @@ class InitResponse(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "fragment", "base_version", "seq", "inner_steps", "tokens", "codec", "num_params", "plan_fingerprint", "frame_bytes", "step_seconds", "overlap_steps", "period_steps", "last")
+    __slots__ = ("learner_id", "fragment", "base_version", "seq", "inner_steps", "tokens", "codec", "num_params", "plan_fingerprint", "frame_bytes", "step_seconds", "overlap_steps", "period_steps", "last", "parts", "part", "boxes")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +138,9 @@ class PushHeader(_message.Message):
     OVERLAP_STEPS_FIELD_NUMBER: _ClassVar[int]
     PERIOD_STEPS_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    BOXES_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment: int
     base_version: int
@@ -148,7 +155,20 @@ class PushHeader(_message.Message):
     overlap_steps: int
     period_steps: int
     last: bool
-    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., num_params: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., frame_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., overlap_steps: _Optional[int] = ..., period_steps: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
+    parts: int
+    part: int
+    boxes: _containers.RepeatedCompositeFieldContainer[TensorBox]
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., num_params: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., frame_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., overlap_steps: _Optional[int] = ..., period_steps: _Optional[int] = ..., last: _Optional[bool] = ..., parts: _Optional[int] = ..., part: _Optional[int] = ..., boxes: _Optional[_Iterable[_Union[TensorBox, _Mapping]]] = ...) -> None: ...
+
+class TensorBox(_message.Message):
+    __slots__ = ("tensor", "start", "stop")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    tensor: int
+    start: _containers.RepeatedScalarFieldContainer[int]
+    stop: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tensor: _Optional[int] = ..., start: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")

@@ -1,0 +1,218 @@
+"""A push in parts: each process of a sharded learner sends the elements of a fragment it
+holds, and the shard merges the push once, when its parts cover the fragment exactly.
+
+A part names what it carries as boxes, one per tensor piece (`Box`: the tensor's position
+in the fragment and a [start, stop) range along each dimension, which is what a jax
+shard's `index` already says); its frame holds the boxes' values one after another, each
+in C order. Every part of a push carries the same header but for its index and boxes.
+
+The decisions here are pure functions of their arguments (`judge_part`, `expired`): the
+shard (server/shard.py) calls them under the fragment's lock, logs what they decide, and
+changes the fragment through `Fragment.hold_part` / `contribute_parts` / `drop_parts`, the
+calls that replaying the log makes too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+MAX_PARTS = 1 << 12  # parts one push may come in (processes of one learner)
+MAX_BOXES = 1 << 16  # boxes one part may carry
+
+
+@dataclasses.dataclass(frozen=True)
+class Box:
+    """Elements start[d] <= i < stop[d] of tensor `tensor` of a fragment (empty: all of it)."""
+
+    tensor: int
+    start: tuple[int, ...] = ()
+    stop: tuple[int, ...] = ()
+
+    def bounds(self, shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(start, stop) along every dimension of a tensor of `shape`."""
+        if not self.start and not self.stop:
+            return (0,) * len(shape), tuple(shape)
+        return self.start, self.stop
+
+    def size(self, shape: Sequence[int]) -> int:
+        start, stop = self.bounds(shape)
+        return math.prod(b - a for a, b in zip(start, stop))
+
+    def view(self, tensor: np.ndarray) -> np.ndarray:
+        """The box's elements of `tensor` (shaped as the tensor), as a writable view."""
+        start, stop = self.bounds(tensor.shape)
+        out: np.ndarray = tensor[tuple(slice(a, b) for a, b in zip(start, stop))]
+        return out
+
+    def to_json(self) -> list[Any]:
+        return [self.tensor, list(self.start), list(self.stop)]
+
+    @classmethod
+    def from_json(cls, value: Sequence[Any]) -> Box:
+        tensor, start, stop = value
+        return cls(int(tensor), tuple(map(int, start)), tuple(map(int, stop)))
+
+
+def box_problem(box: Box, shapes: Sequence[Sequence[int]]) -> str | None:
+    """What makes `box` name no non-empty piece of the fragment's tensors `shapes`, or None."""
+    if not 0 <= box.tensor < len(shapes):
+        return f"box of tensor {box.tensor}: the fragment has {len(shapes)} tensors"
+    shape = shapes[box.tensor]
+    if (box.start or box.stop) and not (len(box.start) == len(box.stop) == len(shape)):
+        return (
+            f"box of tensor {box.tensor}: start {list(box.start)} and stop {list(box.stop)} "
+            f"must both have one bound per dimension of its shape {list(shape)} (or both be empty)"
+        )
+    start, stop = box.bounds(shape)
+    if any(not 0 <= a < b <= n for a, b, n in zip(start, stop, shape)):
+        return (
+            f"box of tensor {box.tensor}: [{list(start)}, {list(stop)}) is empty or exceeds "
+            f"its shape {list(shape)}"
+        )
+    return None
+
+
+def overlap(a: Box, b: Box, shapes: Sequence[Sequence[int]]) -> bool:
+    """Whether two valid boxes share an element."""
+    if a.tensor != b.tensor:
+        return False
+    shape = shapes[a.tensor]
+    (a0, a1), (b0, b1) = a.bounds(shape), b.bounds(shape)
+    return all(max(x0, y0) < min(x1, y1) for x0, x1, y0, y1 in zip(a0, a1, b0, b1))
+
+
+def boxes_problem(boxes: Sequence[Box], shapes: Sequence[Sequence[int]]) -> str | None:
+    """What is wrong with one part's boxes on their own (bounds, overlap), or None."""
+    if not boxes:
+        return "a part must carry at least one box"
+    if len(boxes) > MAX_BOXES:
+        return f"{len(boxes)} boxes: at most {MAX_BOXES} per part"
+    for box in boxes:
+        problem = box_problem(box, shapes)
+        if problem is not None:
+            return problem
+    return _overlap_problem(boxes, (), shapes)
+
+
+def _overlap_problem(
+    new: Sequence[Box], held: Sequence[Box], shapes: Sequence[Sequence[int]]
+) -> str | None:
+    by_tensor: dict[int, list[Box]] = {}
+    for box in held:
+        by_tensor.setdefault(box.tensor, []).append(box)
+    for box in new:
+        mine = by_tensor.setdefault(box.tensor, [])
+        for other in mine:
+            if overlap(box, other, shapes):
+                return f"boxes {box.to_json()} and {other.to_json()} overlap"
+        mine.append(box)
+    return None
+
+
+@dataclasses.dataclass
+class PartSet:
+    """The parts of one push held so far. `header`: what every part must agree on."""
+
+    seq: int
+    header: dict[str, Any]
+    boxes: dict[int, tuple[Box, ...]]  # part index -> its boxes
+    frames: dict[int, bytes]  # part index -> its frame, as logged
+    started: float  # the shard's clock when its first part came (after a restart: then)
+
+    @property
+    def parts(self) -> int:
+        return int(self.header["parts"])
+
+
+class Step(enum.Enum):
+    """What a part does to its push's set of parts."""
+
+    RETRY = "retry"  # this part is already held: answer it as before, change nothing
+    HOLD = "hold"  # a new part, more to come: log and hold it
+    COMPLETE = "complete"  # the last part: log it, then judge and merge the whole push
+
+
+def judge_part(
+    held: PartSet | None,
+    *,
+    header: Mapping[str, Any],
+    part: int,
+    boxes: Sequence[Box],
+    shapes: Sequence[Sequence[int]],
+    fragment_size: int,
+) -> tuple[Step | None, str]:
+    """Decides what one part does to its push's parts held so far (same learner and seq).
+
+    Args:
+      held: the push's parts already held, or None for its first part.
+      header: the part's header fields every part must agree on (with `parts`).
+      part, boxes: the part's index and boxes (each already checked by `boxes_problem`).
+      shapes: the fragment's tensor shapes, in its order; fragment_size: their sizes' sum.
+
+    Returns:
+      (step, "") or (None, why the part is refused: never changes anything). E.g. the
+      second of two parts that together leave an element out is (None, "... leave ... out").
+    """
+    parts = int(header["parts"])
+    if not 0 <= part < parts:
+        return None, f"part {part} of a push in {parts} parts"
+    if held is not None:
+        if dict(header) != held.header:
+            differ = sorted(k for k in header if header[k] != held.header.get(k))
+            return None, f"part {part} disagrees with the push's other parts on {differ}"
+        if part in held.boxes:
+            if tuple(boxes) != held.boxes[part]:
+                return None, f"part {part} is held already, with other boxes"
+            return Step.RETRY, ""
+    others = [b for bs in (held.boxes.values() if held else ()) for b in bs]
+    problem = _overlap_problem(boxes, others, shapes)
+    if problem is not None:
+        return None, problem
+    in_hand = (len(held.boxes) if held else 0) + 1
+    if in_hand < parts:
+        return Step.HOLD, ""
+    covered = sum(b.size(shapes[b.tensor]) for b in [*others, *boxes])
+    if covered != fragment_size:
+        return None, (
+            f"the push's {parts} parts cover {covered} of the fragment's {fragment_size} "
+            "elements: they leave some out"
+        )
+    return Step.COMPLETE, ""
+
+
+def expired(
+    started: Mapping[str, float], now: float, wait_seconds: float
+) -> tuple[list[str], float | None]:
+    """(learners whose incomplete parts have waited `wait_seconds` since their first part,
+    sorted; when the next of the others will have, or None).
+
+    E.g. expired({"a": 0.0, "b": 5.0}, now=10.0, wait_seconds=8.0) == (["a"], 13.0)."""
+    due = sorted(m for m, t in started.items() if now >= t + wait_seconds)
+    later = [t + wait_seconds for m, t in started.items() if now < t + wait_seconds]
+    return due, min(later) if later else None
+
+
+def assemble(
+    out: np.ndarray,
+    offsets: Sequence[int],
+    shapes: Sequence[Sequence[int]],
+    boxes: Sequence[Box],
+    values: np.ndarray,
+) -> None:
+    """Writes a part's `values` (its boxes' elements, box after box, C order) into the
+    fragment vector `out` whose tensor t starts at offsets[t]."""
+    at = 0
+    for box in boxes:
+        shape = tuple(shapes[box.tensor])
+        n = box.size(shape)
+        tensor = out[offsets[box.tensor] : offsets[box.tensor] + math.prod(shape)].reshape(shape)
+        start, stop = box.bounds(shape)
+        box.view(tensor)[...] = values[at : at + n].reshape([b - a for a, b in zip(start, stop)])
+        at += n
+    assert at == values.size, "a part's frame holds its boxes' elements"
