@@ -61,8 +61,9 @@ class LearnerStateError(RuntimeError):
 
 
 class _View:
-    """The params of one call, flattened and checked only when a fragment is read or
-    written (a step with no sync due never flattens them)."""
+    """The params of one call, flattened and checked once (`leaves`): structure, shapes
+    and dtypes are metadata, so a step with no sync due still reads nothing from the
+    device."""
 
     __slots__ = ("layout", "params", "what", "_leaves")
 
@@ -343,7 +344,7 @@ class Learner:
 
         Args:
           params: the tree `join` returned, as your steps left it (same structure, shapes
-            and dtypes; checked when a fragment is read or written).
+            and dtypes; checked at every step, from metadata alone).
           tokens: what this step trained on (tokens, or examples): the merge weighs each
             push by its tokens, so learners of one run should count alike.
           last: True on your last step, if you know it: its pushes tell the shards to
@@ -372,6 +373,7 @@ class Learner:
         self._tokens = max(1, int(tokens))
         self.tokens += self._tokens
         view = _View(layout, params, "params given to step()")
+        view.leaves()  # a tree changed since join fails here, at this step (ParamsError)
         seq_before = self._sync.seq if self._sync is not None else 0
         updates = self._sync_step(view, seconds, last)
         if updates:
