@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from atoll.learner import (
+        CheckpointError,
         Codec,
         Learner,
         LearnerConfigError,
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Learner",
     "LearnerStateError",
+    "CheckpointError",
     "LearnerConfigError",
     "ParamsError",
     "PlanMismatch",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from atoll.learner.api import Learner, LearnerStateError
+    from atoll.learner.checkpoint import CheckpointError
     from atoll.learner.config import LearnerConfigError
     from atoll.learner.pytree import ParamsError
     from atoll.learner.stopping import Stopped
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 _HOMES = {
     "Learner": "atoll.learner.api",
     "LearnerStateError": "atoll.learner.api",
+    "CheckpointError": "atoll.learner.checkpoint",
     "LearnerConfigError": "atoll.learner.config",
     "ParamsError": "atoll.learner.pytree",
     "PlanMismatch": "atoll.learner.sync",
@@ -33,6 +35,7 @@ _HOMES = {
 __all__ = [
     "Learner",
     "LearnerStateError",
+    "CheckpointError",
     "LearnerConfigError",
     "ParamsError",
     "PlanMismatch",

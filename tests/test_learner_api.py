@@ -33,6 +33,18 @@ def test_import_atoll_is_light_and_exports_the_api():
         atoll.Lerner  # noqa: B018
 
 
+def test_every_error_join_promises_is_exported():
+    from atoll.learner import checkpoint
+
+    # join's docstring names CheckpointError: a user must be able to catch it by name
+    assert "CheckpointError" in atoll.__all__
+    assert atoll.CheckpointError is checkpoint.CheckpointError
+    assert issubclass(atoll.CheckpointError, ValueError)
+    raises = atoll.Learner.join.__doc__.split("Raises:")[1]
+    named = {line.split(":")[0].split()[0] for line in raises.splitlines() if ":" in line}
+    assert named <= set(atoll.__all__), named - set(atoll.__all__)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
