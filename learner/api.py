@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -52,12 +53,27 @@ log = logging.getLogger("atoll.learner")
 _SYNC = SyncConfig()  # the sync settings' defaults, declared once (learner/sync.py)
 _NEW, _JOINED, _FINISHED, _CLOSED = "new", "joined", "finished", "closed"
 # SyncConfig's settings that are Learner arguments of the same name (`from_config`)
-_SYNC_ARGS = ("period", "overlap", "mix", "late_mix", "codec", "patience", "wait_for_rounds")
+_SYNC_ARGS = (
+    "period",
+    "overlap",
+    "mix",
+    "late_mix",
+    "codec",
+    "patience",
+    "wait_for_rounds",
+    "join_timeout",
+)
 _Claim = standby.Claim  # (`standby` is also an argument's name)
 
 
 class LearnerStateError(RuntimeError):
     """A call out of order: `step` before `join`, anything after `finish` or `close`."""
+
+
+class JoinInterrupted(SystemExit, KeyboardInterrupt):
+    """Ctrl-C during `join`: a KeyboardInterrupt to code that catches one, and a
+    SystemExit(130) (the shell's status for SIGINT) to the interpreter, which then exits
+    without printing a traceback."""
 
 
 class _View:
@@ -133,6 +149,8 @@ class Learner:
         claim so a standby that takes the id over reads it back as `learner.index`.
       num_learners: learners in the run (standbys take only ids of the same run).
       deadline: seconds per call to a shard.
+      join_timeout: seconds `join` waits for the shards to answer, every call and retry
+        together (default 300): past it, SyncError names the shards.
       patience: seconds (at least; 4 periods of steps if longer) to wait for a round.
       wait_for_rounds: block on a round a whole period late (synchronous semantics).
       on_push: called from a sync thread with one dict per answered push (fragment,
@@ -186,13 +204,12 @@ class Learner:
         deadline: float = LearnerConfig.deadline,
         patience: float = _SYNC.patience,
         wait_for_rounds: bool = _SYNC.wait_for_rounds,
+        join_timeout: float = _SYNC.join_timeout,
         on_push: Callable[[dict[str, Any]], None] | None = None,
         claim_id: bool = True,
         run_info: Mapping[str, Any] | None = None,
     ):
-        _need(
-            isinstance(learner_id, str) and learner_id != "", "learner_id must be a non-empty str"
-        )
+        _need(isinstance(learner_id, str) and learner_id != "", "learner_id must be a nonempty str")
         self.pattern, self.addresses = _addresses(shards, num_shards)
         _need(
             isinstance(fragments, int) and fragments >= len(self.addresses),
@@ -200,7 +217,7 @@ class Learner:
             f"({len(self.addresses)}): each shard owns one fragment or more",
         )
         sync = (period, overlap, mix, late_mix, codec, patience, wait_for_rounds)
-        self.sync_config = _sync_config(*sync)
+        self.sync_config = _sync_config(*sync, join_timeout)
         _need(deadline > 0, f"deadline must be > 0 seconds, got {deadline}")
         _need(checkpoint_every >= 0, f"checkpoint_every must be >= 0 steps, got {checkpoint_every}")
         _need(num_learners >= 1, f"num_learners must be >= 1, got {num_learners}")
@@ -315,12 +332,24 @@ class Learner:
           SyncError: the shards refused this learner in a way retrying cannot fix.
           CheckpointError: this id's checkpoint is of another model, plan or `run_info`.
           LearnerStateError: called twice, or after `close`.
+          KeyboardInterrupt: Ctrl-C while joining. It is also a SystemExit(130): one
+            that your program does not catch ends it with one line on stderr, not a
+            traceback through the gRPC calls it interrupted.
         """
         with self._lock:
             self._expect(_NEW, "join")
             self._phase = _JOINED  # a second join, even during this one, is refused
         try:
             return self._join(params)
+        except KeyboardInterrupt:
+            self._failed = "KeyboardInterrupt: interrupted while joining"
+            self.close()
+            print(
+                f"atoll: learner {self.learner_id} interrupted while joining the shards at "
+                f"{', '.join(self.addresses)}",
+                file=sys.stderr,
+            )
+            raise JoinInterrupted(130) from None
         except BaseException as e:
             self._failed = f"{type(e).__name__}: {e}"
             self.close()
@@ -802,6 +831,7 @@ def _sync_config(
     codec: Codec | str,
     patience: float,
     wait_for_rounds: bool,
+    join_timeout: float,
 ) -> SyncConfig:
     """The sync settings, checked by SyncConfig (its errors as LearnerConfigError)."""
     try:
@@ -819,6 +849,7 @@ def _sync_config(
             codec=wire_codec,
             patience=patience,
             wait_for_rounds=wait_for_rounds,
+            join_timeout=join_timeout,
         )
     except ValueError as e:
         raise LearnerConfigError(str(e)) from None

@@ -19,6 +19,7 @@ from atoll.learner.defaults import (  # noqa: F401
     DEADLINE,
     EVAL_BATCHES,
     FRAGMENTS,
+    JOIN_TIMEOUT,
     LATE_MIX,
     MIX,
     OVERLAP,
@@ -110,6 +111,7 @@ class LearnerConfig:
     )
     metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: any free port
     deadline: float = DEADLINE  # seconds per RPC, > 0
+    join_timeout: float = JOIN_TIMEOUT  # seconds joining waits for the shards, all retries, > 0
     lease_exit_wait: float = 10.0  # seconds to wait at the end for syncs in flight, >= 0
     progress: bool = True  # print the live progress line
     distributed: DistributedConfig | None = (
@@ -228,6 +230,7 @@ class LearnerConfig:
             codec=self.codec,
             patience=self.sync_patience,
             wait_for_rounds=self.wait_for_rounds,
+            join_timeout=self.join_timeout,
         )
 
     def to_args(self) -> list[str]:
@@ -291,6 +294,7 @@ _SYNC_FLAGS = {
     "mix": "--mix",
     "late_mix": "--late-mix",
     "patience": "--sync-patience",
+    "join_timeout": "--join-timeout",
 }
 
 

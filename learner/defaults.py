@@ -24,6 +24,10 @@ CODEC = DEFAULT_CODEC  # outer-gradient codec: the wire's default (int4)
 SYNC_PATIENCE = 30.0  # seconds (at least; 4 periods of steps if longer) to wait on a round
 CHECKPOINT_EVERY = 50  # steps between background checkpoints
 DEADLINE = 60.0  # seconds per RPC to a shard
+# seconds `join` waits for the shards to answer, every call and retry together: long
+# enough for shards that start with the learners (a pod scheduled, a log replayed), short
+# enough that a wrong address fails rather than retrying forever
+JOIN_TIMEOUT = 300.0
 PRESET = "small"  # model preset (learner.model.PRESETS)
 BATCH_SIZE = 16  # sequences per inner step
 STEPS = 200  # inner steps to run
@@ -46,6 +50,7 @@ class SyncConfig:
         SYNC_PATIENCE  # seconds (at least; 4 periods of steps if longer) to wait for a round
     )
     wait_for_rounds: bool = False  # synchronous semantics: block when a round is a period late
+    join_timeout: float = JOIN_TIMEOUT  # seconds join waits for the shards, all retries, > 0
 
     def __post_init__(self) -> None:
         if self.period < 1:
@@ -61,5 +66,7 @@ class SyncConfig:
             raise ValueError(f"late_mix must be in [0, 1), got {self.late_mix}")
         if self.patience <= 0:
             raise ValueError(f"patience must be > 0 seconds, got {self.patience}")
+        if self.join_timeout <= 0:
+            raise ValueError(f"join_timeout must be > 0 seconds, got {self.join_timeout}")
         if self.max_backoff <= 0:
             raise ValueError(f"max_backoff must be > 0, got {self.max_backoff}")

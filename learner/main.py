@@ -226,6 +226,13 @@ def _add_sync(g: argparse._ArgumentGroup, d: dict[str, Any]) -> None:
         help="seconds per call to a shard (default %(default)s)",
     )
     g.add_argument(
+        "--join-timeout",
+        type=float,
+        default=d["join_timeout"],
+        help="seconds joining waits for the shards to answer, all retries together "
+        "(default %(default)s)",
+    )
+    g.add_argument(
         "--lease-exit-wait",
         type=float,
         default=d["lease_exit_wait"],
@@ -346,6 +353,7 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
         compile_cache=a.compile_cache,
         metrics_port=a.metrics_port,
         deadline=a.deadline,
+        join_timeout=a.join_timeout,
         lease_exit_wait=a.lease_exit_wait,
         progress=not a.quiet,
         distributed=config_from(a.coordinator, a.num_processes, a.process_id, os.environ),

@@ -217,7 +217,37 @@ class Synchronizer:
 
     def join_fragments(self, params: Any) -> list[np.ndarray]:
         """`join`, returning every fragment's current global vector (fresh copies) rather
-        than a tree; `params` is read with `read_fragment`."""
+        than a tree; `params` is read with `read_fragment`.
+
+        Bounded by `cfg.join_timeout`, every call and retry together (each call has its
+        own deadline too): past it the synchronizer is stopped and SyncError names the
+        shards and the bound; a shard that never answers would otherwise be retried
+        forever."""
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            self.stop()
+
+        timer = threading.Timer(self.cfg.join_timeout, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            return self._join_fragments(params)
+        except Stopped:
+            if not expired.is_set():
+                raise
+            addresses = ", ".join(c.address for c in self.router.clients)
+            raise SyncError(
+                f"join: the shards at {addresses} did not all answer within "
+                f"join_timeout={self.cfg.join_timeout:g} s: check that they run and that "
+                "this host reaches them at those addresses (the log's retry lines give each "
+                "call's error), or give a longer join_timeout"
+            ) from None
+        finally:
+            timer.cancel()
+
+    def _join_fragments(self, params: Any) -> list[np.ndarray]:
         seeded = self.router.check_shards()
         vectors = [self.read_fragment(params, p) for p in range(self.plan.num_fragments)]
         for p, vector in enumerate(vectors):

@@ -4,6 +4,12 @@ shards that never answer ends within its bound, and Ctrl-C during join is one li
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
+import time
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -63,3 +69,61 @@ def test_a_tree_changed_after_join_fails_at_the_next_step(one_shard, change, mat
         with pytest.raises(atoll.ParamsError, match=match):
             learner.step(change(params))
         assert learner.steps == 4 and not learner.pushed  # caught before any sync was due
+
+
+@pytest.fixture
+def silent_port():
+    """A port that accepts connections and never answers (a hung shard, a wrong service)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    yield server.getsockname()[1]
+    server.close()
+
+
+@pytest.mark.parametrize("listening", [False, True], ids=["nothing-listens", "never-answers"])
+def test_a_join_against_shards_that_never_answer_ends_at_join_timeout(listening, silent_port):
+    address = f"127.0.0.1:{silent_port if listening else 1}"  # nothing listens on port 1
+    learner = atoll.Learner(address, "a", deadline=30.0, join_timeout=2.0)
+    started = time.monotonic()
+    with pytest.raises(
+        atoll.SyncError, match=rf"shards at {address} did not all answer within join_timeout=2 s"
+    ):
+        learner.join(init())
+    assert time.monotonic() - started < 8  # the bound, not a call's 30 s deadline
+    with pytest.raises(atoll.LearnerStateError, match="did not all answer"):
+        learner.step(init())  # the failed join says why on every later call
+
+
+def test_join_timeout_is_checked_where_it_is_declared():
+    with pytest.raises(atoll.LearnerConfigError, match="join_timeout must be > 0"):
+        atoll.Learner("127.0.0.1:1", "a", join_timeout=0)
+
+
+SCRIPT = """
+import sys, jax.numpy as jnp, atoll
+learner = atoll.Learner(sys.argv[1], "a", deadline=60.0, fragments=1)
+print("joining", flush=True)
+learner.join({"w": jnp.zeros((4, 2))})
+"""
+
+
+def test_ctrl_c_during_join_ends_the_program_with_one_line(silent_port):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, f"127.0.0.1:{silent_port}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "joining"
+        time.sleep(1.0)  # inside join, in a call the silent shard never answers
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        f"atoll: learner a interrupted while joining the shards at 127.0.0.1:{silent_port}"
+    )
