@@ -150,7 +150,8 @@ class Fragment:
             values = np.empty(n, np.float32)
             codec.read_codes(held.frames[part], num_values=n).decode_into(values, accumulate=False)
             parts.assemble(delta, self.segments.offsets.tolist(), self.shapes, boxes, values)
-        self.contribute(learner, delta, answer, now)
+        # decoded from checked codes, every element written once: finite, no pass to check it
+        self.contribute(learner, codec.Codes.of_values(delta, finite=True), answer, now)
 
     def parts_state(self) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
         """(JSON-able meta, arrays) of the held parts, for a snapshot (not moved with the

@@ -280,6 +280,7 @@ class _Layout:
     fragments: int
     rounds: int  # measured rounds
     warmup_rounds: int  # unmeasured rounds first
+    parts: int = 1  # each push in this many parts (a learner of as many processes)
 
 
 def _layout(
@@ -291,6 +292,7 @@ def _layout(
     connections: int | None,
     cores: list[int] | None,
     cpus: list[int],
+    parts: int = 1,
 ) -> _Layout:
     """The run's layout; ValueError (worded for the flags) where one cannot run."""
     if cores and max(cores) > len(cpus):
@@ -310,8 +312,12 @@ def _layout(
             f"--fragments {fragments}: the {num_params}-param model has only "
             f"{len(specs)} tensors; use --fragments <= {len(specs)} or more --params"
         )
+    if parts > min(s.shape[0] for s in specs):
+        raise ValueError(f"--parts {parts}: more than the rows of the model's smallest tensor")
     plan = FragmentPlan.build(specs, fragments)
-    return _Layout(plan, learners, connections, per_learner, fragments, rounds, warmup_rounds)
+    return _Layout(
+        plan, learners, connections, per_learner, fragments, rounds, warmup_rounds, parts
+    )
 
 
 @dataclasses.dataclass
@@ -360,6 +366,7 @@ def _start(run: _Run, lay: _Layout, root: pathlib.Path) -> None:
                 f"127.0.0.1:{raw_port}",
                 lay.plan.to_json(),
                 lay.per_learner[i],
+                lay.parts,
             ),
         )
         proc.start()
@@ -486,6 +493,7 @@ def bench_ingest(
     warmup_rounds: int = 1,
     connections: int | None = None,
     cores: list[int] | None = None,
+    parts: int = 1,
 ) -> dict:
     """Ingest rate, push latency, fsync latency and memory of one shard process under N learners.
 
@@ -499,10 +507,14 @@ def bench_ingest(
     The shard's CPU per MB of frames is set against `ingest_limit.measure` of the same
     frames on one core (cost_over_limit). With `cores` (CPU counts, e.g. [1, 2]) the
     measured rounds run again with the shard pinned to that many CPUs each, the learners
-    on the rest; ValueError for more CPUs than this process may use.
+    on the rest; ValueError for more CPUs than this process may use. With `parts` > 1
+    every push comes in that many parts (each tensor split by rows, as FSDP over as many
+    processes holds it), one after another on its connection.
     """
     cpus = sorted(os.sched_getaffinity(0))
-    lay = _layout(num_params, learners, fragments, rounds, warmup_rounds, connections, cores, cpus)
+    lay = _layout(
+        num_params, learners, fragments, rounds, warmup_rounds, connections, cores, cpus, parts
+    )
     load_before = os.getloadavg()[0]
     run = _Run(mp.get_context("spawn"))
     root = pathlib.Path(tempfile.mkdtemp(prefix="atoll-bench-ingest-"))
@@ -563,6 +575,7 @@ def _report(lay: _Layout, m: _Measured, load_before: float) -> dict:
         "params": lay.plan.num_params,
         "learners": lay.learners,
         "connections": lay.connections,
+        "parts_per_push": lay.parts,
         "client_processes": lay.learners,
         "fragments": lay.fragments,
         "rounds": lay.rounds,
@@ -737,6 +750,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(e.g. 1,2), the learners on the rest, and report MB/s per K and their ratio",
     )
     p.add_argument(
+        "--parts",
+        type=positive_int,
+        default=1,
+        help="send every push in this many parts, each tensor split by rows as FSDP over "
+        "that many processes holds it (default 1: whole pushes)",
+    )
+    p.add_argument(
         "--json", action="store_true", help="print one JSON object (the only output format)"
     )
 
@@ -751,6 +771,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             args.warmup_rounds,
             args.connections,
             args.cores,
+            args.parts,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -9,9 +9,11 @@ import time
 from concurrent import futures
 
 import grpc
+import numpy as np
 
 from atoll.bench.ingest_limit import learner_frames
 from atoll.local.processes import _die_with_parent
+from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire import syncer_pb2_grpc as pb_grpc
 from atoll.wire.client import CHUNK_BYTES, ShardClient
@@ -26,6 +28,32 @@ def _chunked(header: pb.PushHeader, frame: bytes, chunk_bytes: int):
     yield pb.PushRequest(header=header)
     for start in range(0, len(frame), chunk_bytes):
         yield pb.PushRequest(chunk=frame[start : start + chunk_bytes])
+
+
+def row_boxes(plan: FragmentPlan, p: int, parts: int) -> list[list[pb.TensorBox]]:
+    """Fragment p's tensors split by rows into `parts` boxes each: what each of `parts`
+    processes holding the model FSDP-sharded over its first axis sends."""
+    out: list[list[pb.TensorBox]] = [[] for _ in range(parts)]
+    for t, slot in enumerate(plan.tensors_of(p)):
+        shape = slot.spec.shape
+        for k in range(parts):
+            start = [shape[0] * k // parts] + [0] * (len(shape) - 1)
+            stop = [shape[0] * (k + 1) // parts, *shape[1:]]
+            out[k].append(pb.TensorBox(tensor=t, start=start, stop=stop))
+    return out
+
+
+def part_frames(plan: FragmentPlan, p: int, frame: bytes, parts: int) -> list[bytes]:
+    """Each part's INT4 frame of fragment p's values in `frame` (`row_boxes` order)."""
+    values, out = codec.decode(frame), []
+    for boxes in row_boxes(plan, p, parts):
+        pieces = []
+        for box in boxes:
+            slot = plan.tensors_of(p)[box.tensor]
+            tensor = values[slot.offset : slot.end].reshape(slot.spec.shape)
+            pieces.append(tensor[box.start[0] : box.stop[0]].reshape(-1))
+        out.append(codec.encode(np.concatenate(pieces), codec.Codec.INT4))
+    return out
 
 
 def serve_raw(conn) -> None:
@@ -119,8 +147,17 @@ class _Pusher:
         shard_address: str,
         raw_address: str,
         connections: int,
+        parts: int = 1,
     ):
         self.plan, self.frames, self.learner_id = plan, frames, learner_id
+        self.parts = parts
+        # each fragment's pushes as [(boxes, frame)] (one whole push: no boxes)
+        self.messages = [
+            [([], f)]
+            if parts == 1
+            else list(zip(row_boxes(plan, p, parts), part_frames(plan, p, f, parts)))
+            for p, f in enumerate(frames)
+        ]
         self.shard = ShardClient(shard_address, learner_id)  # its Watch stream
         self.channels = [
             (_channel(shard_address), _channel(raw_address)) for _ in range(connections)
@@ -142,7 +179,8 @@ class _Pusher:
         for p in range(P):
             self.versions.wait_for(p, 0)
 
-    def header(self, p: int, base: int) -> pb.PushHeader:
+    def header(self, p: int, base: int, k: int = 0) -> pb.PushHeader:
+        boxes, frame = self.messages[p][k]
         return pb.PushHeader(
             learner_id=self.learner_id,
             fragment=p,
@@ -153,32 +191,36 @@ class _Pusher:
             codec=pb.CODEC_INT4,
             num_params=self.plan.fragment_sizes[p],
             plan_fingerprint=self.plan.fingerprint,
-            frame_bytes=len(self.frames[p]),
+            frame_bytes=len(frame),
+            parts=0 if self.parts == 1 else self.parts,
+            part=k,
+            boxes=boxes,
         )
 
     def send_share(self, phase: str, c: int) -> dict:
         """Connection c's fragments, one push (or drain) at a time, each timed to its ack."""
         out = _tally()
         for p in range(c, self.plan.num_fragments, len(self.channels)):
-            frame = self.frames[p]
-            if phase == "raw":
-                t0 = time.monotonic()
-                self.drains[c](_chunked(self.header(p, 0), frame, CHUNK_BYTES), timeout=120)
-            else:
-                # the round this learner joined last time must have closed: base = its version
-                base = self.versions.wait_for(p, self.joined - 1)
-                t0 = time.monotonic()
-                chunks = _chunked(self.header(p, base), frame, CHUNK_BYTES)
+            # the round this learner joined last time must have closed: base = its version
+            base = 0 if phase == "raw" else self.versions.wait_for(p, self.joined - 1)
+            t0 = time.monotonic()
+            for k, (_, frame) in enumerate(self.messages[p]):
+                chunks = _chunked(self.header(p, base, k), frame, CHUNK_BYTES)
+                out["bytes"] += len(frame)
+                if phase == "raw":
+                    self.drains[c](chunks, timeout=120)
+                    continue
                 ack = self.pushes[c](chunks, timeout=120)
                 self.versions.saw(p, ack.version)
+                if ack.reason == pb.PUSH_REASON_PART_HELD:
+                    continue
                 if ack.accepted:
                     out["accepted"] += 1
                     out["accepted_params"] += self.plan.fragment_sizes[p]
                 else:
                     name = pb.PushReason.Name(ack.reason)
                     out["refused"][name] = out["refused"].get(name, 0) + 1
-            out["latency"].append(time.monotonic() - t0)
-            out["bytes"] += len(frame)
+            out["latency"].append(time.monotonic() - t0)  # the whole push, every part
         return out
 
     def rounds(self, phase: str, rounds: int) -> dict:
@@ -209,7 +251,13 @@ class _Pusher:
 
 
 def learner(
-    conn, index: int, shard_address: str, raw_address: str, plan_json: str, connections: int
+    conn,
+    index: int,
+    shard_address: str,
+    raw_address: str,
+    plan_json: str,
+    connections: int,
+    parts: int = 1,
 ) -> None:
     """One simulated learner: encodes its frames once, then runs the phases it is sent.
 
@@ -218,10 +266,10 @@ def learner(
     _die_with_parent()
     plan = FragmentPlan.from_json(plan_json)
     frames = learner_frames(plan, index)
-    conn.send([len(f) for f in frames])
     pusher = _Pusher(
-        plan, frames, f"bench-learner-{index}", shard_address, raw_address, connections
+        plan, frames, f"bench-learner-{index}", shard_address, raw_address, connections, parts
     )
+    conn.send([sum(len(f) for _, f in m) for m in pusher.messages])  # bytes of each push
     while (command := conn.recv()) is not None:
         phase, rounds = command
         if phase == "watch":  # after Init; every learner is live before anyone pushes
