@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         Stopped,
         SyncError,
         TlsFiles,
+        load_export,
     )
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "Stopped",
     "TlsFiles",
     "Codec",
+    "load_export",
 ]
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 import threading
@@ -222,6 +223,72 @@ def _asked(client: ShardClient, call: Any) -> Any:
 
 
 # -- the command --------------------------------------------------------------------------
+
+
+def load_export(path: str | os.PathLike[str], like: Any) -> Any:
+    """An export read back into your own pytree: `like` with every synced leaf replaced by
+    the exported tensor of the same name, in that leaf's dtype and sharding.
+
+    The export holds the tensors atoll syncs, named by their paths in the tree a learner
+    joined with (`layer0/w`, `blocks/0/attn/wq`): give `like` a tree of the same model (a
+    fresh init, or the tree your loop ends with) and names, structure, dtypes (float32
+    on the wire, cast to bfloat16 where the template has it) and shardings are kept.
+    Leaves the learner did not sync (an int step counter, an RNG key) come back as
+    `like` has them.
+
+    Args:
+      path: a directory `atoll export --out` wrote, or a run's model/ (`atoll up`).
+      like: the template: any pytree a Learner can join with (nested dicts, a Flax NNX
+        `State`, an Equinox module).
+
+    Returns:
+      A new tree of `like`'s structure.
+
+    Raises:
+      ModelDirError: `path` holds no export.
+      ParamsError: the export is of another model: a synced leaf of `like` that it does
+        not hold, or holds with another shape, or a tensor of it that `like` lacks
+        (naming the first).
+
+    Example:
+      >>> import jax, atoll
+      >>> model = MyModel(jax.random.key(0))                 # your own model, as trained
+      >>> model = atoll.load_export("runs/X/model", like=model)
+    """
+    import jax
+
+    from atoll.learner.pytree import ParamsError, _synced, as_like, leaf_name
+    from atoll.model_dir import load
+    from atoll.wire.plan import named_leaves
+
+    exported = load(pathlib.Path(path))
+    tensors = named_leaves(exported.params)
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+    synced = {s.name for s in exported.plan.slots}
+    leaves, used = [], set()
+    for key_path, leaf in with_paths:
+        name = leaf_name(key_path)
+        value = tensors.get(name)
+        if value is None:
+            if _synced(name, leaf):  # a leaf a learner syncs: the export must hold it
+                raise ParamsError(f"{path} holds no tensor {name!r}: an export of another model")
+            leaves.append(leaf)  # not synced: as the template has it
+            continue
+        if tuple(np.shape(value)) != tuple(np.shape(leaf)):
+            raise ParamsError(
+                f"tensor {name!r} is {tuple(np.shape(value))} in {path}, "
+                f"{tuple(np.shape(leaf))} in the template: an export of another model"
+            )
+        leaves.append(as_like(np.asarray(value), leaf))
+        used.add(name)
+    extra = sorted(synced - used)
+    if extra:
+        raise ParamsError(
+            f"{path} holds tensor {extra[0]!r} that the template lacks"
+            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+            + ": an export of another model"
+        )
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

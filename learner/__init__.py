@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from atoll.export import load_export
     from atoll.learner.api import Learner, LearnerStateError
     from atoll.learner.checkpoint import CheckpointError
     from atoll.learner.config import LearnerConfigError
@@ -31,6 +32,7 @@ _HOMES = {
     "Stopped": "atoll.learner.stopping",
     "TlsFiles": "atoll.wire.client",
     "Codec": "atoll.wire.codec",
+    "load_export": "atoll.export",
 }
 __all__ = [
     "Learner",
@@ -43,6 +45,7 @@ __all__ = [
     "Stopped",
     "TlsFiles",
     "Codec",
+    "load_export",
 ]
 assert set(__all__) == set(_HOMES)
 

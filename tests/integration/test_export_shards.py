@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 from syncer_helpers import client_push, run_atoll, syncer_processes
 
+import atoll
 from atoll import model_dir
 from atoll.faults.chaos import lockstep_config
 from atoll.learner.model import PRESETS, init_params
@@ -110,6 +111,8 @@ def test_export_writes_what_the_shards_serve_and_sample_runs_it(shards, tmp_path
     assert loaded.plan == PLAN and _bits(loaded.params) == _bits(PLAN.unflatten(vectors))
     with ocp.StandardCheckpointer() as checkpointer:  # what a user's JAX code does
         assert _bits(checkpointer.restore((out / "params").resolve())) == _bits(loaded.params)
+    # ... or with atoll, into a template of the model (a fresh init), in one call
+    assert _bits(atoll.load_export(out, like=PARAMS)) == _bits(loaded.params)
     assert _bits(loaded.params) != _bits(PARAMS)  # the pushes are in it
 
     sample = run_atoll("sample", "--model", str(out), "--prompt", "def ", "--tokens", "16")
