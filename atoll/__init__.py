@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from atoll.export import load_export
     from atoll.learner import (
         CheckpointError,
         Codec,
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
         Stopped,
         SyncError,
         TlsFiles,
-        load_export,
     )
 
 __all__ = [

@@ -10,7 +10,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from atoll.export import load_export
     from atoll.learner.api import Learner, LearnerStateError
     from atoll.learner.checkpoint import CheckpointError
     from atoll.learner.config import LearnerConfigError
@@ -32,7 +31,7 @@ _HOMES = {
     "Stopped": "atoll.learner.stopping",
     "TlsFiles": "atoll.wire.client",
     "Codec": "atoll.wire.codec",
-    "load_export": "atoll.export",
+    "load_export": "atoll.export",  # (not imported above: mypy checks atoll.learner alone)
 }
 __all__ = [
     "Learner",
