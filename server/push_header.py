@@ -39,10 +39,10 @@ class PushHeader:
 
     def agreed(self) -> dict[str, Any]:
         """The fields every part of a push in parts must carry alike."""
-        fields = dataclasses.asdict(self)
-        for own in ("part", "boxes", "learner_id", "fragment", "seq"):
-            del fields[own]
-        return fields
+        own = ("part", "boxes", "learner_id", "fragment", "seq")  # not asdict: no deep copies
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in own
+        }
 
     def problem(self) -> str | None:
         """What is out of range in this header, or None. Every field is checked here,
