@@ -308,3 +308,26 @@ def test_a_newer_push_replaces_an_unfinished_one_in_parts():
     assert shard.metrics.parts_dropped.labels("superseded")._value.get() == 1
     h = _header("la", 2, 0, parts=4, part=0, boxes=FOUR[0])
     assert dataclasses.replace(h, parts=0, part=0, boxes=()).problem() is None
+
+
+def test_a_push_that_went_too_stale_before_its_last_part_is_refused_then_and_dropped():
+    (shard, log, _, _), _ = _two(max_staleness=0)
+    a = _delta("a", 1)
+    _push_parts(shard, "la", 1, 0, a, order=[0, 1, 2])
+    assert _push_whole(shard, "lb", 1, 0, _delta("b", 1)).accepted
+    assert _push_whole(shard, "lc", 1, 0, _delta("c", 1)).version == 1  # quorum 2: closed
+    last = _push_parts(shard, "la", 1, 0, a, order=[3])[3]
+    assert not last.accepted and last.reason == "too_stale"
+    assert _push_parts(shard, "la", 1, 0, a, order=[0])[0] == last  # one answer
+    assert not shard.fragments[P].part_sets and shard.fragments[P].round.count == 0
+    assert parse_log_record(log.records[-1][1])[0] == LOG_PARTS_DROPPED
+    assert shard.metrics.parts_dropped.labels("refused")._value.get() == 1
+
+
+def test_a_whole_push_with_the_seq_of_a_push_in_parts_is_invalid():
+    (shard, *_), _ = _two()
+    _push_parts(shard, "la", 1, 0, _delta("a", 1), order=[0])
+    with pytest.raises(ShardError) as e:
+        _push_whole(shard, "la", 1, 0, _delta("a", 1))
+    assert e.value.why is Why.MALFORMED and "push in parts" in str(e.value)
+    assert sorted(shard.fragments[P].part_sets["la"].frames) == [0]
