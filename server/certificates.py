@@ -217,6 +217,18 @@ def load(files: CertificateFiles) -> Loaded:
     return Loaded(config, certificate)
 
 
+def check(files: CertificateFiles) -> Loaded:
+    """`load`, with a ConfigError (a flag error) naming the flags when gRPC cannot serve the
+    files: at start-up, before the shard makes anything."""
+    try:
+        return load(files)
+    except CertificateError as e:
+        raise ConfigError(
+            f"{files.flags()}: gRPC cannot serve them ({e}); each must be PEM, and the "
+            "key the certificate's own, unencrypted"
+        ) from None
+
+
 class CertificateMetrics:
     """The served certificate's expiry and the outcome of each reload."""
 
@@ -244,13 +256,7 @@ class ReloadingCertificate:
         self.files = files
         self.metrics = CertificateMetrics(registry)
         self._stamp = stamp(files)
-        try:
-            loaded = load(files)
-        except CertificateError as e:
-            raise ConfigError(
-                f"{files.flags()}: gRPC cannot serve them ({e}); each must be PEM, and the "
-                "key the certificate's own, unencrypted"
-            ) from None
+        loaded = check(files)
         self._initial = loaded.config
         self.served = loaded.certificate
         self.metrics.expiry.set(self.served.not_after)

@@ -382,8 +382,13 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = config_from_args(args)
+        # the files the flags name, before anything is made (a data directory, a log)
         if cfg.token_file is not None:
             load_tokens(cfg.token_file)
+        if cfg.tls_cert is not None and cfg.tls_key is not None:
+            from atoll.server.certificates import CertificateFiles, check
+
+            check(CertificateFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca))
     except ConfigError as e:
         parser.error(str(e))
     try:

@@ -153,6 +153,7 @@ def test_tls_files_grpc_cannot_load_are_refused(tmp_path):
         str(key),
     )
     assert_refused(r, "--tls-cert", str(cert), str(key))
+    assert not (tmp_path / "data").exists(), "refused before its data directory was made"
 
 
 def test_a_token_file_that_is_not_text_is_a_flag_error(tmp_path):
