@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, cast
 
 import grpc
@@ -43,8 +44,13 @@ PUSH_FIELDS = tuple(f.name for f in dataclasses.fields(PushHeader))
 def push_header(header: pb.PushHeader) -> PushHeader:
     """The shard's PushHeader from a Push stream's header, field by name."""
     fields = {name: getattr(header, name) for name in PUSH_FIELDS}
-    fields["boxes"] = tuple(Box(b.tensor, tuple(b.start), tuple(b.stop)) for b in header.boxes)
+    fields["boxes"] = boxes(header.boxes)
     return PushHeader(**fields)
+
+
+def boxes(messages: Sequence[pb.TensorBox]) -> tuple[Box, ...]:
+    """The shard's Boxes of a push part's or a pull's TensorBoxes."""
+    return tuple(Box(b.tensor, tuple(b.start), tuple(b.stop)) for b in messages)
 
 
 def frame_need(header: pb.InitHeader | pb.PushHeader, plan: FragmentPlan | None) -> int:

@@ -28,7 +28,7 @@ import contextlib
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
@@ -276,7 +276,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             try:
                 self._check_caller(context, request.learner_id)
                 version, snapshot, frames, size, last_seq = await self._call(
-                    self._pull, request.learner_id, request.fragment, have
+                    self._pull, request.learner_id, request.fragment, have, request.boxes
                 )
             except ShardError as e:
                 await self._refuse(context, "Pull", e)
@@ -304,10 +304,10 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                     )
 
     def _pull(
-        self, learner: str, p: int, have: int | None
+        self, learner: str, p: int, have: int | None, boxes: Sequence[pb.TensorBox] = ()
     ) -> tuple[int, bool, list[tuple[int, codec.Codec, bytes]], int, int]:
         self.shard.touch(learner)
-        version, snapshot, frames = self.shard.pull(p, have)
+        version, snapshot, frames = self.shard.pull(p, have, intake.boxes(boxes))
         return (
             version,
             snapshot,

@@ -35,6 +35,7 @@ from atoll.server.log_records import (
 )
 from atoll.server.moves import MoveCalls
 from atoll.server.part_calls import ACCEPTED_CODECS, PartCalls
+from atoll.server.parts import Box, boxes_problem
 from atoll.server.push_header import PushHeader
 from atoll.server.recovery import Recovery
 from atoll.server.refusal import ShardError, Why
@@ -48,6 +49,7 @@ from atoll.server.state import (
     _magnitude_problem,
 )
 from atoll.wire import codec
+from atoll.wire.parts import BoxLayout
 from atoll.wire.plan import FragmentMap, FragmentPlan
 
 __all__ = [
@@ -460,11 +462,20 @@ class Shard(Recovery, MoveCalls, PartCalls):
         return gone
 
     def pull(
-        self, p: int, have_version: int | None
+        self, p: int, have_version: int | None, boxes: Sequence[Box] = ()
     ) -> tuple[int, bool, list[tuple[int, codec.Codec, bytes]]]:
-        """(version, is_snapshot, [(version, codec, frame)]) taking the caller to the newest."""
+        """(version, is_snapshot, [(version, codec, frame)]) taking the caller to the newest;
+        with `boxes`, of those elements only (wire/parts.py `BoxLayout`)."""
         self._require_ready()
         frag = self._fragment(p)
+        layout = None
+        if boxes:
+            problem = boxes_problem(boxes, frag.shapes)
+            if problem is not None:
+                raise ShardError(Why.MALFORMED, f"pull of fragment {p}: {problem}")
+            layout = BoxLayout.of(
+                frag.shapes, [(b.tensor, *b.bounds(frag.shapes[b.tensor])) for b in boxes]
+            )
         with self.frag_locks[p]:
             version = frag.version
             if have_version is not None and have_version > version:
@@ -478,10 +489,13 @@ class Shard(Recovery, MoveCalls, PartCalls):
                 frag.lend()  # encoded outside the lock: no close writes it meanwhile
         assert published is not None  # _fragment checked it is initialized
         if deltas is not None:
-            out = [(v, frag.publish_codec, f) for v, f in deltas]
+            out = [
+                (v, frag.publish_codec, f if layout is None else layout.delta(f)) for v, f in deltas
+            ]
         else:
             try:
-                out = [(version, codec.Codec.FP32, codec.encode(published, codec.Codec.FP32))]
+                values = published if layout is None else published[layout.index()]
+                out = [(version, codec.Codec.FP32, codec.encode(values, codec.Codec.FP32))]
             finally:
                 with self.frag_locks[p]:
                     frag.give_back()

@@ -13,14 +13,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import grpc
+import numpy as np
 
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire import syncer_pb2_grpc as pb_grpc
+from atoll.wire.parts import BoxLayout
 from atoll.wire.plan import FragmentMap, FragmentPlan
 
 CHUNK_BYTES = 1 << 20  # payload bytes per stream message
@@ -241,9 +243,15 @@ class ShardClient:
         )
         return response
 
-    def pull(self, fragment: int, have_version: int | None = None) -> Pulled:
-        """The fragment's newest version, as deltas from `have_version` when the shard still can."""
-        request = pb.PullRequest(fragment=fragment, learner_id=self.learner_id)
+    def pull(
+        self,
+        fragment: int,
+        have_version: int | None = None,
+        boxes: Sequence[pb.TensorBox] = (),
+    ) -> Pulled:
+        """The fragment's newest version, as deltas from `have_version` when the shard still
+        can; with `boxes`, of those elements only (`apply_boxes` rebuilds them)."""
+        request = pb.PullRequest(fragment=fragment, learner_id=self.learner_id, boxes=boxes)
         if have_version is not None:
             request.have_version = have_version
         header, frames, parts = None, [], []
@@ -282,3 +290,76 @@ class ShardClient:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def apply_boxes(pulled: Pulled, layout: BoxLayout, held: np.ndarray | None = None) -> np.ndarray:
+    """The boxes' values at `pulled.version`, from a pull by those boxes.
+
+    Every value is bit for bit what a whole pull of the fragment gives for that element:
+    a delta's blocks go through the same `codec.decode_into` as a whole delta's.
+
+    Args:
+      pulled: what `ShardClient.pull(fragment, have, boxes)` returned.
+      layout: `BoxLayout.of(shapes, boxes)` of the same boxes (shapes: the fragment's
+        tensors' shapes, in `FragmentPlan.tensors_of` order).
+      held: the boxes' values at the version pulled from (float32, `layout.size` of them,
+        box after box, C order); updated in place. Needed unless `pulled` is a snapshot.
+
+    Returns:
+      `held` (a new array when None was given).
+
+    Example:
+      >>> lay = BoxLayout.of(shapes, boxes)
+      >>> mine = apply_boxes(client.pull(p, None, boxes), lay)  # a snapshot
+      >>> apply_boxes(client.pull(p, version, boxes), lay, mine)  # deltas, in place
+    """
+    if pulled.snapshot:
+        values = codec.decode(pulled.frames[0][2], codec=codec.Codec.FP32, num_values=layout.size)
+        if held is None:
+            return values
+        held[...] = values.reshape(held.shape)
+        return held
+    if held is None:
+        raise ValueError(f"fragment {pulled.fragment}: deltas need the values they apply to")
+    if held.dtype != np.float32 or held.size != layout.size or not held.flags.c_contiguous:
+        raise ValueError(
+            f"held: {layout.size} C-contiguous float32 values, got {held.size} {held.dtype}"
+        )
+    work = held.reshape(
+        -1
+    ).copy()  # written back once every frame applied: a bad one changes nothing
+    for _, frame_codec, frame in pulled.frames:
+        codes = layout.delta_codes(frame)
+        at = layout.positions(codes.info.block)
+        blocks = np.zeros(codes.num_values, np.float32)
+        blocks[at] = work  # values outside the boxes are never read back
+        codec.decode_into(codes, blocks, 1.0, codec=frame_codec)
+        work = blocks[at]
+    held.reshape(-1)[...] = work
+    return held
+
+
+def pull_boxes(
+    client: ShardClient,
+    plan: FragmentPlan,
+    fragment: int,
+    boxes: Sequence[pb.TensorBox],
+    held: np.ndarray | None = None,
+    have_version: int | None = None,
+) -> tuple[int, np.ndarray]:
+    """(version, the boxes' values at it): a process pulls only what it holds of a fragment.
+
+    Args:
+      client: the fragment's shard.
+      plan: the run's plan; boxes name tensors by position in `plan.tensors_of(fragment)`.
+      boxes: the pieces to pull (`wire.parts.tensor_box` of each jax shard), not overlapping.
+      held, have_version: the boxes' values at `have_version`, updated in place by deltas
+        (both None: a snapshot into a new array).
+
+    Example:
+      >>> v, mine = pull_boxes(client, plan, 0, [tensor_box(0, shard.index, shape)])
+      >>> v, mine = pull_boxes(client, plan, 0, boxes, mine, v)  # later: deltas only
+    """
+    layout = BoxLayout.of([s.spec.shape for s in plan.tensors_of(fragment)], boxes)
+    pulled = client.pull(fragment, have_version if held is not None else None, boxes)
+    return pulled.version, apply_boxes(pulled, layout, held)

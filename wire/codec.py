@@ -359,6 +359,20 @@ def _frame(codec: Codec, n: int, body: Frame | np.ndarray, level: int | None = N
     return _assemble(codec, n, chunks)
 
 
+def _compress_4bit(codec: Codec, body: np.ndarray, count: int, level: int | None) -> list[bytes]:
+    """One 4-bit chunk body of `count` values (scales, then codes) as a zstd frame, in pieces."""
+    # The scales end a zstd block of their own: one Huffman table for scales and
+    # codes together costs ~0.18 bits per INT4 value (measured, Gaussian data).
+    split = -(-count // BLOCK) * _SCALE_BYTES[codec]
+    z = _compressor(level).compressobj(size=body.size)
+    return [
+        z.compress(body[:split].data),
+        z.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK),
+        z.compress(body[split:].data),
+        z.flush(),
+    ]
+
+
 def _encode(
     x: np.ndarray,
     residual: np.ndarray | None,
@@ -401,16 +415,7 @@ def _encode(
         )
         if bad_at >= 0:
             return start + bad_at
-        # The scales end a zstd block of their own: one Huffman table for scales and
-        # codes together costs ~0.18 bits per INT4 value (measured, Gaussian data).
-        split = -(-(stop - start) // BLOCK) * _SCALE_BYTES[codec]
-        z = _compressor(level).compressobj(size=body.size)
-        return [
-            z.compress(body[:split].data),
-            z.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK),
-            z.compress(body[split:].data),
-            z.flush(),
-        ]
+        return _compress_4bit(codec, body, stop - start, level)
 
     chunks = parallel(chunk, len(spans))
     for c in chunks:
@@ -1043,4 +1048,149 @@ def decode(
     )  # before allocating: the header's count is not yet trusted
     out = np.empty(codes.num_values, np.float32)
     codes.decode_into(out, 1.0, accumulate=False)
+    return out
+
+
+def _block_rows(codes: Codes) -> tuple[np.ndarray, np.ndarray]:
+    """(scales, packed codes) of every block of 4-bit Codes, one row per block."""
+    # every chunk but the last holds whole blocks: the chunks' scales and codes laid back
+    # to back are the frame's, block by block
+    sb = _SCALE_BYTES[codes.info.codec]
+    scales = np.concatenate([np.frombuffer(c.scales, np.uint8) for c in codes._chunks])
+    packed = np.concatenate([np.frombuffer(c.codes, np.uint8) for c in codes._chunks])
+    return scales.reshape(-1, sb), packed.reshape(-1, BLOCK // 2)
+
+
+def _check_blocks(b: np.ndarray, total: int) -> None:
+    if b.size == 0 or b[0] < 0 or b[-1] >= total or np.any(np.diff(b) <= 0):
+        raise CodecError(f"blocks must be increasing and within the frame's {total} blocks")
+
+
+def gather_blocks(frame: Frame | Codes, blocks: npt.ArrayLike) -> bytes:
+    """A frame of some of `frame`'s blocks, whole, each with its own scale: every value
+    it holds decodes to the very bits it decodes to in `frame` (no re-quantising).
+
+    A block is `frame_info(frame).block` values (32 for 4-bit codecs, one for FP32),
+    counted from value 0; the new frame holds the given blocks one after another.
+
+    Args:
+      frame: the frame (bytes, or Codes from `read_codes`).
+      blocks: block indices, increasing, within the frame.
+
+    Example:
+      >>> x = np.arange(96, dtype=np.float32)
+      >>> decode(gather_blocks(encode(x), [0, 2])).tolist() == decode(encode(x))[
+      ...     np.r_[0:32, 64:96]].tolist()
+      True
+    """
+    codes = _as_codes(frame)
+    info, n = codes.info, codes.num_values
+    b = np.asarray(blocks, np.int64).reshape(-1)
+    total = -(-n // info.block)
+    _check_blocks(b, total)
+    if info.codec == Codec.FP32:
+        values = np.concatenate([np.frombuffer(c.codes, "<f4") for c in codes._chunks])
+        return encode(values[b].astype(np.float32), Codec.FP32)
+    scales, packed = _block_rows(codes)
+    sub_scales, sub_codes = scales[b], packed[b]
+    m = b.size * BLOCK - (total * BLOCK - n if b[-1] == total - 1 else 0)
+    spans = _chunk_spans(m)
+
+    def chunk(i: int) -> list[bytes]:
+        start, stop = spans[i]
+        k0, k1 = start // BLOCK, -(-stop // BLOCK)
+        body = np.concatenate([sub_scales[k0:k1].reshape(-1), sub_codes[k0:k1].reshape(-1)])
+        return _compress_4bit(info.codec, body, stop - start, None)
+
+    return _assemble(info.codec, m, parallel(chunk, len(spans)))
+
+
+# A 4-bit frame's values picked out of some of its blocks (`gather_codes`): magic, codec,
+# blocks, values kept; then one zstd frame of the blocks' scales and the kept codes.
+GATHERED_MAGIC = b"ATLG"
+_GATHERED = struct.Struct("<4sBQQ")
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """Packed blocks (rows of 16 bytes) as one code per value, in value order: byte j of
+    a block holds value j in its low nibble and value j + 16 in its high one."""
+    return np.concatenate([packed & 15, packed >> 4], axis=1)
+
+
+def gather_codes(frame: Frame | Codes, blocks: npt.ArrayLike, wanted: np.ndarray) -> bytes:
+    """Some values of a 4-bit frame, each kept with its own code and its block's scale:
+    `read_gathered` turns them back into Codes that decode them to the very bits they
+    decode to in `frame`, the other values of those blocks to 0.
+
+    What a shard sends a process that pulls only some elements of a fragment's delta: a
+    block only partly wanted costs its scale and its wanted codes (wire/parts.py
+    `BoxLayout` names the blocks and the values).
+
+    Args:
+      frame: a 4-bit frame (bytes, or Codes from `read_codes`).
+      blocks: block indices, increasing, within the frame.
+      wanted: bool, one per value of `blocks` laid back to back (32 each): the values kept.
+    """
+    codes = _as_codes(frame)
+    info = codes.info
+    if info.codec == Codec.FP32:
+        raise CodecError("gather_codes takes a 4-bit frame; FP32 frames gather whole values")
+    b = np.asarray(blocks, np.int64).reshape(-1)
+    _check_blocks(b, -(-info.num_values // BLOCK))
+    if wanted.dtype != np.bool_ or wanted.size != b.size * BLOCK:
+        raise CodecError(f"wanted: {b.size * BLOCK} bools, one per value of the blocks")
+    scales, packed = _block_rows(codes)
+    kept = _nibbles(packed[b]).reshape(-1)[wanted.reshape(-1)]
+    if kept.size % 2:
+        kept = np.append(kept, np.uint8(0))
+    body = np.concatenate([scales[b].reshape(-1), kept[0::2] | (kept[1::2] << 4)])
+    head = _GATHERED.pack(GATHERED_MAGIC, int(info.codec), b.size, int(np.count_nonzero(wanted)))
+    return b"".join([head, *_compress_4bit(info.codec, body, b.size * BLOCK, None)])
+
+
+def read_gathered(payload: Frame, num_values: int, wanted: np.ndarray) -> Codes:
+    """The Codes of a `gather_codes` payload: `num_values` values (its blocks back to back,
+    the fragment's last block possibly short), those not `wanted` decoding to 0.
+
+    Raises:
+      CodecError: a payload that does not hold what `wanted` names, or a malformed one.
+    """
+    mv = memoryview(payload).cast("B")
+    if len(mv) < _GATHERED.size:
+        raise CodecError(f"a gathered frame of {len(mv)} bytes has no header")
+    magic, codec_id, nb, count = _GATHERED.unpack_from(mv)
+    codec = _codec(codec_id)
+    if magic != GATHERED_MAGIC or codec == Codec.FP32:
+        raise CodecError(f"not a gathered 4-bit frame (magic {magic!r}, codec {codec.name})")
+    if wanted.size != nb * BLOCK or count != int(np.count_nonzero(wanted)):
+        raise CodecError(
+            f"gathered frame of {nb} blocks and {count} values; expected {wanted.size // BLOCK} "
+            f"blocks and {int(np.count_nonzero(wanted))} values"
+        )
+    if not (nb - 1) * BLOCK < num_values <= nb * BLOCK:
+        raise CodecError(f"{num_values} values do not fill {nb} blocks")
+    sb = _SCALE_BYTES[codec]
+    expected = nb * sb + (count + 1) // 2
+    try:
+        body = _decompressor().decompress(mv[_GATHERED.size :], max_output_size=expected)
+    except zstandard.ZstdError as e:
+        raise CodecError(f"corrupt gathered frame: {e}") from None
+    if len(body) != expected:
+        raise CodecError(f"gathered frame holds {len(body)} bytes; expected {expected}")
+    raw = np.frombuffer(body, np.uint8)
+    scales = raw[: nb * sb].reshape(nb, sb)
+    kept = np.empty(2 * (expected - nb * sb), np.uint8)
+    kept[0::2], kept[1::2] = raw[nb * sb :] & 15, raw[nb * sb :] >> 4
+    values = np.zeros(nb * BLOCK, np.uint8)
+    values[wanted.reshape(-1)] = kept[:count]
+    v = values.reshape(nb, BLOCK)
+    packed = v[:, : BLOCK // 2] | (v[:, BLOCK // 2 :] << 4)
+    info = FrameInfo(codec, num_values, BLOCK)
+    chunks = []
+    for start, stop in _chunk_spans(num_values):
+        k0, k1 = start // BLOCK, -(-stop // BLOCK)
+        body_k = np.concatenate([scales[k0:k1].reshape(-1), packed[k0:k1].reshape(-1)])
+        chunks.append(_split_body(codec, start, stop - start, body_k))
+    out = Codes(info, chunks)
+    out._check()
     return out

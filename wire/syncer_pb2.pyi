@@ -199,14 +199,16 @@ class PushResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[PushReason, str]] = ..., detail: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., cadence_seconds: _Optional[float] = ..., next_due_seconds: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("fragment", "have_version", "learner_id")
+    __slots__ = ("fragment", "have_version", "learner_id", "boxes")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    BOXES_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     have_version: int
     learner_id: str
-    def __init__(self, fragment: _Optional[int] = ..., have_version: _Optional[int] = ..., learner_id: _Optional[str] = ...) -> None: ...
+    boxes: _containers.RepeatedCompositeFieldContainer[TensorBox]
+    def __init__(self, fragment: _Optional[int] = ..., have_version: _Optional[int] = ..., learner_id: _Optional[str] = ..., boxes: _Optional[_Iterable[_Union[TensorBox, _Mapping]]] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("fragment", "version", "snapshot", "num_params", "num_frames", "last_seq", "next_due_seconds")
