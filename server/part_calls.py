@@ -126,7 +126,7 @@ class PartCalls(ShardState):
             newest = max((a.seq for a in (prior, refused, held) if a is not None), default=None)
             verdict = self._admitted(h, frag, newest)
             if not verdict.accept:
-                return self._refused(h, frag, verdict), None
+                return self._count(self._refusal(h, frag, verdict)), None
             held = None  # a newer push than any held: those parts are dropped below
         step, problem = parts.judge_part(
             held,
@@ -206,8 +206,8 @@ class PartCalls(ShardState):
         return self._count(self._joined_round(h, frag, now)), lsn
 
     def _admitted(self, h: PushHeader, frag: Fragment, newest: int | None) -> rules.Admission:
-        """The rules' verdict on a push in parts, as on a whole one (an invalid argument
-        raised as such)."""
+        """The rules' verdict on a push, whole or in parts (an invalid argument raised as
+        such); `newest`: the learner's newest seq the fragment has seen."""
         verdict = rules.admit(
             seq=h.seq,
             newest_seq=newest,
@@ -222,13 +222,15 @@ class PartCalls(ShardState):
             raise ShardError(Why.MALFORMED, f"fragment {h.fragment}: {verdict.detail}")
         return verdict
 
-    def _refused(self, h: PushHeader, frag: Fragment, verdict: rules.Admission) -> Answer:
+    def _refusal(self, h: PushHeader, frag: Fragment, verdict: rules.Admission) -> Answer:
+        """The answer to a push, whole or in parts, that the rules refused; kept (but for a
+        duplicate) so that a retry gets it again."""
         answer = Answer(
             h.seq, False, str(verdict.reason), verdict.detail, frag.version, verdict.staleness, 0.0
         )
         if verdict.reason is not rules.Reason.DUPLICATE:
             frag.refusals[h.learner_id] = answer
-        return self._count(answer)
+        return answer
 
     def _dropped_parts(
         self, frag: Fragment, learner: str, reason: str, keep_seq: int | None = None

@@ -247,31 +247,9 @@ class Shard(Recovery, MoveCalls, PartCalls):
                 "send its parts (parts > 0), or push whole with a new seq",
             )
         newest = max((a.seq for a in (prior, refused, held) if a is not None), default=None)
-        verdict = rules.admit(
-            seq=h.seq,
-            newest_seq=newest,
-            base_version=h.base_version,
-            current_version=frag.version,
-            in_round=h.learner_id in frag.contributors,
-            tokens=h.tokens,
-            inner_steps=h.inner_steps,
-            policy=self.policy,
-        )
-        if verdict.reason in (rules.Reason.FUTURE_BASE, rules.Reason.SEQ_TOO_FAR):
-            raise ShardError(Why.MALFORMED, f"fragment {h.fragment}: {verdict.detail}")
+        verdict = self._admitted(h, frag, newest)
         if not verdict.accept:
-            answer = Answer(
-                h.seq,
-                False,
-                str(verdict.reason),
-                verdict.detail,
-                frag.version,
-                verdict.staleness,
-                0.0,
-            )
-            if verdict.reason is not rules.Reason.DUPLICATE:
-                frag.refusals[h.learner_id] = answer
-            return answer, None
+            return self._refusal(h, frag, verdict), None
         answer = Answer(
             h.seq,
             True,
