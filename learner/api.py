@@ -40,7 +40,7 @@ from atoll.learner.config import (
     directory_problem,
     shard_addresses,
 )
-from atoll.learner.pytree import ParamsError, PyTree, TreeLayout, as_like
+from atoll.learner.pytree import ParamsError, PyTree, TreeLayout
 from atoll.learner.stopping import Stopped
 from atoll.learner.sync import SyncConfig, SyncError, Synchronizer
 from atoll.wire.client import ShardClient, TlsFiles
@@ -103,7 +103,7 @@ class _Progress:
 
     steps_done: int = 0
     tokens_total: int = 0
-    params: Any = None  # the synced leaves, in tree order
+    params: Any = None  # every leaf of the tree, in tree order (synced or not)
     opt_state: Any = ()  # the caller's `state`, if it passes one
 
 
@@ -138,10 +138,10 @@ class Learner:
       tls: CA (and client certificate and key, for mutual TLS) of the shards' TLS.
       is_embedding: tensor name -> merged by plain average (default: names holding
         "embed"); every other tensor is merged by radial-directional averaging.
-      checkpoint_dir: a directory for this learner's id claim and checkpoints: a
-        restarted learner (same id) resumes its synced leaves, step count, sync state
-        and the `state` you pass to `step`, carrying its local progress onto the global
-        weights. None: a restart rejoins at the global weights alone.
+      checkpoint_dir: a directory for this learner's id claim and Orbax checkpoint
+        (`<dir>/<id>/`): a restart resumes every leaf (out of the plan too), as `join`'s
+        dtypes and shardings, step, sync state and `step`'s `state`, carrying its local
+        progress onto the global weights. None: a restart rejoins at the global weights.
       checkpoint_every: steps between background checkpoints (0: none).
       standby: with `checkpoint_dir`, `join` waits until a learner of this run (one with
         the same `num_learners`) fails and takes over its id, data shard and checkpoint.
@@ -408,9 +408,10 @@ class Learner:
         if updates:
             params = layout.write(view.leaves(), updates)
             view = _View(layout, params, "params given to step()")
-        if self._checkpointer is not None and self._sync is not None:
-            assert self._trail is not None  # made with the checkpointer
-            self._trail.after_step(self._sync, self.plan, seq_before, self._local, view)
+        if self._checkpointer is not None:  # every process writes its own shards
+            if self._sync is not None:
+                assert self._trail is not None  # made with the checkpointer
+                self._trail.after_step(self._sync, self.plan, seq_before, self._local, view)
             if self._checkpointer.due(self.steps):
                 self._save(view, state)
         return params
@@ -463,8 +464,8 @@ class Learner:
         restart goes on from here. Call `close` after.
 
         Returns:
-          True if written; False where this learner keeps none (no `checkpoint_dir`, or
-          not process 0 of a multi-host learner).
+          True if written; False where this learner keeps none (no `checkpoint_dir`).
+          Every process of a multi-host learner calls it: each writes the shards it holds.
 
         Example:
           >>> try:
@@ -506,22 +507,19 @@ class Learner:
         """
         if self._phase == _NEW:
             raise LearnerStateError("call join(params) before restore_state()")
-        if self._ckpt is None or not self._ckpt.opt_leaves:
+        if self._ckpt is None or not self._ckpt.meta["state"]:
             return template
         leaves, treedef = jax.tree_util.tree_flatten(template)
-        saved = self._ckpt.opt_leaves
-        if len(saved) != len(leaves) or any(
-            np.shape(a) != np.shape(b) for a, b in zip(saved, leaves)
-        ):
+        saved = [tuple(shape) for shape, _ in self._ckpt.meta["state"]]
+        if saved != [np.shape(b) for b in leaves]:
             raise ParamsError(
                 f"the checkpoint's state has {len(saved)} leaves of shapes "
-                f"{[np.shape(a) for a in saved][:4]}..., the template {len(leaves)} of "
+                f"{saved[:4]}..., the template {len(leaves)} of "
                 f"{[np.shape(b) for b in leaves][:4]}...: pass a template made the way the "
                 "state you checkpointed was (the same optimiser, over the same params)"
             )
-        return jax.tree_util.tree_unflatten(
-            treedef, [as_like(np.asarray(a), b) for a, b in zip(saved, leaves)]
-        )
+        # each leaf read in the template's dtype and sharding (each process its shards)
+        return jax.tree_util.tree_unflatten(treedef, self._ckpt.state(leaves))
 
     def stop(self) -> None:
         """Ends every wait on the shards at once, from any thread (a signal handler's
@@ -655,10 +653,8 @@ class Learner:
             self._claim_id(self.checkpoint_dir)
         if self.checkpoint_dir is not None:
             self._resume(self.checkpoint_dir, layout)
-            if self._ckpt is not None:
-                leaves = list(leaves)
-                for i, saved in zip(layout.synced, self._ckpt.params_leaves):
-                    leaves[i] = as_like(np.asarray(saved), leaves[i])
+            if self._ckpt is not None:  # every leaf, synced or not, as the live one is
+                leaves = self._ckpt.params(leaves)
                 view = _View(layout, layout.write(leaves, {}), "params given to join()")
         vectors = [np.zeros(size, np.float32) for size in layout.plan.fragment_sizes]
         if leader:
@@ -702,7 +698,7 @@ class Learner:
         """Reads this id's checkpoint (checked to be of this plan and run) and makes the
         writer (process 0); every process of a multi-host learner resumes the same step."""
         path = checkpoint.path_for(directory, self.learner_id)
-        self._ckpt = ckpt = checkpoint.read(path)
+        self._ckpt = ckpt = checkpoint.read(path, vectors=distributed.is_leader())
         if ckpt is not None:
             identity = self._identity()
             checkpoint.check(ckpt, identity, path)
@@ -713,7 +709,7 @@ class Learner:
                         f"runs {key}={value!r}: resume with the same settings, or give "
                         "another checkpoint directory"
                     )
-            if len(ckpt.params_leaves) != len(layout.synced):
+            if [tuple(s) for s, _ in ckpt.meta["params"]] != layout.shapes:
                 raise checkpoint.CheckpointError(f"{path} holds another model's params")
             self.steps, self.tokens = ckpt.step, int(ckpt.meta.get("tokens", 0))
         if self._multi:
@@ -725,10 +721,9 @@ class Learner:
                     "learner must mount the same checkpoint directory"
                 )
         self._trail = checkpoint.PushTrail(layout.plan.num_fragments)
-        if distributed.is_leader():
-            self._checkpointer = checkpoint.Checkpointer(
-                directory, self.learner_id, self.checkpoint_every, self._identity()
-            )
+        self._checkpointer = checkpoint.Checkpointer(
+            directory, self.learner_id, self.checkpoint_every, self._identity()
+        )
 
     def _join_shards(self, view: _View) -> list[np.ndarray]:
         """Process 0: connects, joins (seeding what nobody has), resumes the checkpoint's
@@ -784,7 +779,7 @@ class Learner:
         progress = _Progress(
             steps_done=self.steps,
             tokens_total=self.tokens,
-            params=[leaves[i] for i in self._joined().synced],
+            params=list(leaves),  # out of the plan too (an int step counter)
             opt_state=() if state is None else state,
         )
         self._checkpointer.save(progress, self._sync, self._trail, wait=wait)

@@ -1,54 +1,79 @@
 """Durable learner state: a restarted learner (or a standby that takes its id) resumes
 at the step, data position and optimiser state it had, not at the global weights alone.
 
-A checkpoint is `<dir>/<learner id>.ckpt`: the trainer's parameters and AdamW state,
-its step and tokens (the data position: a batch is a pure function of the step), the
-sync engine's newest seq, and per fragment the global version adopted, the point the
-next outer gradient is measured from (`origin`), the error-feedback residual and the
-compute seconds the next push will carry.
+A checkpoint is the directory `<dir>/<learner id>/`, an Orbax checkpoint (the format
+`atoll export` writes) kept by `orbax.checkpoint.CheckpointManager`, holding one cut
+`<n>/` (n counts the writes of this id) of four items:
+
+    params/  every leaf of the tree given to `join`, in tree order and its own dtype:
+             the synced float leaves and those kept out of the plan (an int step counter)
+    state/   the leaves of the `state` the caller passes (its optimiser state), if any
+    sync/    process 0's per-fragment float32 vectors: `origin_<p>` (what the next outer
+             gradient is measured from) and `residual_<p>` (error feedback)
+    meta/    JSON: the identity checked on resume (model, plan, learner, run_info), the
+             step and tokens (the data position: a batch is a pure function of the step),
+             the sync engine's newest seq, and per fragment the version adopted, the seq
+             of its newest push and the compute seconds the next push will carry
+
+A jax.Array leaf sharded over the processes of a multi-process learner is written by
+each process for the shards it holds (Orbax's multi-process checkpointing) and read back
+into the sharding of the live leaf it replaces; host values (numpy leaves, sync/, meta/)
+are written by process 0.
 
 Ordering guarantees (what a reader may rely on):
 
-1. A checkpoint file is whole or absent: it is written to a temporary file in the same
-   directory, fsynced, renamed over the previous one, and the directory fsynced. A kill
-   -9 at any point leaves the previous checkpoint readable; the temporary file is
-   removed by the next writer.
-2. A checkpoint is one cut at a step boundary: everything in it was read on the
-   training thread between two steps. The parameters and optimiser state are immutable
-   jax arrays there, so only references are kept; the writer thread copies them to the
-   host and writes. The training thread never waits on the disk.
-3. At most one write runs at a time; a checkpoint due while one is still being written
-   is skipped (`skipped` counts them), never queued.
+1. A cut is whole or absent: Orbax writes it into `<n>.orbax-checkpoint-tmp-*` and
+   renames that to `<n>` only after every process has written its shards; the previous
+   cut is deleted only after that. A kill -9 of any process at any point leaves the
+   previous cut readable; a new `Checkpointer` removes the temporary directories. (Array
+   data is fsynced by TensorStore; Orbax's small metadata files are not, so a machine
+   crash just after a write may leave the newest cut unreadable: `read` says so.)
+2. A cut is one consistent state at a step boundary: everything in it was read on the
+   training thread between two steps. The training thread waits for the arrays' copy to
+   the host (jax arrays are immutable, numpy ones are copied), never for the disk: the
+   write runs in Orbax's background thread.
+3. At most one write runs at a time. A one-process learner skips a checkpoint due while
+   one is still being written (`skipped` counts them), never queues it; the processes of
+   a multi-process learner must all write the same cuts (the write is collective), so
+   there a due checkpoint waits for the previous write to finish.
 4. Resuming never counts steps twice. A fragment's local progress since its origin is
    carried onto the current global weights only if the fragment's shard has answered
    no push of this learner newer than the checkpoint's (PullHeader.last_seq); otherwise
    a push made after the checkpoint already delivered it, and the fragment simply adopts
    the global weights. Seqs go on from the newest of the checkpoint's and the shards'.
+5. A checkpoint restores onto any mesh of the same model: each array comes back in the
+   dtype and sharding of the live leaf it replaces (the tree given to `join`, the
+   template given to `restore_state`), each process reading only the shards it holds;
+   a checkpoint of a 2-process FSDP-sharded learner restores onto one device.
+
+An npz checkpoint of an older atoll (`<dir>/<learner id>.ckpt`) is not read: it cannot
+hold a bfloat16 leaf or a leaf kept out of the plan, and two readers of two formats would
+drift. Where it is the only checkpoint of an id, `read` refuses it and says what to do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
-import os
 import pathlib
-import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import numpy as np
 
 if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
+
     from atoll.learner.sync import Synchronizer
     from atoll.wire.plan import FragmentPlan
 
 log = logging.getLogger("atoll.learner")
-FORMAT = "atoll.learner-checkpoint.v1"  # bump when the layout or meaning changes
-SUFFIX = ".ckpt"
+FORMAT = "atoll.learner-checkpoint.v2"  # bump when the layout or meaning changes
+OLD_SUFFIX = ".ckpt"  # v1: one npz file per learner id, refused by `read`
+PARAMS, STATE, SYNC, META = "params", "state", "sync", "meta"  # the items of a cut
 
 
 class CheckpointError(ValueError):
@@ -56,7 +81,8 @@ class CheckpointError(ValueError):
 
 
 def path_for(directory: pathlib.Path, learner_id: str) -> pathlib.Path:
-    return pathlib.Path(directory) / f"{learner_id}{SUFFIX}"
+    """The directory of `learner_id`'s checkpoint in `directory`."""
+    return pathlib.Path(directory) / learner_id
 
 
 class TrainerState(Protocol):
@@ -103,13 +129,34 @@ class PushTrail:
 
 @dataclasses.dataclass
 class Capture:
-    """One cut of a learner's state, taken on the training thread (host copies deferred)."""
+    """One cut of a learner's state, taken on the training thread."""
 
     meta: dict[str, Any]
-    params: Any  # jax tree (immutable: referenced, copied by the writer)
-    opt_state: Any
+    params: list[Any]  # every leaf of the params tree, in tree order
+    state: list[Any]  # the leaves of the caller's state (optimiser state), maybe none
     origins: dict[int, np.ndarray]  # fragment -> what its next Δ is measured from
     residuals: dict[int, np.ndarray]  # fragment -> error-feedback residual
+
+
+def _held(leaf: Any, copied: bool = False) -> Any:
+    """A value as Orbax may keep it until its background write: a jax array as is
+    (immutable) when it is one global value, else a host copy (a numpy buffer may be
+    reused; a process-local jax array of a multi-process learner is not one value)."""
+    if isinstance(leaf, jax.Array) and (jax.process_count() == 1 or not leaf.is_fully_addressable):
+        return leaf
+    value = leaf if copied else np.array(leaf)
+    if jax.process_count() > 1:
+        return value  # written by process 0 alone
+    # Orbax copies a numpy value again on the calling (training) thread, a jax array in
+    # its background thread: make it a jax array on the host (over the copy's buffer)
+    try:
+        return jax.device_put(value, jax.devices("cpu")[0])
+    except (RuntimeError, TypeError):  # no CPU backend, or a dtype jax has no array of
+        return value
+
+
+def _described(leaves: Sequence[Any]) -> list[list[Any]]:
+    return [[list(np.shape(x)), str(np.dtype(x.dtype))] for x in leaves]
 
 
 def capture(
@@ -142,6 +189,8 @@ def capture(
                     "compute_seconds": float(f.compute),
                 }
             )
+    params = [_held(x) for x in jax.tree.leaves(trainer.params)]
+    state = [_held(x) for x in jax.tree.leaves(trainer.opt_state)]
     meta = {
         **identity,
         "format": FORMAT,
@@ -150,89 +199,185 @@ def capture(
         "tokens": int(trainer.tokens_total),
         "seq": int(sync.seq) if sync is not None else 0,
         "fragments": frags,
+        "params": _described(params),  # [shape, dtype] of each leaf
+        "state": _described(state),
+        "origins": sorted(origins),
+        "residuals": sorted(residuals),
     }
-    return Capture(meta, trainer.params, trainer.opt_state, origins, residuals)
+    return Capture(meta, params, state, origins, residuals)
 
 
-def write(path: pathlib.Path, cap: Capture) -> None:
-    """Writes `cap` to `path` atomically (guarantee 1)."""
-    path = pathlib.Path(path)
-    params = jax.tree.leaves(jax.device_get(cap.params))
-    opt = jax.tree.leaves(jax.device_get(cap.opt_state))
-    meta = {**cap.meta, "num_params_leaves": len(params), "num_opt_leaves": len(opt)}
-    arrays: dict[str, Any] = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)}
-    arrays.update({f"param_{i}": np.asarray(x) for i, x in enumerate(params)})
-    arrays.update({f"opt_{i}": np.asarray(x) for i, x in enumerate(opt)})
-    arrays.update({f"origin_{p}": v for p, v in cap.origins.items()})
-    arrays.update({f"residual_{p}": v for p, v in cap.residuals.items()})
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself is durable
-    finally:
-        os.close(dir_fd)
+def _handlers() -> dict[str, Any]:
+    import orbax.checkpoint as ocp
+
+    return {
+        PARAMS: ocp.StandardCheckpointHandler(),
+        STATE: ocp.StandardCheckpointHandler(),
+        SYNC: ocp.StandardCheckpointHandler(),
+        META: ocp.JsonCheckpointHandler(),
+    }
+
+
+def _manager(path: pathlib.Path) -> ocp.CheckpointManager:
+    """Orbax's manager of one learner id's cuts: the newest whole one is kept (guarantee 1)."""
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=1, create=True, enable_async_checkpointing=True, cleanup_tmp_directories=True
+    )
+    return ocp.CheckpointManager(path.resolve(), options=options, item_handlers=_handlers())
+
+
+def _restore(path: pathlib.Path, cut: int, local: bool = False, **items: Any) -> dict[str, Any]:
+    """`items` (name -> restore args) of cut `cut` in `path`: with every process of a
+    multi-process learner (arrays: each reads its shards), or `local`ly, by this process
+    alone (host values: meta/, sync/), without a barrier the others would have to join."""
+    import orbax.checkpoint as ocp
+
+    me = jax.process_index()
+    processes = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    reader = ocp.Checkpointer(
+        ocp.CompositeCheckpointHandler(**_handlers()),
+        **({"multiprocessing_options": processes} if local else {}),
+    )
+    with reader:
+        return dict(reader.restore((path / str(cut)).resolve(), ocp.args.Composite(**items)))
+
+
+def _save_args(cap: Capture) -> Any:
+    import orbax.checkpoint as ocp
+
+    items: dict[str, Any] = {META: ocp.args.JsonSave(cap.meta)}
+    if cap.params:
+        items[PARAMS] = ocp.args.StandardSave(cap.params)
+    if cap.state:
+        items[STATE] = ocp.args.StandardSave(cap.state)
+    vectors = {f"origin_{p}": _held(v, copied=True) for p, v in cap.origins.items()}
+    vectors.update({f"residual_{p}": _held(v, copied=True) for p, v in cap.residuals.items()})
+    if vectors:
+        items[SYNC] = ocp.args.StandardSave(vectors)
+    return ocp.args.Composite(**items)
 
 
 @dataclasses.dataclass
 class Checkpoint:
-    """A checkpoint read back: `meta` as written, host arrays."""
+    """A checkpoint read back: `meta` as written and the sync vectors; the params and
+    state are read on demand, into the dtypes and shardings of live leaves (guarantee 5)."""
 
     meta: dict[str, Any]
-    params_leaves: list[np.ndarray]
-    opt_leaves: list[np.ndarray]
     origins: dict[int, np.ndarray]
     residuals: dict[int, np.ndarray]
+    path: pathlib.Path | None = None  # the learner id's directory
+    cut: int = 0  # which of its cuts
 
     @property
     def step(self) -> int:
         return int(self.meta["step"])
 
+    def params(self, like: Sequence[Any]) -> list[Any]:
+        """Every params leaf, each as the leaf of `like` (the live tree's leaves) it replaces."""
+        return self._restore(PARAMS, like)
 
-def read(path: pathlib.Path) -> Checkpoint | None:
-    """The checkpoint at `path`, or None if there is none. CheckpointError if unreadable."""
+    def state(self, like: Sequence[Any]) -> list[Any]:
+        """The state's leaves, each as the leaf of `like` (a template's leaves) it replaces."""
+        return self._restore(STATE, like)
+
+    def _restore(self, item: str, like: Sequence[Any]) -> list[Any]:
+        import orbax.checkpoint as ocp
+
+        from atoll.learner.pytree import as_like
+
+        saved = self.meta.get(item, [])
+        if len(saved) != len(like) or any(
+            tuple(s) != tuple(np.shape(x)) for (s, _), x in zip(saved, like)
+        ):
+            raise CheckpointError(
+                f"{self.path}: its {item} are {len(saved)} leaves of shapes "
+                f"{[tuple(s) for s, _ in saved][:4]}..., this learner's {len(like)} of "
+                f"{[tuple(np.shape(x)) for x in like][:4]}...: not the same model"
+            )
+        if not like:
+            return []
+        # straight into a committed jax leaf's sharding (each process reads its shards);
+        # others to the host, then placed as the leaf is (left uncommitted where it was)
+        shape_dtype: Any = jax.ShapeDtypeStruct  # (untyped in jax's stubs)
+        target = [
+            shape_dtype(x.shape, x.dtype, sharding=x.sharding)
+            if _direct(x)
+            else shape_dtype(np.shape(x), np.dtype(x.dtype))
+            for x in like
+        ]
+        assert self.path is not None  # a checkpoint read from disk
+        got = _restore(self.path, self.cut, **{item: ocp.args.StandardRestore(target)})[item]
+        return [v if _direct(x) else as_like(np.asarray(v), x) for v, x in zip(got, like)]
+
+
+def _direct(leaf: Any) -> bool:
+    """Whether a leaf is read straight into its sharding: a committed jax array that is
+    one global value (in a multi-process learner, one that spans processes)."""
+    return (
+        isinstance(leaf, jax.Array)
+        and getattr(leaf, "_committed", True)
+        and (jax.process_count() == 1 or not leaf.is_fully_addressable)
+    )
+
+
+def read(path: pathlib.Path, vectors: bool = True) -> Checkpoint | None:
+    """The checkpoint in `path` (a learner id's directory, `path_for`): its newest cut's
+    metadata and (with `vectors`) sync vectors, or None if there is none. CheckpointError
+    if unreadable."""
+    import orbax.checkpoint as ocp
+
     path = pathlib.Path(path)
-    if not path.exists():
+    old = path.with_name(path.name + OLD_SUFFIX)
+    cut = _newest_cut(path)
+    if cut is None:
+        if old.exists():
+            raise CheckpointError(
+                f"{old} is a checkpoint of an older atoll (one npz file), which this one "
+                f"does not read; it keeps {path}/ instead. Move {old.name} away to start "
+                "this learner from the global weights (its local progress since its last "
+                "push is lost), or finish the run with the atoll that wrote it"
+            )
         return None
+    if old.exists():
+        log.warning("%s: an older atoll's checkpoint, ignored (%s is newer)", old, path)
     try:
-        with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(bytes(z["meta"]).decode())
-            if meta.get("format") != FORMAT:
-                raise CheckpointError(
-                    f"{path} is format {meta.get('format')!r}, this learner reads {FORMAT}"
-                )
-            params = [z[f"param_{i}"] for i in range(meta["num_params_leaves"])]
-            opt = [z[f"opt_{i}"] for i in range(meta["num_opt_leaves"])]
-            origins = {int(k[7:]): z[k] for k in z.files if k.startswith("origin_")}
-            residuals = {int(k[9:]): z[k] for k in z.files if k.startswith("residual_")}
+        meta = _restore(path, cut, local=True, **{META: ocp.args.JsonRestore()})[META]
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            found = meta.get("format") if isinstance(meta, dict) else None
+            raise CheckpointError(f"{path} is format {found!r}, this learner reads {FORMAT}")
+        saved: Mapping[str, np.ndarray] = {}
+        if not vectors:
+            meta["origins"], meta["residuals"] = [], []
+        if meta["origins"] or meta["residuals"]:
+            saved = _restore(path, cut, local=True, **{SYNC: ocp.args.StandardRestore()})[SYNC]
     except CheckpointError:
         raise
-    except (
-        Exception
-    ) as e:  # a file that is not a checkpoint at all (guarantee 1 rules out torn ones)
+    except Exception as e:  # not a checkpoint (guarantee 1 rules out torn ones after a kill)
         raise CheckpointError(
-            f"{path} cannot be read as a learner checkpoint ({type(e).__name__}: {e}); "
+            f"{path}/{cut} cannot be read as a learner checkpoint ({type(e).__name__}: {e}); "
             "move it away to start this learner afresh"
         ) from None
-    return Checkpoint(meta, params, opt, origins, residuals)
+    origins = {p: np.asarray(saved[f"origin_{p}"]) for p in meta["origins"]}
+    residuals = {p: np.asarray(saved[f"residual_{p}"]) for p in meta["residuals"]}
+    return Checkpoint(meta, origins, residuals, path, cut)
+
+
+def _newest_cut(path: pathlib.Path) -> int | None:
+    """The newest whole cut in `path` (a numbered directory; Orbax's temporary ones are
+    not numbers), or None."""
+    cuts = [int(p.name) for p in path.iterdir() if p.name.isdigit()] if path.is_dir() else []
+    return max(cuts, default=None)
 
 
 def progress(path: pathlib.Path) -> tuple[int, int] | None:
-    """(step, tokens) of the checkpoint at `path` from its metadata alone, or None if there
+    """(step, tokens) of the checkpoint in `path` from its metadata alone, or None if there
     is none or it cannot be read (`read` then says why)."""
     try:
-        with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(bytes(z["meta"]).decode())
-        return int(meta["step"]), int(meta.get("tokens", 0))
-    except Exception:  # absent, or not a checkpoint: `read` reports it at join
+        ckpt = read(path, vectors=False)
+        return None if ckpt is None else (ckpt.step, int(ckpt.meta.get("tokens", 0)))
+    except Exception:  # not a checkpoint: `read` reports it at join
         return None
 
 
@@ -256,17 +401,17 @@ def check(ckpt: Checkpoint, identity: dict[str, Any], path: pathlib.Path) -> Non
 
 def restore_trainer(ckpt: Checkpoint, trainer: Restorable) -> None:
     """Parameters, optimiser state, step and tokens from `ckpt` into `trainer`."""
-    params = jax.tree.unflatten(jax.tree.structure(trainer.params), ckpt.params_leaves)
-    opt_treedef = jax.tree.structure(trainer.opt_state)
-    if len(jax.tree.leaves(trainer.opt_state)) != len(ckpt.opt_leaves):
+    params_like, params_def = jax.tree.flatten(trainer.params)
+    opt_like, opt_def = jax.tree.flatten(trainer.opt_state)
+    if len(ckpt.meta["state"]) != len(opt_like):
         raise CheckpointError(
             "the checkpoint's optimiser state does not match this learner's optimiser"
         )
     trainer.restore(
         {
             "model_config": ckpt.meta["model_config"],
-            "params": params,
-            "opt_state": jax.tree.unflatten(opt_treedef, ckpt.opt_leaves),
+            "params": jax.tree.unflatten(params_def, ckpt.params(params_like)),
+            "opt_state": jax.tree.unflatten(opt_def, ckpt.state(opt_like)),
             "steps_done": ckpt.meta["step"],
             "tokens_total": ckpt.meta["tokens"],
         }
@@ -330,17 +475,17 @@ def shard_last_seqs(sync: Synchronizer) -> dict[int, int]:
 
 
 class Checkpointer:
-    """Every `every` steps, a background write of the learner's state (guarantees 2-3)."""
+    """Every `every` steps, a background write of the learner's state (guarantees 1-3).
+    Every process of a multi-process learner makes one and calls `save` at the same steps."""
 
     def __init__(
         self, directory: pathlib.Path, learner_id: str, every: int, identity: dict[str, Any]
     ):
         self.path = path_for(directory, learner_id)
         self.every, self.identity = every, identity
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in self.path.parent.glob(f".{self.path.name}.*.tmp"):  # a writer killed mid-write
-            stale.unlink(missing_ok=True)
-        self._writer: threading.Thread | None = None
+        self._manager = _manager(self.path)  # removes a killed write's temp
+        self._next = (_newest_cut(self.path) or 0) + 1  # cut numbers go on across restarts
+        self._pending: int | None = None  # the step of the write in progress
         self.written = self.skipped = 0
         self.last_step: int | None = None
         self.error: BaseException | None = None
@@ -356,31 +501,41 @@ class Checkpointer:
         wait: bool = False,
     ) -> bool:
         """Starts a write of this step's state; False (skipped) if one is still running."""
-        if self._writer is not None and self._writer.is_alive():
-            if not wait:
+        if self._pending is not None and self._manager.is_saving_in_progress():
+            if not wait and jax.process_count() == 1:
                 self.skipped += 1
                 return False
-            self._writer.join()
-        cap = capture(self.identity, trainer, sync, trail)
-        self._writer = threading.Thread(
-            target=self._write, args=(cap,), name="checkpoint", daemon=True
-        )
-        self._writer.start()
+        self._settle()  # (a multi-process learner: every process waits here alike)
+        try:
+            cap = capture(self.identity, trainer, sync, trail)
+            self._manager.save(self._next, args=_save_args(cap), force=True)
+        except Exception as e:
+            self._failed(e, int(trainer.steps_done))
+            return True
+        self._next += 1
+        self._pending = cap.meta["step"]
         if wait:
-            self._writer.join()
+            self._settle()
         return True
 
-    def _write(self, cap: Capture) -> None:
+    def _settle(self) -> None:
+        """Waits for the write in progress; counts it, or its error."""
+        if self._pending is None:
+            return
+        step, self._pending = self._pending, None
         try:
-            write(self.path, cap)
-            self.written += 1
-            self.last_step = cap.meta["step"]
-        except Exception as e:  # keep training: the previous checkpoint stays usable
-            self.error = e
-            log.warning(
-                "checkpoint at step %d not written: %s: %s", cap.meta["step"], type(e).__name__, e
-            )
+            self._manager.wait_until_finished()  # raises what the background write raised
+        except Exception as e:
+            self._failed(e, step)
+            return
+        self.written += 1
+        self.last_step = step
+
+    def _failed(self, e: BaseException, step: int) -> None:
+        """Keeps training: the previous checkpoint stays usable (guarantee 1)."""
+        self.error = e
+        log.warning("checkpoint at step %d not written: %s: %s", step, type(e).__name__, e)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.join()
+        self._settle()
+        self._manager.close()

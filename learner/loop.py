@@ -249,7 +249,7 @@ def _claim(cfg: LearnerConfig, stop: Stop, held: _Held) -> tuple[LearnerConfig, 
     """This learner's id claim (one live process per id); a restarted learner whose id a
     standby took waits as a standby itself: (its config, then, and its own id)."""
     # Id claims are for one-process learners (standbys take them over); every process of a
-    # multi-host learner reads its checkpoint, process 0 alone writes it.
+    # multi-host learner reads and writes its checkpoint, each the shards it holds.
     if cfg.checkpoint_dir is not None and not cfg.standby and cfg.distributed is None:
         held.claim = standby.acquire(
             cfg.checkpoint_dir, cfg.learner_id, cfg.learner_index, cfg.num_learners, stop=stop.event

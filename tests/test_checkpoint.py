@@ -1,5 +1,6 @@
 """Tests for learner/checkpoint.py and learner/standby.py: a learner checkpoint is whole or
-absent, resuming it continues the same trajectory, local progress is carried onto new
+absent (a write killed midway leaves the previous one), keeps every dtype and the leaves
+kept out of the plan, resuming it continues the same trajectory, local progress is carried onto new
 global weights only where no later push delivered it, and learner ids are exclusive
 claims that a standby takes over only when their holder died."""
 
@@ -16,6 +17,7 @@ import threading
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -75,6 +77,7 @@ def test_resuming_a_checkpoint_continues_the_same_trajectory(corpus, tmp_path):
     assert ck.due(6) and not ck.due(7)
     assert ck.save(first, None, None, wait=True)
     assert ck.written == 1 and ck.last_step == 6 and ck.error is None
+    ck.close()
     for _ in range(3):  # steps after the checkpoint: lost with the process
         first.step(evaluate=False)
 
@@ -92,37 +95,95 @@ def test_resuming_a_checkpoint_continues_the_same_trajectory(corpus, tmp_path):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
-def test_a_checkpoint_is_whole_or_absent(corpus, tmp_path):
-    t = trainer_of(corpus)
-    path = checkpoint.path_for(tmp_path, "l1")
-    assert checkpoint.read(path) is None  # none yet: start afresh
+def _progress(params, state=(), step=0):
+    return types.SimpleNamespace(params=params, opt_state=state, steps_done=step, tokens_total=0)
+
+
+def test_every_dtype_and_the_leaves_out_of_the_plan_round_trip(tmp_path):
+    params = {
+        "w": jnp.linspace(-3, 3, 12, dtype=jnp.bfloat16).reshape(4, 3),  # raw void in an npz
+        "b": jnp.asarray([0.1, 1 / 3, 1e-8], jnp.float32),
+        "step": jnp.int32(41),  # an int counter: not synced, kept all the same
+    }
+    state = [jnp.full((4, 3), 2.5, jnp.float32), np.asarray(7, np.int32)]
     ck = checkpoint.Checkpointer(tmp_path, "l1", every=1, identity=IDENTITY)
-    ck.save(t, None, None, wait=True)
-    before = path.read_bytes()
-    # a writer killed mid-write leaves only its temporary file, which the next writer removes
-    torn = tmp_path / f".{path.name}.12345.tmp"
-    torn.write_bytes(before[: len(before) // 2])
-    assert checkpoint.read(path).step == 0
-    checkpoint.Checkpointer(tmp_path, "l1", every=1, identity=IDENTITY)
-    assert not torn.exists()
-    # a write that fails (here: the directory is gone) keeps training and reports it
-    t.step(evaluate=False)
-    ck.path = tmp_path / "missing" / path.name
-    ck.save(t, None, None, wait=True)
-    assert ck.error is not None and ck.written == 1 and path.read_bytes() == before
+    assert ck.save(_progress(params, state, step=3), None, None, wait=True) and ck.error is None
+    ck.close()
+    got = checkpoint.read(checkpoint.path_for(tmp_path, "l1"))
+    like = jax.tree.leaves(jax.tree.map(jnp.zeros_like, params))
+    back = got.params(like)
+    for a, b in zip(back, jax.tree.leaves(params)):
+        assert a.dtype == b.dtype and isinstance(a, jax.Array)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bit for bit
+    state_back = got.state([jnp.zeros((4, 3)), np.zeros((), np.int32)])
+    np.testing.assert_array_equal(state_back[0], state[0])
+    assert isinstance(state_back[1], np.ndarray) and int(state_back[1]) == 7  # as the template
+    assert got.step == 3 and checkpoint.progress(checkpoint.path_for(tmp_path, "l1")) == (3, 0)
+    with pytest.raises(checkpoint.CheckpointError, match="not the same model"):
+        got.params(like[:2])
+
+
+KILLED_MID_WRITE = textwrap.dedent("""
+    import os, pathlib, signal, sys, types
+    sys.path.insert(0, {repo!r})
+    import numpy as np
+    from atoll.learner import checkpoint
+    def at(step, n):
+        p = {{"w": np.full(n, step, np.float32)}}
+        return types.SimpleNamespace(params=p, opt_state=(), steps_done=step, tokens_total=0)
+    ck = checkpoint.Checkpointer(pathlib.Path({out!r}), "l1", 1, {{"learner_id": "l1"}})
+    assert ck.save(at(1, 10), None, None, wait=True) and ck.error is None
+    ck.save(at(2, 64 << 20), None, None)  # 256 MB, written in the background: killed in it
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_write_killed_midway_leaves_the_previous_checkpoint(tmp_path):
+    script = KILLED_MID_WRITE.format(repo=str(REPO), out=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    path = checkpoint.path_for(tmp_path, "l1")
+    torn = [p for p in path.iterdir() if not p.name.isdigit()]
+    assert torn, sorted(p.name for p in path.iterdir())  # the fault fired mid-write
+    got = checkpoint.read(path)
+    assert got.step == 1 and np.all(got.params([np.zeros(10, np.float32)])[0] == 1)
+    ck = checkpoint.Checkpointer(tmp_path, "l1", every=1, identity=IDENTITY)
+    assert ck.save(_progress({"w": np.full(10, 3, np.float32)}, step=3), None, None, wait=True)
+    ck.close()
+    assert checkpoint.read(path).step == 3
+    # the next writer removed the torn cut (and its own previous one, once written)
+    assert [p.name.isdigit() for p in path.iterdir()] == [True]
+
+
+def test_a_write_that_fails_keeps_the_previous_one_and_reports(tmp_path):
+    ck = checkpoint.Checkpointer(tmp_path, "l1", every=1, identity=IDENTITY)
+    assert ck.save(_progress({"w": np.ones(3, np.float32)}, step=1), None, None, wait=True)
+    # a leaf Orbax cannot write (an object array): training goes on, the error is kept
+    bad = _progress({"w": np.array([object()] * 3)}, step=2)
+    ck.save(bad, None, None, wait=True)
+    assert ck.error is not None and ck.written == 1 and ck.last_step == 1
+    ck.close()
+    assert checkpoint.read(checkpoint.path_for(tmp_path, "l1")).step == 1
 
 
 def test_a_checkpoint_of_other_settings_is_refused_with_a_reason(corpus, tmp_path):
     t = trainer_of(corpus)
-    checkpoint.Checkpointer(tmp_path, "l1", every=1, identity=IDENTITY).save(
-        t, None, None, wait=True
-    )
+    ck = checkpoint.Checkpointer(tmp_path, "l1", every=1, identity=IDENTITY)
+    ck.save(t, None, None, wait=True)
+    ck.close()
     got = checkpoint.read(checkpoint.path_for(tmp_path, "l1"))
     with pytest.raises(checkpoint.CheckpointError, match="learner_index=1.*learner_index=0"):
         checkpoint.check(got, {**IDENTITY, "learner_index": 0}, tmp_path)
-    (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
+    junk = checkpoint.path_for(tmp_path, "l2") / "7"
+    junk.mkdir(parents=True)
+    (junk / "meta").write_bytes(b"not a checkpoint")
     with pytest.raises(checkpoint.CheckpointError, match="move it away"):
-        checkpoint.read(tmp_path / "junk.ckpt")
+        checkpoint.read(junk.parent)
+    # an older atoll's npz checkpoint: refused, naming the file and what to do
+    (tmp_path / "l3.ckpt").write_bytes(b"PK\x03\x04 an npz")
+    with pytest.raises(checkpoint.CheckpointError, match=r"l3\.ckpt is a checkpoint of an older"):
+        checkpoint.read(checkpoint.path_for(tmp_path, "l3"))
+    assert checkpoint.progress(checkpoint.path_for(tmp_path, "l3")) is None
 
 
 def test_only_progress_no_later_push_delivered_is_carried():
@@ -146,8 +207,6 @@ def test_only_progress_no_later_push_delivered_is_carried():
     }
     ckpt = checkpoint.Checkpoint(
         meta,
-        [],
-        [],
         origins={p: np.ones(size, np.float32) for p in range(3)},
         residuals={p: np.full(size, 0.25, np.float32) for p in range(3)},
     )

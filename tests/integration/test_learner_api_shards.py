@@ -230,7 +230,9 @@ def test_a_checkpointed_learner_resumes_its_steps_and_state_and_holds_its_id(one
     params = first.join(init())
     with pytest.raises(atoll.LearnerStateError, match="held by a live process"):
         atoll.Learner(one_shard, "a", fragments=2, checkpoint_dir=ckpt).join(init())
-    params, opt_state = train(first, params, 12, seed=0)
+    # steps slow enough for the step-5 write to end before step 10 is due (a write still
+    # running then would skip it: learner/checkpoint.py, guarantee 3)
+    params, opt_state = train(first, params, 12, seed=0, sleep=0.03)
     first._checkpointer.close()  # the step-10 write is on disk
     first.close()  # a crash, as far as the id is concerned: not finished
     assert first._checkpointer.last_step == 10

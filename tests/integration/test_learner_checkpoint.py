@@ -1,14 +1,17 @@
 """Durable learner state with real processes: `atoll learner --checkpoint-dir` killed with
-SIGKILL resumes at its checkpoint's step and data position, and a standby
+SIGKILL resumes at its checkpoint's step and data position, so does a user's own loop of
+a bfloat16 model with an int counter (`atoll.Learner`), and a standby
 (`atoll learner --standby`), compiled in advance, takes a killed learner's id over and
 finishes its steps."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -19,6 +22,7 @@ from atoll.learner import checkpoint, standby
 from atoll.wire.records import read_jsonl
 
 STEPS = 140
+ONE_SHARD = ["--shard-index", "0", "--num-shards", "1", "--quorum", "1", "--grace-factor", "1"]
 # Kill -> the standby's first training step: it has imported, loaded data and compiled
 # (the test waits for its "ready (compiled" line before the kill), so what is left is
 # noticing the free claim (every 0.1 s), reading the checkpoint and joining the shards.
@@ -138,3 +142,77 @@ def test_a_standby_takes_over_a_killed_learner(tmp_path, learners):
     records = read_jsonl(tmp_path / "l1.jsonl")
     assert records[-1]["state"] == "done" and records[-1]["step"] == STEPS
     assert not (tmp_path / "spare.jsonl").exists()  # it wrote as l1, never as itself
+
+
+# A user's own loop (atoll.Learner) over a bfloat16 + float32 model with an int step
+# counter kept out of the plan; it prints one JSON line at join and one per step.
+OWN_LOOP = textwrap.dedent("""
+    import json, sys, time
+    import jax, jax.numpy as jnp, optax
+    import atoll
+    shard, ckpt_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    params = {"w": jnp.zeros((16, 8), jnp.bfloat16), "b": jnp.zeros(8, jnp.float32),
+              "count": jnp.int32(0)}
+    opt = optax.adam(1e-2)
+    floats = lambda p: {"w": p["w"], "b": p["b"]}
+    learner = atoll.Learner(shard, "bf", period=4, fragments=2, checkpoint_dir=ckpt_dir,
+                            checkpoint_every=5)
+    params = learner.join(params)
+    opt_state = learner.restore_state(opt.init(floats(params)))
+    print(json.dumps({"resumed": learner.resumed, "steps": learner.steps,
+                      "count": int(params["count"]), "adam": int(opt_state[0].count),
+                      "dtypes": [str(params[k].dtype) for k in ("w", "b", "count")]}), flush=True)
+
+    @jax.jit
+    def train_step(params, opt_state):
+        loss = lambda f: jnp.sum((f["w"].astype(jnp.float32) - 1) ** 2) + jnp.sum((f["b"] + 2) ** 2)
+        grads = jax.grad(loss)(floats(params))
+        updates, opt_state = opt.update(grads, opt_state)
+        new = optax.apply_updates(floats(params), updates)
+        return {**new, "count": params["count"] + 1}, opt_state
+
+    while learner.steps < steps:
+        params, opt_state = train_step(params, opt_state)
+        time.sleep(0.03)
+        params = learner.step(params, tokens=8, state=opt_state)
+        print(json.dumps({"step": learner.steps, "count": int(params["count"])}), flush=True)
+    learner.finish(params, state=opt_state)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_an_own_loop_bfloat16_learner_killed_resumes_its_model_counter_and_state(tmp_path):
+    with syncer_processes(tmp_path) as start:
+        shard = start(tmp_path / "s0", *ONE_SHARD)
+        env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+        args = [sys.executable, "-c", OWN_LOOP, f"127.0.0.1:{shard.port}", str(tmp_path / "ck")]
+        first = subprocess.Popen(
+            [*args, "1000"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            joined = json.loads(first.stdout.readline())
+            assert not joined["resumed"] and joined["count"] == 0, joined
+            for line in first.stdout:  # past two checkpoints (steps 5 and 10)
+                if json.loads(line)["step"] >= 13:
+                    break
+            first.send_signal(signal.SIGKILL)
+            first.wait(30)
+        finally:
+            first.kill()
+            first.communicate()
+        saved = checkpoint.read(checkpoint.path_for(tmp_path / "ck", "bf"))
+        assert saved is not None and saved.step in (5, 10), saved and saved.step
+        # what an npz checkpoint could not hold: the bfloat16 leaf, and the int counter
+        assert sorted(d for _, d in saved.meta["params"]) == ["bfloat16", "float32", "int32"]
+
+        again = subprocess.run(
+            [*args, str(saved.step + 6)], env=env, capture_output=True, text=True, timeout=90
+        )
+    assert again.returncode == 0, again.stderr[-3000:]
+    lines = [json.loads(line) for line in again.stdout.splitlines()]
+    resumed = lines[0]
+    assert resumed["resumed"] and resumed["steps"] == saved.step, resumed
+    # the counter kept out of the plan and adam's own count came back at the checkpoint's step
+    assert resumed["count"] == saved.step and resumed["adam"] == saved.step, resumed
+    assert resumed["dtypes"] == ["bfloat16", "float32", "int32"], resumed
+    assert lines[-1] == {"step": saved.step + 6, "count": saved.step + 6}, lines[-3:]
