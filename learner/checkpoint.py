@@ -29,9 +29,12 @@ Ordering guarantees (what a reader may rely on):
    data is fsynced by TensorStore; Orbax's small metadata files are not, so a machine
    crash just after a write may leave the newest cut unreadable: `read` says so.)
 2. A cut is one consistent state at a step boundary: everything in it was read on the
-   training thread between two steps. The training thread waits for the arrays' copy to
-   the host (jax arrays are immutable, numpy ones are copied), never for the disk: the
-   write runs in Orbax's background thread.
+   training thread between two steps (jax arrays are immutable, so only referenced;
+   numpy values are copied). The training thread never waits for the disk: a
+   one-process learner starts the write on a thread of its own; a multi-process one
+   starts it on the training thread (Orbax's start is collective, so every process
+   must make it in the same order: it copies the arrays to the host there), and Orbax
+   writes in its background thread.
 3. At most one write runs at a time. A one-process learner skips a checkpoint due while
    one is still being written (`skipped` counts them), never queues it; the processes of
    a multi-process learner must all write the same cuts (the write is collective), so
@@ -57,6 +60,7 @@ import dataclasses
 import functools
 import logging
 import pathlib
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -486,6 +490,8 @@ class Checkpointer:
         self._manager = _manager(self.path)  # removes a killed write's temp
         self._next = (_newest_cut(self.path) or 0) + 1  # cut numbers go on across restarts
         self._pending: int | None = None  # the step of the write in progress
+        self._writer: threading.Thread | None = None  # one process: it starts the write
+        self._writer_error: BaseException | None = None
         self.written = self.skipped = 0
         self.last_step: int | None = None
         self.error: BaseException | None = None
@@ -501,32 +507,61 @@ class Checkpointer:
         wait: bool = False,
     ) -> bool:
         """Starts a write of this step's state; False (skipped) if one is still running."""
-        if self._pending is not None and self._manager.is_saving_in_progress():
-            if not wait and jax.process_count() == 1:
-                self.skipped += 1
-                return False
+        alone = jax.process_count() == 1
+        if self._busy() and not wait and alone:
+            self.skipped += 1
+            return False
         self._settle()  # (a multi-process learner: every process waits here alike)
         try:
             cap = capture(self.identity, trainer, sync, trail)
-            self._manager.save(self._next, args=_save_args(cap), force=True)
+            args = _save_args(cap)
         except Exception as e:
             self._failed(e, int(trainer.steps_done))
             return True
-        self._next += 1
+        cut, self._next = self._next, self._next + 1
         self._pending = cap.meta["step"]
+        if alone:  # even Orbax's start (host copies, temporary directory) off this thread
+            self._writer = threading.Thread(
+                target=self._write, args=(cut, args), name="checkpoint", daemon=True
+            )
+            self._writer.start()
+        else:  # a collective: here, in the same order on every process; written behind
+            try:
+                self._manager.save(cut, args=args, force=True)
+            except Exception as e:
+                self._writer_error = e
         if wait:
             self._settle()
         return True
+
+    def _write(self, cut: int, args: Any) -> None:
+        try:
+            self._manager.save(cut, args=args, force=True)
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._writer_error = e
+
+    def _busy(self) -> bool:
+        if self._writer is not None and self._writer.is_alive():
+            return True
+        return self._pending is not None and self._manager.is_saving_in_progress()
 
     def _settle(self) -> None:
         """Waits for the write in progress; counts it, or its error."""
         if self._pending is None:
             return
         step, self._pending = self._pending, None
-        try:
-            self._manager.wait_until_finished()  # raises what the background write raised
-        except Exception as e:
-            self._failed(e, step)
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        error, self._writer_error = self._writer_error, None
+        if error is None:
+            try:
+                self._manager.wait_until_finished()  # raises what the background write raised
+            except Exception as e:
+                error = e
+        if error is not None:
+            self._failed(error, step)
             return
         self.written += 1
         self.last_step = step
@@ -538,4 +573,7 @@ class Checkpointer:
 
     def close(self) -> None:
         self._settle()
-        self._manager.close()
+        try:
+            self._manager.close()
+        except Exception as e:  # a failed write's error again (Orbax keeps it): reported
+            self.error = self.error or e

@@ -124,7 +124,7 @@ def test_every_dtype_and_the_leaves_out_of_the_plan_round_trip(tmp_path):
 
 
 KILLED_MID_WRITE = textwrap.dedent("""
-    import os, pathlib, signal, sys, types
+    import os, pathlib, signal, sys, time, types
     sys.path.insert(0, {repo!r})
     import numpy as np
     from atoll.learner import checkpoint
@@ -134,6 +134,8 @@ KILLED_MID_WRITE = textwrap.dedent("""
     ck = checkpoint.Checkpointer(pathlib.Path({out!r}), "l1", 1, {{"learner_id": "l1"}})
     assert ck.save(at(1, 10), None, None, wait=True) and ck.error is None
     ck.save(at(2, 64 << 20), None, None)  # 256 MB, written in the background: killed in it
+    while not any(not p.name.isdigit() for p in ck.path.iterdir()):  # its temporary cut
+        time.sleep(0.001)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
 
