@@ -1,0 +1,184 @@
+"""What one process of a learner sharded over several processes holds of each fragment,
+as boxes (wire/parts.py): the pieces it reads, pushes and adopts.
+
+A process holds a box of a leaf for every distinct `shard.index` among the leaf's
+addressable shards. It *sends* the boxes whose shard of `replica_id` 0 is its own, so
+across the processes every element of a fragment is pushed exactly once: a replicated
+leaf (or a replicated shard) goes from the one process holding replica 0, not from
+each. Its local vector of a fragment is its held boxes' values, box after box, each in
+C order, in the fragment's tensor order; the sent vector is the sent boxes' part of it,
+in the same order, which is the order of the part's boxes on the wire.
+
+Nothing here talks to the shards or to the other processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from atoll.wire import syncer_pb2 as pb
+
+Bounds = tuple[tuple[int, int], ...]  # [start, stop) along every dimension
+
+
+@dataclasses.dataclass(frozen=True)
+class Box:
+    """One held piece of a tensor of a fragment."""
+
+    tensor: int  # the tensor's position in the fragment (`plan.tensors_of(p)` order)
+    leaf: int  # the leaf's index in the tree
+    bounds: Bounds
+    offset: int  # where its values start in the process's local vector of the fragment
+    sent: bool  # replica 0 of this piece is on this process: this process pushes it
+
+    @property
+    def index(self) -> tuple[slice, ...]:
+        return tuple(slice(a, b) for a, b in self.bounds)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.bounds)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+
+def bounds_of(index: Sequence[slice], shape: Sequence[int]) -> Bounds:
+    """A jax shard's `index` of a leaf of `shape` as [start, stop) per dimension."""
+    out = []
+    for s, n in zip(index, shape):
+        a, b, step = s.indices(n)
+        assert step == 1, f"a shard index with step {step}"
+        out.append((a, b))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class FragmentBoxes:
+    """This process's boxes of one fragment."""
+
+    p: int
+    boxes: tuple[Box, ...]  # held, in tensor order then by bounds
+
+    @property
+    def size(self) -> int:
+        """Values this process holds of the fragment (its local vector's length)."""
+        return sum(b.size for b in self.boxes)
+
+    @property
+    def sent_boxes(self) -> tuple[Box, ...]:
+        return tuple(b for b in self.boxes if b.sent)
+
+    @property
+    def sent_size(self) -> int:
+        return sum(b.size for b in self.sent_boxes)
+
+    def wire_boxes(self) -> list[pb.TensorBox]:
+        """The sent boxes as a push part names them."""
+        return [
+            pb.TensorBox(
+                tensor=b.tensor, start=[a for a, _ in b.bounds], stop=[z for _, z in b.bounds]
+            )
+            for b in self.sent_boxes
+        ]
+
+    def sent(self, local: np.ndarray) -> np.ndarray:
+        """The sent boxes' values of a local vector (a fresh vector, wire order)."""
+        if not self.sent_boxes:
+            return np.empty(0, np.float32)
+        return np.concatenate([local[b.offset : b.end] for b in self.sent_boxes])
+
+    def read(self, leaves: Sequence[Any]) -> np.ndarray:
+        """The local vector of the fragment from the caller's leaves: each held box read
+        from one addressable shard holding it (the only device-to-host copy)."""
+        out = np.empty(self.size, np.float32)
+        for b in self.boxes:
+            out[b.offset : b.end] = np.asarray(_shard_data(leaves[b.leaf], b.bounds)).reshape(-1)
+        return out
+
+
+def _shard_data(leaf: Any, bounds: Bounds) -> Any:
+    for shard in leaf.addressable_shards:
+        if bounds_of(shard.index, leaf.shape) == bounds:
+            return shard.data
+    raise AssertionError(f"no addressable shard holds {bounds}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessBoxes:
+    """This process's boxes of every fragment, and how to write local vectors back."""
+
+    fragments: tuple[FragmentBoxes, ...]
+    shapes: tuple[tuple[int, ...], ...]  # every leaf's shape, tree order
+    offsets: tuple[tuple[int, ...], ...]  # per fragment: each tensor's offset in its vector
+
+    def take(self, p: int, full: np.ndarray) -> np.ndarray:
+        """This process's local vector of fragment p from the whole fragment's vector."""
+        frag = self.fragments[p]
+        out = np.empty(frag.size, np.float32)
+        for b in frag.boxes:
+            shape = self.shapes[b.leaf]
+            start = self.offsets[p][b.tensor]
+            tensor = full[start : start + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+            out[b.offset : b.end] = tensor[b.index].reshape(-1)
+        return out
+
+    def write(self, leaves: Sequence[Any], vectors: dict[int, np.ndarray]) -> list[Any]:
+        """`leaves` with the tensors of fragments `vectors` ({p: local vector}) replaced:
+        each new leaf built from this process's boxes on the leaf's own sharding (every
+        addressable shard, replicas included), with no value from another process."""
+        out = list(leaves)
+        for p, local in vectors.items():
+            by_leaf: dict[int, dict[Bounds, np.ndarray]] = {}
+            for b in self.fragments[p].boxes:
+                by_leaf.setdefault(b.leaf, {})[b.bounds] = local[b.offset : b.end].reshape(b.shape)
+            for i, pieces in by_leaf.items():
+                leaf = leaves[i]
+                arrays = [
+                    jax.device_put(
+                        pieces[bounds_of(s.index, leaf.shape)].astype(leaf.dtype), s.device
+                    )
+                    for s in leaf.addressable_shards
+                ]
+                out[i] = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, arrays)
+        return out
+
+
+def process_boxes(
+    leaves: Sequence[Any], slots: Sequence[Sequence[tuple[int, int, int]]]
+) -> ProcessBoxes:
+    """This process's boxes of every fragment.
+
+    Args:
+      leaves: the tree's leaves (jax arrays for the synced ones).
+      slots: per fragment, (leaf index, offset, end) of each tensor in tensor order
+        (`TreeLayout.slots`).
+    """
+    fragments = []
+    for p, tensors in enumerate(slots):
+        boxes: list[Box] = []
+        offset = 0
+        for t, (i, _, _) in enumerate(tensors):
+            leaf = leaves[i]
+            held: dict[Bounds, bool] = {}
+            for shard in leaf.addressable_shards:
+                bounds = bounds_of(shard.index, leaf.shape)
+                held[bounds] = held.get(bounds, False) or shard.replica_id == 0
+            for bounds in sorted(held):
+                box = Box(t, i, bounds, offset, held[bounds])
+                boxes.append(box)
+                offset = box.end
+        fragments.append(FragmentBoxes(p, tuple(boxes)))
+    shapes = tuple(tuple(np.shape(x)) for x in leaves)
+    offsets = tuple(tuple(start for _, start, _ in tensors) for tensors in slots)
+    return ProcessBoxes(tuple(fragments), shapes, offsets)
