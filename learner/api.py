@@ -13,8 +13,9 @@ The params are any pytree of float arrays (nested dicts, a Flax NNX `State`, an 
 module); how a tree becomes fragments is learner/pytree.py. The optimiser, its state and
 the data stay yours: at an adoption the fragment's tensors change and the optimiser
 state is kept as it is, as in DiLoCo. Underneath is the same `Synchronizer` that
-`atoll learner` runs (learner/sync.py), on process 0 of a multi-host learner
-(learner/distributed.py).
+`atoll learner` runs (learner/sync.py): on process 0 of a multi-host learner whose params
+are replicated on every process (learner/distributed.py), or on every process of one
+whose params are split over them, each syncing its own boxes (learner/sharded.py).
 """
 
 from __future__ import annotations
@@ -245,6 +246,8 @@ class Learner:
         self._phase = _NEW
         self._failed: str | None = None  # why join failed, if it did
         self._multi = False  # several processes (learner/distributed.py), known at join
+        # params split over those processes: each syncs its own boxes (learner/sharded.py)
+        self._island: Any = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _phase and _sync against stop() from other threads
         self._layout: TreeLayout | None = None
@@ -367,9 +370,12 @@ class Learner:
         meanwhile (your optimiser state is kept as it is, as in DiLoCo). It blocks only
         when a fragment's previous round is very late (see `wait_for_rounds`).
 
-        In a multi-host program every process calls it; process 0 syncs and the others
-        take what it adopted. A stop or a sync error on process 0 raises on every
-        process, at the same step.
+        In a multi-host program every process calls it. With params replicated on every
+        process, process 0 syncs and the others take what it adopted; with params split
+        over the processes, each pushes and adopts its own shards and follows process
+        0's schedule. A stop or a sync error raises on every process, at the same step;
+        so does a process calling another method or at another step (LearnerDisagreement,
+        a ParamsError).
 
         Args:
           params: the tree `join` returned, as your steps left it (same structure, shapes
@@ -406,7 +412,7 @@ class Learner:
         seq_before = self._sync.seq if self._sync is not None else 0
         updates = self._sync_step(view, seconds, last)
         if updates:
-            params = layout.write(view.leaves(), updates)
+            params = self._write(view, updates)
             view = _View(layout, params, "params given to step()")
         if self._checkpointer is not None:  # every process writes its own shards
             if self._sync is not None:
@@ -441,14 +447,15 @@ class Learner:
         layout = self._joined()
         view = _View(layout, params, "params given to finish()")
         updates: dict[int, np.ndarray] = {}
-        if self._sync is not None:
-            updates = self._sync.finish(
-                self._local, view, timeout, self._tokens if self._local else None
-            )
-        if self._multi:
+        tail = self._tokens if self._local else None
+        if self._island is not None:
+            updates = self._island.finish(self._local, view, timeout, tail)
+        elif self._sync is not None:
+            updates = self._sync.finish(self._local, view, timeout, tail)
+        if self._multi and self._island is None:
             updates, _ = distributed.broadcast_step(updates, (), self.plan.fragment_sizes)
         if updates:
-            params = layout.write(view.leaves(), updates)
+            params = self._write(view, updates)
         if self._checkpointer is not None and self._local:
             self._save(_View(layout, params, "params given to finish()"), state, wait=True)
         with self._lock:
@@ -616,6 +623,8 @@ class Learner:
         """Process 0's sync work after a step, and (several processes) its outcome on
         every process: {fragment: vector adopted}. Raises where process 0 was stopped
         or failed, on every process alike."""
+        if self._island is not None:
+            return self._island_step(view, seconds, last)
         sync, updates = self._sync, {}
         stopped, error, pushed = self._stop.is_set(), None, False
         if sync is not None and not stopped:
@@ -641,14 +650,58 @@ class Learner:
             raise error
         return updates
 
+    def _island_step(self, view: _View, seconds: float, last: bool) -> dict[int, np.ndarray]:
+        """`_sync_step` of a learner sharded over its processes: every process syncs its
+        own boxes; process 0's schedule decides for all (learner/sharded.py)."""
+        island = self._island
+        updates, stopped, pushed, error = island.step(
+            self._local, view, seconds, self._tokens, last, self._stop.is_set()
+        )
+        self._pushed = pushed
+        if stopped:
+            raise Stopped(f"stopped at step {self.steps}") from error
+        if error is not None:
+            raise error
+        return dict(updates)
+
+    def _write(self, view: _View, updates: dict[int, np.ndarray]) -> PyTree:
+        """The tree with fragments `updates` adopted (local vectors on a sharded island)."""
+        layout = self._joined()
+        if self._island is None:
+            return layout.write(view.leaves(), updates)
+        leaves = self._island.write(view.leaves(), updates)
+        return jax.tree_util.tree_unflatten(layout.treedef, leaves)
+
+    def _join_island(self, layout: TreeLayout, view: _View) -> PyTree:
+        """`join` of a learner whose params are split over its processes: every process
+        connects, joins and later pushes its own boxes (learner/sharded.py)."""
+        from atoll.learner import sharded
+
+        if self.checkpoint_dir is not None:
+            raise LearnerConfigError(
+                "checkpoint_dir: a learner whose params are split over several processes "
+                "keeps no checkpoint yet (each process's shards go into Orbax checkpoints "
+                "in a later change); pass checkpoint_dir=None"
+            )
+        self._island = sharded.Island(
+            layout,
+            view.leaves(),
+            self.learner_id,
+            self._connect,
+            part_wait=max(self.sync_config.join_timeout, self.sync_config.patience),
+        )
+        vectors = self._island.join(view)
+        self._boundary = time.perf_counter()
+        return self._write(view, vectors)
+
     def _join(self, params: PyTree) -> PyTree:
         self._layout = layout = TreeLayout(params, self.fragments, self.is_embedding)
         self._multi = multi = distributed.process_count() > 1
         leader = distributed.is_leader()
         view = _View(layout, params, "params given to join()")
         leaves = view.leaves()
-        if multi:
-            _check_replicated(layout, leaves)
+        if multi and _split(layout, leaves):
+            return self._join_island(layout, view)
         if self.checkpoint_dir is not None and not multi and self.claim_id:
             self._claim_id(self.checkpoint_dir)
         if self.checkpoint_dir is not None:
@@ -750,9 +803,10 @@ class Learner:
             )
         return vectors
 
-    def _connect(self) -> Synchronizer:
+    def _connect(self, **engine: Any) -> Synchronizer:
         """The sync engine over a client per shard (and the pattern's, for shards a
-        reshard adds), stopped at once if `stop` came first."""
+        reshard adds), stopped at once if `stop` came first. `engine`: the Synchronizer's
+        `fragment_sync` and `read_fragment`, for a sharded island."""
         tls, token, learner_id, deadline = self.tls, self.token, self.learner_id, self.deadline
 
         def connect(address: str) -> ShardClient:
@@ -765,7 +819,7 @@ class Learner:
             [connect(a) for a in self.addresses],
             on_push=self.on_push,
             connect=None if pattern is None else lambda i: connect(pattern.replace("{i}", str(i))),
-            read_fragment=_read,
+            **{"read_fragment": _read, **engine},
         )
         with self._lock:
             self._sync = sync
@@ -860,15 +914,11 @@ def _checkpoint_dir(path: str | os.PathLike[str] | None) -> pathlib.Path | None:
     return directory
 
 
-def _check_replicated(layout: TreeLayout, leaves: Sequence[Any]) -> None:
-    """ParamsError for a synced leaf split over several processes (process 0 reads it)."""
-    for i in layout.synced:
-        leaf = leaves[i]
-        if hasattr(leaf, "is_fully_addressable") and not (
-            leaf.is_fully_addressable or leaf.is_fully_replicated
-        ):
-            raise ParamsError(
-                f"leaf {layout.names[i]!r} is split over several processes: a multi-host "
-                "learner syncs params replicated on every process (as `atoll learner`'s "
-                "are); replicate it across processes"
-            )
+def _split(layout: TreeLayout, leaves: Sequence[Any]) -> bool:
+    """Whether a synced leaf is split over several processes: then every process syncs its
+    own boxes (learner/sharded.py); else process 0 syncs for all (learner/distributed.py)."""
+    return any(
+        hasattr(leaves[i], "is_fully_addressable")
+        and not (leaves[i].is_fully_addressable or leaves[i].is_fully_replicated)
+        for i in layout.synced
+    )

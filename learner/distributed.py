@@ -7,6 +7,10 @@ process 0, talks to the syncer. After each step process 0 broadcasts what it dec
 so every process holds the same parameters and the outer gradient is computed once,
 on process 0, from the replicated parameters.
 
+That is the path of params replicated on every process. A learner whose params are
+split over its processes (FSDP, tensor parallel) instead has every process push and
+adopt its own shards, with process 0 deciding only the schedule (learner/sharded.py).
+
 How a process learns its place, first that applies:
   * flags --coordinator HOST:PORT --num-processes N --process-id I;
   * the JobSet's environment: ATOLL_COORDINATOR (e.g. the pod of job index 0 and a

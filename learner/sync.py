@@ -100,6 +100,10 @@ class Synchronizer:
     as `params` as a fresh float32 vector (default `plan.flatten_fragment`, for nested
     dicts): the public API (learner/api.py) passes any pytree, read only at sync points.
 
+    `fragment_sync(p, size, link)`, if given, makes fragment p's sync state and task (a
+    learner sharded over several processes syncs each process's part of it,
+    learner/sharded.py).
+
     `clock` is the one clock the schedule reads (monotonic seconds): due times, waits on
     rounds, the end-of-run deadline and the time the training thread spends blocked.
 
@@ -118,6 +122,7 @@ class Synchronizer:
         connect: Callable[[int], ShardClient] | None = None,
         read_fragment: Callable[[Any, int], np.ndarray] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        fragment_sync: Callable[[int, int, Link], FragmentSync] = FragmentSync,
     ):
         self.cfg, self.plan, self.on_push, self.clock = cfg, plan, on_push, clock
         self.read_fragment: Callable[[Any, int], np.ndarray] = (
@@ -143,7 +148,7 @@ class Synchronizer:
         link = Link(cfg, plan, self.router, self.published, self.pace, self._count, clock, on_push)
         self.offsets = offsets(plan.num_fragments, cfg.period)
         self.frags = [
-            FragmentSync(p, plan.fragment_sizes[p], link) for p in range(plan.num_fragments)
+            fragment_sync(p, plan.fragment_sizes[p], link) for p in range(plan.num_fragments)
         ]
         self.pool = concurrent.futures.ThreadPoolExecutor(max(2, plan.num_fragments), "sync")
         self.seq = 0  # pushes so far; join() goes on from the newest seq the shards answered

@@ -1,0 +1,100 @@
+"""One process of a test learner whose params are FSDP-sharded over 2 processes x 2 CPU
+devices (or, `--replicated`, one process holding them replicated): trains a fixed
+elementwise model on a fixed schedule against the shards given and writes what it
+measured as JSON. Run by tests/integration/test_learner_sharded.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+SHAPES = {"w0": (16, 64), "w1": (8, 32), "b": (64,), "emb": (4, 32)}
+SPLIT = {"w0", "w1", "emb"}  # FSDP over the rows; "b" replicated on every device
+
+
+def values(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def place(tree: dict[str, np.ndarray], specs: dict[str, P], mesh: Mesh) -> dict[str, jax.Array]:
+    return {
+        k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, specs[k]), lambda i, v=v: v[i])
+        for k, v in tree.items()
+    }
+
+
+@jax.jit
+def train_step(params, target):
+    # elementwise: no reduction over a sharded axis, so no order of sums differs between
+    # the sharded and the replicated learner
+    return jax.tree.map(lambda w, t: w - 0.1 * (w - jnp.tanh(t)), params, target)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shards", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--coordinator")
+    ap.add_argument("--num-processes", type=int, default=1)
+    ap.add_argument("--process-id", type=int, default=0)
+    ap.add_argument("--replicated", action="store_true")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--codec", default="INT4")
+    ap.add_argument("--fault", default="", help="misorder | mesh | plan: process 1's misuse")
+    args = ap.parse_args()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.num_processes > 1:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    import atoll
+
+    devices = np.array(jax.devices())
+    mesh = Mesh(devices, ("fsdp",))
+    specs = {k: P() if args.replicated or k not in SPLIT else P("fsdp") for k in SHAPES}
+    if args.fault == "mesh" and args.process_id == 1:
+        specs["w1"] = P(None, "fsdp")
+    out: dict = {"process": args.process_id}
+    learner = None
+    try:
+        learner = atoll.Learner(
+            args.shards,
+            "island",
+            period=4,
+            overlap=1,
+            fragments=3 if args.fault == "plan" and args.process_id == 1 else 2,
+            codec=args.codec,
+            wait_for_rounds=True,
+        )
+        params = learner.join(place(values(0), specs, mesh))
+        joined = dict(learner.stats)
+        for step in range(args.steps):
+            params = train_step(params, place(values(100 + step), specs, mesh))
+            if args.fault == "misorder" and args.process_id == 1 and step == 5:
+                params = learner.finish(params)
+                break
+            params = learner.step(params, tokens=8)
+            time.sleep(0.3)  # every round closes before the next step: one schedule
+        else:
+            params = learner.finish(params)
+        stats = learner.stats
+        out["bytes_pushed"] = stats.get("bytes_sent", 0) - joined.get("bytes_sent", 0)
+        out["pushes"] = stats.get("pushes", 0)
+        out["versions"] = {str(p): v for p, v in learner.versions.items()}
+    except Exception as e:  # the test reads what each process raised
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if learner is not None:
+            learner.close()
+    with open(args.out, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()

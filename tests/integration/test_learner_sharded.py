@@ -1,0 +1,144 @@
+"""A learner whose params are FSDP-sharded over 2 JAX processes x 2 CPU devices (gloo):
+every process pushes its own boxes as parts of each push, and the run publishes the
+same global weights as one process holding the params replicated; processes that
+disagree (plan, sharding, call order) each get a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+from syncer_helpers import REPO
+
+from atoll.server.config import ShardConfig
+from atoll.server.service import SyncerServer
+from atoll.wire import codec
+from atoll.wire.client import ShardClient
+
+pytestmark = pytest.mark.e2e  # real processes: `make test-fast` skips it
+
+WORKER = pathlib.Path(__file__).with_name("sharded_learner_worker.py")
+FRAGMENTS = 2  # the worker's
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _learn(
+    tmp: pathlib.Path, name: str, processes: int, num_shards: int, flags: list[str]
+) -> tuple[list[dict], np.ndarray]:
+    """Runs the worker as one learner of `processes` processes against fresh shards
+    (quorum 1); returns each process's report and the published weights, fragment after
+    fragment (none where a process failed)."""
+    servers = [
+        SyncerServer(
+            ShardConfig(
+                shard_index=i,
+                num_shards=num_shards,
+                data_dir=tmp / f"{name}-shard{i}",
+                listen="127.0.0.1:0",
+                quorum=1,
+                grace_factor=1.0,
+                lease_seconds=5,
+            )
+        )
+        for i in range(num_shards)
+    ]
+    for s in servers:
+        s.start()
+    try:
+        addresses = ",".join(f"127.0.0.1:{s.port}" for s in servers)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2 "
+            "--xla_cpu_multi_thread_eigen=false",
+        }
+        port, procs = _free_port(), []
+        for i in range(processes):
+            cmd = [sys.executable, str(WORKER), "--shards", addresses]
+            cmd += ["--out", str(tmp / f"{name}.{i}.json"), *flags]
+            if processes > 1:
+                cmd += ["--coordinator", f"127.0.0.1:{port}"]
+                cmd += ["--num-processes", str(processes), "--process-id", str(i)]
+            log = open(tmp / f"{name}.{i}.log", "w")  # noqa: SIM115 (closed with the process)
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        try:
+            for i, proc in enumerate(procs):
+                assert proc.wait(timeout=240) == 0, (tmp / f"{name}.{i}.log").read_text()
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        reports = [json.loads((tmp / f"{name}.{i}.json").read_text()) for i in range(processes)]
+        if any("error" in r for r in reports):
+            return reports, np.empty(0, np.float32)
+        return reports, np.concatenate([_published(servers, p) for p in range(FRAGMENTS)])
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def _published(servers: list[SyncerServer], p: int) -> np.ndarray:
+    """Fragment p's published weights, from the shard that owns it."""
+    for server in servers:
+        client = ShardClient(f"127.0.0.1:{server.port}", "observer", deadline=10)
+        try:
+            return codec.decode(client.pull(p).frames[0][2])
+        except grpc.RpcError:
+            continue  # not this shard's
+        finally:
+            client.close()
+    raise AssertionError(f"no shard serves fragment {p}")
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_a_sharded_learner_publishes_what_a_replicated_one_does(tmp_path, num_shards):
+    sharded, sharded_weights = _learn(tmp_path, "sharded", 2, num_shards, [])
+    replicated, replicated_weights = _learn(tmp_path, "replicated", 1, num_shards, ["--replicated"])
+    for report in [*sharded, *replicated]:
+        assert "error" not in report, report
+    assert sharded[0]["versions"] == replicated[0]["versions"], (sharded, replicated)
+    assert min(v for v, _ in replicated[0]["versions"].values()) >= 3, replicated
+    # Bit for bit: the worker's model is elementwise (no sum whose order the sharding
+    # changes), its boxes are whole 32-value INT4 blocks, and the shard merges a push's
+    # parts as the same float32 vector a whole push decodes to.
+    np.testing.assert_array_equal(sharded_weights, replicated_weights)
+    # Each process pushes its own boxes: about half of the whole learner's bytes each
+    # (process 0 also sends the replicated bias, which is one process's to send).
+    whole = replicated[0]["bytes_pushed"]
+    shares = [r["bytes_pushed"] / whole for r in sharded]
+    assert all(0.4 < s < 0.65 for s in shares), (shares, sharded, replicated)
+    assert sum(r["pushes"] for r in sharded) == 2 * replicated[0]["pushes"]
+
+
+def _errors(tmp_path: pathlib.Path, fault: str) -> list[str]:
+    reports, _ = _learn(tmp_path, fault, 2, 1, ["--fault", fault])
+    return [r.get("error", "") for r in reports]
+
+
+def test_processes_that_call_in_another_order_each_get_a_clear_error(tmp_path):
+    errors = _errors(tmp_path, "misorder")
+    assert all("LearnerDisagreement" in e and "out of order" in e for e in errors), errors
+    assert all("process 1: finish at step 5" in e for e in errors), errors
+
+
+def test_processes_that_shard_a_leaf_differently_each_get_a_clear_error_at_join(tmp_path):
+    errors = _errors(tmp_path, "mesh")
+    assert all("LearnerDisagreement" in e and "'w1' is sharded differently" in e for e in errors)
+
+
+def test_processes_that_join_with_another_plan_each_get_a_clear_error_at_join(tmp_path):
+    errors = _errors(tmp_path, "plan")
+    assert all("LearnerDisagreement" in e and "another fragment plan" in e for e in errors)
