@@ -63,11 +63,9 @@ class PartCalls(ShardState):
             self._sync(durable_at)  # fsync before ack: the ack is a promise
         return answer
 
-    def _checked_part(
-        self, h: PushHeader, frame: bytes | Sequence[bytes]
-    ) -> tuple[Fragment, bytes]:
-        """(fragment, the part's frame joined) of a part whose header, boxes and frame pass
-        every check made before a lock is taken; ShardError otherwise."""
+    def _checked_header(self, h: PushHeader) -> Fragment:
+        """The fragment a push, whole or a part, is for, once its header passes the checks
+        that need no lock (its fields, codec, plan and size); ShardError otherwise."""
         problem = h.problem()
         if problem is not None:
             raise ShardError(Why.MALFORMED, problem)
@@ -79,6 +77,14 @@ class PartCalls(ShardState):
                 Why.MALFORMED,
                 f"fragment {h.fragment} holds {frag.size} params, push says {h.num_params}",
             )
+        return frag
+
+    def _checked_part(
+        self, h: PushHeader, frame: bytes | Sequence[bytes]
+    ) -> tuple[Fragment, bytes]:
+        """(fragment, the part's frame joined) of a part whose header, boxes and frame pass
+        every check made before a lock is taken; ShardError otherwise."""
+        frag = self._checked_header(h)
         problem = parts.boxes_problem(h.boxes, frag.shapes)
         if problem is not None:
             raise ShardError(Why.MALFORMED, f"fragment {h.fragment} part {h.part}: {problem}")

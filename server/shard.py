@@ -197,17 +197,7 @@ class Shard(Recovery, MoveCalls, PartCalls):
     ) -> tuple[Fragment, codec.Codes]:
         """(fragment, the frame's checked codes) of a push whose header and frame pass
         every check made before a lock is taken; ShardError otherwise."""
-        problem = h.problem()
-        if problem is not None:
-            raise ShardError(Why.MALFORMED, problem)
-        if h.codec not in ACCEPTED_CODECS:
-            raise ShardError(Why.MALFORMED, f"codec {h.codec} is not accepted")
-        frag = self._fragment(h.fragment, h.plan_fingerprint)
-        if h.num_params != frag.size:
-            raise ShardError(
-                Why.MALFORMED,
-                f"fragment {h.fragment} holds {frag.size} params, push says {h.num_params}",
-            )
+        frag = self._checked_header(h)
         try:
             # decompressed and checked, never decoded to float32: the merge reads the codes
             codes = codec.read_codes(frame, codec=codec.Codec(h.codec), num_values=frag.size)
