@@ -243,6 +243,10 @@ class Learner:
         # too); what a checkpoint records as its data position: set them after `join`
         # if your loop resumed from a position of its own
         self.steps, self.tokens = 0, 0
+        self._init_run_state()
+
+    def _init_run_state(self) -> None:
+        """The state a learner keeps from join to finish, as before join."""
         self._phase = _NEW
         self._failed: str | None = None  # why join failed, if it did
         self._multi = False  # several processes (learner/distributed.py), known at join
