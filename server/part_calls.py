@@ -49,19 +49,26 @@ class PartCalls(ShardState):
         record is durable, like a whole push."""
         frag, joined = self._checked_part(h, frame)
         with self._lock_of(h.fragment, frag):
-            self._require_ready()
-            self._refuse_if_moving(h.fragment)
-            now = self.clock()
-            with self.lock:
-                if h.last:
-                    self.finished[h.fragment].add(h.learner_id)
-                else:
-                    self.finished[h.fragment].discard(h.learner_id)
-                self._heard_from(h, now)  # every part renews the one lease of its learner
+            now = self._arrived(h)  # every part renews the one lease of its learner
             answer, durable_at = self._judged_part(h, frag, joined, now)
         if durable_at is not None:
             self._sync(durable_at)  # fsync before ack: the ack is a promise
         return answer
+
+    def _arrived(self, h: PushHeader) -> float:
+        """Under the fragment's lock, a push (whole or a part) arriving: the shard serves and
+        the fragment is not moving, the learner's finished mark and lease are renewed;
+        returns the time it arrived."""
+        self._require_ready()
+        self._refuse_if_moving(h.fragment)
+        now = self.clock()
+        with self.lock:
+            if h.last:
+                self.finished[h.fragment].add(h.learner_id)
+            else:
+                self.finished[h.fragment].discard(h.learner_id)
+            self._heard_from(h, now)
+        return now
 
     def _checked_header(self, h: PushHeader) -> Fragment:
         """The fragment a push, whole or a part, is for, once its header passes the checks

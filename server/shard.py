@@ -176,15 +176,7 @@ class Shard(Recovery, MoveCalls, PartCalls):
             return self._push_part(h, frame)
         frag, codes = self._checked_push(h, frame)
         with self._lock_of(h.fragment, frag):
-            self._require_ready()
-            self._refuse_if_moving(h.fragment)
-            now = self.clock()
-            with self.lock:
-                if h.last:
-                    self.finished[h.fragment].add(h.learner_id)
-                else:
-                    self.finished[h.fragment].discard(h.learner_id)
-                self._heard_from(h, now)
+            now = self._arrived(h)
             answer, durable_at = self._judged(h, frag, codes, frame, now)
         del codes
         if durable_at is None:  # refused: nothing was logged
