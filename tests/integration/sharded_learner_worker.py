@@ -1,7 +1,8 @@
-"""One process of a test learner whose params are FSDP-sharded over 2 processes x 2 CPU
-devices (or, `--replicated`, one process holding them replicated): trains a fixed
-elementwise model on a fixed schedule against the shards given and writes what it
-measured as JSON. Run by tests/integration/test_learner_sharded.py."""
+"""One process of a test learner whose params are sharded over 2 processes x 2 CPU devices
+(`--mesh fsdp`: FSDP over all 4 devices; `--mesh fsdp-tp`: a 2 x 2 mesh, FSDP across the
+processes and tensor parallel within each) or, `--replicated`, one process holding them
+replicated: trains a fixed elementwise model on a fixed schedule against the shards given
+and writes what it measured as JSON. Run by tests/integration/test_learner_sharded.py."""
 
 from __future__ import annotations
 
@@ -15,8 +16,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-SHAPES = {"w0": (16, 64), "w1": (8, 32), "b": (64,), "emb": (4, 32)}
-SPLIT = {"w0", "w1", "emb"}  # FSDP over the rows; "b" replicated on every device
+# Every box any mesh below cuts is made of whole 32-value runs of its tensor, at offsets
+# in the fragment that are multiples of 32: each part's INT4 blocks are a whole push's.
+SHAPES = {"w0": (16, 64), "w1": (8, 64), "b": (64,), "emb": (4, 32)}
+SPECS = {
+    # FSDP over the rows; "b" replicated on every device
+    "fsdp": {"w0": P("fsdp"), "w1": P("fsdp"), "b": P(), "emb": P("fsdp")},
+    # rows over the processes, columns over each process's 2 devices; "w1" split only by
+    # columns, so held whole by both processes (process 0 sends it); "b" replicated
+    "fsdp-tp": {"w0": P("fsdp", "tp"), "w1": P(None, "tp"), "b": P(), "emb": P("fsdp")},
+}
 
 
 def values(seed: int) -> dict[str, np.ndarray]:
@@ -46,6 +55,7 @@ def main() -> None:
     ap.add_argument("--num-processes", type=int, default=1)
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--replicated", action="store_true")
+    ap.add_argument("--mesh", choices=sorted(SPECS), default="fsdp")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--codec", default="INT4")
     ap.add_argument("--fault", default="", help="misorder | mesh | plan: process 1's misuse")
@@ -55,9 +65,12 @@ def main() -> None:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     import atoll
 
-    devices = np.array(jax.devices())
-    mesh = Mesh(devices, ("fsdp",))
-    specs = {k: P() if args.replicated or k not in SPLIT else P("fsdp") for k in SHAPES}
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    if args.mesh == "fsdp-tp":  # a row of the mesh per process
+        mesh = Mesh(devices.reshape(-1, 2), ("fsdp", "tp"))
+    else:
+        mesh = Mesh(devices, ("fsdp",))
+    specs = {k: P() if args.replicated else spec for k, spec in SPECS[args.mesh].items()}
     if args.fault == "mesh" and args.process_id == 1:
         specs["w1"] = P(None, "fsdp")
     out: dict = {"process": args.process_id}
@@ -74,6 +87,9 @@ def main() -> None:
         )
         params = learner.join(place(values(0), specs, mesh))
         joined = dict(learner.stats)
+        out["held"] = {
+            k: [list(s.data.shape) for s in v.addressable_shards] for k, v in params.items()
+        }
         for step in range(args.steps):
             params = train_step(params, place(values(100 + step), specs, mesh))
             if args.fault == "misorder" and args.process_id == 1 and step == 5:

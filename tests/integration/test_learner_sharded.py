@@ -1,6 +1,7 @@
-"""A learner whose params are FSDP-sharded over 2 JAX processes x 2 CPU devices (gloo):
-every process pushes its own boxes as parts of each push, and the run publishes the
-same global weights as one process holding the params replicated; processes that
+"""A learner whose params are sharded over 2 JAX processes x 2 CPU devices (gloo), FSDP
+alone or FSDP x tensor parallel on a 2 x 2 mesh: every process pushes its own boxes as
+parts of each push, and the run publishes the same global weights as one process holding
+the params replicated; processes that
 disagree (plan, sharding, call order) each get a clear error."""
 
 from __future__ import annotations
@@ -103,24 +104,42 @@ def _published(servers: list[SyncerServer], p: int) -> np.ndarray:
     raise AssertionError(f"no shard serves fragment {p}")
 
 
+# What each process of a sharded learner holds of every leaf (its shards' shapes) and its
+# share of the elements the learner pushes (w0 1024, w1 512, b 64, emb 128: 1728 in all).
+MESHES = {
+    "fsdp": (
+        {"w0": [[4, 64]] * 2, "w1": [[2, 64]] * 2, "b": [[64]] * 2, "emb": [[1, 32]] * 2},
+        [(512 + 256 + 64 + 64) / 1728, (512 + 256 + 64) / 1728],
+    ),
+    # w1, P(None, "tp"), is held by both processes and sent by process 0 alone
+    "fsdp-tp": (
+        {"w0": [[8, 32]] * 2, "w1": [[8, 32]] * 2, "b": [[64]] * 2, "emb": [[2, 32]] * 2},
+        [(512 + 512 + 64 + 64) / 1728, (512 + 64) / 1728],
+    ),
+}
+
+
 @pytest.mark.parametrize("num_shards", [1, 2])
 def test_a_sharded_learner_publishes_what_a_replicated_one_does(tmp_path, num_shards):
-    sharded, sharded_weights = _learn(tmp_path, "sharded", 2, num_shards, [])
     replicated, replicated_weights = _learn(tmp_path, "replicated", 1, num_shards, ["--replicated"])
-    for report in [*sharded, *replicated]:
-        assert "error" not in report, report
-    assert sharded[0]["versions"] == replicated[0]["versions"], (sharded, replicated)
+    assert "error" not in replicated[0], replicated
     assert min(v for v, _ in replicated[0]["versions"].values()) >= 3, replicated
-    # Bit for bit: the worker's model is elementwise (no sum whose order the sharding
-    # changes), its boxes are whole 32-value INT4 blocks, and the shard merges a push's
-    # parts as the same float32 vector a whole push decodes to.
-    np.testing.assert_array_equal(sharded_weights, replicated_weights)
-    # Each process pushes its own boxes: about half of the whole learner's bytes each
-    # (process 0 also sends the replicated bias, which is one process's to send).
     whole = replicated[0]["bytes_pushed"]
-    shares = [r["bytes_pushed"] / whole for r in sharded]
-    assert all(0.4 < s < 0.65 for s in shares), (shares, sharded, replicated)
-    assert sum(r["pushes"] for r in sharded) == 2 * replicated[0]["pushes"]
+    for mesh, (held, shares) in MESHES.items():
+        sharded, sharded_weights = _learn(tmp_path, mesh, 2, num_shards, ["--mesh", mesh])
+        for report in sharded:
+            assert "error" not in report, (mesh, report)
+            assert report["held"] == held, (mesh, report)
+        assert sharded[0]["versions"] == replicated[0]["versions"], (mesh, sharded, replicated)
+        # Bit for bit: the worker's model is elementwise (no sum whose order the sharding
+        # changes), its boxes are whole 32-value INT4 blocks, and the shard merges a push's
+        # parts as the same float32 vector a whole push decodes to.
+        np.testing.assert_array_equal(sharded_weights, replicated_weights, err_msg=mesh)
+        # Each process pushes the boxes it holds replica 0 of: its share of the elements,
+        # give or take the headers every part carries.
+        measured = [r["bytes_pushed"] / whole for r in sharded]
+        assert all(abs(m - s) < 0.08 for m, s in zip(measured, shares)), (mesh, measured, shares)
+        assert sum(r["pushes"] for r in sharded) == 2 * replicated[0]["pushes"], mesh
 
 
 def _errors(tmp_path: pathlib.Path, fault: str) -> list[str]:
