@@ -2,7 +2,8 @@
 as boxes (wire/parts.py): the pieces it reads, pushes and adopts.
 
 A process holds a box of a leaf for every distinct `shard.index` among the leaf's
-addressable shards. It *sends* the boxes whose shard of `replica_id` 0 is its own, so
+addressable shards, and pulls those boxes (a replicated leaf by every process holding
+it). It *sends* the boxes whose shard of `replica_id` 0 is its own, so
 across the processes every element of a fragment is pushed exactly once: a replicated
 leaf (or a replicated shard) goes from the one process holding replica 0, not from
 each. Its local vector of a fragment is its held boxes' values, box after box, each in
@@ -83,13 +84,14 @@ class FragmentBoxes:
     def sent_size(self) -> int:
         return sum(b.size for b in self.sent_boxes)
 
-    def wire_boxes(self) -> list[pb.TensorBox]:
-        """The sent boxes as a push part names them."""
+    def wire_boxes(self, held: bool = False) -> list[pb.TensorBox]:
+        """The sent boxes as a push part names them; `held`: every held box, as a pull by
+        boxes asks for them (its values come back in local vector order)."""
         return [
             pb.TensorBox(
                 tensor=b.tensor, start=[a for a, _ in b.bounds], stop=[z for _, z in b.bounds]
             )
-            for b in self.sent_boxes
+            for b in (self.boxes if held else self.sent_boxes)
         ]
 
     def sent(self, local: np.ndarray) -> np.ndarray:
@@ -123,7 +125,8 @@ class ProcessBoxes:
     offsets: tuple[tuple[int, ...], ...]  # per fragment: each tensor's offset in its vector
 
     def take(self, p: int, full: np.ndarray) -> np.ndarray:
-        """This process's local vector of fragment p from the whole fragment's vector."""
+        """This process's local vector of fragment p from the whole fragment's vector (what
+        a pull by `wire_boxes(held=True)` gives, taken from a whole pull)."""
         frag = self.fragments[p]
         out = np.empty(frag.size, np.float32)
         for b in frag.boxes:

@@ -4,11 +4,11 @@ replicated leaves mixed in): every process syncs its own addressable data (issue
 Each process runs a `Synchronizer` of its own over its own connections, with a
 `PartSync` per fragment whose vectors are the process's local ones (learner/boxes.py:
 the boxes it holds). Process 0 alone runs the schedule; after every step the processes
-exchange one small row each (`_Row`: which call, which step, stop and failure, and per
-fragment whether to adopt and whether to push, with the push's agreed header fields:
-seq, steps, tokens, last, step_seconds) and the others do what process 0 did. Every
-row reaches every process, so a process that called another method or is at another
-step sees it and every process raises, at the same call.
+exchange one small row each (learner/island_rows.py: which call, which step, stop and
+failure, and per fragment whether to adopt and whether to push, with the push's agreed
+header fields: seq, steps, tokens, last, step_seconds) and the others do what process 0
+did. Processes that joined with another plan, sharding or settings, or that call
+another method or are at another step, each raise LearnerDisagreement at that call.
 
 A push goes out as parts, one per process that sends boxes of the fragment, directly to
 the shard that owns it; error feedback stays per element, on the process that sends
@@ -18,138 +18,55 @@ its copy of the fragment to the version that round published, and posts that out
 (refused, stalled, or adopt version v) on the JAX coordination service's key-value
 store, where the others read it and bring their copies to the same v.
 
-Interim, until the shard serves pulls by boxes: a process pulls the whole published
-fragment (the existing pull) and keeps its boxes of it, so during an adoption one
-fragment is decoded on each host. Seeding a fragment nobody has seeded gathers it to
-process 0 once (`InitFragment` takes whole fragments only).
+Every pull is by boxes (proto `PullRequest.boxes`, wire/parts.py): a process joins,
+adopts and resyncs from the published values of the boxes it holds only, which
+`apply_boxes` rebuilds bit for bit as a whole pull would (a replicated leaf is pulled by
+every process holding it; it is pushed once). No process decodes a whole fragment.
+
+Seeding is the one gather left: `InitFragment` takes a whole fragment from one caller,
+so a fragment nobody has seeded yet is gathered leaf by leaf (a collective every process
+takes part in) and process 0 alone assembles and sends it, once in the run's life.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
-import json
+import dataclasses
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+import grpc
 import numpy as np
 
 from atoll.learner import schedule
 from atoll.learner.boxes import FragmentBoxes, ProcessBoxes, process_boxes
 from atoll.learner.fragment_sync import FragmentSync, Link, Outcome
-from atoll.learner.pytree import ParamsError, TreeLayout
+from atoll.learner.island_rows import (
+    FINISH,
+    STEP,
+    Board,
+    LearnerDisagreement,
+    allgather,
+    any_pushed,
+    check_agreement,
+    check_settings,
+    decode_row,
+    exchange,
+    process_index,
+)
+from atoll.learner.pytree import TreeLayout
 from atoll.learner.routing import SyncError
 from atoll.learner.stopping import Stopped
 from atoll.learner.sync import Synchronizer
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
+from atoll.wire.client import IncompletePull, Pulled, apply_boxes
+from atoll.wire.parts import BoxLayout
 
 log = logging.getLogger("atoll.learner")
 
-JOIN, STEP, FINISH = 1, 2, 3  # the call a row is exchanged at
-_CALLS = {JOIN: "join", STEP: "step", FINISH: "finish"}
-_HEAD = 4  # call, step, stopped, failed
-_PER_FRAGMENT = 8  # adopt, push, seq, steps, tokens (hi, lo), last, step_seconds (bits)
-_POLL_MS = 500  # a wait on the key-value store looks at `stopping` this often
-
-
-class LearnerDisagreement(ParamsError):
-    """The processes of one learner disagree (plan, sharding, call order)."""
-
-
-def allgather(row: np.ndarray) -> np.ndarray:
-    """Every process's int32 `row` (all of one length), as an (n, len) array."""
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(row.astype(np.int32)))
-
-
-def _digest(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") & 0x7FFFFFFF
-
-
-def _describe_sharding(leaf: Any) -> str:
-    sharding = leaf.sharding
-    mesh = getattr(sharding, "mesh", None)
-    spec = getattr(sharding, "spec", None)
-    if mesh is not None:
-        return f"mesh {dict(mesh.shape)} spec {spec}"
-    return f"{type(sharding).__name__} over {len(sharding.device_set)} devices"
-
-
-def check_agreement(layout: TreeLayout, leaves: Sequence[Any]) -> None:
-    """LearnerDisagreement on every process unless every process joined with the same
-    plan (names, shapes, P) and the same sharding of every synced leaf."""
-    me = _process_index()
-    head = allgather(np.asarray([JOIN, len(layout.synced), _digest(layout.plan.fingerprint)]))
-    if (head != head[0]).any():
-        j = int(np.nonzero((head != head[0]).any(axis=1))[0][0])
-        if (head[:, 0] != JOIN).any():
-            raise LearnerDisagreement(
-                f"process {me}: the processes of this learner are at different calls "
-                f"({_calls(head)}): every process calls join, step and finish alike"
-            )
-        raise LearnerDisagreement(
-            f"process {me}: process {j} of this learner joined with another fragment plan "
-            f"than process 0 (plan fingerprint here {layout.plan.fingerprint[:12]}): every "
-            "process passes the same tree (names, shapes) and the same fragments"
-        )
-    descriptions = [_describe_sharding(leaves[i]) for i in layout.synced]
-    rows = allgather(np.asarray([_digest(d) for d in descriptions]))
-    for k, i in enumerate(layout.synced):
-        if (rows[:, k] != rows[0, k]).any():
-            raise LearnerDisagreement(
-                f"process {me}: leaf {layout.names[i]!r} is sharded differently on the "
-                f"processes of this learner (here: {descriptions[k]}): place every leaf "
-                "with the same sharding on every process"
-            )
-
-
-def _calls(rows: np.ndarray) -> str:
-    return ", ".join(
-        f"process {j}: {_CALLS.get(int(r[0]), '?')} at step {int(r[1])}" for j, r in enumerate(rows)
-    )
-
-
-def _process_index() -> int:
-    import jax
-
-    return int(jax.process_index())
-
-
-class Board:
-    """The JAX coordination service's key-value store (a private JAX API, the one
-    `jax.distributed` itself uses): one process posts a push's outcome, the others
-    read it, from their sync threads, without a collective."""
-
-    def __init__(self, prefix: str):
-        from jax._src import distributed
-
-        client = distributed.global_state.client
-        if client is None:
-            raise SyncError("a learner sharded over processes needs jax.distributed.initialize")
-        self.client, self.prefix = client, prefix
-
-    def post(self, key: str, value: dict[str, Any]) -> None:
-        self.client.key_value_set(f"{self.prefix}/{key}", json.dumps(value))
-
-    def read(self, key: str, stopping: Any, timeout: float | None = None) -> dict[str, Any]:
-        """The value posted at `key`, waiting for it (Stopped when `stopping` is set;
-        SyncError past `timeout` seconds)."""
-        ends = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if stopping.is_set():
-                raise Stopped(f"stopped while waiting for {key}")
-            try:
-                value = self.client.blocking_key_value_get(f"{self.prefix}/{key}", _POLL_MS)
-                return cast(dict[str, Any], json.loads(value))
-            except Exception as e:  # the store's timeout is a generic runtime error
-                if "DEADLINE" not in str(e).upper() and "TIMEOUT" not in str(e).upper():
-                    raise
-            if ends is not None and time.monotonic() > ends:
-                raise SyncError(f"no {key} after {timeout:.0f} s: another process stopped")
+__all__ = ["Island", "LearnerDisagreement", "PartSync"]
 
 
 class Roles:
@@ -176,13 +93,16 @@ class Roles:
 
 class PartSync(FragmentSync):
     """Fragment p's sync state over this process's boxes: `base`, θ and Δ are local
-    vectors; the error feedback covers the boxes it sends."""
+    vectors, pulled by those boxes; the error feedback covers the boxes it sends."""
 
     def __init__(self, p: int, frag: FragmentBoxes, link: Link, shared: Shared):
         super().__init__(p, frag.size, link)
         self.frag, self.shared = frag, shared
         self.ef = codec.ErrorFeedback(frag.sent_size, link.cfg.codec)
         self.fields: dict[str, Any] = {}
+        self.held = frag.wire_boxes(held=True)  # what this process pulls, local vector order
+        shapes = [s.spec.shape for s in link.plan.tensors_of(p)]
+        self.layout = BoxLayout.of(shapes, self.held)
 
     # --- the agreed fields of a push: process 0's, recorded; the others', given ---
 
@@ -225,39 +145,68 @@ class PartSync(FragmentSync):
 
     def join(self) -> tuple[np.ndarray, int]:
         pulled = self.pull(None)
-        full = codec.decode(pulled.frames[0][2], num_values=self.link.plan.fragment_sizes[self.p])
-        self.base = self.shared.boxes.take(self.p, full)
-        self.version = pulled.version
+        self._apply(pulled, pulled.version)
         self.due_at = schedule.due_after(self.link.clock(), pulled.next_due_seconds)
         self.link.versions.note(self.p, self.version)
         return self.base.copy(), pulled.last_seq
 
     def pull_to(self, version: int) -> None:
-        """Brings `base` to exactly `version`: the deltas up to it (interim: each decoded
-        whole, this process's boxes kept)."""
-        n = self.link.plan.fragment_sizes[self.p]
+        """Brings `base` to exactly `version`: the deltas up to it, of this process's
+        boxes only."""
         while self.version < version:
-            pulled = self.pull(self.version)
-            if pulled.snapshot:
-                if pulled.version != version:
-                    raise SyncError(
-                        f"fragment {self.p}: the shard has only a snapshot of version "
-                        f"{pulled.version}, the processes of this learner agreed on {version}"
-                    )
-                full = codec.decode(pulled.frames[0][2], num_values=n)
-                self.base = self.shared.boxes.take(self.p, full)
-                self.version = version
-                return
-            for v, frame_codec, frame in pulled.frames:
-                if v > version:
-                    break
-                # the same float32 add as decode_into on the whole vector, element by element
-                delta = np.zeros(n, np.float32)
-                codec.decode_into(frame, delta, 1.0, codec=frame_codec)
-                self.base += self.shared.boxes.take(self.p, delta)
-                self.version = v
+            self._apply(self.pull(self.version), version)
             if self.version < version:
                 self.link.versions.wait_for(self.p, version)
+
+    def pull(self, have: int | None) -> Pulled:
+        """The fragment's newest version from `have` (None: a snapshot), this process's
+        boxes of it only."""
+        link, p = self.link, self.p
+        pulled = link.router.retry(
+            lambda: link.router.client_of(p).pull(p, have, self.held),
+            f"pull fragment {p}",
+            fragment=p,
+        )
+        link.count("bytes_received", sum(len(f) for _, _, f in pulled.frames))
+        return pulled
+
+    def _apply(self, pulled: Pulled, version: int) -> None:
+        """Takes `base` along a pull by this process's boxes, up to `version` and no
+        further: every process of the learner stops at the version they agreed on."""
+        if pulled.snapshot:
+            if pulled.version != version:
+                raise SyncError(
+                    f"fragment {self.p}: the shard has only a snapshot of version "
+                    f"{pulled.version}, the processes of this learner agreed on {version}"
+                )
+            self.base = self._values(pulled, None)
+            self.version = version
+            return
+        frames = [f for f in pulled.frames if f[0] <= version]  # in version order
+        if frames:
+            self._values(dataclasses.replace(pulled, frames=frames), self.base)
+            self.version = frames[-1][0]
+
+    def _values(self, pulled: Pulled, held: np.ndarray | None) -> np.ndarray:
+        if not self.held:  # nothing of this fragment here (the pull was whole): no values
+            return np.zeros(0, np.float32)
+        values = apply_boxes(pulled, self.layout, held)
+        return values if values.flags.writeable else values.copy()
+
+    def learn_schedule(self, have: int) -> None:
+        """`FragmentSync.learn_schedule` by this process's boxes: a round may have closed
+        since `have`, and what it pulls is not adopted."""
+        link, p = self.link, self.p
+        sent = link.clock()
+        try:  # one try: on failure the first push goes on step counts (t_p) instead
+            pulled = link.router.call_shard(
+                lambda: link.router.client_of(p).pull(p, have, self.held)
+            )
+        except (grpc.RpcError, IncompletePull, Stopped):
+            return
+        link.count("bytes_received", sum(len(f) for _, _, f in pulled.frames))
+        if pulled.next_due_seconds > 0 and self.due_at is None:
+            self.due_at = schedule.due_after(sent, pulled.next_due_seconds)
 
     # --- the task ---
 
@@ -337,8 +286,9 @@ class PartSync(FragmentSync):
                 pb.PushReason.Name(ack.reason),
                 ack.detail,
             )
-            newest = self.pull(self.version).version
-            return {**out, "kind": "refused", "version": newest}
+            pulled = self.pull(self.version)
+            self._apply(pulled, pulled.version)  # the others pull to where this one is
+            return {**out, "kind": "refused", "version": self.version}
         merged_in = self.version + ack.staleness + 1
         patience = schedule.round_patience(
             link.cfg.patience, link.cfg.period, link.pace.step_seconds
@@ -410,63 +360,6 @@ class Shared:
         self.pushed, self.adopted = {}, set()
 
 
-def encode_row(
-    call: int, step: int, stopped: bool, failed: bool, shared: Shared, num_fragments: int
-) -> np.ndarray:
-    row = np.zeros(_HEAD + _PER_FRAGMENT * num_fragments, np.int32)
-    row[:_HEAD] = [call, step, int(stopped), int(failed)]
-    for p in range(num_fragments):
-        at = _HEAD + _PER_FRAGMENT * p
-        row[at] = int(p in shared.adopted)
-        fields = shared.pushed.get(p)
-        if fields is not None:
-            tokens = int(fields["tokens"])
-            seconds = np.asarray([fields["step_seconds"]], np.float32).view(np.int32)[0]
-            row[at + 1 : at + _PER_FRAGMENT] = [
-                1,
-                fields["seq"],
-                fields["steps"],
-                tokens >> 31,
-                tokens & 0x7FFFFFFF,
-                int(fields["last"]),
-                seconds,
-            ]
-    return row
-
-
-def decode_row(row: np.ndarray, num_fragments: int) -> tuple[set[int], dict[int, dict[str, Any]]]:
-    adopted, pushed = set(), {}
-    for p in range(num_fragments):
-        at = _HEAD + _PER_FRAGMENT * p
-        if row[at]:
-            adopted.add(p)
-        if row[at + 1]:
-            seq, steps, hi, lo, last, seconds = (int(x) for x in row[at + 2 : at + _PER_FRAGMENT])
-            pushed[p] = {
-                "seq": seq,
-                "steps": steps,
-                "tokens": (hi << 31) | lo,
-                "last": bool(last),
-                "step_seconds": float(np.asarray([seconds], np.int32).view(np.float32)[0]),
-            }
-    return adopted, pushed
-
-
-def exchange(
-    call: int, step: int, stopped: bool, failed: bool, shared: Shared, num_fragments: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Every process's row of this call; LearnerDisagreement on every process where they
-    are not at the same call and step. Returns (process 0's row, all rows)."""
-    rows = allgather(encode_row(call, step, stopped, failed, shared, num_fragments))
-    if (rows[:, :2] != rows[0, :2]).any():
-        raise LearnerDisagreement(
-            f"process {shared.roles.me}: the processes of this learner called it out of "
-            f"order ({_calls(rows)}): every process calls join, step and finish alike, "
-            "once per inner step"
-        )
-    return rows[0], rows
-
-
 def follow(
     sync: Synchronizer,
     row: np.ndarray,
@@ -506,7 +399,7 @@ class Island:
         part_wait: float,
     ):
         check_agreement(layout, leaves)
-        self.layout, self.me = layout, _process_index()
+        self.layout, self.me = layout, process_index()
         self.boxes = process_boxes(leaves, layout.slots)
         nonce = int(np.random.default_rng().integers(1, 2**31 - 1))
         sent = allgather(np.asarray([nonce, *(f.sent_size for f in self.boxes.fragments)]))
@@ -520,6 +413,7 @@ class Island:
             ),
             read_fragment=self._read,
         )
+        check_settings(self.sync.cfg, learner_id)
         self.error: BaseException | None = None  # a failure here, told to all at the next row
 
     @property
@@ -534,7 +428,8 @@ class Island:
 
     def join(self, view: Any) -> dict[int, np.ndarray]:
         """Seeds what nobody has (gathered to process 0, once), joins every fragment on
-        every process, and brings them all to the same versions; local vectors."""
+        every process by its boxes, and brings them all to the same versions; local
+        vectors."""
         plan = self.sync.plan
         seeded = self.sync.router.check_shards() if self.leader else set()
         flags = allgather(np.asarray([int(p in seeded) for p in range(plan.num_fragments)]))[0]
@@ -552,14 +447,20 @@ class Island:
         return dict(enumerate(vectors))
 
     def _seed(self, view: Any, p: int) -> None:
+        """Seeds fragment p with this learner's values. `InitFragment` takes a whole
+        fragment from one caller, so this is the one gather of a sharded learner: each
+        leaf of p in turn (a collective all processes join), assembled by process 0 alone,
+        once in a run's life (no other learner seeded p before)."""
         from jax.experimental import multihost_utils
 
         leaves = view.leaves()
-        full = np.empty(self.layout.plan.fragment_sizes[p], np.float32)
+        full = np.empty(self.layout.plan.fragment_sizes[p], np.float32) if self.leader else None
         for i, start, end in self.layout.slots[p]:
             value = multihost_utils.process_allgather(leaves[i], tiled=True)
-            full[start:end] = np.asarray(value, np.float32).reshape(-1)
-        if self.leader:
+            if full is not None:
+                full[start:end] = np.asarray(value, np.float32).reshape(-1)
+            del value  # one leaf at a time on the others
+        if full is not None:
             frame = codec.encode(full, codec.Codec.FP32)
             router = self.sync.router
             router.retry(
@@ -589,7 +490,7 @@ class Island:
                 follow(sync, row, step, lambda p: self._read(view, p), updates)
             except (Stopped, SyncError) as e:
                 self.error = e  # raised on every process at the next step
-        pushed = bool(row[_HEAD + 1 :: _PER_FRAGMENT].any())
+        pushed = any_pushed(row)
         error = self.error
         if failed and error is None:
             bad = [j for j in range(rows.shape[0]) if rows[j, 3]]
