@@ -1,0 +1,92 @@
+"""One process of a test learner sharded over 2 processes x 2 CPU devices (or one process
+holding the params replicated), the model and meshes of sharded_learner_worker.py: trains
+on a fixed schedule and writes, as JSON, the bytes it pulled at join and after, and, with
+`--join-only`, the values of every shard it holds right after join (an .npz beside the
+JSON). Run by tests/integration/test_sharded_pull_boxes.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from sharded_learner_worker import SPECS, place, train_step, values
+
+
+def _held(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+    """Every distinct shard this process holds: "<leaf>:<start>-<stop>,..." -> values."""
+    out = {}
+    for name, leaf in params.items():
+        for shard in leaf.addressable_shards:
+            bounds = ",".join(
+                f"{s.indices(n)[0]}-{s.indices(n)[1]}" for s, n in zip(shard.index, leaf.shape)
+            )
+            out[f"{name}:{bounds}"] = np.asarray(shard.data)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shards", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--coordinator")
+    ap.add_argument("--num-processes", type=int, default=1)
+    ap.add_argument("--process-id", type=int, default=0)
+    ap.add_argument("--replicated", action="store_true")
+    ap.add_argument("--mesh", choices=sorted(SPECS), default="fsdp")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--join-only", action="store_true")
+    ap.add_argument("--fault", default="", help="codec | id: process 1 makes another Learner")
+    args = ap.parse_args()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.num_processes > 1:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    import atoll
+
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    if args.mesh == "fsdp-tp":  # a row of the mesh per process
+        mesh = Mesh(devices.reshape(-1, 2), ("fsdp", "tp"))
+    else:
+        mesh = Mesh(devices, ("fsdp",))
+    specs = {k: P() if args.replicated else spec for k, spec in SPECS[args.mesh].items()}
+    odd = args.process_id == 1
+    out: dict = {"process": args.process_id}
+    learner = None
+    try:
+        learner = atoll.Learner(
+            args.shards,
+            "other" if args.fault == "id" and odd else "island",
+            period=4,
+            overlap=1,
+            fragments=2,
+            codec="FP32" if args.fault == "codec" and odd else "INT4",
+            wait_for_rounds=True,
+        )
+        params = learner.join(place(values(0), specs, mesh))
+        joined = dict(learner.stats)
+        out["bytes_joined"] = joined.get("bytes_received", 0)
+        if args.join_only:
+            np.savez(args.out + ".npz", **_held(params))
+        for step in range(0 if args.join_only else args.steps):
+            params = train_step(params, place(values(100 + step), specs, mesh))
+            params = learner.step(params, tokens=8)
+            time.sleep(0.3)  # every round closes before the next step: one schedule
+        params = learner.finish(params)
+        stats = learner.stats
+        out["bytes_pulled"] = stats.get("bytes_received", 0) - out["bytes_joined"]
+        out["versions"] = {str(p): v for p, v in learner.versions.items()}
+    except Exception as e:  # the test reads what each process raised
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if learner is not None:
+            learner.close()
+    with open(args.out, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()
