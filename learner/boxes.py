@@ -3,12 +3,12 @@ as boxes (wire/parts.py): the pieces it reads, pushes and adopts.
 
 A process holds a box of a leaf for every distinct `shard.index` among the leaf's
 addressable shards, and pulls those boxes (a replicated leaf by every process holding
-it). It *sends* the boxes whose shard of `replica_id` 0 is its own, so
-across the processes every element of a fragment is pushed exactly once: a replicated
-leaf (or a replicated shard) goes from the one process holding replica 0, not from
-each. Its local vector of a fragment is its held boxes' values, box after box, each in
-C order, in the fragment's tensor order; the sent vector is the sent boxes' part of it,
-in the same order, which is the order of the part's boxes on the wire.
+it). It *sends* the boxes whose shard of `replica_id` 0 is its own, so across the
+processes every element of a fragment is pushed exactly once: a replicated leaf (or a
+replicated shard) goes from the one process holding replica 0, not from each. Its
+local vector of a fragment is its held boxes' values, box after box, each in C order,
+in the fragment's tensor order; the sent vector is the sent boxes' part of it, in the
+same order, which is the order of the part's boxes on the wire.
 
 Nothing here talks to the shards or to the other processes.
 """

@@ -16,7 +16,7 @@ import hashlib
 import json
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -24,14 +24,18 @@ from atoll.learner.pytree import ParamsError, TreeLayout
 from atoll.learner.routing import SyncError
 from atoll.learner.stopping import Stopped
 
-if TYPE_CHECKING:
-    from atoll.learner.sharded import Shared
-
 JOIN, STEP, FINISH = 1, 2, 3  # the call a row is exchanged at
 _CALLS = {JOIN: "join", STEP: "step", FINISH: "finish"}
 _HEAD = 4  # call, step, stopped, failed
 _PER_FRAGMENT = 8  # adopt, push, seq, steps, tokens (hi, lo), last, step_seconds (bits)
 _POLL_MS = 500  # a wait on the key-value store looks at `stopping` this often
+
+
+class Done(Protocol):
+    """What this process did in the current call, as its row tells it."""
+
+    adopted: set[int]  # fragments adopted
+    pushed: dict[int, dict[str, Any]]  # fragment -> the agreed fields of the push started
 
 
 class LearnerDisagreement(ParamsError):
@@ -149,14 +153,14 @@ class Board:
 
 
 def encode_row(
-    call: int, step: int, stopped: bool, failed: bool, shared: Shared, num_fragments: int
+    call: int, step: int, stopped: bool, failed: bool, done: Done, num_fragments: int
 ) -> np.ndarray:
     row = np.zeros(_HEAD + _PER_FRAGMENT * num_fragments, np.int32)
     row[:_HEAD] = [call, step, int(stopped), int(failed)]
     for p in range(num_fragments):
         at = _HEAD + _PER_FRAGMENT * p
-        row[at] = int(p in shared.adopted)
-        fields = shared.pushed.get(p)
+        row[at] = int(p in done.adopted)
+        fields = done.pushed.get(p)
         if fields is not None:
             tokens = int(fields["tokens"])
             seconds = np.asarray([fields["step_seconds"]], np.float32).view(np.int32)[0]
@@ -191,14 +195,14 @@ def decode_row(row: np.ndarray, num_fragments: int) -> tuple[set[int], dict[int,
 
 
 def exchange(
-    call: int, step: int, stopped: bool, failed: bool, shared: Shared, num_fragments: int
+    call: int, step: int, stopped: bool, failed: bool, done: Done, num_fragments: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Every process's row of this call; LearnerDisagreement on every process where they
     are not at the same call and step. Returns (process 0's row, all rows)."""
-    rows = allgather(encode_row(call, step, stopped, failed, shared, num_fragments))
+    rows = allgather(encode_row(call, step, stopped, failed, done, num_fragments))
     if (rows[:, :2] != rows[0, :2]).any():
         raise LearnerDisagreement(
-            f"process {shared.roles.me}: the processes of this learner called it out of "
+            f"process {process_index()}: the processes of this learner called it out of "
             f"order ({_calls(rows)}): every process calls join, step and finish alike, "
             "once per inner step"
         )
