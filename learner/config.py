@@ -94,6 +94,9 @@ class LearnerConfig:
     eval_batches: int = EVAL_BATCHES  # held-out batches per evaluation
     slowdown: float = 1.0  # >= 1: stretch each step (an older accelerator generation)
     baseline: bool = False  # data-parallel reference: no syncer, M× batch
+    # devices each param (and its AdamW state) is split over, on the mesh axis "fsdp" of
+    # the slice's devices (learner/mesh.py), >= 0; 1: replicated; 0: all of the slice's
+    fsdp: int = 1
     token_file: pathlib.Path | None = None  # a file holding this learner's bearer token
     tls_ca: pathlib.Path | None = None  # PEM CA of the shards' certificates (enables TLS)
     tls_cert: pathlib.Path | None = None  # PEM client certificate (mutual TLS)
@@ -155,6 +158,11 @@ class LearnerConfig:
             raise LearnerConfigError(_as_flags(str(e))) from None
         _need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         _need(self.slowdown >= 1, f"--slowdown must be >= 1 (1 = full speed), got {self.slowdown}")
+        _need(
+            self.fsdp >= 0,
+            f"--fsdp must be 1 (replicated), a number of devices that divides the slice's, or "
+            f"all (0); got {self.fsdp}",
+        )
         _need(self.deadline > 0, f"--deadline must be > 0 seconds, got {self.deadline}")
         _need(
             self.lease_exit_wait >= 0,

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 import prometheus_client as prom
 
-from atoll.learner import checkpoint, distributed, standby, stopping
+from atoll.learner import checkpoint, distributed, mesh, standby, stopping
 from atoll.learner.api import Learner
 from atoll.learner.config import LearnerConfig
 from atoll.learner.data import Batches, Corpus, load_corpus
@@ -202,6 +202,7 @@ def setup(cfg: LearnerConfig, stop: Stop, held: _Held) -> _Run | None:
         _batches(cfg, corpus, model_cfg),
         heldout=corpus.heldout,
         slowdown=cfg.slowdown,
+        fsdp=cfg.fsdp,
     )
     trainer.sleep = stop.wait  # a slowed step's wait ends on a stop too
     stop.check("loading data")
@@ -231,10 +232,11 @@ def setup(cfg: LearnerConfig, stop: Stop, held: _Held) -> _Run | None:
     if not run.learner or not run.learner.resumed:
         _resume_from_status(run, resume)
     log.info(
-        "learner %s: %s model (%d params), batch %d, %s, data %s, from step %d%s",
+        "learner %s: %s model (%d params, %s), batch %d, %s, data %s, from step %d%s",
         cfg.learner_id,
         cfg.preset,
         model_cfg.num_params,
+        _placement(trainer),
         trainer.train_cfg.batch_size,
         "baseline" if cfg.baseline else f"{len(cfg.shards)} shards",
         corpus.source,
@@ -404,7 +406,13 @@ def _finish(run: _Run, finished: bool) -> None:
         eval_bits_per_byte=final["bits_per_byte"],
         wall_seconds=time.perf_counter() - run.started,
     )
-    multi = distributed.process_count() > 1
+    where = ""
+    if distributed.process_count() > 1:  # what this process sent (its own boxes, if split)
+        sent = learner.stats.get("bytes_sent", 0) if learner is not None else 0
+        where = (
+            f", process {distributed.process_index()} of {distributed.process_count()}"
+            f" (sent {int(sent)} bytes)"
+        )
     log.info(
         "learner %s %s at step %d: eval loss %.6f (%.4f bits/byte)%s",
         run.cfg.learner_id,
@@ -412,13 +420,21 @@ def _finish(run: _Run, finished: bool) -> None:
         trainer.steps_done,
         final["loss"],
         final["bits_per_byte"],
-        f", process {distributed.process_index()} of {distributed.process_count()}"
-        if multi
-        else "",
+        where,
     )
 
 
 # --- parts ---
+
+
+def _placement(trainer: Trainer) -> str:
+    """Where the params live, for the log: 'replicated over 4 devices', or 'fsdp 4 over 4
+    devices: 14 of 19 tensors split'."""
+    split, leaves = mesh.split_count(trainer.placement)
+    ways = mesh.fsdp_size(trainer.mesh)
+    if ways == 1:
+        return f"replicated over {trainer.mesh.size} devices"
+    return f"fsdp {ways} over {trainer.mesh.size} devices: {split} of {leaves} tensors split"
 
 
 def _train_config(cfg: LearnerConfig) -> TrainConfig:

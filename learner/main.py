@@ -1,4 +1,5 @@
-"""`atoll learner`: one island training a full replica and syncing with the shards.
+"""`atoll learner`: one island training the model (replicated on its devices, or split
+over them with --fsdp) and syncing with the shards.
 
 Thin on purpose: flags become a `LearnerConfig`, then `run(cfg)` loads data, builds
 the trainer, joins the syncer (or, with --baseline, trains alone with M× batch as
@@ -165,6 +166,16 @@ def _add_training(g: argparse._ArgumentGroup, d: dict[str, Any]) -> None:
     g.add_argument(
         "--baseline", action="store_true", help="data-parallel reference: no syncer, M× batch"
     )
+    g.add_argument(
+        "--fsdp",
+        type=_devices,
+        default=d["fsdp"],
+        metavar="N",
+        help="split each param and its optimiser state N ways over the mesh axis 'fsdp' of "
+        "the slice's devices (a (data, fsdp) = (devices/N, N) mesh; the batch is split over "
+        "all of them); params too small or with no dimension N divides stay replicated; "
+        "all (or 0): every device of the slice; 1: replicated (default %(default)s)",
+    )
 
 
 def _add_sync(g: argparse._ArgumentGroup, d: dict[str, Any]) -> None:
@@ -313,6 +324,18 @@ def _add_multihost(g: argparse._ArgumentGroup, d: dict[str, Any]) -> None:
     )
 
 
+def _devices(text: str) -> int:
+    """--fsdp's value: a number of devices, 'all' being 0."""
+    if text.strip().lower() == "all":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of devices (or 'all')"
+        ) from None
+
+
 def config_from_args(a: argparse.Namespace) -> LearnerConfig:
     token = a.token_file or (
         pathlib.Path(os.environ[ENV_TOKEN_FILE]) if os.environ.get(ENV_TOKEN_FILE) else None
@@ -342,6 +365,7 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
         eval_batches=a.eval_batches,
         slowdown=a.slowdown,
         baseline=a.baseline,
+        fsdp=a.fsdp,
         token_file=token,
         tls_ca=a.tls_ca,
         tls_cert=a.tls_cert,
@@ -367,6 +391,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The CLI entry: readable errors for user mistakes, never a traceback."""
     from atoll.learner.checkpoint import CheckpointError
     from atoll.learner.data import DataError
+    from atoll.learner.mesh import MeshError
     from atoll.learner.model import ModelConfigError
     from atoll.learner.sync import SyncError
     from atoll.learner.train import TrainConfigError
@@ -388,6 +413,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         SyncError,
         LearnerConfigError,
         CheckpointError,
+        MeshError,
     ) as e:
         print(f"atoll learner: error: {e}", file=sys.stderr)
         return 2

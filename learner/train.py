@@ -2,8 +2,10 @@
 
 A learner is a whole island (docs/design.md §4): the batch is sharded over a 1-D mesh of
 `jax.devices()` (axis "data") and parameters and optimiser state are replicated, so
-XLA all-reduces the gradients inside the island. The same code runs on one CPU, on
-`XLA_FLAGS=--xla_force_host_platform_device_count=4`, or on a TPU/GPU host.
+XLA all-reduces the gradients inside the island; or, with `fsdp`, parameters and their
+optimiser state are split over the mesh's "fsdp" axis (learner/mesh.py). The same code
+runs on one CPU, on `XLA_FLAGS=--xla_force_host_platform_device_count=4`, or on a
+TPU/GPU host.
 
 The sync client drives a `Trainer` one step at a time and swaps parameters between
 steps (adopting new global fragments); the inner optimiser state carries on across
@@ -11,8 +13,8 @@ those swaps, as in DiLoCo.
 
 On a multi-host slice (learner/distributed.py) the mesh spans every process's
 devices; each process hands in only the rows of the global batch that its own devices
-hold (`jax.make_array_from_process_local_data`), and replicated parameters are placed
-from the same host values on every process.
+hold (`jax.make_array_from_process_local_data`), and parameters are placed from the same
+host values on every process, each process placing its own devices' parts.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from atoll.learner.data import eval_batches
+from atoll.learner.mesh import (
+    DATA_AXIS,
+    Placement,
+    batch_spec,
+    island_mesh,
+    param_shardings,
+    placement,
+    state_shardings,
+)
 from atoll.learner.model import ModelConfig, Params, init_params, loss_fn
 
 OptState = Any  # optax state pytree
@@ -40,7 +51,6 @@ _spec: Callable[..., PartitionSpec] = PartitionSpec
 _from_local_data: Callable[..., jax.Array] = jax.make_array_from_process_local_data
 _shape_dtype: Callable[..., Any] = jax.ShapeDtypeStruct
 Metrics = dict[str, float]
-DATA_AXIS = "data"  # the mesh axis the batch is split over
 
 
 class TrainConfigError(ValueError):
@@ -141,15 +151,21 @@ def data_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
 
 
 def make_train_step(
-    model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh
+    model_cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    where: Placement | None = None,
 ) -> Step:
     """The jitted `(params, opt_state, batch_BxL1) -> (params, opt_state, metrics)`.
 
-    batch_BxL1 is sharded over the mesh's data axis; params, state and metrics are
+    batch_BxL1 is sharded over every device of the mesh; params are placed `where`
+    (learner/mesh.py; default: replicated), the optimiser state like its params, metrics
     replicated. metrics: {"loss", "grad_norm"} (grad norm before clipping).
     """
     replicated = NamedSharding(mesh, _spec())
-    batch_sharding = NamedSharding(mesh, _spec(DATA_AXIS))
+    batch_sharding = NamedSharding(mesh, batch_spec(mesh))
+    params_in: Any = replicated if where is None else param_shardings(where, mesh)
+    state_in: Any = replicated if where is None else state_shardings(optimizer, where, mesh)
 
     def step(
         params: Params, opt_state: OptState, batch_BxL1: jax.Array
@@ -161,31 +177,33 @@ def make_train_step(
 
     return jax.jit(
         step,
-        in_shardings=(replicated, replicated, batch_sharding),
-        out_shardings=(replicated, replicated, replicated),
+        in_shardings=(params_in, state_in, batch_sharding),
+        out_shardings=(params_in, state_in, replicated),
     )
 
 
-def make_eval_step(model_cfg: ModelConfig, mesh: Mesh) -> Step:
-    """The jitted `(params, batch_BxL1) -> mean loss`, batch sharded like training."""
+def make_eval_step(model_cfg: ModelConfig, mesh: Mesh, where: Placement | None = None) -> Step:
+    """The jitted `(params, batch_BxL1) -> mean loss`, params and batch placed as in
+    training."""
+    params_in: Any = NamedSharding(mesh, _spec()) if where is None else param_shardings(where, mesh)
     return jax.jit(
         lambda params, batch: loss_fn(params, batch, model_cfg),
-        in_shardings=(
-            NamedSharding(mesh, _spec()),
-            NamedSharding(mesh, _spec(DATA_AXIS)),
-        ),
+        in_shardings=(params_in, NamedSharding(mesh, batch_spec(mesh))),
     )
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh) -> Step:
-    """One jit object per (configs, mesh): a second Trainer alike reuses its compilation."""
-    return make_train_step(model_cfg, make_optimizer(train_cfg), mesh)
+def _cached_train_step(
+    model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh, where: Placement | None = None
+) -> Step:
+    """One jit object per (configs, mesh, placement): a second Trainer alike reuses its
+    compilation."""
+    return make_train_step(model_cfg, make_optimizer(train_cfg), mesh, where)
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_eval_step(model_cfg: ModelConfig, mesh: Mesh) -> Step:
-    return make_eval_step(model_cfg, mesh)
+def _cached_eval_step(model_cfg: ModelConfig, mesh: Mesh, where: Placement | None = None) -> Step:
+    return make_eval_step(model_cfg, mesh, where)
 
 
 def evaluate(
@@ -210,7 +228,7 @@ def evaluate(
     mesh = mesh if mesh is not None else data_mesh()
     eval_step = _eval_step or _cached_eval_step(model_cfg, mesh)
     _check_rows(len(batches[0]), mesh)
-    batch_sharding = NamedSharding(mesh, _spec(DATA_AXIS))
+    batch_sharding = NamedSharding(mesh, batch_spec(mesh))
     losses = [eval_step(params, global_batch(b, batch_sharding)) for b in batches]
     loss = float(np.mean([float(x) for x in losses]))
     return {"loss": loss, "bits_per_byte": loss / math.log(2)}
@@ -224,11 +242,11 @@ def _check_rows(rows: int, mesh: Mesh) -> None:
         )
 
 
-def _replicate(x: Any, sharding: NamedSharding) -> jax.Array:
-    """x placed whole on every device of `sharding` (a replicated one).
+def _place(x: Any, sharding: NamedSharding) -> jax.Array:
+    """x placed on the devices of `sharding` (replicated or split).
 
     On several processes each passes the same host value and places only its own
-    devices' copies (device_put cannot reach another process's devices).
+    devices' parts (device_put cannot reach another process's devices).
     """
     if isinstance(x, jax.Array) or sharding.is_fully_addressable:
         placed: jax.Array = jax.device_put(x, sharding)
@@ -281,7 +299,7 @@ class Trainer:
     """Holds params, optimiser state and the step count; `step()` runs one inner step.
 
     The sync client, between steps:
-      * reads `trainer.params` (replicated jax arrays; `plan.flatten` takes them as is);
+      * reads `trainer.params` (jax arrays, replicated or split by `fsdp`);
       * swaps in new global weights with `trainer.params = tree` (same names and
         shapes; numpy or jax leaves) or just some tensors with
         `trainer.set_tensors(plan.unflatten_fragment(p, vector))`.
@@ -308,6 +326,7 @@ class Trainer:
         heldout: np.ndarray | None = None,
         slowdown: float = 1.0,
         devices: Sequence[jax.Device] | None = None,
+        fsdp: int = 1,
     ):
         """Places params and optimiser state on the mesh; compiles on the first step.
 
@@ -320,6 +339,8 @@ class Trainer:
           slowdown: >= 1; each step sleeps so it lasts slowdown x its measured time
             (emulates an older accelerator generation).
           devices: the island's devices (default all of `jax.devices()`).
+          fsdp: split params (and their optimiser state) this many ways over the mesh's
+            "fsdp" axis; 1: replicated; 0: over every device (learner/mesh.py).
         """
         if not (isinstance(slowdown, (int, float)) and slowdown >= 1 and math.isfinite(slowdown)):
             raise TrainConfigError(
@@ -328,20 +349,23 @@ class Trainer:
         self.model_cfg, self.train_cfg, self.slowdown = model_cfg, train_cfg, float(slowdown)
         # the slowdown's wait; a learner makes it end on its stop
         self.sleep: Callable[[float], object] = time.sleep
-        self.mesh = data_mesh(devices)
+        self.mesh = island_mesh(devices, fsdp)
         _check_rows(train_cfg.batch_size, self.mesh)
-        self._replicated = NamedSharding(self.mesh, _spec())
-        self._batch_sharding = NamedSharding(self.mesh, _spec(DATA_AXIS))
+        self._batch_sharding = NamedSharding(self.mesh, batch_spec(self.mesh))
         self.schedule = make_schedule(train_cfg)
         self.optimizer = make_optimizer(train_cfg)
-        self._train_step = _cached_train_step(model_cfg, train_cfg, self.mesh)
-        self._eval_step = _cached_eval_step(model_cfg, self.mesh)
         if params is None:
             params = init_params(model_cfg, train_cfg.seed)
         self._treedef = jax.tree.structure(params)
         self._shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
+        # where params and optimiser state live: replicated, or split (fsdp)
+        self.placement = where = placement(params, self.mesh)
+        self._param_shardings = jax.tree.leaves(param_shardings(where, self.mesh))
+        self._state_shardings = state_shardings(self.optimizer, where, self.mesh)
+        self._train_step = _cached_train_step(model_cfg, train_cfg, self.mesh, where)
+        self._eval_step = _cached_eval_step(model_cfg, self.mesh, where)
         self.params = params
-        init_state = jax.jit(self.optimizer.init, out_shardings=self._replicated)
+        init_state = jax.jit(self.optimizer.init, out_shardings=self._state_shardings)
         self.opt_state: OptState = init_state(self._params)
         self.batches = batches
         self.steps_done = 0  # inner steps taken; the next batch is batches[steps_done]
@@ -366,7 +390,7 @@ class Trainer:
 
     @params.setter
     def params(self, tree: Params) -> None:
-        """Adopts a whole new tree (same structure and shapes), replicated on the mesh.
+        """Adopts a whole new tree (same structure and shapes), placed on the mesh.
 
         Leaves are copied: changing the caller's numpy arrays later does not reach the
         trainer (the sync client may hand in views of its own fragment buffers).
@@ -378,7 +402,7 @@ class Trainer:
             if tuple(np.shape(leaf)) != shape:
                 raise ValueError(f"new params: a leaf has shape {np.shape(leaf)}, want {shape}")
         self._params = jax.tree.unflatten(
-            self._treedef, [_replicate(_f32(x), self._replicated) for x in leaves]
+            self._treedef, [_place(_f32(x), s) for x, s in zip(leaves, self._param_shardings)]
         )
 
     def set_tensors(self, tensors: Mapping[str, Any]) -> None:
@@ -400,7 +424,7 @@ class Trainer:
                 raise ValueError(
                     f"tensor {name!r}: shape {np.shape(value)}, want {tuple(node[leaf].shape)}"
                 )
-            node[leaf] = _replicate(_f32(value), self._replicated)
+            node[leaf] = _place(_f32(value), node[leaf].sharding)
         self._params = tree
 
     # -- stepping ------------------------------------------------------------------
@@ -518,6 +542,6 @@ class Trainer:
                 "snapshot's optimiser state does not match this trainer's "
                 "optimiser (different TrainConfig, e.g. grad_clip on/off?)"
             )
-        self.opt_state = jax.tree.map(lambda x: _replicate(x, self._replicated), state)
+        self.opt_state = jax.tree.map(_place, state, self._state_shardings)
         self.steps_done = int(snapshot["steps_done"])
         self.tokens_total = int(snapshot["tokens_total"])

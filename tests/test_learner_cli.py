@@ -60,6 +60,8 @@ def run(capsys):
             "--learner-index must be in [0, 4)",
         ),
         (("--baseline", "--slowdown", "0.5"), "--slowdown must be >= 1"),
+        (("--baseline", "--fsdp", "-2"), "--fsdp must be 1 (replicated), a number of devices"),
+        (("--baseline", "--fsdp", "half"), "argument --fsdp: 'half' is not a number of devices"),
         (("--baseline", "--checkpoint-dir", "ck"), "the --baseline trains alone and keeps no"),
         (("--baseline", "--metrics-port", "99999"), "--metrics-port must be in 1-65535"),
         (("--baseline", "--metrics-port", "-1"), "--metrics-port must be in 1-65535"),
@@ -192,6 +194,7 @@ def _configs(tmp: pathlib.Path) -> dict[str, LearnerConfig]:
             eval_every=0,
             eval_batches=3,
             slowdown=2.5,
+            fsdp=0,
             sync_patience=1e9,
             wait_for_rounds=True,
             metrics_port=0,
@@ -228,6 +231,7 @@ def _configs(tmp: pathlib.Path) -> dict[str, LearnerConfig]:
             shards=("atoll-syncer-0.s:7070", "atoll-syncer-1.s:7070", "atoll-syncer-2.s:7070"),
             shard_pattern="atoll-syncer-{i}.s:7070",
             distributed=DistributedConfig("10.0.0.2:8476", 2, 1),
+            fsdp=4,
         ),
     }
 
@@ -256,6 +260,25 @@ def test_every_learner_setting_has_a_flag_to_render():
     spelled_apart = {"shard_pattern": "shards", "progress": "quiet", "distributed": "coordinator"}
     for f in dataclasses.fields(LearnerConfig):
         assert spelled_apart.get(f.name, f.name) in dests, f"LearnerConfig.{f.name} has no flag"
+
+
+def test_an_fsdp_the_devices_cannot_take_is_a_readable_error(run, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    # one process with one CPU device here: params cannot be split 2 ways
+    result = run("--baseline", "--fsdp", "2", "--steps", "1", "--data", str(corpus))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert (
+        "atoll learner: error: --fsdp 2 does not divide the island's 1 devices: use one of 1"
+        in result.stderr
+    )
+
+
+def test_fsdp_all_is_every_device():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--fsdp", "all"]).fsdp == 0
+    assert parser.parse_args([]).fsdp == 1 == LearnerConfig(("a:1",), "x").fsdp
 
 
 def test_to_args_spells_out_defaults_the_environment_could_change(parse, monkeypatch):
