@@ -679,22 +679,24 @@ class Learner:
     def _join_island(self, layout: TreeLayout, view: _View) -> PyTree:
         """`join` of a learner whose params are split over its processes: every process
         connects, joins and later pushes its own boxes (learner/sharded.py)."""
-        from atoll.learner import sharded
+        from atoll.learner import sharded, sharded_checkpoint
 
-        if self.checkpoint_dir is not None:
-            raise LearnerConfigError(
-                "checkpoint_dir: a learner whose params are split over several processes "
-                "keeps no checkpoint yet (each process's shards go into Orbax checkpoints "
-                "in a later change); pass checkpoint_dir=None"
-            )
-        self._island = sharded.Island(
+        self._island = island = sharded.Island(
             layout,
             view.leaves(),
             self.learner_id,
             self._connect,
             part_wait=max(self.sync_config.join_timeout, self.sync_config.patience),
         )
-        vectors = self._island.join(view)
+        if self.checkpoint_dir is not None:  # each process reads its own shards
+            self._resume(self.checkpoint_dir, layout, sharded_checkpoint.ProcessRows(island.boxes))
+            if self._ckpt is not None:
+                leaves = self._ckpt.params(view.leaves())
+                view = _View(layout, layout.write(leaves, {}), "params given to join()")
+        vectors = island.join(view)
+        if self._ckpt is not None:
+            assert self._trail is not None  # made by _resume
+            vectors.update(sharded_checkpoint.resume(self._ckpt, island, leaves, self._trail))
         self._boundary = time.perf_counter()
         return self._write(view, vectors)
 
@@ -751,11 +753,16 @@ class Learner:
             "plan_fingerprint": self.plan.fingerprint,
         }
 
-    def _resume(self, directory: pathlib.Path, layout: TreeLayout) -> None:
+    def _resume(self, directory: pathlib.Path, layout: TreeLayout, rows: Any = None) -> None:
         """Reads this id's checkpoint (checked to be of this plan and run) and makes the
-        writer (process 0); every process of a multi-host learner resumes the same step."""
+        writer; every process of a multi-host learner resumes process 0's newest cut.
+        `rows`: a sharded learner's (learner/sharded_checkpoint.py)."""
+        from atoll.learner.sharded_checkpoint import agreed_cut
+
         path = checkpoint.path_for(directory, self.learner_id)
-        self._ckpt = ckpt = checkpoint.read(path, vectors=distributed.is_leader())
+        cut = agreed_cut(path) if self._multi else None
+        vectors = distributed.is_leader() and rows is None
+        self._ckpt = ckpt = checkpoint.read(path, vectors=vectors, cut=cut)
         if ckpt is not None:
             identity = self._identity()
             checkpoint.check(ckpt, identity, path)
@@ -769,17 +776,9 @@ class Learner:
             if [tuple(s) for s, _ in ckpt.meta["params"]] != layout.shapes:
                 raise checkpoint.CheckpointError(f"{path} holds another model's params")
             self.steps, self.tokens = ckpt.step, int(ckpt.meta.get("tokens", 0))
-        if self._multi:
-            steps = int(distributed.broadcast(np.asarray(self.steps, np.int64)))
-            if steps != self.steps:
-                raise checkpoint.CheckpointError(
-                    f"{path}: process 0 resumes at step {steps}, process "
-                    f"{distributed.process_index()} at {self.steps}; every process of a "
-                    "learner must mount the same checkpoint directory"
-                )
         self._trail = checkpoint.PushTrail(layout.plan.num_fragments)
         self._checkpointer = checkpoint.Checkpointer(
-            directory, self.learner_id, self.checkpoint_every, self._identity()
+            directory, self.learner_id, self.checkpoint_every, self._identity(), rows
         )
 
     def _join_shards(self, view: _View) -> list[np.ndarray]:

@@ -8,8 +8,11 @@ A checkpoint is the directory `<dir>/<learner id>/`, an Orbax checkpoint (the fo
     params/  every leaf of the tree given to `join`, in tree order and its own dtype:
              the synced float leaves and those kept out of the plan (an int step counter)
     state/   the leaves of the `state` the caller passes (its optimiser state), if any
-    sync/    process 0's per-fragment float32 vectors: `origin_<p>` (what the next outer
-             gradient is measured from) and `residual_<p>` (error feedback)
+    sync/    per fragment, float32: `origin_<p>` (what the next outer gradient is
+             measured from) and `residual_<p>` (error feedback); the sync engine's
+             vectors (process 0's), or, for a learner whose params are sharded over its
+             processes, every process's own local vectors as the rows of one global
+             array sharded by process (learner/sharded_checkpoint.py)
     meta/    JSON: the identity checked on resume (model, plan, learner, run_info), the
              step and tokens (the data position: a batch is a pure function of the step),
              the sync engine's newest seq, and per fragment the version adopted, the seq
@@ -17,8 +20,9 @@ A checkpoint is the directory `<dir>/<learner id>/`, an Orbax checkpoint (the fo
 
 A jax.Array leaf sharded over the processes of a multi-process learner is written by
 each process for the shards it holds (Orbax's multi-process checkpointing) and read back
-into the sharding of the live leaf it replaces; host values (numpy leaves, sync/, meta/)
-are written by process 0.
+into the sharding of the live leaf it replaces; host values (numpy leaves, meta/, the
+sync/ of a learner whose process 0 syncs for all) are written by process 0. The
+processes of a multi-process learner resume the cut process 0 finds newest.
 
 Ordering guarantees (what a reader may rely on):
 
@@ -47,7 +51,10 @@ Ordering guarantees (what a reader may rely on):
 5. A checkpoint restores onto any mesh of the same model: each array comes back in the
    dtype and sharding of the live leaf it replaces (the tree given to `join`, the
    template given to `restore_state`), each process reading only the shards it holds;
-   a checkpoint of a 2-process FSDP-sharded learner restores onto one device.
+   a checkpoint of a 2-process FSDP-sharded learner restores onto one device. The sync
+   vectors of a sharded learner are its processes' boxes, so they carry onto the same
+   mesh only; elsewhere each fragment restarts from the global weights, and the log
+   says so (learner/sharded_checkpoint.py).
 
 An npz checkpoint of an older atoll (`<dir>/<learner id>.ckpt`) is not read: it cannot
 hold a bfloat16 leaf or a leaf kept out of the plan, and two readers of two formats would
@@ -326,15 +333,17 @@ def _direct(leaf: Any) -> bool:
     )
 
 
-def read(path: pathlib.Path, vectors: bool = True) -> Checkpoint | None:
-    """The checkpoint in `path` (a learner id's directory, `path_for`): its newest cut's
-    metadata and (with `vectors`) sync vectors, or None if there is none. CheckpointError
-    if unreadable."""
+def read(path: pathlib.Path, vectors: bool = True, cut: int | None = None) -> Checkpoint | None:
+    """The checkpoint in `path` (a learner id's directory, `path_for`): the metadata and
+    (with `vectors`) sync vectors of cut `cut` (None: the newest here; 0: none, as process
+    0 of a multi-process learner found), or None if there is none. CheckpointError if
+    unreadable. A sharded learner's per-process vectors are not read here
+    (learner/sharded_checkpoint.py reads them, on every process together)."""
     import orbax.checkpoint as ocp
 
     path = pathlib.Path(path)
     old = path.with_name(path.name + OLD_SUFFIX)
-    cut = _newest_cut(path)
+    cut = newest_cut(path) if cut is None else (cut or None)
     if cut is None:
         if old.exists():
             raise CheckpointError(
@@ -352,9 +361,17 @@ def read(path: pathlib.Path, vectors: bool = True) -> Checkpoint | None:
             found = meta.get("format") if isinstance(meta, dict) else None
             raise CheckpointError(f"{path} is format {found!r}, this learner reads {FORMAT}")
         saved: Mapping[str, np.ndarray] = {}
-        if not vectors:
-            meta["origins"], meta["residuals"] = [], []
-        if meta["origins"] or meta["residuals"]:
+        if meta.get("sync_layout") is not None and vectors:  # per process: not here
+            log.warning(
+                "%s: written by a learner sharded over %s processes, whose sync vectors "
+                "are per process: each fragment restarts from the global weights (its local "
+                "progress since its last push is not carried); params, state and step are "
+                "resumed",
+                path,
+                meta.get("processes"),
+            )
+            vectors = False
+        if vectors and (meta["origins"] or meta["residuals"]):
             saved = _restore(path, cut, local=True, **{SYNC: ocp.args.StandardRestore()})[SYNC]
     except CheckpointError:
         raise
@@ -363,12 +380,18 @@ def read(path: pathlib.Path, vectors: bool = True) -> Checkpoint | None:
             f"{path}/{cut} cannot be read as a learner checkpoint ({type(e).__name__}: {e}); "
             "move it away to start this learner afresh"
         ) from None
-    origins = {p: np.asarray(saved[f"origin_{p}"]) for p in meta["origins"]}
-    residuals = {p: np.asarray(saved[f"residual_{p}"]) for p in meta["residuals"]}
+    origins = {p: np.asarray(saved[f"origin_{p}"]) for p in meta["origins"] if vectors}
+    residuals = {p: np.asarray(saved[f"residual_{p}"]) for p in meta["residuals"] if vectors}
     return Checkpoint(meta, origins, residuals, path, cut)
 
 
-def _newest_cut(path: pathlib.Path) -> int | None:
+def restore_items(ckpt: Checkpoint, **items: Any) -> dict[str, Any]:
+    """`items` (name -> restore args) of `ckpt`'s cut, read by every process together."""
+    assert ckpt.path is not None  # a checkpoint read from disk
+    return _restore(ckpt.path, ckpt.cut, **items)
+
+
+def newest_cut(path: pathlib.Path) -> int | None:
     """The newest whole cut in `path` (a numbered directory; Orbax's temporary ones are
     not numbers), or None."""
     cuts = [int(p.name) for p in path.iterdir() if p.name.isdigit()] if path.is_dir() else []
@@ -478,17 +501,30 @@ def shard_last_seqs(sync: Synchronizer) -> dict[int, int]:
     return out
 
 
+class Rows(Protocol):
+    """How a sharded learner's processes write their own sync vectors
+    (learner/sharded_checkpoint.py's ProcessRows)."""
+
+    def rows(self, cap: Capture) -> Capture: ...
+
+
 class Checkpointer:
     """Every `every` steps, a background write of the learner's state (guarantees 1-3).
     Every process of a multi-process learner makes one and calls `save` at the same steps."""
 
     def __init__(
-        self, directory: pathlib.Path, learner_id: str, every: int, identity: dict[str, Any]
+        self,
+        directory: pathlib.Path,
+        learner_id: str,
+        every: int,
+        identity: dict[str, Any],
+        rows: Rows | None = None,
     ):
         self.path = path_for(directory, learner_id)
-        self.every, self.identity = every, identity
+        self.every, self.identity = every, {**identity, "checkpoint_every": every}
+        self.rows = rows  # a sharded learner's: every process writes its own vectors
         self._manager = _manager(self.path)  # removes a killed write's temp
-        self._next = (_newest_cut(self.path) or 0) + 1  # cut numbers go on across restarts
+        self._next = (newest_cut(self.path) or 0) + 1  # cut numbers go on across restarts
         self._pending: int | None = None  # the step of the write in progress
         self._writer: threading.Thread | None = None  # one process: it starts the write
         self._writer_error: BaseException | None = None
@@ -514,6 +550,8 @@ class Checkpointer:
         self._settle()  # (a multi-process learner: every process waits here alike)
         try:
             cap = capture(self.identity, trainer, sync, trail)
+            if self.rows is not None:
+                cap = self.rows.rows(cap)
             args = _save_args(cap)
         except Exception as e:
             self._failed(e, int(trainer.steps_done))
