@@ -123,12 +123,16 @@ class Fragment:
         boxes: tuple[parts.Box, ...],
         frame: bytes,
         now: float,
+        codes: codec.Codes | None = None,
     ) -> None:
-        """Holds one part of `learner`'s push `seq` (judged by `parts.judge_part`)."""
+        """Holds one part of `learner`'s push `seq` (judged by `parts.judge_part`), with
+        its frame's checked codes when the caller has them."""
         held = self.part_sets.get(learner)
         if held is None or held.seq != seq:
             held = self.part_sets[learner] = parts.PartSet(seq, dict(header), {}, {}, now)
         held.boxes[part], held.frames[part] = boxes, frame
+        if codes is not None:
+            held.codes[part] = codes
 
     def drop_parts(self, learner: str) -> parts.PartSet | None:
         """Forgets `learner`'s held parts (none of them merged); returns them."""
@@ -143,15 +147,19 @@ class Fragment:
         fixed order), however the tensors were split between parts."""
         held = self.part_sets.pop(learner)
         assert len(held.frames) == held.parts, "a push in parts merged before all were in"
-        delta = np.empty(self.size, np.float32)
-        for part in sorted(held.frames):
-            boxes = held.boxes[part]
-            n = sum(b.size(self.shapes[b.tensor]) for b in boxes)
-            values = np.empty(n, np.float32)
-            codec.read_codes(held.frames[part], num_values=n).decode_into(values, accumulate=False)
-            parts.assemble(delta, self.segments.offsets.tolist(), self.shapes, boxes, values)
-        # decoded from checked codes, every element written once: finite, no pass to check it
-        self.contribute(learner, codec.Codes.of_values(delta, finite=True), answer, now)
+        largest = max(parts.part_size(b, self.shapes) for b in held.boxes.values())
+        pool = self.round.pool  # buffers a close gave back: their pages are in already
+        delta, scratch = (
+            np.empty(n, np.float32) if pool is None else pool.take(n) for n in (self.size, largest)
+        )
+        try:
+            parts.assemble_all(held, delta, self.segments.offsets.tolist(), self.shapes, scratch)
+            # decoded from checked codes, every element written once: finite, no pass to check it
+            self.contribute(learner, codec.Codes.of_values(delta, finite=True), answer, now)
+        finally:
+            if pool is not None:  # the round holds none of them: it summed delta into its own
+                pool.give(scratch)
+                pool.give(delta)
 
     def parts_state(self) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
         """(JSON-able meta, arrays) of the held parts, for a snapshot (not moved with the

@@ -7,6 +7,7 @@ round timer after `ShardConfig.part_wait_leases`."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,10 +48,10 @@ class PartCalls(ShardState):
         """Judges, logs and holds one part of a push in parts; the part that completes the
         push has the push judged, logged and merged as one contribution. Answered once its
         record is durable, like a whole push."""
-        frag, joined = self._checked_part(h, frame)
+        frag, joined, codes = self._checked_part(h, frame)
         with self._lock_of(h.fragment, frag):
             now = self._arrived(h)  # every part renews the one lease of its learner
-            answer, durable_at = self._judged_part(h, frag, joined, now)
+            answer, durable_at = self._judged_part(h, frag, joined, codes, now)
         if durable_at is not None:
             self._sync(durable_at)  # fsync before ack: the ack is a promise
         return answer
@@ -63,11 +64,7 @@ class PartCalls(ShardState):
         self._refuse_if_moving(h.fragment)
         now = self.clock()
         with self.lock:
-            if h.last:
-                self.finished[h.fragment].add(h.learner_id)
-            else:
-                self.finished[h.fragment].discard(h.learner_id)
-            self._heard_from(h, now)
+            self._heard_from(h, now)  # the finished mark too
         return now
 
     def _checked_header(self, h: PushHeader) -> Fragment:
@@ -88,28 +85,30 @@ class PartCalls(ShardState):
 
     def _checked_part(
         self, h: PushHeader, frame: bytes | Sequence[bytes]
-    ) -> tuple[Fragment, bytes]:
-        """(fragment, the part's frame joined) of a part whose header, boxes and frame pass
-        every check made before a lock is taken; ShardError otherwise."""
+    ) -> tuple[Fragment, bytes, codec.Codes]:
+        """(fragment, the part's frame joined, its checked codes) of a part whose header,
+        boxes and frame pass every check made before a lock is taken; ShardError otherwise."""
         frag = self._checked_header(h)
         problem = parts.boxes_problem(h.boxes, frag.shapes)
         if problem is not None:
             raise ShardError(Why.MALFORMED, f"fragment {h.fragment} part {h.part}: {problem}")
-        n = sum(b.size(frag.shapes[b.tensor]) for b in h.boxes)
+        n = parts.part_size(h.boxes, frag.shapes)
         joined = frame if isinstance(frame, bytes) else b"".join(frame)
         try:
             codes = codec.read_codes(joined, codec=codec.Codec(h.codec), num_values=n)
         except codec.CodecError as e:  # NaN/Inf, or a frame of another size than its boxes
             raise ShardError(Why.MALFORMED, f"push part {h.part} frame: {e}") from None
-        # the whole push's check (server/state.py), element by element: a logged part is one
-        # the merge can apply, whatever the other parts hold
-        if float(codes.range_max_abs([0], [n]).max(initial=0.0)) > MAX_ABS_VALUE:
+        # the whole push's check (server/state.py): a logged part is one the merge can
+        # apply, whatever the other parts hold. Its norm bounds every element, so only a
+        # part whose norm passes the bound needs the exact per-element check
+        norm = math.sqrt(float(codes.range_sq_norms([0], [n])[0]))
+        if norm > MAX_ABS_VALUE and float(codes.range_max_abs([0], [n])[0]) > MAX_ABS_VALUE:
             raise ShardError(
                 Why.MALFORMED,
                 f"push part {h.part} frame: values beyond ±{MAX_ABS_VALUE:g}: a diverged "
                 "learner's update is not merged",
             )
-        return frag, joined
+        return frag, joined, codes
 
     def _part_answer(
         self, h: PushHeader, frag: Fragment, reason: rules.Reason, detail: str
@@ -119,7 +118,7 @@ class PartCalls(ShardState):
         return Answer(h.seq, accepted, str(reason), detail, frag.version, staleness, 0.0)
 
     def _judged_part(
-        self, h: PushHeader, frag: Fragment, frame: bytes, now: float
+        self, h: PushHeader, frag: Fragment, frame: bytes, codes: codec.Codes, now: float
     ) -> tuple[Answer, int | None]:
         """(answer, the LSN to make durable first; None: nothing logged) of one part, under
         its fragment's lock. The push's first part is judged as a whole push would be (a
@@ -169,22 +168,23 @@ class PartCalls(ShardState):
             lsn = self._write(records)
             if len(records) > 1:
                 frag.drop_parts(learner)
-            frag.hold_part(learner, h.seq, h.agreed(), h.part, h.boxes, frame, now)
+            frag.hold_part(learner, h.seq, h.agreed(), h.part, h.boxes, frame, now, codes)
             return self._part_answer(h, frag, rules.Reason.PART_HELD, held_detail), lsn
-        return self._completed(h, frag, frame, records, meta, now)
+        return self._completed(h, frag, (frame, codes), records, meta, now)
 
     def _completed(
         self,
         h: PushHeader,
         frag: Fragment,
-        frame: bytes,
+        part: tuple[bytes, codec.Codes],
         records: list[storage.Record],
         meta: dict[str, Any],
         now: float,
     ) -> tuple[Answer, int]:
         """The last part of a push in parts is in: the push is judged once more (rounds may
-        have closed since its first part), then merged as one contribution, or dropped."""
-        learner = h.learner_id
+        have closed since its first part), then merged as one contribution, or dropped;
+        `part`: its frame and checked codes."""
+        learner, (frame, codes) = h.learner_id, part
         prior, refused = frag.answers.get(learner), frag.refusals.get(learner)
         newest = max((a.seq for a in (prior, refused) if a is not None), default=None)
         verdict = self._admitted(h, frag, newest)
@@ -209,7 +209,7 @@ class PartCalls(ShardState):
         lsn = self._write(records)
         if len(records) > 2:
             frag.drop_parts(learner)  # an older push in parts, superseded
-        frag.hold_part(learner, h.seq, h.agreed(), h.part, h.boxes, frame, now)
+        frag.hold_part(learner, h.seq, h.agreed(), h.part, h.boxes, frame, now, codes)
         if not verdict.accept:
             frag.drop_parts(learner)
             frag.refusals[learner] = answer

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from atoll.wire import codec
+
 MAX_PARTS = 1 << 12  # parts one push may come in (processes of one learner)
 MAX_BOXES = 1 << 16  # boxes one part may carry
 
@@ -124,6 +126,9 @@ class PartSet:
     boxes: dict[int, tuple[Box, ...]]  # part index -> its boxes
     frames: dict[int, bytes]  # part index -> its frame, as logged
     started: float  # the shard's clock when its first part came (after a restart: then)
+    # part index -> its frame's codes as the live check read them, so the merge does not
+    # decompress the frame again (none after a replay or a snapshot: read from the frame)
+    codes: dict[int, codec.Codes] = dataclasses.field(default_factory=dict)
 
     @property
     def parts(self) -> int:
@@ -196,6 +201,31 @@ def expired(
     due = sorted(m for m, t in started.items() if now >= t + wait_seconds)
     later = [t + wait_seconds for m, t in started.items() if now < t + wait_seconds]
     return due, min(later) if later else None
+
+
+def part_size(boxes: Sequence[Box], shapes: Sequence[Sequence[int]]) -> int:
+    """Elements a part of `boxes` carries."""
+    return sum(b.size(shapes[b.tensor]) for b in boxes)
+
+
+def assemble_all(
+    held: PartSet,
+    out: np.ndarray,
+    offsets: Sequence[int],
+    shapes: Sequence[Sequence[int]],
+    scratch: np.ndarray,
+) -> None:
+    """Decodes every part of a complete push into the fragment vector `out`, each through
+    `scratch` (float32, at least its largest part's size; reused: no fresh pages per part)."""
+    for part in sorted(held.frames):
+        boxes = held.boxes[part]
+        n = part_size(boxes, shapes)
+        codes = held.codes.get(part)
+        if codes is None:
+            codes = codec.read_codes(held.frames[part], num_values=n)
+        values = scratch[:n]
+        codes.decode_into(values, accumulate=False)
+        assemble(out, offsets, shapes, boxes, values)
 
 
 def assemble(

@@ -331,3 +331,16 @@ def test_a_whole_push_with_the_seq_of_a_push_in_parts_is_invalid():
         _push_whole(shard, "la", 1, 0, _delta("a", 1))
     assert e.value.why is Why.MALFORMED and "push in parts" in str(e.value)
     assert sorted(shard.fragments[P].part_sets["la"].frames) == [0]
+
+
+def test_a_part_with_a_value_past_the_bound_is_invalid_but_a_large_norm_alone_is_not():
+    (shard, log, _, _), _ = _two()
+    before = len(log.records)
+    values = np.full(parts.part_size(FOUR[0], _shapes()), 9e8, np.float32)  # norm > 1e9
+    h = _header("la", 1, 0, parts=4, part=0, boxes=FOUR[0])
+    values[5] = 2e9
+    e = _refused(shard, h, codec.encode(values, codec.Codec.FP32))
+    assert e.why is Why.MALFORMED and "beyond" in str(e)
+    assert len(log.records) == before and not shard.fragments[P].part_sets
+    values[5] = -1e9  # every value within the bound, the part's norm far past it
+    assert shard.push(h, codec.encode(values, codec.Codec.FP32)).reason == "part_held"
