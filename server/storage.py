@@ -19,12 +19,25 @@ Write-ahead log (`WriteAheadLog`; one directory, one open log at a time):
    record whose append had not returned when the process or machine died is
    either whole or gone: a torn tail is cut off at open, never half replayed. An
    append that raised is in the same whole-or-gone state, and the log then refuses
-   appends (LogFailed) until reopened: after a failed write or fsync the page
-   cache no longer says what is on disk. Callers treat such a record as unknown.
+   appends (LogFailed) until reopened: after a failed fsync the page cache no
+   longer says what is on disk. Callers treat such a record as unknown, and never
+   acknowledge it. One exception: a write the disk had no room for (ENOSPC,
+   EDQUOT) is taken back whole (the segment cut back to where the batch began,
+   segments it opened removed, fsynced) and raises DiskFull; the log then takes
+   appends again, so a writer retries once space returns. Only if taking it back
+   fails does the log refuse appends as above. A failed fsync is final for the
+   shard over the log too: it stops serving and says why (NOT_SERVING), as etcd and
+   PostgreSQL do, rather than re-write its memory to a new segment (that memory may
+   hold merges whose records the failed fsync left unknown); a restart replays what
+   the disk holds. Tests inject one in a real process with FAULT_FSYNC_ENV.
 4. Damage anywhere but the tail (a bad record followed by a valid one, or a bad
    record in a sealed segment) stops the open with WALCorruption: acknowledged
    data is never dropped silently. Limit: a damaged *final* record looks exactly
-   like a torn write, and is cut off.
+   like a torn write, and is cut off. WALCorruption names the file, byte offset and
+   LSN; `open_log` turns it into a `DamagedLog` that opens nothing and answers every
+   call with it, so the shard can say why it does not recover; `set_aside_damaged`
+   moves a damaged log aside only when a snapshot holds every record of it (both in
+   server/log_damage.py).
 5. `truncate_through(n)` deletes only whole sealed segments whose records all have
    LSN <= n, oldest first; the active segment stays. `replay(after)` raises
    MissingRecords when records after `after` are gone or `after` is past the end.
@@ -51,6 +64,7 @@ and a snapshot is `snapshots.save(last_applied_lsn, meta, arrays)` followed by
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import io
 import logging
@@ -76,7 +90,14 @@ class StorageError(Exception):
 
 
 class WALCorruption(StorageError):
-    """Acknowledged log records are damaged; the log refuses to drop them silently."""
+    """Acknowledged log records are damaged; the log refuses to drop them silently.
+
+    `path`, `offset` and `lsn` say where: the segment, the byte the damage starts at and
+    the LSN of the first record it takes (0 where unknown)."""
+
+    def __init__(self, message: str, path: pathlib.Path, offset: int = 0, lsn: int = 0):
+        super().__init__(message)
+        self.path, self.offset, self.lsn = path, offset, lsn
 
 
 class SnapshotCorruption(StorageError):
@@ -89,6 +110,17 @@ class MissingRecords(StorageError):
 
 class LogFailed(StorageError):
     """An earlier write or fsync failed; reopen the log to recover."""
+
+
+class DiskFull(StorageError):
+    """The disk had no room for a write: none of it was kept, and the log takes appends
+    again (retry once space returns)."""
+
+
+# Tests only, off unless set: while the file this names exists, every fsync of a log
+# opened meanwhile fails with EIO (an injected disk error, for a real process).
+FAULT_FSYNC_ENV = "ATOLL_TEST_FAIL_FSYNC_WHILE_FILE_EXISTS"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 Record: TypeAlias = bytes | memoryview | tuple[bytes | memoryview, ...]
@@ -156,7 +188,7 @@ def lock_dir(path: pathlib.Path, name: str) -> int:
 # of (length, LSN, payload), so torn, misplaced and flipped records all fail it.
 _FRAME = struct.Struct("<4sQQI")
 _FRAME_MAGIC = b"AWAL"
-_SEGMENT = re.compile(r"^(\d{20})\.wal$")  # named by the LSN of its first record
+SEGMENT_NAME = re.compile(r"^(\d{20})\.wal$")  # named by the LSN of its first record
 _CHUNK = 1 << 20
 
 
@@ -199,7 +231,7 @@ def _check_frame(
     return (lsn, size) if got == crc else "a CRC mismatch"
 
 
-def _valid_frame_after(f: io.BufferedIOBase, start: int, file_size: int, min_lsn: int) -> bool:
+def valid_frame_after(f: io.BufferedIOBase, start: int, file_size: int, min_lsn: int) -> bool:
     """Whether any whole, valid frame with LSN >= min_lsn starts after `start`."""
     pos = start + 1
     while pos < file_size:
@@ -245,6 +277,14 @@ class WriteAheadLog:
             )
         self.directory, self.segment_bytes = pathlib.Path(directory), segment_bytes
         self._failed: BaseException | None = None
+        self._fault_file = os.environ.get(FAULT_FSYNC_ENV) or None
+        if self._fault_file is not None:
+            log.warning(
+                "WAL %s: fsyncs fail while %s exists (%s)",
+                directory,
+                self._fault_file,
+                FAULT_FSYNC_ENV,
+            )
         self.last_sync_seconds = 0.0  # how long the newest append's fsync took
         self._lock_fd = lock_dir(self.directory, ".wal.lock")
         try:
@@ -258,7 +298,7 @@ class WriteAheadLog:
 
     def _recover(self) -> None:
         firsts = sorted(
-            int(m.group(1)) for p in self.directory.iterdir() if (m := _SEGMENT.match(p.name))
+            int(m.group(1)) for p in self.directory.iterdir() if (m := SEGMENT_NAME.match(p.name))
         )
         if not firsts:
             os.close(os.open(self._path(1), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
@@ -269,8 +309,11 @@ class WriteAheadLog:
             path = self._path(first)
             if first != due:
                 raise WALCorruption(
-                    f"{path.name} starts at LSN {first} but the segment before it "
-                    f"ends at LSN {due - 1}: a segment is missing or misnamed"
+                    f"{path} starts at LSN {first} but the segment before it "
+                    f"ends at LSN {due - 1}: a segment is missing or misnamed",
+                    path,
+                    0,
+                    due,
                 )
             file_size, end = path.stat().st_size, 0
             with open(path, "rb") as f:
@@ -281,11 +324,14 @@ class WriteAheadLog:
                     end, due = end + _FRAME.size + found[1], due + 1
                 if end == file_size:
                     continue
-                if i < len(firsts) - 1 or _valid_frame_after(f, end, file_size, due):
+                if i < len(firsts) - 1 or valid_frame_after(f, end, file_size, due):
                     raise WALCorruption(
                         f"{path} at byte {end}: record LSN {due} is damaged ({found}) and is not "
                         "the log's last record, so acknowledged data would be lost; restore the "
-                        "log from a backup or replica, or move the damaged segment aside knowingly"
+                        "log from a backup or replica, or move the damaged segment aside knowingly",
+                        path,
+                        end,
+                        due,
                     )
             log.warning(
                 "WAL %s: cut off a torn tail of %d bytes at byte %d (%s); it was never "
@@ -338,6 +384,7 @@ class WriteAheadLog:
         records = list(records)
         with self._mutex:
             self._check_open()
+            began = (len(self._firsts), self._size, self._next_lsn)
             try:
                 lsns = []
                 for record in records:
@@ -353,10 +400,49 @@ class WriteAheadLog:
                     self._size += frame_bytes
                     lsns.append(self._next_lsn)
                     self._next_lsn += 1
+            except OSError as exc:
+                if self._failed is None and exc.errno in _DISK_FULL and self._take_back(*began):
+                    raise DiskFull(
+                        f"no room on the disk of {self.directory} for {len(records)} log "
+                        f"record(s) ({exc.strerror}); none was kept: retry once space returns"
+                    ) from exc
+                self._failed = exc
+                raise
             except BaseException as exc:
                 self._failed = exc
                 raise
             return lsns
+
+    def _take_back(self, segments: int, size: int, next_lsn: int) -> bool:
+        """Undoes a batch the disk had no room for (under the log's lock): the segments it
+        opened removed, the one it began in cut back to `size` and fsynced, so neither a
+        restart nor the next write finds any of it. False if that failed too."""
+        try:
+            if len(self._firsts) > segments or self._fd is None:
+                if self._fd is not None:
+                    os.close(self._fd)
+                    self._fd = None
+                for first in self._firsts[segments:]:
+                    self._path(first).unlink(missing_ok=True)
+                del self._firsts[segments:]
+                fsync_dir(self.directory)
+                self._fd = os.open(self._path(self._firsts[-1]), os.O_WRONLY)
+            os.ftruncate(self._fd, size)
+            os.fsync(self._fd)
+            os.lseek(self._fd, size, os.SEEK_SET)  # the next write goes where this one began
+        except OSError:
+            log.exception(
+                "WAL %s: could not take back a write the disk had no room for", self.directory
+            )
+            return False
+        self._size, self._next_lsn = size, next_lsn
+        log.warning(
+            "WAL %s: the disk is full; a write of LSN %d on was taken back, appends go on "
+            "once space returns",
+            self.directory,
+            next_lsn,
+        )
+        return True
 
     @property
     def written_lsn(self) -> int:
@@ -391,7 +477,7 @@ class WriteAheadLog:
                 self._synced.release()
                 started = time.perf_counter()
                 try:
-                    _datasync(fd)  # fsync before ack: the ack is a promise
+                    self._datasync(fd)  # fsync before ack: the ack is a promise
                 except BaseException as exc:
                     self._failed = exc
                     raise
@@ -407,17 +493,31 @@ class WriteAheadLog:
                     return seconds
             return None
 
+    def _datasync(self, fd: int) -> None:
+        if self._fault_file is not None and os.path.exists(self._fault_file):
+            raise OSError(errno.EIO, f"fsync failure injected ({FAULT_FSYNC_ENV})")
+        _datasync(fd)
+
     def _rotate(self) -> None:
         old, self._fd = self._fd, None
         assert old is not None
         try:
-            _datasync(old)
+            self._datasync(old)
+        except BaseException as exc:
+            self._failed = exc  # a failed fsync is never taken back (see guarantee 3)
+            raise
         finally:
             os.close(old)
         self._fd = os.open(self._path(self._next_lsn), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        fsync_dir(self.directory)  # the segment's name is durable before any record in it is acked
         self._firsts.append(self._next_lsn)
         self._size = 0
+        try:
+            fsync_dir(
+                self.directory
+            )  # the segment's name is durable before any record in it is acked
+        except BaseException as exc:
+            self._failed = exc
+            raise
 
     def replay(self, after_lsn: int = 0) -> Iterator[tuple[int, bytes]]:
         """Yields (lsn, record) for every durable record after `after_lsn`, in LSN order.
@@ -451,13 +551,17 @@ class WriteAheadLog:
                     head = f.read(_FRAME.size)
                     magic, size, got_lsn, crc = _FRAME.unpack(head.ljust(_FRAME.size, b"\0"))
                     if len(head) < _FRAME.size or magic != _FRAME_MAGIC or got_lsn != lsn:
-                        raise WALCorruption(f"{path}: record LSN {lsn} changed on disk since open")
+                        raise WALCorruption(
+                            f"{path}: record LSN {lsn} changed on disk since open", path, 0, lsn
+                        )
                     if lsn <= after_lsn:
                         f.seek(size, os.SEEK_CUR)
                         continue
                     payload = f.read(size)
                     if len(payload) != size or encode_frame_header(lsn, payload) != head:
-                        raise WALCorruption(f"{path}: record LSN {lsn} changed on disk since open")
+                        raise WALCorruption(
+                            f"{path}: record LSN {lsn} changed on disk since open", path, 0, lsn
+                        )
                     yield lsn, payload
 
     def truncate_through(self, lsn: int) -> int:

@@ -251,19 +251,25 @@ def test_missing_segment_is_an_error(backend):
         backend.open_log(segment_bytes=1000)
 
 
+def _failing_write(monkeypatch, code: int, nth: int) -> list[int]:
+    """Makes the nth os.write from now on raise OSError(code); returns the calls made."""
+    real_write, calls = os.write, []
+
+    def flaky_write(fd, data):
+        calls.append(fd)
+        if len(calls) >= nth:
+            raise OSError(code, os.strerror(code))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(storage.os, "write", flaky_write)
+    return calls
+
+
 def test_failed_write_fails_the_log_until_reopened(backend, monkeypatch):
     with backend.open_log() as wal:
         wal.append(record(1))
-        real_write, calls = os.write, []
-
-        def flaky_write(fd, data):  # the header lands, then the disk fills up
-            calls.append(fd)
-            if len(calls) == 2:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return real_write(fd, data)
-
-        monkeypatch.setattr(storage.os, "write", flaky_write)
-        with pytest.raises(OSError, match="No space"):
+        _failing_write(monkeypatch, errno.EIO, 2)  # the header lands, then the disk breaks
+        with pytest.raises(OSError, match="Input/output"):
             wal.append(record(2))
         monkeypatch.undo()
         with pytest.raises(LogFailed, match="reopen"):
@@ -272,6 +278,58 @@ def test_failed_write_fails_the_log_until_reopened(backend, monkeypatch):
     with backend.open_log() as wal:
         assert records_of(wal) == {1: record(1)}
         assert wal.append(record(2)) == 2
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_write_the_disk_has_no_room_for_is_taken_back_and_appends_go_on(
+    backend, monkeypatch, code
+):
+    with backend.open_log() as wal:
+        wal.append(record(1))
+        size = backend.segments()[-1].stat().st_size
+        # a batch of three: the first record and the second's header land, then no room
+        calls = _failing_write(monkeypatch, code, 4)
+        with pytest.raises(storage.DiskFull, match="retry once space returns"):
+            wal.write_many([record(2), record(3), record(4)])
+        assert len(calls) == 4  # the fault fired mid-batch
+        monkeypatch.undo()
+        assert backend.segments()[-1].stat().st_size == size  # none of the batch is left
+        assert (wal.written_lsn, wal.last_lsn) == (1, 1)
+        assert wal.append(record(5)) == 2  # space is back: LSNs go on without a gap
+    with backend.open_log() as wal:
+        assert records_of(wal) == {1: record(1), 2: record(5)}
+
+
+def test_a_batch_the_disk_has_no_room_for_is_taken_back_across_a_rotation(backend, monkeypatch):
+    with backend.open_log(segment_bytes=1000) as wal:
+        wal.append(record(1, 300))
+        before = [(p.name, p.stat().st_size) for p in backend.segments()]
+        # records 2 and 3 fill the segment, 4 opens a new one and finds no room
+        _failing_write(monkeypatch, errno.ENOSPC, 5)
+        with pytest.raises(storage.DiskFull):
+            wal.write_many([record(i, 300) for i in (2, 3, 4)])
+        monkeypatch.undo()
+        assert [(p.name, p.stat().st_size) for p in backend.segments()] == before
+        assert [wal.append(record(i, 300)) for i in (5, 6, 7)] == [2, 3, 4]
+    with backend.open_log(segment_bytes=1000) as wal:
+        assert records_of(wal) == {i - 3 if i > 1 else 1: record(i, 300) for i in (1, 5, 6, 7)}
+
+
+def test_an_injected_fsync_failure_fails_the_log_while_its_file_exists(
+    backend, monkeypatch, tmp_path
+):
+    switch = tmp_path / "fail-fsync"
+    monkeypatch.setenv(storage.FAULT_FSYNC_ENV, str(switch))
+    with backend.open_log() as wal:
+        assert wal.append(record(1)) == 1  # no file yet: fsyncs succeed
+        switch.touch()
+        lsn = wal.write_many([record(2)])[-1]
+        with pytest.raises(OSError, match="injected"):
+            wal.sync(lsn)
+        switch.unlink()
+        with pytest.raises(LogFailed):  # never retried and then called durable
+            wal.sync(lsn)
+        assert wal.last_lsn == 1
 
 
 # -- segments --------------------------------------------------------------------------
