@@ -77,6 +77,8 @@ class ShardConfig:
     quarantine_records: tuple[
         int, ...
     ] = ()  # log LSNs to set aside at recovery (an operator's decision)
+    # at recovery, a damaged log is set aside only if the newest snapshot holds all of it
+    truncate_damaged_log: bool = False
     health_port: int | None = (
         None  # plaintext grpc.health.v1 only, on the listen host; None disables, 0 picks one
     )
@@ -203,6 +205,8 @@ class ShardConfig:
             flag = "--" + f.name.replace("_", "-")
             if f.name == "rda":
                 args.append("--no-rda")
+            elif f.name == "truncate_damaged_log":
+                args.append("--truncate-damaged-log")
             elif f.name == "quarantine_records":
                 for lsn in value:
                     args += ["--quarantine-record", str(lsn)]
