@@ -4,6 +4,10 @@
 an accepted push is durable if its record is in the write-ahead log, or if the newest
 snapshot already holds a later push of the same learner and fragment (the log is only
 truncated behind snapshots, and a learner's sequence numbers only grow).
+
+A push taken in parts counts once, by the record of its assembly (LOG_ASSEMBLED, written
+with its last part), as the one answer its learner logs for it; its parts alone (LOG_PART,
+each answered "part held") and parts dropped unassembled are no accepted push.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import pathlib
 from typing import Any
 
 from atoll.server import storage
-from atoll.server.log_records import LOG_PUSH, parse_log_record
+from atoll.server.log_records import LOG_ASSEMBLED, LOG_PUSH, parse_log_record
 from atoll.server.snapshots import SnapshotStore
 
 
@@ -21,9 +25,8 @@ from atoll.server.snapshots import SnapshotStore
 class Durable:
     """One learner's pushes to one fragment that a shard holds."""
 
-    logged: set[int] = dataclasses.field(
-        default_factory=set
-    )  # seqs with a LOG_PUSH record in the log
+    # seqs with a LOG_PUSH record (a whole push) or a LOG_ASSEMBLED one (a push in parts)
+    logged: set[int] = dataclasses.field(default_factory=set)
     snapshot_seq: int = -1  # newest seq the newest snapshot remembers (-1: none)
 
     def holds(self, seq: int) -> bool:
@@ -43,7 +46,7 @@ def durable_pushes(data_dir: str | pathlib.Path) -> dict[tuple[str, int], Durabl
     with storage.WriteAheadLog(data / "wal") as wal:
         for _, record in wal.replay(wal.first_lsn - 1):  # every record it still holds
             kind, meta, _ = parse_log_record(record)
-            if kind == LOG_PUSH and meta["answer"]["accepted"]:
+            if kind in (LOG_PUSH, LOG_ASSEMBLED) and meta["answer"]["accepted"]:
                 out.setdefault((meta["learner"], meta["fragment"]), Durable()).logged.add(
                     int(meta["answer"]["seq"])
                 )
