@@ -1,4 +1,9 @@
-"""`atoll syncer`: run one shard until SIGTERM or SIGINT."""
+"""`atoll syncer`: run one shard until SIGTERM or SIGINT.
+
+Exit status: 0 after a clean stop; 2 for a bad flag or what the host refuses (a port, a
+data directory); 3 when the shard did not recover (a damaged log or snapshot, a record it
+cannot apply) or its log failed while it served: it stays up NOT_SERVING, the reason on
+stdout and in every refusal, until a signal stops it."""
 
 from __future__ import annotations
 
@@ -204,6 +209,15 @@ def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
         "only when recovery names that record as one it cannot apply (repeatable)",
     )
     p.add_argument(
+        "--truncate-damaged-log",
+        action="store_true",
+        help="at recovery, when the write-ahead log is damaged, set its segments aside "
+        "(renamed *.wal.damaged) and go on from the newest snapshot, but only if that "
+        "snapshot holds every record of the log (as after a clean stop): nothing on disk says "
+        "which records were acknowledged, so a record only the log holds is never dropped; "
+        "otherwise recovery still refuses and says what the log alone holds",
+    )
+    p.add_argument(
         "--stream-idle-seconds",
         type=float,
         default=d["stream_idle_seconds"].default,
@@ -263,6 +277,7 @@ def config_from_args(a: argparse.Namespace) -> ShardConfig:
         stream_idle_seconds=a.stream_idle_seconds,
         part_wait_leases=a.part_wait_leases,
         quarantine_records=tuple(a.quarantine_record),
+        truncate_damaged_log=a.truncate_damaged_log,
     )
 
 
@@ -372,6 +387,13 @@ def run(cfg: ShardConfig) -> int:
     )
     done.wait()
     server.stop()
+    if server.shard.recovery_error is not None:  # its log failed while serving
+        print(
+            f"syncer shard {cfg.shard_index}/{cfg.num_shards} stopped serving: "
+            f"{server.shard.recovery_error}",
+            flush=True,
+        )
+        return 3
     return 0
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from atoll.server import parts
+from atoll.server import log_damage, parts, storage
 from atoll.server.fragment import Answer, Fragment
 from atoll.server.log_records import (
     LOG_ADOPT,
@@ -77,11 +77,26 @@ class Recovery(ShardState):
                 for learner, held in frag.part_sets.items():
                     held.started = now
                     self.last_seen[learner] = now
+            # leases were written directly above: what the rounds read of them, derived again
+            self.roster.rebuild(now, {p: f.contributors for p, f in self.fragments.items()})
             self.ready = True
             return replayed
 
     def _replay(self, skip: set[int], stop: threading.Event | None = None) -> int:
-        snap = self.snapshots.latest()
+        try:
+            snap = self.snapshots.latest()
+        except storage.SnapshotCorruption as e:
+            if self.wal.first_lsn > 1:  # the log no longer reaches back to the start
+                raise RecoveryError(
+                    f"{e}; the log starts at LSN {self.wal.first_lsn}, so the shard serves "
+                    "nothing until a snapshot is restored from a backup or replica"
+                ) from e
+            log.warning("%s; the log holds every record, so it is replayed from the start", e)
+            snap = None
+        except storage.StorageError as e:  # a snapshot of another format
+            raise RecoveryError(f"{e}; the shard serves nothing until it can load it") from e
+        if isinstance(self.wal, log_damage.DamagedLog):
+            self._damaged_log(self.wal, snap)
         if snap is not None:
             try:
                 self._restore(snap)
@@ -89,6 +104,12 @@ class Recovery(ShardState):
                 raise RecoveryError(
                     f"the snapshot in {self.cfg.data_dir} cannot be loaded: {e}"
                 ) from e
+        try:
+            return self._replay_log(skip, stop)
+        except storage.StorageError as e:  # records missing, or changed on disk since open
+            raise RecoveryError(f"{e}{self._set_aside_snapshots()}") from e
+
+    def _replay_log(self, skip: set[int], stop: threading.Event | None) -> int:
         replayed = 0
         for lsn, record in self.wal.replay(self.last_lsn):
             if stop is not None and stop.is_set():
@@ -111,6 +132,58 @@ class Recovery(ShardState):
         for frag in self.fragments.values():
             self.known.update(frag.answers)
         return replayed
+
+    def _set_aside_snapshots(self) -> str:
+        """What a recovery error adds about snapshots found damaged and set aside."""
+        folder = pathlib.Path(self.cfg.data_dir) / "snapshots"
+        damaged = sorted(p.name for p in folder.glob("*.snap.damaged"))
+        if not damaged:
+            return ""
+        return (
+            f"; snapshots set aside as damaged: {', '.join(damaged)} in {folder}: the log no "
+            "longer reaches back to an older one; restore them from a backup or replica"
+        )
+
+    @staticmethod
+    def _holds_through(snap: Snapshot | None) -> int:
+        """The LSN through which `snap` holds every record of every fragment: its own, if
+        it captured them all at that one LSN (as a clean stop's does), else 0."""
+        if snap is None:
+            return 0
+        lsns = [int(v) for v in snap.meta.get("fragment_lsns", {}).values()]
+        return snap.lsn if all(v == snap.lsn for v in lsns) else 0
+
+    def _damaged_log(self, wal: log_damage.DamagedLog, snap: Snapshot | None) -> None:
+        """A log damaged at start-up: set aside with --truncate-damaged-log where the
+        newest snapshot holds every record of it, else a RecoveryError saying where the
+        damage is and what the log alone holds."""
+        damage, covered = wal.error, self._holds_through(snap)
+        where = f"damaged write-ahead log: {damage.path} at byte {damage.offset}: {damage}"
+        if self.cfg.truncate_damaged_log:
+            try:
+                log_damage.set_aside_damaged(damage, covered)
+            except storage.StorageError as e:
+                raise RecoveryError(f"{where}; --truncate-damaged-log refused: {e}") from e
+            wal.close()
+            self.wal = storage.WriteAheadLog(wal.directory)
+            return
+        if (
+            covered
+            and not log_damage.records_after(wal.directory, covered)
+            and damage.lsn <= covered
+        ):
+            hint = (
+                f"the newest snapshot (LSN {covered}) holds every record of the log: restart "
+                "with --truncate-damaged-log to set the log aside and go on from it; nothing "
+                "acknowledged is lost"
+            )
+        else:
+            hint = (
+                f"records past LSN {covered} are only in the log and any may have been "
+                "acknowledged, so --truncate-damaged-log will not drop them: restore the data "
+                "directory from a backup or replica"
+            )
+        raise RecoveryError(f"{where}; the shard serves nothing until it can. {hint}")
 
     def _quarantine(self, lsn: int, record: bytes) -> None:
         folder = pathlib.Path(self.cfg.data_dir) / "quarantine"
@@ -245,6 +318,11 @@ class Recovery(ShardState):
     def _snapshot_in_background(self) -> None:
         try:
             self._snapshot()
+        except (OSError, storage.StorageError) as e:  # a full disk, say: one line will do
+            log.error(
+                "background snapshot failed (%s); the log keeps every record until one succeeds",
+                e,
+            )
         except Exception:  # noqa: BLE001 - the log still holds everything; the next one tries again
             log.exception(
                 "background snapshot failed; the log keeps every record until one succeeds"

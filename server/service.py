@@ -47,6 +47,7 @@ from atoll.server.guards import (
     bearer_token,
     check_learner_id,
 )
+from atoll.server.health_log import health_changed, tick_failed
 from atoll.server.intake import describe_response, frame_need, read_chunks, read_message
 from atoll.server.refusal import ShardError, Why
 from atoll.server.serving import (
@@ -499,6 +500,7 @@ class SyncerServer:
         self.certificate: ReloadingCertificate | None = None  # with TLS on
         self._started = self._stopping = self._stopped = False
         self._tick_failures = 0
+        self._published = False  # what health last said: SERVING or not
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._tick_loop, name="round-timer", daemon=True)
         self._housekeeping: concurrent.futures.Future[None] | None = None
@@ -570,10 +572,11 @@ class SyncerServer:
 
     @property
     def serving(self) -> bool:
-        """What health says: recovered, not stopping, and the round timer making progress."""
-        return (
-            self._started and not self._stopping and self._tick_failures < TICK_FAILURES_UNHEALTHY
-        )
+        """What health says: recovered, its log not failed since, not stopping, and the
+        round timer making progress."""
+        ticking = self._tick_failures < TICK_FAILURES_UNHEALTHY
+        up = self._started and not self._stopping and self.shard.recovery_error is None
+        return up and ticking
 
     async def _publish_health(self) -> None:
         status = (
@@ -581,6 +584,7 @@ class SyncerServer:
             if self.serving
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
+        self._published = status == health_pb2.HealthCheckResponse.SERVING
         for name in ("", SERVICE):
             await self.health.set(name, status)
         self.metrics.serving.set(1 if self.serving else 0)
@@ -642,31 +646,22 @@ class SyncerServer:
             await asyncio.get_running_loop().run_in_executor(self.workers, trim, 0)
 
     def _tick_loop(self) -> None:
-        """Closes rounds on time. Never dies: a failing tick is logged and counted, and
-        health says NOT_SERVING while ticks keep failing (rounds cannot close)."""
+        """Closes rounds on time, and keeps health in step. Never dies: a failing tick is
+        logged and counted; health says NOT_SERVING, and why, while ticks keep failing
+        (rounds cannot close) or once the shard's log failed (server/health_log.py)."""
         while not self._stop.is_set():
             try:
                 wake = self.shard.tick()
                 delay = 0.5 if wake is None else max(0.0, min(0.5, wake - self.shard.clock()))
-            except Exception:
+                self._tick_failures = 0
+            except Exception as e:  # noqa: BLE001 - counted, said, and tried again
                 self.metrics.tick_failures.inc()
                 self._tick_failures += 1
-                log.exception("round timer: tick failed (%d in a row)", self._tick_failures)
-                if self._tick_failures == TICK_FAILURES_UNHEALTHY:
-                    log.error(
-                        "round timer: %d failures in a row; health says NOT_SERVING until a tick "
-                        "succeeds",
-                        self._tick_failures,
-                    )
-                    run_on_loop(self._publish_health())
-                self._stop.wait(TICK_RETRY_SECONDS)
-                continue
-            if self._tick_failures:
-                unhealthy = self._tick_failures >= TICK_FAILURES_UNHEALTHY
-                self._tick_failures = 0
-                if unhealthy:
-                    log.info("round timer: ticking again; health says SERVING")
-                    run_on_loop(self._publish_health())
+                tick_failed(e, self._tick_failures)
+                delay = TICK_RETRY_SECONDS
+            if self._published != self.serving and not self._stopping:
+                health_changed(self.serving, self.shard.recovery_error, self._tick_failures)
+                run_on_loop(self._publish_health())
             self._stop.wait(delay)
 
     async def _stop_servers(self, grace: float) -> None:

@@ -111,14 +111,14 @@ def load_snapshot(path: str | os.PathLike[str]) -> Snapshot:
     with open(path, "rb") as f:
         head = f.read(_SNAP_HEAD.size)
         if len(head) < _SNAP_HEAD.size:
-            raise damaged("shorter than its header")
+            raise damaged(f"{len(head)} bytes, shorter than its header (at byte {len(head)})")
         magic, fmt, header_len = _SNAP_HEAD.unpack(head)
         if magic != _SNAP_MAGIC:
-            raise damaged("not an atoll snapshot (bad magic)")
+            raise damaged("not an atoll snapshot (bad magic at byte 0)")
         if fmt != _SNAP_FORMAT:
             raise StorageError(f"{path} is snapshot format {fmt}; this build reads {_SNAP_FORMAT}")
         if _SNAP_HEAD.size + header_len + _SNAP_TAIL.size > file_size:
-            raise damaged("its header runs past the end of the file")
+            raise damaged(f"its header runs past the end of the file (byte {file_size})")
         prefix = head + f.read(header_len + _pad(_SNAP_HEAD.size + header_len))
         crc = zlib.crc32(prefix)
         try:
@@ -131,7 +131,7 @@ def load_snapshot(path: str | os.PathLike[str]) -> Snapshot:
             if any(d < 0 for _, _, shape in layout for d in shape):
                 raise ValueError("negative dimension")
         except (ValueError, KeyError, TypeError) as exc:
-            raise damaged(f"unreadable header ({exc})") from None
+            raise damaged(f"unreadable header at byte {_SNAP_HEAD.size} ({exc})") from None
         sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in layout]
         expected = len(prefix) + sum(n + _pad(n) for n in sizes) + _SNAP_TAIL.size
         if expected != file_size or path.name != f"{lsn:020d}.snap":
@@ -143,13 +143,16 @@ def load_snapshot(path: str | os.PathLike[str]) -> Snapshot:
         for (name, dtype, shape), size in zip(layout, sizes):
             array = np.empty(shape, dtype)
             view = _bytes_of(array)
+            at = f.tell()
             if f.readinto(view) != size:
-                raise damaged(f"short read in array {name!r}")
+                raise damaged(f"short read in array {name!r} at byte {at}")
             crc = zlib.crc32(f.read(_pad(size)), zlib.crc32(view, crc))
             arrays[name] = array
         stored, end = _SNAP_TAIL.unpack(f.read(_SNAP_TAIL.size))
         if end != _SNAP_END or stored != crc:
-            raise damaged("checksum mismatch")
+            raise damaged(
+                f"checksum mismatch: some byte of 0..{file_size} changed (the CRC covers all)"
+            )
     return Snapshot(lsn, meta, arrays, path)
 
 
