@@ -4,17 +4,16 @@ that do not parse (INVALID_ARGUMENT, where grpc itself would answer UNKNOWN)."""
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from atoll.server.learner_ids import LEARNER_ID as LEARNER_ID  # re-exported for service.py
+from atoll.server.learner_ids import learner_id_problem
 from atoll.server.refusal import ShardError, Why
 from atoll.server.serving import SERVICE
-
-LEARNER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def bearer_token(metadata: Iterable[tuple[str, str]] | None) -> str | None:
@@ -24,13 +23,11 @@ def bearer_token(metadata: Iterable[tuple[str, str]] | None) -> str | None:
 
 
 def check_learner_id(learner_id: str) -> None:
-    if learner_id and LEARNER_ID.fullmatch(learner_id) is None:
-        shown = learner_id if len(learner_id) <= 40 else learner_id[:40] + "…"
-        raise ShardError(
-            Why.MALFORMED,
-            f"learner_id {shown!r} ({len(learner_id)} characters) must be 1-128 of "
-            "A-Z a-z 0-9 . _ : -",
-        )
+    """A caller's learner id obeys server/learner_ids.py (empty: an anonymous reader,
+    which Init and Push refuse on their own); INVALID_ARGUMENT otherwise."""
+    problem = learner_id_problem(learner_id) if learner_id else None
+    if problem is not None:
+        raise ShardError(Why.MALFORMED, problem)
 
 
 # --- bearer tokens ------------------------------------------------------------------

@@ -13,7 +13,9 @@ what the shard knows, before anything is logged:
      [0, 2^63 - 1].
   2. An adopted state is exactly what `Fragment.state()` makes for this plan and
      settings: the same keys, every number of its type and range, every array of the
-     template's dtype and shape with finite values, the delta ring's versions
+     template's dtype and shape with finite values (params, momentum and the published
+     copy within ±MAX_ABS_VALUE, weights within a push's bounds, learner ids as
+     server/learner_ids.py says: what a push or Init must meet), the delta ring's versions
      consecutive and ending at the fragment's version. Anything unknown is refused.
   3. An Adopt carries its source's freeze record (`freeze`: the source's shard index and
      the LSN of its FREEZE record), for the same map: the move id both shards log. A
@@ -38,14 +40,20 @@ import numpy as np
 from atoll.server import rules
 from atoll.server.config import MAX_SHARDS
 from atoll.server.fragment import Answer, Fragment
+from atoll.server.learner_ids import learner_id_problem
 from atoll.server.log_records import LOG_ADOPT, LOG_FREEZE, LOG_MOVED, LOG_UNFREEZE, log_record
+from atoll.server.push_header import MAX_TOKENS
 from atoll.server.refusal import ShardError, Why
-from atoll.server.state import ShardState, _same_move
+from atoll.server.state import MAX_ABS_VALUE, ShardState, _same_move
 from atoll.wire import codec
 from atoll.wire.plan import FragmentMap, FragmentPlan
 
 MAX_VERSION = (1 << 63) - 1  # map and fragment versions, LSNs and seqs: an int64's range
-LEARNER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # as the servicer checks a caller's id
+# A learner's merge weight: at most tokens²/steps of a push (push_header.py's bounds)
+MAX_WEIGHT = float(MAX_TOKENS) ** 2
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+# arrays that hold weights (params, the published copy, momentum) rather than sums of them
+VALUE_ARRAYS = re.compile(r"params|published|opt\.\d+")
 STATE_KEYS = frozenset(
     {"version", "initialized", "last_round_size", "ring", "contributors", "answers", "round"}
 )
@@ -149,8 +157,9 @@ def check_adopt_meta(meta: Any) -> None:
 
 
 def _check_answer(learner: Any, answer: Any, version: int) -> None:
-    if not isinstance(learner, str) or LEARNER_ID.fullmatch(learner) is None:
-        raise _malformed(f"learner id {learner!r}")
+    problem = learner_id_problem(learner)
+    if problem is not None:
+        raise _malformed(f"answers: {problem}")
     if not isinstance(answer, dict) or set(answer) != set(ANSWER_TYPES):
         raise _malformed(f"answer of {learner}: want the fields {sorted(ANSWER_TYPES)}")
     for key, kind in ANSWER_TYPES.items():
@@ -167,7 +176,7 @@ def _check_answer(learner: Any, answer: Any, version: int) -> None:
         raise _malformed(f"answer of {learner}: seq, version or staleness out of range")
     if a.reason not in {str(r) for r in rules.Reason} or len(a.detail) > 1024:
         raise _malformed(f"answer of {learner}: reason {a.reason!r}")
-    if not (a.weight >= 0 and 0 < a.discount <= 1):
+    if not (0 <= a.weight <= MAX_WEIGHT and 0 < a.discount <= 1):
         raise _malformed(f"answer of {learner}: weight {a.weight}, discount {a.discount}")
 
 
@@ -203,8 +212,10 @@ def check_state_meta(state: dict[str, Any], delta_ring: int) -> None:
     if not is_int(round_["count"]) or round_["count"] != len(contributors):
         raise _malformed(f"round count {round_['count']!r}: want {len(contributors)}")
     numbers = all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in (total, full))
-    if not (numbers and 0 <= total <= full < math.inf):
-        raise _malformed(f"open round weights {round_}: want 0 <= total <= full, finite")
+    if not (numbers and 0 <= total <= full <= FLOAT32_MAX):
+        raise _malformed(
+            f"open round weights {round_}: want 0 <= total <= full <= {FLOAT32_MAX:g} (float32)"
+        )
 
 
 def check_state_arrays(
@@ -228,8 +239,24 @@ def check_state_arrays(
             dtype, shape = want[key].dtype, want[key].shape
         if array.dtype != dtype or array.shape != shape:
             raise _malformed(f"{key}: {array.dtype}{array.shape}, want {dtype}{shape}")
-        if array.dtype.kind == "f" and not np.isfinite(array).all():
-            raise _malformed(f"{key}: values that are not finite")
+        if array.dtype.kind == "f":
+            problem = values_problem(key, array)
+            if problem is not None:
+                raise _malformed(problem)
+
+
+def values_problem(key: str, array: np.ndarray) -> str | None:
+    """Why an adopted float array could not be merged with as a push's values are (rule
+    2), or None: finite, and for the fragment's weights (params, the published copy,
+    momentum) within ±MAX_ABS_VALUE, as an Init's values and a push's outer gradients
+    must be, so their squares sum in float32 without overflow."""
+    if not np.isfinite(array).all():
+        return f"{key}: values that are not finite"
+    if VALUE_ARRAYS.fullmatch(key) and array.size:
+        peak = float(np.abs(array).max())
+        if peak > MAX_ABS_VALUE:
+            return f"{key}: a value of {peak:g}, beyond ±{MAX_ABS_VALUE:g} (diverged)"
+    return None
 
 
 class MoveCalls(ShardState):
