@@ -1307,6 +1307,8 @@ def test_learner_command_line_is_a_valid_learner_config(overlay, tmp_path, monke
                 cfg.checkpoint_dir == pathlib.Path(env["ATOLL_CHECKPOINT_DIR"]) and not cfg.standby
             )
             assert cfg.checkpoint_every == int(env["ATOLL_CHECKPOINT_EVERY"]) > 0
+            # params split over a multi-host slice's chips, replicated on one host's
+            assert cfg.fsdp == (0 if overlay in MULTI_HOST_OVERLAYS else 1)
             ids.add(cfg.learner_id)
     assert len(ids) == sum(len(n) for _, _, n in learner_workloads(objs)), (
         "learner ids must be unique"
@@ -1440,6 +1442,54 @@ def _check_multi_host_jobset(jobset, objs, expected, tmp_path, monkeypatch) -> N
     assert cfg.distributed == DistributedConfig(), (
         "jax.distributed reads the slice from the TPU metadata"
     )
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", sorted(MULTI_HOST_OVERLAYS))
+def test_every_pod_of_a_multi_host_slice_syncs_its_own_shards(overlay, tmp_path, monkeypatch):
+    """A multi-host slice splits its params over every chip (--fsdp all), so every pod, not
+    only process 0's, pushes and pulls its own parts: each pod is one learner id with one
+    token, and the shards' NetworkPolicy admits each of them."""
+    from atoll.learner.main import config_from_args
+
+    hosts = MULTI_HOST_OVERLAYS[overlay][2]
+    objs = render(overlay)
+    learner_peer = next(
+        f
+        for rule in one(render("syncer"), "NetworkPolicy", "atoll-syncer")["spec"]["ingress"]
+        for f in rule["from"]
+        if rule["ports"][0]["port"] == "grpc" and "namespaceSelector" in f
+    )
+    namespace = one(render_dir("namespace"), "Namespace")["metadata"]["labels"]
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef" * 4 + "\n")
+    for jobset in find(objs, "JobSet"):
+        template = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+        (c,) = template["spec"]["containers"]
+        seen = set()
+        for index in range(hosts):
+            env = container_env(c, objs, pod_fields(jobset, template, index))
+            args, got = run_container(c, env, tmp_path)
+            with monkeypatch.context() as m:
+                for name in [n for n in os.environ if n.startswith(("ATOLL_", "TPU_"))]:
+                    m.delenv(name)
+                for name, value in got.items():
+                    if name.startswith("ATOLL_"):
+                        m.setenv(name, value)
+                m.setenv("TPU_WORKER_HOSTNAMES", ",".join(f"h{i}" for i in range(hosts)))
+                m.setenv("TPU_WORKER_ID", str(index))
+                m.setenv("ATOLL_TOKEN_FILE", str(token))  # the pod's is checked by name below
+                cfg = config_from_args(atoll_parser().parse_args(args))
+            assert cfg.fsdp == 0, "params split over every chip of the slice"
+            seen.add((cfg.learner_id, got["ATOLL_TOKEN_FILE"]))
+            labels = {
+                **template["metadata"]["labels"],
+                "batch.kubernetes.io/job-completion-index": str(index),
+            }
+            assert _selects(learner_peer["podSelector"], labels), "the shards admit every pod"
+            assert _selects(learner_peer["namespaceSelector"], namespace)
+        ((learner_id, token_file),) = seen  # one id, one token, for every pod of the slice
+        assert pathlib.PurePath(token_file).name == learner_id
 
 
 @needs_kubectl
