@@ -26,6 +26,7 @@ from atoll.server.log_records import (
     LOG_UNFREEZE,
     parse_log_record,
 )
+from atoll.server.refusal import ShardError
 from atoll.server.snapshots import Snapshot
 from atoll.server.state import (
     MAX_ABS_VALUE,
@@ -318,7 +319,7 @@ class Recovery(ShardState):
     def _snapshot_in_background(self) -> None:
         try:
             self._snapshot()
-        except (OSError, storage.StorageError) as e:  # a full disk, say: one line will do
+        except (OSError, storage.StorageError, ShardError) as e:  # a full disk: one line will do
             log.error(
                 "background snapshot failed (%s); the log keeps every record until one succeeds",
                 e,
