@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import jax
@@ -97,8 +98,8 @@ class Fragment:
         self.version = 0
 
     @property
-    def contributors(self) -> frozenset[str]:
-        contributors: frozenset[str] = self.round_state.contributors
+    def contributors(self) -> AbstractSet[str]:
+        contributors: AbstractSet[str] = self.round_state.contributors
         return contributors
 
     def contribute(

@@ -9,12 +9,16 @@ be used directly as Prometheus label values.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import NamedTuple
+
+from atoll.server.members import Members
 
 LearnerId = str
 Seconds = float  # a duration or an instant on the caller's monotonic clock
@@ -416,13 +420,19 @@ def cadence(
       H × the median step time of the fastest live learners, or None before any live
       learner reported one; e.g. cadence(32, {"a": 0.125, "b": 0.25}, {"a", "b"}) == 4.0.
     """
-    h = _int("period_steps", period_steps, low=1)
     times = sorted(t for m, t in step_seconds.items() if m in live and t > 0)
+    return cadence_of_sorted(period_steps, times)
+
+
+def cadence_of_sorted(period_steps: int, times: Sequence[float]) -> float | None:
+    """`cadence` over the live step times (each > 0) already in ascending order: O(log n),
+    for a caller that keeps them sorted as they change (server/roster.py)."""
+    h = _int("period_steps", period_steps, low=1)
     if not times:
         return None
-    fast = [t for t in times if t <= FAST_CLASS * times[0]]
-    mid = len(fast) // 2
-    return h * (fast[mid] if len(fast) % 2 else (fast[mid - 1] + fast[mid]) / 2)
+    k = bisect.bisect_right(times, FAST_CLASS * times[0])  # the fast class: times[:k]
+    mid = k // 2
+    return h * (times[mid] if k % 2 else (times[mid - 1] + times[mid]) / 2)
 
 
 # ---------------------------------------------------------------- leases
@@ -467,7 +477,7 @@ class RoundState(NamedTuple):
     a first round has set the phase or while the cadence is unknown."""
 
     first_push_at: Seconds | None = None
-    contributors: frozenset[LearnerId] = frozenset()
+    contributors: AbstractSet[LearnerId] = frozenset()  # a Members as add_contributor grows it
     quorum_reached_at: Seconds | None = None
     due_at: Seconds | None = None
 
@@ -585,7 +595,9 @@ def add_contributor(state: RoundState, learner: LearnerId, now: Seconds, quorum:
             f"learner {learner!r} already contributed to this round; "
             "check judge_membership before adding"
         )
-    contributors = state.contributors | {learner}
+    # O(1): a frozenset copy here cost a round of n learners O(n²) (server/members.py)
+    held = state.contributors
+    contributors = (held if isinstance(held, Members) else Members(held)).with_(learner)
     first = now if state.first_push_at is None else state.first_push_at
     reached = state.quorum_reached_at
     if reached is None and len(contributors) >= k:
@@ -633,12 +645,27 @@ def decide_close(
       caller can arm a timer; while waiting for quorum it is None (a push or a lease
       lapse is what can change the answer).
     """
+    missing = sum(1 for m in live if m not in state.contributors)
+    return decide_close_counted(state, missing, now, quorum, grace_seconds, joined)
+
+
+def decide_close_counted(
+    state: RoundState,
+    missing: int,
+    now: Seconds,
+    quorum: int,
+    grace_seconds: float,
+    joined: int | None = None,
+) -> CloseDecision:
+    """`decide_close` given only how many live learners are not in the round (`missing`,
+    |live − contributors|), for a caller that keeps that count as leases and the round
+    change (server/roster.py) rather than compare sets at every push."""
     k = _int("quorum", quorum, low=1)
     grace = _real("grace_seconds", grace_seconds, low=0.0)
     if not state.contributors:
         return CloseDecision(False, Reason.EMPTY, None)
     if len(state.contributors) < k:
-        if not set(live) <= state.contributors:
+        if missing:
             return CloseDecision(False, Reason.WAITING_FOR_QUORUM, None)
         if joined is not None and joined < k:
             return CloseDecision(False, Reason.WAITING_FOR_JOINERS, None)
@@ -649,7 +676,7 @@ def decide_close(
             "but no quorum_reached_at; pass decide_close the quorum given "
             "to add_contributor"
         )
-    if set(live) <= state.contributors:
+    if not missing:
         return CloseDecision(True, Reason.ALL_LIVE_CONTRIBUTED, None)
     started = state.started_at
     assert started is not None  # first_push_at is set

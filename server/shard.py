@@ -39,13 +39,13 @@ from atoll.server.parts import Box, boxes_problem
 from atoll.server.push_header import PushHeader
 from atoll.server.recovery import Recovery
 from atoll.server.refusal import ShardError, Why
+from atoll.server.roster import Timing
 from atoll.server.state import (
     MAX_ABS_VALUE,
     PeriodCount,
     RecoveryError,
     RecoveryStopped,
     ShardState,
-    Timing,
     _magnitude_problem,
 )
 from atoll.wire import codec
@@ -85,7 +85,7 @@ class Shard(Recovery, MoveCalls, PartCalls):
         """Refreshes a learner's lease (every call does)."""
         if learner:
             with self.lock:
-                self.last_seen[learner] = self.clock()
+                self.roster.renew(learner, self.clock())
 
     def _parse_plan(self, plan_json: str, fingerprint: str) -> FragmentPlan:
         try:
@@ -273,7 +273,7 @@ class Shard(Recovery, MoveCalls, PartCalls):
         metrics, and the round's close if the rules say so; returns its answer."""
         frag.refusals.pop(h.learner_id, None)
         with self.lock:
-            self.known.add(h.learner_id)
+            self.roster.know(h.learner_id)
         self.metrics.staleness.observe(frag.answers[h.learner_id].staleness)
         assert self.plan is not None  # _fragment found it
         self.metrics.compute_seconds.inc(h.inner_steps * h.step_seconds / self.plan.num_fragments)
@@ -281,22 +281,19 @@ class Shard(Recovery, MoveCalls, PartCalls):
         return frag.answers[h.learner_id]
 
     def _heard_from(self, h: PushHeader, now: float) -> None:
-        """A push renews its learner's lease and brings its timing: step time, τ, H.
-        The pace is set by the learners still training: one whose last push of some
-        fragment came in has stopped stepping, though its lease runs on."""
-        self.last_seen[h.learner_id] = now
-        self.timings[h.learner_id] = Timing(h.step_seconds, h.overlap_steps, h.period_steps)
-        done = set().union(*self.finished.values())
-        live = {m: t for m, t in self._live_timings(now).items() if m not in done}
-        periods = [t.period_steps for t in live.values() if t.period_steps]
-        steps = {m: t.step_seconds for m, t in live.items()}
-        period = rules.cadence(min(periods), steps, frozenset(live)) if periods else None
+        """A push (under lock) marks whether it was its learner's last of its fragment,
+        renews its lease and brings its timing: step time, τ, H. The pace is set by the
+        learners still training: one whose last push of some fragment came in has stopped
+        stepping, though its lease runs on. The roster keeps all of it as it changes, so
+        this costs the same however many learners the shard remembers."""
+        roster = self.roster
+        roster.advance(now)
+        roster.mark_finished(h.fragment, h.learner_id, h.last)
+        roster.renew(h.learner_id, now)
+        roster.heard(h.learner_id, Timing(h.step_seconds, h.overlap_steps, h.period_steps))
+        period = roster.cadence()
         if period is not None:
             self.cadence_seconds = period
-
-    def _live_timings(self, now: float) -> dict[str, Timing]:
-        live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
-        return {m: t for m, t in self.timings.items() if m in live}
 
     def _count(self, answer: Answer) -> Answer:
         self.metrics.pushes.labels(answer.reason).inc()
@@ -314,10 +311,6 @@ class Shard(Recovery, MoveCalls, PartCalls):
         due_in: float = rules.due_in(state, self.clock(), self.cadence_seconds, in_round=in_round)
         return due_in
 
-    def _joined(self) -> int:
-        """Learners this shard knows: any with a lease, any whose push it holds (under lock)."""
-        return len(self.known.union(self.last_seen))
-
     def _maybe_close(self, p: int, now: float, trigger: str | None = None) -> float | None:
         """Closes fragment p's round if the rules say so; returns when to look again.
 
@@ -328,8 +321,10 @@ class Shard(Recovery, MoveCalls, PartCalls):
             return None
         state = frag.round_state
         with self.lock:
-            live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
-            grace, joined = self._grace(live), self._joined()
+            roster = self.roster
+            roster.advance(now)
+            roster.sync_round(p, state.contributors)
+            grace, joined = self._grace(), roster.joined
             if frag.version == 0 and self.cadence_seconds:
                 # A fragment's first round: each island pushes it first at step t_p of its own
                 # pace, a slower one up to a period after the fastest (later still if it was
@@ -337,10 +332,11 @@ class Shard(Recovery, MoveCalls, PartCalls):
                 # version behind (and pulling two deltas). Not capped at a lease: only live
                 # learners are waited for, and a learner that is gone lapses within one.
                 grace = max(grace, FIRST_ROUND_GRACE_PERIODS * self.cadence_seconds)
-            # a learner whose last push of p came in is not waited for (its push still counts)
-            waited_for = live - self.finished[p]
-        decision = rules.decide_close(
-            state, waited_for, now, self.policy.quorum, grace, joined=joined
+            # waited for: the live learners, less those whose last push of p came in (their
+            # push still counts); how many of them the round lacks, kept by the roster
+            missing = roster.missing(p)
+        decision = rules.decide_close_counted(
+            state, missing, now, self.policy.quorum, grace, joined=joined
         )
         if not decision.close:
             wake_at: float | None = decision.wake_at
@@ -399,7 +395,7 @@ class Shard(Recovery, MoveCalls, PartCalls):
                 if frag.round.count:
                     wakes.append(self._maybe_close(p, now))
         with self.lock:
-            expiry = rules.next_lease_expiry(self.last_seen, now, self.policy.lease_seconds)
+            expiry = self.roster.next_expiry(now)
         candidates = [w for w in wakes if w is not None] + ([expiry] if expiry is not None else [])
         return min(candidates) if candidates else None
 
@@ -410,16 +406,9 @@ class Shard(Recovery, MoveCalls, PartCalls):
         Each fragment's answer to a learner's newest accepted push stays: it is durable
         state (a retry of that push, however late, is answered once, never merged again).
         `known` keeps at least a quorum: it only counts learners up to K at start-up."""
+        self.roster.advance(now)
         horizon = now - PRUNE_AFTER_LEASES * self.policy.lease_seconds
-        gone = frozenset(m for m, seen in self.last_seen.items() if seen < horizon)
-        for learner in gone:
-            del self.last_seen[learner]
-            self.timings.pop(learner, None)
-            if len(self.known) > self.policy.quorum:
-                self.known.discard(learner)
-            for finished in self.finished.values():
-                finished.discard(learner)
-        return gone
+        return frozenset(self.roster.forget(horizon, self.policy.quorum))
 
     def pull(
         self, p: int, have_version: int | None, boxes: Sequence[Box] = ()

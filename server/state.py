@@ -10,7 +10,6 @@ order: `init_lock`, a fragment's lock, `lock`.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import io
 import logging
@@ -28,6 +27,7 @@ from atoll.server.config import ShardConfig
 from atoll.server.fragment import Fragment
 from atoll.server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
 from atoll.server.refusal import ShardError, Why
+from atoll.server.roster import Roster
 from atoll.server.snapshots import SnapshotStorage, SnapshotStore
 from atoll.wire import codec
 from atoll.wire.client import FRAGMENT_KEY, MAP_VERSION_KEY, OWNER_KEY
@@ -37,14 +37,6 @@ log = logging.getLogger("atoll.syncer")
 MAX_ABS_VALUE = (
     1e9  # |outer gradient| or |initial weight| per element; training that far off has diverged
 )
-
-
-class Timing(NamedTuple):
-    """What a learner's last push said of its pace (validated by PushHeader.problem)."""
-
-    step_seconds: float  # its recent seconds per inner step; 0: not measured yet
-    overlap_steps: int  # τ
-    period_steps: int  # H; 0: not given
 
 
 class PeriodCount(NamedTuple):
@@ -169,16 +161,19 @@ class ShardState:
         # after a restart, Commit waits for one more Export)
         self.exported: set[int] = set()
         self.fragments: dict[int, Fragment] = {}
-        # fragment -> learners whose last push of it came in (PushHeader.last); not durable:
-        # after a restart they hold fresh leases like everyone else (under self.lock)
-        self.finished: collections.defaultdict[int, set[str]] = collections.defaultdict(set)
+        # leases, timings, finished marks and known learners, with what the rounds' decisions
+        # read of them kept as they change (server/roster.py; under self.lock). Not durable:
+        # after a restart every learner a fragment holds an answer of has a fresh lease.
+        self.roster = Roster(self.policy.lease_seconds)
+        # fragment -> learners whose last push of it came in (PushHeader.last)
+        self.finished = self.roster.finished
         # One lock per fragment, held while a push to it is judged, logged (written, not
         # yet fsynced) and merged, and over a round close: a fragment's log order is
         # its merge order, and fragments never wait on each other.
         self.frag_locks: dict[int, threading.Lock] = {}
-        self.last_seen: dict[str, float] = {}
-        self.timings: dict[str, Timing] = {}  # learner -> the timing its last push reported
-        self.known: set[str] = set()  # learners whose pushes some fragment holds
+        self.last_seen = self.roster.last_seen  # learner -> instant of its last call
+        self.timings = self.roster.timings  # learner -> the timing its last push reported
+        self.known = self.roster.known  # learners whose pushes some fragment holds
         self.cadence_seconds: float | None = None  # the sync period learners are asked to keep
         self.periods: dict[int, PeriodCount] = {}  # fragment -> outer steps against elapsed periods
         self.sync_time = rules.Ewma()
@@ -277,7 +272,7 @@ class ShardState:
         self.frozen.pop(p, None)
         self.freeze_lsns.pop(p, None)
         self.exported.discard(p)
-        self.finished.pop(p, None)
+        self.roster.drop_fragment(p)  # taken up under the lock (callers may hold it or not)
 
     def _install(
         self, meta: dict[str, Any], payload: bytes | memoryview, checked: Fragment | None = None
@@ -360,12 +355,11 @@ class ShardState:
         for listener in self.listeners:
             listener()
 
-    def _grace(self, live: frozenset[str]) -> float:
+    def _grace(self) -> float:
         """The grace window from the live learners' timing: the slowest step, the largest τ;
-        never past one period, nor past a lease (whom the shard waits for is live for that long)."""
-        timings = [t for m, t in self.timings.items() if m in live]
-        slowest = max((t.step_seconds for t in timings if t.step_seconds > 0), default=None)
-        overlap = max((t.overlap_steps for t in timings), default=0)
+        never past one period, nor past a lease (whom the shard waits for is live for that long).
+        Under lock, the roster advanced to now."""
+        slowest, overlap = self.roster.slowest_step(), self.roster.largest_overlap()
         cap = min(self.cadence_seconds or math.inf, self.policy.lease_seconds)
         grace: float = rules.estimate_grace(self.policy, overlap, slowest, self.sync_time, cap)
         return grace
@@ -379,11 +373,11 @@ class ShardState:
                 for p, f in self.fragments.items()
                 if f.initialized
             }
-            live = rules.live_learners(self.last_seen, now, self.policy.lease_seconds)
+            self.roster.advance(now)
             return ScrapeGauges(
                 fragments,
-                len(live),
-                self._grace(live),
+                len(self.roster.live),
+                self._grace(),
                 self.cadence_seconds,
                 owned=len(self.fragments),
                 moving=len(self.frozen),
