@@ -41,6 +41,7 @@ class Codes:
     `Codes.of_values(vector)` (float32 values, checked finite, not copied).
 
     Example:
+      >>> from atoll.wire.codec import encode
       >>> codes = read_codes(encode(np.array([3, 4, 0, 0], np.float32), Codec.FP32))
       >>> codes.range_sq_norms([0, 2], [2, 4]).tolist()
       [25.0, 0.0]
@@ -242,6 +243,7 @@ class Codes:
         """max |value| over each range [offsets[r], ends[r]) (0 for an empty one), float64.
 
         Example:
+          >>> from atoll.wire.codec import encode
           >>> codes = read_codes(encode(np.array([-3, 1, 2], np.float32), Codec.FP32))
           >>> codes.range_max_abs([0, 1], [1, 3]).tolist()
           [3.0, 2.0]
@@ -374,6 +376,7 @@ def range_sq_norms(frame: Frame | Codes, offsets: npt.ArrayLike, ends: npt.Array
     """Σ value² per range [offsets[r], ends[r]) of a frame's values, float64 (see Codes.range_sq_norms).
 
     Example:
+      >>> from atoll.wire.codec import encode
       >>> range_sq_norms(encode(np.array([3, 4, 1], np.float32), Codec.FP32), [0, 2], [2, 3]).tolist()
       [25.0, 1.0]
     """
@@ -393,6 +396,7 @@ def accumulate_ranges(
     Codes.accumulate_ranges); frame may be bytes or Codes from `read_codes`.
 
     Example:
+      >>> from atoll.wire.codec import encode
       >>> out = np.ones(3, np.float32)
       >>> accumulate_ranges(encode(np.array([3, 4, 1], np.float32), Codec.FP32), out, [0, 2], [2, 3], [0.5, 2.0])
       >>> out.tolist()
