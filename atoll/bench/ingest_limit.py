@@ -50,6 +50,17 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _slices(frame: bytes, k: int) -> list[memoryview]:
+    """`frame` cut into k pieces of about equal size, in order."""
+    view, n = memoryview(frame), len(frame)
+    return [view[n * j // k : n * (j + 1) // k] for j in range(k)]
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
+
+
 def measure(
     plan: FragmentPlan, frames: list[list[bytes]], rounds: int, log_path: pathlib.Path, fsyncs: int
 ) -> dict:
@@ -58,7 +69,8 @@ def measure(
     Each round of a fragment goes into the same accumulator (warm pages; the round's
     first push written over it, as the merge does), and each push is weighted 1 and merged by RDA on non-embedding
     tensors, as `merge.RoundAccumulator` does; `fsyncs` fdatasyncs are spread evenly
-    over the pushes."""
+    over the pushes (more than one for a push where the shard's outnumber the pushes, as
+    for pushes in parts, each after its own slice of the push's bytes)."""
     segments = [_Segments(plan.tensors_of(p)) for p in range(plan.num_fragments)]
     acc = np.zeros(max(plan.fragment_sizes), np.float32)
     pushes = rounds * plan.num_fragments * len(frames)
@@ -77,14 +89,16 @@ def measure(
                         unit = np.where(norms > 0, 1.0 / norms, 0.0)
                     scales = np.where(seg.embedding, 1.0, unit)
                     codes.accumulate_ranges(out, seg.offsets, seg.ends, scales, add=i > 0)
-                    view = memoryview(frame)
-                    while view:
-                        view = view[os.write(fd, view) :]
-                    written += len(frame)
                     done += 1
-                    if done * fsyncs // pushes > synced:
-                        os.fdatasync(fd)
-                        synced += 1
+                    # the fsyncs due by this push, each after a slice of its bytes: a push
+                    # in parts has one per part
+                    due = done * fsyncs // pushes - synced
+                    for piece in _slices(frame, max(due, 1)):
+                        _write_all(fd, piece)
+                        if due > 0:
+                            os.fdatasync(fd)
+                            synced += 1
+                    written += len(frame)
         cpu = _cpu_seconds() - started
     finally:
         os.close(fd)

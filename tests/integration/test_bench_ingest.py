@@ -106,3 +106,21 @@ def test_bad_flags_get_readable_errors():
     assert run.returncode == 2 and "want CPU counts of at least 1" in run.stderr
     run = _bench("--params", "1000", "--cores", "1,4096", timeout=30)
     assert run.returncode == 2 and "--cores 4096: this host lets the bench use" in run.stderr
+
+
+@pytest.mark.timeout(150)
+def test_a_run_in_parts_counts_each_push_once_and_is_set_against_the_same_limit():
+    run = _bench("--params", "2000000", "--learners", "2", "--rounds", "2", "--parts", "3",
+                 timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    r = json.loads(run.stdout)
+    assert r["parts_per_push"] == 3
+    # one accepted push per learner, fragment and round, however many parts it came in
+    assert r["pushes_accepted"] == r["pushes_expected"] == 2 * 8 * 2 and r["pushes_refused"] == {}
+    assert r["shard"]["rounds_closed"] == 8 * 2
+    # every part is made durable before its answer: more fsyncs than whole pushes need
+    assert r["fsyncs"] >= 2 * 8 * 2 and r["limit"]["fsyncs"] == r["fsyncs"]
+    # the limit is the same frames' unavoidable work, counted as whole pushes
+    assert r["limit"]["pushes"] == 2 * 8 * 2
+    assert r["limit"]["mb"] == pytest.approx(r["shard"]["received_mb"], rel=0.05)
+    assert r["targets"]["cost_over_limit"]["got"] == r["cost_over_limit"] > 0
