@@ -2,12 +2,18 @@
 holding the params replicated), the model and meshes of sharded_learner_worker.py: trains
 on a fixed schedule and writes, as JSON, the bytes it pulled at join and after, and, with
 `--join-only`, the values of every shard it holds right after join (an .npz beside the
-JSON). Run by tests/integration/test_sharded_pull_boxes.py."""
+JSON); `--pause-part F`: the closer of fragment 0 stops before it sends its part of that
+fragment's second push (every other part acknowledged), touches F.armed and goes on once
+F.go exists; `--lockstep`: after every step a process waits until its syncs in flight
+are done, so every push is adopted at the step it would be with no delay anywhere (a
+run whose shard is killed and one whose is not adopt alike). Run by tests/integration/test_sharded_pull_boxes.py and
+test_sharded_shard_kill.py."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import time
 
 import jax
@@ -29,6 +35,34 @@ def _held(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
     return out
 
 
+def _pause_before_part(path: str) -> None:
+    """The injector of `--pause-part`: wraps `PartSync._push_part` on this process."""
+    from atoll.learner import sharded
+
+    push_part, seen = sharded.PartSync._push_part, []
+
+    def paused(self, theta, fields, part):
+        roles = self.shared.roles
+        if self.p == 0 and roles.closer(0) == roles.me:
+            seen.append(fields["seq"])
+            if len(seen) == 2:
+                pathlib.Path(path + ".armed").touch()
+                while not pathlib.Path(path + ".go").exists():
+                    time.sleep(0.05)
+        return push_part(self, theta, fields, part)
+
+    sharded.PartSync._push_part = paused
+
+
+def _settle(learner: object, timeout: float = 120.0) -> None:
+    """Waits until none of this process's fragments has a sync in flight."""
+    sync = learner._sync  # the sync engine (atoll.Learner's, private): tests only
+    deadline = time.monotonic() + timeout
+    while any(f.task is not None and not f.task.done() for f in sync.frags):
+        assert time.monotonic() < deadline, f"syncs still in flight after {timeout} s"
+        time.sleep(0.01)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shards", required=True)
@@ -40,12 +74,17 @@ def main() -> None:
     ap.add_argument("--mesh", choices=sorted(SPECS), default="fsdp")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--join-only", action="store_true")
+    ap.add_argument("--pause-part", default="")
+    ap.add_argument("--lockstep", action="store_true")
     ap.add_argument("--fault", default="", help="codec | id: process 1 makes another Learner")
     args = ap.parse_args()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if args.num_processes > 1:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     import atoll
+
+    if args.pause_part:
+        _pause_before_part(args.pause_part)
 
     devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
     if args.mesh == "fsdp-tp":  # a row of the mesh per process
@@ -74,7 +113,10 @@ def main() -> None:
         for step in range(0 if args.join_only else args.steps):
             params = train_step(params, place(values(100 + step), specs, mesh))
             params = learner.step(params, tokens=8)
-            time.sleep(0.3)  # every round closes before the next step: one schedule
+            if args.lockstep:
+                _settle(learner)
+            else:
+                time.sleep(0.3)  # every round closes before the next step: one schedule
         params = learner.finish(params)
         stats = learner.stats
         out["bytes_pulled"] = stats.get("bytes_received", 0) - out["bytes_joined"]

@@ -8,42 +8,24 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pathlib
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 
-import grpc
 import numpy as np
 import pytest
-from syncer_helpers import REPO
+from sharded_learner_worker import SHAPES, values
+from sharded_learners import FRAGMENTS, learn, published
 
 from atoll.learner.pytree import TreeLayout
 from atoll.server.config import ShardConfig
 from atoll.server.service import SyncerServer
-from atoll.wire import codec
-from atoll.wire.client import ShardClient
 
 pytestmark = pytest.mark.e2e  # real processes: `make test-fast` skips it
-
-HERE = pathlib.Path(__file__).parent
-WORKER = HERE / "sharded_pull_worker.py"
-FRAGMENTS = 2  # the worker's
-sys.path.insert(0, str(HERE))
-from sharded_learner_worker import SHAPES, values  # noqa: E402
 
 # The share of the learner's elements (w0 1024, w1 512, b 64, emb 128: 1728) each process
 # holds, so pulls: its rows of the split leaves, and "b" (replicated) on both; on fsdp-tp
 # "w1" is split by columns only, within each process, so both hold it whole.
 SHARES = {"fsdp": (512 + 256 + 64 + 64) / 1728, "fsdp-tp": (512 + 512 + 64 + 64) / 1728}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -71,59 +53,15 @@ def _shards(tmp: pathlib.Path, name: str, n: int) -> Iterator[list[SyncerServer]
             s.stop()
 
 
-def _learn(
-    tmp: pathlib.Path, name: str, servers: list[SyncerServer], processes: int, flags: list[str]
-) -> list[dict]:
-    """Runs the worker as one learner of `processes` processes; each process's report."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)]),
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false",
-    }
-    addresses = ",".join(f"127.0.0.1:{s.port}" for s in servers)
-    port, procs = _free_port(), []
-    for i in range(processes):
-        cmd = [sys.executable, str(WORKER), "--shards", addresses]
-        cmd += ["--out", str(tmp / f"{name}.{i}.json"), *flags]
-        if processes > 1:
-            cmd += ["--coordinator", f"127.0.0.1:{port}"]
-            cmd += ["--num-processes", str(processes), "--process-id", str(i)]
-        log = open(tmp / f"{name}.{i}.log", "w")  # noqa: SIM115 (closed with the process)
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    try:
-        for i, proc in enumerate(procs):
-            assert proc.wait(timeout=240) == 0, (tmp / f"{name}.{i}.log").read_text()
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return [json.loads((tmp / f"{name}.{i}.json").read_text()) for i in range(processes)]
+def _addresses(servers: list[SyncerServer]) -> str:
+    return ",".join(f"127.0.0.1:{s.port}" for s in servers)
 
 
-def _published(servers: list[SyncerServer]) -> list[np.ndarray]:
-    """Every fragment's published weights, each from the shard that owns it."""
-    out = []
-    for p in range(FRAGMENTS):
-        for server in servers:
-            client = ShardClient(f"127.0.0.1:{server.port}", "observer", deadline=10)
-            try:
-                out.append(codec.decode(client.pull(p).frames[0][2]).copy())
-                break
-            except grpc.RpcError:
-                continue  # not this shard's
-            finally:
-                client.close()
-        else:
-            raise AssertionError(f"no shard serves fragment {p}")
-    return out
-
-
-def _leaves(published: list[np.ndarray]) -> dict[str, np.ndarray]:
+def _leaves(weights: list[np.ndarray]) -> dict[str, np.ndarray]:
     """The published weights as the worker's leaves (its plan: the same names and P)."""
     layout = TreeLayout(values(0), FRAGMENTS)
     out = {}
-    for p, vector in enumerate(published):
+    for p, vector in enumerate(weights):
         for i, start, end in layout.slots[p]:
             name = layout.names[i]
             out[name] = vector[start:end].reshape(SHAPES[name])
@@ -137,26 +75,28 @@ def _box(leaf: np.ndarray, bounds: str) -> np.ndarray:
 
 def test_each_process_pulls_its_boxes_and_the_weights_are_a_replicated_learners(tmp_path):
     with _shards(tmp_path, "replicated", 2) as servers:
-        replicated = _learn(tmp_path, "replicated", servers, 1, ["--replicated"])[0]
+        replicated = learn(tmp_path, "replicated", _addresses(servers), 1, ["--replicated"])[0]
         assert "error" not in replicated, replicated
-        reference = _published(servers)
+        reference = published(_addresses(servers))
     assert min(v for v, _ in replicated["versions"].values()) >= 3, replicated
     figures = {}
     for mesh, share in SHARES.items():
         with _shards(tmp_path, mesh, 2) as servers:
-            sharded = _learn(tmp_path, mesh, servers, 2, ["--mesh", mesh])
+            sharded = learn(tmp_path, mesh, _addresses(servers), 2, ["--mesh", mesh])
             for report in sharded:
                 assert "error" not in report, (mesh, report)
                 assert report["versions"] == replicated["versions"], (mesh, report, replicated)
-            published = _published(servers)
+            weights = published(_addresses(servers))
             # Bit for bit (the worker's model is elementwise, its boxes whole INT4 blocks):
             # what each process adopted from its boxes fed its next pushes, so a value
             # rebuilt wrong anywhere would show here.
             for p in range(FRAGMENTS):
-                assert published[p].tobytes() == reference[p].tobytes(), (mesh, p)
+                assert weights[p].tobytes() == reference[p].tobytes(), (mesh, p)
             # A learner joining now pulls a snapshot of its boxes: exactly the published values.
-            joiner = _learn(tmp_path, f"{mesh}-join", servers, 2, ["--mesh", mesh, "--join-only"])
-        leaves = _leaves(published)
+            joiner = learn(
+                tmp_path, f"{mesh}-join", _addresses(servers), 2, ["--mesh", mesh, "--join-only"]
+            )
+        leaves = _leaves(weights)
         for i, report in enumerate(joiner):
             assert "error" not in report, (mesh, report)
             held = np.load(tmp_path / f"{mesh}-join.{i}.json.npz")
@@ -176,6 +116,6 @@ def test_each_process_pulls_its_boxes_and_the_weights_are_a_replicated_learners(
 @pytest.mark.parametrize(("fault", "name"), [("codec", "codec"), ("id", "learner id")])
 def test_processes_with_other_settings_each_get_a_clear_error_at_join(tmp_path, fault, name):
     with _shards(tmp_path, fault, 1) as servers:
-        reports = _learn(tmp_path, fault, servers, 2, ["--fault", fault])
+        reports = learn(tmp_path, fault, _addresses(servers), 2, ["--fault", fault])
     errors = [r.get("error", "") for r in reports]
     assert all("LearnerDisagreement" in e and f"another {name}" in e for e in errors), errors
