@@ -141,8 +141,8 @@ class Learner:
         "embed"); every other tensor is merged by radial-directional averaging.
       checkpoint_dir: a directory for this learner's id claim and Orbax checkpoint
         (`<dir>/<id>/`): a restart resumes every leaf (out of the plan too), as `join`'s
-        dtypes and shardings, step, sync state and `step`'s `state`, carrying its local
-        progress onto the global weights. None: a restart rejoins at the global weights.
+        dtypes and shardings, step, sync state (per process, same mesh only) and `step`'s
+        `state`, carrying local progress onto the global weights. None: it rejoins at them.
       checkpoint_every: steps between background checkpoints (0: none).
       standby: with `checkpoint_dir`, `join` waits until a learner of this run (one with
         the same `num_learners`) fails and takes over its id, data shard and checkpoint.
