@@ -22,7 +22,7 @@ from atoll.wire.records import read_jsonl
 pytestmark = pytest.mark.e2e  # real processes: `make test-fast` skips it
 
 FLAGS = ["--preset", "tiny", "--batch-size", "8", "--eval-batches", "1", "--quiet"]
-SHARD = ["--num-shards", "2", "--quorum", "1", "--grace-factor", "1", "--lease-seconds", "5"]
+SHARD = ["--quorum", "1", "--grace-factor", "1", "--lease-seconds", "5"]  # and its index, count
 
 
 def _free_port() -> int:
@@ -31,16 +31,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _learner(tmp: pathlib.Path, flags: list[str], timeout: float = 300) -> list[tuple[int, str]]:
+def _learner(
+    tmp: pathlib.Path, flags: list[str], timeout: float = 300, run: str = "learner"
+) -> list[tuple[int, str]]:
     """Runs `atoll learner` as 2 processes x 2 CPU devices to its end; each one's
-    (exit status, log)."""
+    (exit status, log), the log also in tmp/<run>.<process>.log."""
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false",
     }
     port, procs = _free_port(), []
-    logs = [tmp / f"learner.{i}.log" for i in range(2)]
+    logs = [tmp / f"{run}.{i}.log" for i in range(2)]
     for i in range(2):
         cmd = [sys.executable, "-m", "atoll.cli", "learner", "--learner-id", "slice"]
         cmd += ["--cache-dir", str(tmp / "cache"), *FLAGS, *flags]
@@ -73,7 +75,10 @@ def _published_version(port: int, fragment: int) -> int:
 
 def test_a_two_process_learner_trains_fsdp_sharded_and_the_shards_publish(tmp_path):
     with syncer_processes(tmp_path) as start:
-        shards = [start(tmp_path / f"s{i}", "--shard-index", str(i), *SHARD) for i in range(2)]
+        shards = [
+            start(tmp_path / f"s{i}", "--shard-index", str(i), "--num-shards", "2", *SHARD)
+            for i in range(2)
+        ]
         addresses = ",".join(f"127.0.0.1:{s.port}" for s in shards)
         push_log = tmp_path / "pushes.jsonl"
         status = tmp_path / "slice.jsonl"
@@ -100,6 +105,30 @@ def test_a_two_process_learner_trains_fsdp_sharded_and_the_shards_publish(tmp_pa
     done = [r for r in read_jsonl(status) if r["state"] == "done"]
     assert len(done) == 1 and done[0]["step"] == 24 and done[0]["version"] >= 1, done
     # The held-out loss is computed over the split params on both: the same to the digit.
+    finals = {re.findall(r"done at step 24: eval loss ([0-9.]+)", log)[-1] for _, log in runs}
+    assert len(finals) == 1, runs
+
+
+def test_a_two_process_fsdp_learner_resumes_its_checkpoint(tmp_path):
+    """What a recreated multi-host pod set does: every process writes its own shards of the
+    checkpoint at the end, and the same learner given more steps resumes there."""
+    with syncer_processes(tmp_path) as start:
+        shard = start(tmp_path / "s0", "--shard-index", "0", "--num-shards", "1", *SHARD)
+        status = tmp_path / "slice.jsonl"
+        flags = ["--shards", f"127.0.0.1:{shard.port}", "--fsdp", "all", "--period", "4"]
+        flags += ["--overlap", "1", "--fragments", "2", "--eval-every", "0"]
+        flags += ["--status-file", str(status), "--checkpoint-dir", str(tmp_path / "ck")]
+        flags += ["--checkpoint-every", "8"]
+        for code, log in _learner(tmp_path, [*flags, "--steps", "16"], run="first"):
+            assert code == 0, log
+        runs = _learner(tmp_path, [*flags, "--steps", "24"], run="second")
+        for code, log in runs:
+            assert code == 0, log
+    assert all("from step 16 (its checkpoint)" in log for _, log in runs), runs
+    records = read_jsonl(status)
+    second = records[next(i for i, r in enumerate(records) if r["state"] == "joining" and i > 0) :]
+    training = [r for r in second if r["state"] == "training"]
+    assert training[0]["step"] == 17 and second[-1]["state"] == "done" and second[-1]["step"] == 24
     finals = {re.findall(r"done at step 24: eval loss ([0-9.]+)", log)[-1] for _, log in runs}
     assert len(finals) == 1, runs
 
