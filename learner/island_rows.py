@@ -20,6 +20,7 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
+from atoll.learner.boxes import bounds_of
 from atoll.learner.pytree import ParamsError, TreeLayout
 from atoll.learner.routing import SyncError
 from atoll.learner.stopping import Stopped
@@ -62,6 +63,16 @@ def _describe_sharding(leaf: Any) -> str:
     return f"{type(sharding).__name__} over {len(sharding.device_set)} devices"
 
 
+def _placement(leaf: Any) -> str:
+    """Which device holds which piece of the leaf, every device's: one global array has
+    one placement, so every process of the learner must see the same."""
+    where = leaf.sharding.devices_indices_map(tuple(leaf.shape))
+    return ";".join(
+        f"{d.id}:{bounds_of(index, leaf.shape)}"
+        for d, index in sorted(where.items(), key=lambda kv: int(kv[0].id))
+    )
+
+
 def check_agreement(layout: TreeLayout, leaves: Sequence[Any]) -> None:
     """LearnerDisagreement on every process unless every process joined with the same
     plan (names, shapes, P) and the same sharding of every synced leaf."""
@@ -80,13 +91,29 @@ def check_agreement(layout: TreeLayout, leaves: Sequence[Any]) -> None:
             "process passes the same tree (names, shapes) and the same fragments"
         )
     descriptions = [_describe_sharding(leaves[i]) for i in layout.synced]
-    rows = allgather(np.asarray([_digest(d) for d in descriptions]))
+    placements = [_placement(leaves[i]) for i in layout.synced]
+    rows = allgather(np.asarray([_digest(d) for d in descriptions + placements]))
+    n = len(descriptions)
     for k, i in enumerate(layout.synced):
-        if (rows[:, k] != rows[0, k]).any():
+        if (rows[:, k] != rows[0, k]).any() or (rows[:, n + k] != rows[0, n + k]).any():
             raise LearnerDisagreement(
                 f"process {me}: leaf {layout.names[i]!r} is sharded differently on the "
-                f"processes of this learner (here: {descriptions[k]}): place every leaf "
-                "with the same sharding on every process"
+                f"processes of this learner (here: {descriptions[k]}, or its pieces on other "
+                "devices): place every leaf with the same sharding, over a mesh of the same "
+                "devices in the same order, on every process"
+            )
+
+
+def check_cover(sent_sizes: np.ndarray, fragment_sizes: Sequence[int]) -> None:
+    """LearnerDisagreement unless the boxes the processes send of every fragment add up to
+    the fragment (`sent_sizes`: (processes, fragments)), every element once."""
+    for p, size in enumerate(fragment_sizes):
+        total = int(sent_sizes[:, p].sum())
+        if total != size:
+            raise LearnerDisagreement(
+                f"process {process_index()}: the processes of this learner send {total} "
+                f"values of fragment {p}, of {size}: their shards do not cover its leaves "
+                "exactly once (each process must see every leaf's whole sharding alike)"
             )
 
 

@@ -50,6 +50,7 @@ from atoll.learner.island_rows import (
     allgather,
     any_pushed,
     check_agreement,
+    check_cover,
     check_settings,
     decode_row,
     exchange,
@@ -403,6 +404,7 @@ class Island:
         self.boxes = process_boxes(leaves, layout.slots)
         nonce = int(np.random.default_rng().integers(1, 2**31 - 1))
         sent = allgather(np.asarray([nonce, *(f.sent_size for f in self.boxes.fragments)]))
+        check_cover(sent[:, 1:], layout.plan.fragment_sizes)
         self.roles = Roles(sent[:, 1:], self.me)
         # a nonce of process 0's: two learners of one id in one JAX program never share keys
         board = Board(f"atoll/{learner_id}/{int(sent[0, 0])}")

@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--join-only", action="store_true")
     ap.add_argument("--pause-part", default="")
     ap.add_argument("--lockstep", action="store_true")
-    ap.add_argument("--fault", default="", help="codec | id: process 1 makes another Learner")
+    ap.add_argument("--fault", default="", help="codec | id | devices: process 1's misuse")
     args = ap.parse_args()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if args.num_processes > 1:
@@ -87,12 +87,14 @@ def main() -> None:
         _pause_before_part(args.pause_part)
 
     devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    odd = args.process_id == 1
+    if args.fault == "devices" and odd:  # the same mesh shape, the devices in another order
+        devices = devices[::-1]
     if args.mesh == "fsdp-tp":  # a row of the mesh per process
         mesh = Mesh(devices.reshape(-1, 2), ("fsdp", "tp"))
     else:
         mesh = Mesh(devices, ("fsdp",))
     specs = {k: P() if args.replicated else spec for k, spec in SPECS[args.mesh].items()}
-    odd = args.process_id == 1
     out: dict = {"process": args.process_id}
     learner = None
     try:

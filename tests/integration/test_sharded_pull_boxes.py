@@ -75,14 +75,16 @@ def _box(leaf: np.ndarray, bounds: str) -> np.ndarray:
 
 def test_each_process_pulls_its_boxes_and_the_weights_are_a_replicated_learners(tmp_path):
     with _shards(tmp_path, "replicated", 2) as servers:
-        replicated = learn(tmp_path, "replicated", _addresses(servers), 1, ["--replicated"])[0]
+        replicated = learn(
+            tmp_path, "replicated", _addresses(servers), 1, ["--lockstep", "--replicated"]
+        )[0]
         assert "error" not in replicated, replicated
         reference = published(_addresses(servers))
     assert min(v for v, _ in replicated["versions"].values()) >= 3, replicated
     figures = {}
     for mesh, share in SHARES.items():
         with _shards(tmp_path, mesh, 2) as servers:
-            sharded = learn(tmp_path, mesh, _addresses(servers), 2, ["--mesh", mesh])
+            sharded = learn(tmp_path, mesh, _addresses(servers), 2, ["--lockstep", "--mesh", mesh])
             for report in sharded:
                 assert "error" not in report, (mesh, report)
                 assert report["versions"] == replicated["versions"], (mesh, report, replicated)
@@ -113,9 +115,17 @@ def test_each_process_pulls_its_boxes_and_the_weights_are_a_replicated_learners(
     print(json.dumps(figures))
 
 
-@pytest.mark.parametrize(("fault", "name"), [("codec", "codec"), ("id", "learner id")])
-def test_processes_with_other_settings_each_get_a_clear_error_at_join(tmp_path, fault, name):
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("codec", "has another codec than process 0"),
+        ("id", "has another learner id than process 0"),
+        # the same mesh shape and spec, its devices in another order: other pieces here
+        ("devices", "'emb' is sharded differently"),
+    ],
+)
+def test_processes_that_disagree_each_get_a_clear_error_at_join(tmp_path, fault, message):
     with _shards(tmp_path, fault, 1) as servers:
         reports = learn(tmp_path, fault, _addresses(servers), 2, ["--fault", fault])
     errors = [r.get("error", "") for r in reports]
-    assert all("LearnerDisagreement" in e and f"another {name}" in e for e in errors), errors
+    assert all("LearnerDisagreement" in e and message in e for e in errors), errors
