@@ -14,9 +14,11 @@ calls that replaying the log makes too.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,8 +45,9 @@ class Box:
         return self.start, self.stop
 
     def size(self, shape: Sequence[int]) -> int:
-        start, stop = self.bounds(shape)
-        return math.prod(b - a for a, b in zip(start, stop))
+        if not self.start and not self.stop:
+            return math.prod(shape)
+        return math.prod(map(operator.sub, self.stop, self.start))
 
     def view(self, tensor: np.ndarray) -> np.ndarray:
         """The box's elements of `tensor` (shaped as the tensor), as a writable view."""
@@ -99,22 +102,69 @@ def boxes_problem(boxes: Sequence[Box], shapes: Sequence[Sequence[int]]) -> str 
         problem = box_problem(box, shapes)
         if problem is not None:
             return problem
-    return _overlap_problem(boxes, (), shapes)
+    index: dict[int, TensorIndex] = {}
+    for box in boxes:  # each against those before it
+        problem = _overlap_problem([box], index, shapes)
+        if problem is not None:
+            return problem
+        _enter([box], shapes, index)
+    return None
+
+
+class TensorIndex:
+    """One tensor's boxes, sorted by where they start along one axis (the one its first
+    box splits: FSDP's rows, a tensor-parallel column block), so that a new box is set
+    against only the boxes that can reach it there: a box at most `longest` long along
+    the axis meets [a, b) only if it starts in (a - longest, b). The parts of a push
+    split along that axis are then checked in O(P log P) comparisons, not O(P^2)."""
+
+    def __init__(self, box: Box, shape: Sequence[int]):
+        start, stop = box.bounds(shape)
+        split = [d for d, (a, b, n) in enumerate(zip(start, stop, shape)) if b - a < n]
+        self.axis = split[0] if split else 0
+        self.starts: list[int] = []  # each box's start along the axis, ascending
+        self.boxes: list[Box] = []  # in the same order
+        self.longest = 0  # the longest box's extent along the axis
+
+    def meeting(self, box: Box, shapes: Sequence[Sequence[int]]) -> Box | None:
+        """A box held here that shares an element with `box`, or None."""
+        start, stop = box.bounds(shapes[box.tensor])
+        a, b = start[self.axis], stop[self.axis]
+        lo = bisect.bisect_right(self.starts, a - self.longest)
+        for other in self.boxes[lo : bisect.bisect_left(self.starts, b)]:
+            if overlap(box, other, shapes):
+                return other
+        return None
+
+    def add(self, box: Box, shape: Sequence[int]) -> None:
+        start, stop = box.bounds(shape)
+        a = start[self.axis]
+        at = bisect.bisect_right(self.starts, a)
+        self.starts.insert(at, a)
+        self.boxes.insert(at, box)
+        self.longest = max(self.longest, stop[self.axis] - a)
 
 
 def _overlap_problem(
-    new: Sequence[Box], held: Sequence[Box], shapes: Sequence[Sequence[int]]
+    new: Sequence[Box], index: Mapping[int, TensorIndex], shapes: Sequence[Sequence[int]]
 ) -> str | None:
-    by_tensor: dict[int, list[Box]] = {}
-    for box in held:
-        by_tensor.setdefault(box.tensor, []).append(box)
+    """The overlap of a box of `new` with one of `index`, or None."""
     for box in new:
-        mine = by_tensor.setdefault(box.tensor, [])
-        for other in mine:
-            if overlap(box, other, shapes):
-                return f"boxes {box.to_json()} and {other.to_json()} overlap"
-        mine.append(box)
+        held = index.get(box.tensor)
+        other = held.meeting(box, shapes) if held is not None else None
+        if other is not None:
+            return f"boxes {box.to_json()} and {other.to_json()} overlap"
     return None
+
+
+def _enter(
+    boxes: Sequence[Box], shapes: Sequence[Sequence[int]], index: dict[int, TensorIndex]
+) -> None:
+    for box in boxes:
+        shape = shapes[box.tensor]
+        if box.tensor not in index:
+            index[box.tensor] = TensorIndex(box, shape)
+        index[box.tensor].add(box, shape)
 
 
 @dataclasses.dataclass
@@ -129,10 +179,23 @@ class PartSet:
     # part index -> its frame's codes as the live check read them, so the merge does not
     # decompress the frame again (none after a replay or a snapshot: read from the frame)
     codes: dict[int, codec.Codes] = dataclasses.field(default_factory=dict)
+    # the held parts' boxes by tensor for the overlap check, and which parts it holds:
+    # entered as parts come (`held_index`), never saved
+    index: dict[int, TensorIndex] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False
+    )
+    indexed: set[int] = dataclasses.field(default_factory=set, repr=False, compare=False)
 
     @property
     def parts(self) -> int:
         return int(self.header["parts"])
+
+    def held_index(self, shapes: Sequence[Sequence[int]]) -> dict[int, TensorIndex]:
+        """The boxes of every part held, by tensor (parts held since the last call entered)."""
+        for part in sorted(self.boxes.keys() - self.indexed):
+            _enter(self.boxes[part], shapes, self.index)
+            self.indexed.add(part)
+        return self.index
 
 
 class Step(enum.Enum):
@@ -175,13 +238,14 @@ def judge_part(
             if tuple(boxes) != held.boxes[part]:
                 return None, f"part {part} is held already, with other boxes"
             return Step.RETRY, ""
-    others = [b for bs in (held.boxes.values() if held else ()) for b in bs]
-    problem = _overlap_problem(boxes, others, shapes)
-    if problem is not None:
-        return None, problem
+    if held is not None:
+        problem = _overlap_problem(boxes, held.held_index(shapes), shapes)
+        if problem is not None:
+            return None, problem
     in_hand = (len(held.boxes) if held else 0) + 1
     if in_hand < parts:
         return Step.HOLD, ""
+    others = [b for bs in (held.boxes.values() if held else ()) for b in bs]
     covered = sum(b.size(shapes[b.tensor]) for b in [*others, *boxes])
     if covered != fragment_size:
         return None, (

@@ -344,3 +344,39 @@ def test_a_part_with_a_value_past_the_bound_is_invalid_but_a_large_norm_alone_is
     assert len(log.records) == before and not shard.fragments[P].part_sets
     values[5] = -1e9  # every value within the bound, the part's norm far past it
     assert shard.push(h, codec.encode(values, codec.Codec.FP32)).reason == "part_held"
+
+
+def test_the_overlap_check_finds_what_comparing_every_pair_finds():
+    rng = np.random.default_rng(0)
+    shapes = ((12, 10), (7,))
+    for _ in range(300):
+        boxes = []
+        for _ in range(int(rng.integers(2, 9))):
+            t = int(rng.integers(0, 2))
+            lo = [int(rng.integers(0, n)) for n in shapes[t]]
+            hi = [int(rng.integers(a + 1, n + 1)) for a, n in zip(lo, shapes[t])]
+            boxes.append(Box(t, tuple(lo), tuple(hi)))
+        clash = any(parts.overlap(a, b, shapes) for i, a in enumerate(boxes) for b in boxes[:i])
+        # one part carrying them all, and each in a part of its own
+        assert (parts.boxes_problem(boxes, shapes) is not None) == clash
+        header = {"parts": len(boxes) + 1}
+        held, refused = None, False
+        for k, box in enumerate(boxes):
+            step, why = parts.judge_part(
+                held, header=header, part=k, boxes=[box], shapes=shapes, fragment_size=127
+            )
+            if step is None:
+                assert "overlap" in why
+                refused = True
+                break
+            held = held or parts.PartSet(1, dict(header), {}, {}, 0.0)
+            held.boxes[k], held.frames[k] = (box,), b""
+        assert refused == clash
+    # P parts split by rows: each part set against the few rows near its own
+    many = [(Box(0, (k, 0), (k + 1, 10)),) for k in range(12)]
+    held = parts.PartSet(1, {"parts": 13}, dict(enumerate(many)), {}, 0.0)
+    assert parts.judge_part(
+        held, header={"parts": 13}, part=12, boxes=[Box(1)], shapes=shapes, fragment_size=127
+    ) == (Step.COMPLETE, "")
+    index = held.held_index(shapes)[0]
+    assert index.axis == 0 and index.longest == 1 and len(index.boxes) == 12
