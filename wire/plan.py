@@ -10,6 +10,7 @@ is a pure function of the tensor names and shapes and carries a fingerprint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import heapq
 import json
@@ -303,7 +304,7 @@ class FragmentPlan:
             for s in self.slots
         ]
 
-    @property
+    @functools.cached_property  # every push and part checks it: not its JSON each time
     def fingerprint(self) -> str:
         """Stable id: first 16 hex chars of sha256 over the canonical JSON encoding."""
         body = {"format": FORMAT, "num_fragments": self.num_fragments, "tensors": self._records()}
