@@ -140,9 +140,10 @@ class PartCalls(ShardState):
             if not verdict.accept:
                 return self._count(self._refusal(h, frag, verdict)), None
             held = None  # a newer push than any held: those parts are dropped below
+        agreed = h.agreed()
         step, problem = parts.judge_part(
             held,
-            header=h.agreed(),
+            header=agreed,
             part=h.part,
             boxes=h.boxes,
             shapes=frag.shapes,
@@ -158,7 +159,7 @@ class PartCalls(ShardState):
             "fragment": h.fragment,
             "learner": learner,
             "seq": h.seq,
-            "header": h.agreed(),
+            "header": agreed,
             "part": h.part,
             "boxes": [b.to_json() for b in h.boxes],
         }
@@ -168,7 +169,7 @@ class PartCalls(ShardState):
             lsn = self._write(records)
             if len(records) > 1:
                 frag.drop_parts(learner)
-            frag.hold_part(learner, h.seq, h.agreed(), h.part, h.boxes, frame, now, codes)
+            frag.hold_part(learner, h.seq, agreed, h.part, h.boxes, frame, now, codes)
             return self._part_answer(h, frag, rules.Reason.PART_HELD, held_detail), lsn
         return self._completed(h, frag, (frame, codes), records, meta, now)
 
@@ -209,7 +210,7 @@ class PartCalls(ShardState):
         lsn = self._write(records)
         if len(records) > 2:
             frag.drop_parts(learner)  # an older push in parts, superseded
-        frag.hold_part(learner, h.seq, h.agreed(), h.part, h.boxes, frame, now, codes)
+        frag.hold_part(learner, h.seq, meta["header"], h.part, h.boxes, frame, now, codes)
         if not verdict.accept:
             frag.drop_parts(learner)
             frag.refusals[learner] = answer

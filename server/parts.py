@@ -102,6 +102,8 @@ def boxes_problem(boxes: Sequence[Box], shapes: Sequence[Sequence[int]]) -> str 
         problem = box_problem(box, shapes)
         if problem is not None:
             return problem
+    if len({b.tensor for b in boxes}) == len(boxes):
+        return None  # a box per tensor (the usual part): none can overlap another
     index: dict[int, TensorIndex] = {}
     for box in boxes:  # each against those before it
         problem = _overlap_problem([box], index, shapes)

@@ -39,10 +39,7 @@ class PushHeader:
 
     def agreed(self) -> dict[str, Any]:
         """The fields every part of a push in parts must carry alike."""
-        own = ("part", "boxes", "learner_id", "fragment", "seq")  # not asdict: no deep copies
-        return {
-            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in own
-        }
+        return {name: getattr(self, name) for name in _AGREED}  # not asdict: no deep copies
 
     def problem(self) -> str | None:
         """What is out of range in this header, or None. Every field is checked here,
@@ -73,3 +70,7 @@ class PushHeader:
         if not self.parts and (self.part or self.boxes):
             return "part and boxes belong to a push in parts: set parts too"
         return None
+
+
+_OWN = ("part", "boxes", "learner_id", "fragment", "seq")  # what each part has of its own
+_AGREED = tuple(f.name for f in dataclasses.fields(PushHeader) if f.name not in _OWN)
