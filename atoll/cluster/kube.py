@@ -1,4 +1,4 @@
-"""`atoll status` and `atoll chaos --kubernetes`: read and disturb a run in its clusters.
+"""`atoll status`, and the Kubernetes API as it and `atoll chaos --kubernetes` use it.
 
 Both act only on a namespace labelled `atoll.dev/enabled: "true"` and only on pods
 labelled `app.kubernetes.io/name: atoll`, whatever a label selector returns (the label
@@ -14,17 +14,8 @@ are found in the first, learner pods in all of them.
   `grpc` port unless `--address-template` says how to reach it (the in-cluster Job:
   `{pod}.atoll-syncer:{port}`, the headless Service's per-pod name, which the shards'
   TLS certificate holds where it holds no pod IP).
-* chaos: deletes learner pods as a Poisson process, mean time between failures
-  `mtbf` seconds per pod (so the total rate grows with the pods), and leaves their
-  restart to the cluster's controllers. Goodput over the window, from every shard's
-  /metrics at its start and end:
-
-      goodput = Δ Σ_shards atoll_accepted_compute_seconds_total / (learner pods × window)
-
-  with the learner pods of every cluster named, so that the shards' accepted compute
-  (which every learner feeds) is divided by every learner that provides it. It reads
-  only the Kubernetes API and the shards' /metrics port (plain HTTP, beside TLS on the
-  gRPC port), so unlike status it takes no --tls-* flags.
+* the API helpers both commands use (connect, check_namespace, list_pods, delete_pod) and
+  the cluster flags they share; `atoll chaos --kubernetes` itself is atoll/cluster/kube_chaos.py.
 """
 
 from __future__ import annotations
@@ -33,13 +24,10 @@ import argparse
 import concurrent.futures
 import ipaddress
 import json
-import math
 import os
 import pathlib
-import random
 import re
 import sys
-import time
 
 from atoll.commands import add_tls_arguments, shard_addresses, tls_from_args
 
@@ -55,8 +43,6 @@ ADDRESS_TEMPLATE = "{ip}:{port}"  # fields: pod, ip, port, namespace, index (sha
 CONNECT_TIMEOUT = 5.0  # seconds to connect to the Kubernetes API
 API_TIMEOUT = 15.0  # seconds to read one answer of the Kubernetes API
 DESCRIBE_DEADLINE = 5.0  # seconds per Describe; a shard slower than this is reported unreachable
-SCRAPE_TIMEOUT = 5.0  # seconds per /metrics scrape
-RELIST_SECONDS = 10.0  # chaos re-counts the learner pods at least this often
 # Deleted pods get this grace before SIGKILL: short enough to be a crash, yet the API still
 # waits for the kubelet, so a replacement never runs beside the pod it replaces.
 DELETE_GRACE_SECONDS = 1
@@ -211,6 +197,22 @@ def pod_address(pod, port_name: str, template: str = ADDRESS_TEMPLATE) -> str | 
     )
 
 
+def delete_pod(api, name: str, namespace: str) -> bool:
+    """Deletes one pod; False when it was gone already."""
+    return (
+        _call(
+            api,
+            f"deleting pod {name}",
+            "delete_namespaced_pod",
+            name,
+            namespace,
+            absent_ok=True,
+            grace_period_seconds=DELETE_GRACE_SECONDS,
+        )
+        is not None
+    )
+
+
 # --- status ---
 
 
@@ -359,67 +361,78 @@ def status_of_addresses(
     }
 
 
-def render_status(report: dict) -> str:
-    """The report as aligned text tables."""
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    """Rows under a header, each column padded to its widest cell ("-" for None)."""
+    cells = [header] + [["-" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
 
-    def table(header: list[str], rows: list[list]) -> list[str]:
-        cells = [header] + [["-" if v is None else str(v) for v in row] for row in rows]
-        widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-        return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
 
-    def yes(v):
-        return None if v is None else ("yes" if v else "no")
+def _yes(v):
+    return None if v is None else ("yes" if v else "no")
 
-    rows = []
-    for s in report["shards"]:
-        d = s.get("describe")
-        index = d["shard_index"] if d else s["index"]
-        versions = (
-            "  ".join(
-                (
-                    f"{f['fragment']}:v{f['version']}/{f['round_size']}"
-                    if f["initialized"]
-                    else f"{f['fragment']}:-"
-                )
-                + (f"->{f['moving_to']}" if f.get("moving_version") else "")
-                for f in d["fragments"]
+
+def _fragments(d: dict) -> str:
+    """A shard's fragments as FRAGMENT:VERSION/OPEN ROUND (->SHARD it is moving to)."""
+    return (
+        "  ".join(
+            (
+                f"{f['fragment']}:v{f['version']}/{f['round_size']}"
+                if f["initialized"]
+                else f"{f['fragment']}:-"
             )
-            or "(no plan yet)"
-            if d
-            else s["error"]
+            + (f"->{f['moving_to']}" if f.get("moving_version") else "")
+            for f in d["fragments"]
         )
+        or "(no plan yet)"
+    )
+
+
+def _shard_lines(shards: list[dict]) -> list[str]:
+    rows = []
+    for s in shards:
+        d = s.get("describe")
         rows.append(
             [
-                index,
+                d["shard_index"] if d else s["index"],
                 s["pod"],
                 s["phase"],
-                yes(s["ready"]),
+                _yes(s["ready"]),
                 s["restarts"],
                 s["node"],
                 s["address"],
                 len(d["live_learners"]) if d else None,
                 d.get("map_version") if d else None,
-                versions,
+                _fragments(d) if d else s["error"],
             ]
         )
+    header = ["SHARD", "POD", "PHASE", "READY", "RESTARTS", "NODE", "ADDRESS", "LIVE", "MAP"]
+    return _table(header + ["FRAGMENT:VERSION/OPEN ROUND (->SHARD: MOVING THERE)"], rows)
+
+
+def _learner_lines(learners: list[dict] | None) -> list[str]:
+    if learners is None:
+        return []
+    if not learners:
+        return ["", "no learner pods"]
+    lines = [""] + _table(
+        ["LEARNER", "CONTEXT", "REGION", "PHASE", "READY", "RESTARTS", "NODE"],
+        [
+            [r["pod"], r.get("context"), r["region"], r["phase"], _yes(r["ready"])]
+            + [r["restarts"], r["node"]]
+            for r in learners
+        ],
+    )
+    ready = sum(r["ready"] for r in learners)
+    return lines + [f"{ready}/{len(learners)} learner pods ready"]
+
+
+def render_status(report: dict) -> str:
+    """The report as aligned text tables."""
     where = (
         f"namespace {report['namespace']}" if report["namespace"] else "shards given by --shards"
     )
-    lines = [where, ""] + table(
-        [
-            "SHARD",
-            "POD",
-            "PHASE",
-            "READY",
-            "RESTARTS",
-            "NODE",
-            "ADDRESS",
-            "LIVE",
-            "MAP",
-            "FRAGMENT:VERSION/OPEN ROUND (->SHARD: MOVING THERE)",
-        ],
-        rows,
-    )
+    lines = [where, ""] + _shard_lines(report["shards"])
     moving = [
         f"fragment {f['fragment']}: shard {s['describe']['shard_index']} -> {f['moving_to']} "
         f"(map version {f['moving_version']})"
@@ -430,249 +443,13 @@ def render_status(report: dict) -> str:
     ]
     if moving:
         lines += ["", "moves in progress (finish them with atoll reshard):"] + moving
-    if report["learners"] == []:
-        lines += ["", "no learner pods"]
-    elif report["learners"] is not None:
-        lines += [""] + table(
-            ["LEARNER", "CONTEXT", "REGION", "PHASE", "READY", "RESTARTS", "NODE"],
-            [
-                [
-                    r["pod"],
-                    r.get("context"),
-                    r["region"],
-                    r["phase"],
-                    yes(r["ready"]),
-                    r["restarts"],
-                    r["node"],
-                ]
-                for r in report["learners"]
-            ],
-        )
-        ready = sum(r["ready"] for r in report["learners"])
-        lines.append(f"{ready}/{len(report['learners'])} learner pods ready")
-    return "\n".join(lines)
-
-
-# --- chaos ---
-
-
-def next_failure_in(rng: random.Random, pods: int, mtbf: float) -> float:
-    """Seconds to the next failure among `pods` pods that each fail every `mtbf` s on average."""
-    return rng.expovariate(pods / mtbf) if pods else math.inf
-
-
-def scrape(address: str, timeout: float = SCRAPE_TIMEOUT) -> dict:
-    """The counters and gauges chaos reports, from one shard's /metrics."""
-    from atoll.wire.metrics import read_metrics
-
-    out = {"compute_seconds": 0.0, "rounds": 0.0, "versions": {}}
-    for s in read_metrics(address, timeout):
-        if s.name == "atoll_accepted_compute_seconds_total":
-            out["compute_seconds"] += s.value
-        elif s.name == "atoll_rounds_total":
-            out["rounds"] += s.value
-        elif s.name == "atoll_fragment_version":
-            out["versions"][int(s.labels["fragment"])] = int(s.value)
-    return out
-
-
-def _scrape_all(addresses: dict[str, str | None]) -> dict[str, dict | None]:
-    def one(address):
-        try:
-            return scrape(address) if address else None
-        except (OSError, ValueError):
-            return None
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(addresses)))) as pool:
-        return dict(zip(addresses, pool.map(one, addresses.values())))
-
-
-def _increase(start: float, end: float) -> float:
-    """A counter's increase; a shard restarted in between counts from zero again."""
-    return end - start if end >= start else end
-
-
-def chaos(
-    namespace: str,
-    mtbf_seconds: float,
-    duration_seconds: float,
-    seed: int = 0,
-    *,
-    api=None,
-    kubeconfig: str | None = None,
-    context: str | None = None,
-    learner_contexts: tuple[str, ...] = (),
-    learner_kubeconfig: str | None = None,
-    dry_run: bool = False,
-    address_template: str = ADDRESS_TEMPLATE,
-    out=None,
-    clock=time.monotonic,
-    sleep=time.sleep,
-) -> dict:
-    """Deletes learner pods at random for `duration_seconds` and reports what the run kept.
-
-    Args:
-      mtbf_seconds: mean seconds between failures of each learner pod (> 0).
-      duration_seconds: how long to inject failures (> 0).
-      seed: the schedule's random seed.
-      learner_contexts: kubeconfig contexts of learner clusters (in `learner_kubeconfig`, else
-        `kubeconfig`) whose learner pods count and may be deleted too; a pod there is named
-        "context/pod".
-      dry_run: print and return the planned deletions (with today's pods) and delete nothing.
-
-    Returns:
-      {"namespace", "learner_pods", "failures_injected", "deleted": [pod names], "window_seconds",
-      "accepted_compute_seconds", "goodput", "rounds_closed", "version_advance": {fragment: n},
-      "unscraped_shards", "interrupted" (Ctrl-C ended the window early)}; with dry_run,
-      {"namespace", "learner_pods", "duration_seconds", "dry_run", "would_delete": [{"at_seconds",
-      "pod"}]}. Example: `chaos("atoll", 600, 1800, seed=1)["goodput"]`.
-    """
-    if not (math.isfinite(mtbf_seconds) and mtbf_seconds > 0):
-        raise KubeError(f"--mtbf must be a positive number of seconds, got {mtbf_seconds}")
-    if not (math.isfinite(duration_seconds) and duration_seconds > 0):
-        raise KubeError(f"--duration must be a positive number of seconds, got {duration_seconds}")
-    out = out or sys.stderr
-    api = api or connect(kubeconfig, context)
-    check_namespace(api, namespace)  # before anything else is read or touched
-    clusters = learner_clusters(api, learner_contexts, learner_kubeconfig or kubeconfig)
-    for _, other in clusters[1:]:
-        check_namespace(other, namespace)
-    rng = random.Random(seed)
-    learners = list(_alive(clusters, namespace))
-    if dry_run:
-        plan, t = [], next_failure_in(rng, len(learners), mtbf_seconds)
-        while t < duration_seconds:
-            plan.append({"at_seconds": round(t, 3), "pod": rng.choice(learners)})
-            print(f"would delete pod {plan[-1]['pod']} at {t:.2f} s", file=out, flush=True)
-            t += next_failure_in(rng, len(learners), mtbf_seconds)
-        return {
-            "namespace": namespace,
-            "learner_pods": len(learners),
-            "duration_seconds": duration_seconds,
-            "dry_run": True,
-            "would_delete": plan,
-        }
-    if not learners:
-        where = "" if not learner_contexts else f" (nor in contexts {', '.join(learner_contexts)})"
-        raise KubeError(
-            f"no learner pods ({','.join(f'{k}={v}' for k, v in LEARNERS.items())}) "
-            f"in namespace {namespace!r}{where}; learners in other clusters: --learner-context"
-        )
-    shards = {
-        p.metadata.name: pod_address(p, "metrics", address_template)
-        for p in list_pods(api, namespace, SYNCERS)
-    }
-    if not shards:
-        print(
-            f"no syncer pods in namespace {namespace!r} of this cluster, so no goodput: run from the "
-            "syncer's cluster (--context) and name the learners' with --learner-context",
-            file=out,
-            flush=True,
-        )
-    before, start = _scrape_all(shards), clock()
-    deleted, end, interrupted = [], start + duration_seconds, False
-    try:
-        while (now := clock()) < end:
-            wait = next_failure_in(rng, len(_alive(clusters, namespace)), mtbf_seconds)
-            if wait > min(RELIST_SECONDS, end - now):
-                sleep(
-                    min(RELIST_SECONDS, end - now)
-                )  # memoryless: drawing again after a re-count is fair
-                continue
-            sleep(wait)
-            alive = _alive(clusters, namespace)
-            if alive and _delete(*alive[victim := rng.choice(list(alive))], namespace):
-                deleted.append(victim)
-                print(f"{clock() - start:7.1f} s  deleted pod {victim}", file=out, flush=True)
-    except KeyboardInterrupt:  # Ctrl-C ends the window early; the report still comes
-        interrupted = True
-    after, window = _scrape_all(shards), clock() - start
-    scraped = [s for s in shards if before[s] is not None and after[s] is not None]
-    compute = sum(
-        _increase(before[s]["compute_seconds"], after[s]["compute_seconds"]) for s in scraped
-    )
-    advance: dict[int, int] = {}
-    for s in scraped:
-        for p, v in after[s]["versions"].items():
-            advance[p] = v - before[s]["versions"].get(p, 0)
-    whole = bool(shards) and len(scraped) == len(shards)
-    return {
-        "namespace": namespace,
-        "learner_pods": len(learners),
-        "failures_injected": len(deleted),
-        "deleted": deleted,
-        "window_seconds": window,
-        "accepted_compute_seconds": compute,
-        "goodput": compute / (len(learners) * window) if whole else None,
-        "rounds_closed": int(
-            sum(_increase(before[s]["rounds"], after[s]["rounds"]) for s in scraped)
-        ),
-        "version_advance": dict(sorted(advance.items())),
-        "unscraped_shards": sorted(set(shards) - set(scraped)),
-        "interrupted": interrupted,
-    }
-
-
-def _alive(
-    clusters: list[tuple[str | None, object]], namespace: str
-) -> dict[str, tuple[object, str]]:
-    """Learner pods not already terminating, in cluster order then by name: {shown name: (API, pod)},
-    the shown name being "pod" in the syncer's cluster and "context/pod" in a learner cluster."""
-    alive = {}
-    for c, cluster in clusters:
-        for p in list_pods(cluster, namespace, LEARNERS):
-            if not p.metadata.deletion_timestamp:
-                alive[p.metadata.name if c is None else f"{c}/{p.metadata.name}"] = (
-                    cluster,
-                    p.metadata.name,
-                )
-    return alive
-
-
-def _delete(api, name: str, namespace: str) -> bool:
-    """Deletes one learner pod; False when it was gone already."""
-    return (
-        _call(
-            api,
-            f"deleting pod {name}",
-            "delete_namespaced_pod",
-            name,
-            namespace,
-            absent_ok=True,
-            grace_period_seconds=DELETE_GRACE_SECONDS,
-        )
-        is not None
-    )
-
-
-def render_chaos(r: dict) -> str:
-    if r.get("dry_run"):
-        return (
-            f"dry run in {r['namespace']}: {len(r['would_delete'])} deletions planned over "
-            f"{r['duration_seconds']:g} s among {r['learner_pods']} learner pods; nothing was deleted"
-        )
-    goodput = (
-        f"{100 * r['goodput']:.1f} %"
-        if r["goodput"] is not None
-        else "n/a (no syncer pods here: give the syncer's --context and the learners' --learner-context)"
-        if not r["unscraped_shards"]
-        else f"n/a (no /metrics from {', '.join(r['unscraped_shards'])})"
-    )
-    advance = "  ".join(f"{p}:+{n}" for p, n in r["version_advance"].items()) or "-"
-    return "\n".join(
-        [
-            f"atoll chaos --kubernetes in {r['namespace']}: {r['failures_injected']} learner pods deleted "
-            f"over {r['window_seconds']:.0f} s ({r['learner_pods']} provisioned)",
-            f"  goodput {goodput}  ({r['accepted_compute_seconds']:.1f} accepted learner-seconds)",
-            f"  rounds closed {r['rounds_closed']}  version advance per fragment {advance}",
-        ]
-    )
+    return "\n".join(lines + _learner_lines(report["learners"]))
 
 
 # --- CLI glue ---
 
 
-def _adder(p, have: set[str]):
+def flag_adder(p, have: set[str]):
     """add_argument that leaves a flag already defined (by the local mode of `atoll chaos`) alone."""
 
     def add(flag: str, **kwargs) -> None:
@@ -682,7 +459,8 @@ def _adder(p, have: set[str]):
     return add
 
 
-def _cluster_arguments(add) -> None:
+def add_cluster_arguments(add) -> None:
+    """The flags that say which clusters and namespace a run is in and how to reach its pods."""
     add(
         "--namespace",
         default="atoll",
@@ -718,13 +496,13 @@ def _cluster_arguments(add) -> None:
 
 def add_status_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `atoll status`."""
-    add = _adder(p, set())
+    add = flag_adder(p, set())
     add(
         "--kubernetes",
         action="store_true",
         help="find shards and learners in a cluster (the default unless --shards is given)",
     )
-    _cluster_arguments(add)
+    add_cluster_arguments(add)
     add(
         "--shards",
         default=None,
@@ -747,33 +525,8 @@ def add_status_arguments(p: argparse.ArgumentParser) -> None:
     add_tls_arguments(p)
 
 
-def add_chaos_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of `atoll chaos --kubernetes`. `--mtbf`, `--duration`, `--seed` and `--json` mean the
-    same in the local mode; whichever mode adds a shared flag first owns it (default None)."""
-    have = {o for action in p._actions for o in action.option_strings}
-    add = _adder(p.add_argument_group("--kubernetes (delete learner pods in a cluster)"), have)
-    _cluster_arguments(add)
-    add("--dry-run", action="store_true", help="print the pods it would delete, delete none")
-    add = _adder(p, have)
-    add(
-        "--mtbf",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="mean seconds between failures of each learner (pod); required with --kubernetes",
-    )
-    add(
-        "--duration",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="seconds to inject failures for; required with --kubernetes",
-    )
-    add("--seed", type=int, default=None, help="failure schedule seed (default 0)")
-    add("--json", action="store_true", help="print one JSON object on stdout")
-
-
-def _check_template(template: str, parser: argparse.ArgumentParser) -> None:
+def check_address_template(template: str, parser: argparse.ArgumentParser) -> None:
+    """Refuses (by `parser.error`) an --address-template naming a field that does not exist."""
     try:
         template.format(pod="p", ip="10.0.0.1", port=1, namespace="n", index=0)
     except (KeyError, IndexError, ValueError) as e:
@@ -783,7 +536,8 @@ def _check_template(template: str, parser: argparse.ArgumentParser) -> None:
         )
 
 
-def _fail(command: str, e: Exception) -> int:
+def command_error(command: str, e: Exception) -> int:
+    """Prints a user error of `atoll COMMAND` in one line; its exit status."""
     print(f"atoll {command}: error: {e}", file=sys.stderr)
     return 2
 
@@ -794,7 +548,7 @@ def status_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error("give --kubernetes or --shards, not both")
     if args.deadline <= 0:
         parser.error(f"--deadline must be > 0 seconds, got {args.deadline}")
-    _check_template(args.address_template, parser)
+    check_address_template(args.address_template, parser)
     addresses = None
     if args.shards is not None:
         try:
@@ -822,37 +576,10 @@ def status_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 tls=tls,
             )
     except NoKubeConfig as e:
-        return _fail("status", KubeError(f"{e}; or ask shards directly: --shards HOST:PORT,..."))
-    except KubeError as e:
-        return _fail("status", e)
-    print(json.dumps(report, indent=2) if args.json else render_status(report))
-    return 0 if all("describe" in s for s in report["shards"]) else 1
-
-
-def chaos_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """`atoll chaos --kubernetes`: 0 when done, 130 when Ctrl-C cut it short (still reported), 2 on a
-    user error."""
-    if args.mtbf is None or args.duration is None:
-        parser.error("--kubernetes deletes pods: give --mtbf SECONDS and --duration SECONDS")
-    for flag, value in (("--mtbf", args.mtbf), ("--duration", args.duration)):
-        if not (math.isfinite(value) and value > 0):
-            parser.error(f"{flag} must be a positive number of seconds, got {value}")
-    _check_template(args.address_template, parser)
-    try:
-        result = chaos(
-            args.namespace,
-            args.mtbf,
-            args.duration,
-            args.seed or 0,
-            kubeconfig=args.kubeconfig,
-            context=args.context,
-            learner_contexts=tuple(args.learner_context),
-            learner_kubeconfig=args.learner_kubeconfig,
-            dry_run=args.dry_run,
-            address_template=args.address_template,
-            out=sys.stderr if args.json else sys.stdout,
+        return command_error(
+            "status", KubeError(f"{e}; or ask shards directly: --shards HOST:PORT,...")
         )
     except KubeError as e:
-        return _fail("chaos", e)
-    print(json.dumps(result, indent=2) if args.json else render_chaos(result))
-    return 130 if result.get("interrupted") else 0
+        return command_error("status", e)
+    print(json.dumps(report, indent=2) if args.json else render_status(report))
+    return 0 if all("describe" in s for s in report["shards"]) else 1

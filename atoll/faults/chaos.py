@@ -619,7 +619,7 @@ def _seconds_list(text: str) -> tuple[float, ...]:
 
 def add_arguments(p) -> None:
     """`atoll chaos`: the local mode's flags, then --kubernetes and its own."""
-    from atoll.cluster.kube import add_chaos_arguments
+    from atoll.cluster.kube_chaos import add_chaos_arguments
 
     p.add_argument(
         "--kubernetes",
@@ -782,11 +782,11 @@ def _add_local_arguments(p) -> None:
 def main(args, parser) -> int:
     """`atoll chaos` on this machine: exit 0 when nothing acknowledged was lost, 1 otherwise,
     128 + the signal when SIGINT/SIGTERM stopped it (with --kubernetes,
-    `atoll.cluster.kube.chaos_main`)."""
+    `atoll.cluster.kube_chaos.chaos_main`)."""
     import datetime
 
     if args.kubernetes:
-        from atoll.cluster.kube import chaos_main
+        from atoll.cluster.kube_chaos import chaos_main
 
         return chaos_main(args, parser)
 

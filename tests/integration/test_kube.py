@@ -33,7 +33,7 @@ import pytest
 import yaml
 from syncer_helpers import PLAN, connect, describe, init, push, syncer_processes
 
-from atoll.cluster import kube
+from atoll.cluster import kube, kube_chaos
 
 NS = "atoll"
 SYNCER = {
@@ -405,7 +405,7 @@ def chaos_time(monkeypatch) -> ChaosTime:
     """`atoll chaos` (chaos_main) runs on a ChaosTime."""
     fake = ChaosTime()
     monkeypatch.setattr(
-        kube, "chaos", functools.partial(kube.chaos, clock=fake.clock, sleep=fake.sleep)
+        kube_chaos, "chaos", functools.partial(kube_chaos.chaos, clock=fake.clock, sleep=fake.sleep)
     )
     return fake
 
@@ -498,7 +498,7 @@ def test_config_and_api_errors_are_readable(cluster, tmp_path, monkeypatch, caps
     )  # nobody listening
     assert "cannot reach the Kubernetes API" in err and cluster.dead_url in err
     err = error(
-        kube.chaos_main,
+        kube_chaos.chaos_main,
         chaos_parser(),
         ["--kubernetes", *config, "--context", "down", "--mtbf", "1", "--duration", "1"],
     )
@@ -551,7 +551,7 @@ def test_chaos_deletes_only_learner_pods_and_measures_goodput(cluster, shards, c
             push_to(shards, 0, seq)
 
     chaos_time.during = work
-    assert run(kube.chaos_main, chaos_parser(), argv) == 0
+    assert run(kube_chaos.chaos_main, chaos_parser(), argv) == 0
     r = json.loads(capsys.readouterr().out)
 
     deletes = [q.name for q in cluster.requests("DELETE")]
@@ -591,7 +591,7 @@ def test_chaos_dry_run_deletes_nothing(cluster, capsys):
         "5",
         "--dry-run",
     ]
-    assert run(kube.chaos_main, chaos_parser(), argv) == 0
+    assert run(kube_chaos.chaos_main, chaos_parser(), argv) == 0
     out = capsys.readouterr().out
     planned = [line.split()[3] for line in out.splitlines() if line.startswith("would delete pod")]
     assert planned and set(planned) <= set(LEARNERS) and "nothing was deleted" in out
@@ -613,7 +613,7 @@ def test_chaos_refuses_an_unlabelled_namespace_before_touching_it(cluster, capsy
         "--duration",
         "1",
     ]
-    assert run(kube.chaos_main, chaos_parser(), argv) == 2
+    assert run(kube_chaos.chaos_main, chaos_parser(), argv) == 2
     err = capsys.readouterr().err
     assert "not labelled atoll.dev/enabled=true" in err and "Traceback" not in err
     assert cluster.requests(namespace="plain") == []  # not even listed
@@ -632,12 +632,12 @@ def test_chaos_flags(cluster):
         ["--mtbf", "1", "--duration", "1", "--address-template", "{host}:{port}"],
     ):
         with pytest.raises(SystemExit) as e:
-            run(kube.chaos_main, chaos_parser(), base + bad)
+            run(kube_chaos.chaos_main, chaos_parser(), base + bad)
         assert e.value.code == 2
     assert cluster.requests() == []
     # the Kubernetes mode's flags also go in first without clashing with the local mode's
     p = argparse.ArgumentParser()
-    kube.add_chaos_arguments(p)
+    kube_chaos.add_chaos_arguments(p)
     from atoll.faults.chaos import add_arguments as add_local_arguments
 
     add_local_arguments(p)
@@ -647,9 +647,9 @@ def test_chaos_flags(cluster):
 def test_failure_rate_grows_with_the_learner_pods():
     rng = random.Random(0)
     for pods in (1, 4, 16):
-        mean = statistics.fmean(kube.next_failure_in(rng, pods, 60.0) for _ in range(20_000))
+        mean = statistics.fmean(kube_chaos.next_failure_in(rng, pods, 60.0) for _ in range(20_000))
         assert mean == pytest.approx(60.0 / pods, rel=0.05), f"{pods} pods"
-    assert kube.next_failure_in(rng, 0, 60.0) == float("inf")
+    assert kube_chaos.next_failure_in(rng, 0, 60.0) == float("inf")
 
 
 # --- several clusters ---
@@ -703,7 +703,7 @@ def test_chaos_across_clusters_deletes_learners_where_they_run(cluster, shards, 
         "3",
         "--json",
     ]
-    assert run(kube.chaos_main, chaos_parser(), argv) == 0
+    assert run(kube_chaos.chaos_main, chaos_parser(), argv) == 0
     r = json.loads(capsys.readouterr().out)
     remote = [name.split("/", 1)[1] for name in r["deleted"] if name.startswith("kmock-learners/")]
     local = [name for name in r["deleted"] if "/" not in name]
@@ -733,7 +733,7 @@ def test_chaos_in_a_learner_cluster_says_where_the_shards_are(cluster, capsys):
         "--duration",
         "0.2",
     ]
-    assert run(kube.chaos_main, chaos_parser(), argv) == 0
+    assert run(kube_chaos.chaos_main, chaos_parser(), argv) == 0
     out = capsys.readouterr().out
     assert "no syncer pods" in out and "--learner-context" in out and "goodput n/a" in out
 
@@ -859,7 +859,7 @@ def test_operator_jobs_run_in_cluster_with_the_operator_role(
             "1",
             "--json",
         ]
-        assert run(kube.chaos_main, chaos_parser(), argv) == 0
+        assert run(kube_chaos.chaos_main, chaos_parser(), argv) == 0
         r = json.loads(capsys.readouterr().out)
         assert r["failures_injected"] >= 1 and r["goodput"] is not None
 
