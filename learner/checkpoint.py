@@ -310,12 +310,13 @@ class Checkpoint:
         if not like:
             return []
         # straight into a committed jax leaf's sharding (each process reads its shards);
-        # others to the host, then placed as the leaf is (left uncommitted where it was)
+        # others whole to the host (a numpy target: whatever mesh wrote it), then placed
+        # as the leaf is (left uncommitted where it was)
         shape_dtype: Any = jax.ShapeDtypeStruct  # (untyped in jax's stubs)
         target = [
             shape_dtype(x.shape, x.dtype, sharding=x.sharding)
             if _direct(x)
-            else shape_dtype(np.shape(x), np.dtype(x.dtype))
+            else np.empty(np.shape(x), np.dtype(x.dtype))
             for x in like
         ]
         assert self.path is not None  # a checkpoint read from disk
@@ -372,7 +373,11 @@ def read(path: pathlib.Path, vectors: bool = True, cut: int | None = None) -> Ch
             )
             vectors = False
         if vectors and (meta["origins"] or meta["residuals"]):
-            saved = _restore(path, cut, local=True, **{SYNC: ocp.args.StandardRestore()})[SYNC]
+            # numpy targets: read whole on this host, whatever devices wrote them
+            shapes = ocp.StandardCheckpointHandler().metadata(path / str(cut) / SYNC)
+            target = {k: np.empty(m.shape, m.dtype) for k, m in shapes.items()}
+            restore = ocp.args.StandardRestore(target)
+            saved = _restore(path, cut, local=True, **{SYNC: restore})[SYNC]
     except CheckpointError:
         raise
     except Exception as e:  # not a checkpoint (guarantee 1 rules out torn ones after a kill)

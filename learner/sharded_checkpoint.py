@@ -16,7 +16,10 @@ shardings of the synced leaves) gives again. A checkpoint restored onto another 
 (more or fewer processes, another sharding, or one process) takes its params and state
 (Orbax reads each leaf into its new sharding) and the step, data position and seqs; its
 fragments restart from the global weights (their local progress since their last push
-is dropped, as a learner without a checkpoint would), and the log says so.
+is dropped, as a learner without a checkpoint would), and the log says so. The other
+way carries: a sharded learner resuming the checkpoint of a learner whose process 0
+synced for all (one process, or params replicated) takes its boxes of those whole
+vectors.
 """
 
 from __future__ import annotations
@@ -136,15 +139,15 @@ def read_rows(
         and meta.get("processes") == jax.process_count()
         and meta["boxes"][me] == boxes_digest(boxes)
     )
+    if meta.get("sync_layout") is None and ckpt.path is not None:
+        return _taken(ckpt.path, ckpt.cut, boxes)
     if not _allgather([same])[:, 0].all():
         log.warning(
             "%s: written by %s; this learner's sync vectors are per process and per box, "
             "so each fragment restarts from the global weights (its local progress since "
             "its last push is not carried); params, state and step are resumed",
             ckpt.path,
-            f"{meta['processes']} processes of another mesh"
-            if meta.get("sync_layout") == LAYOUT
-            else "a learner whose process 0 synced every fragment",
+            f"{meta['processes']} processes of another mesh",
         )
         return {}, {}
     import orbax.checkpoint as ocp
@@ -170,6 +173,18 @@ def read_rows(
     return out[0], out[1]
 
 
+def _taken(
+    path: pathlib.Path, cut: int, boxes: ProcessBoxes
+) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """This process's boxes of the whole-fragment vectors of a checkpoint written by a
+    learner whose process 0 synced for all (each process reads them whole, once)."""
+    whole = checkpoint.read(path, vectors=True, cut=cut)
+    assert whole is not None  # the cut read already
+    origins = {p: boxes.take(p, v) for p, v in whole.origins.items()}
+    residuals = {p: boxes.fragments[p].sent(boxes.take(p, v)) for p, v in whole.residuals.items()}
+    return origins, residuals
+
+
 def resume(
     ckpt: Checkpoint, island: Any, leaves: Sequence[Any], trail: PushTrail
 ) -> dict[int, np.ndarray]:
@@ -179,7 +194,19 @@ def resume(
 
     `leaves`: the checkpoint's params, as restored into the live shardings."""
     sync, boxes = island.sync, island.boxes
-    ckpt.origins, ckpt.residuals = read_rows(ckpt, boxes)
+    try:
+        ckpt.origins, ckpt.residuals = read_rows(ckpt, boxes)
+        failed = None
+    except Exception as e:  # told to every process: none waits at a collective for it
+        failed = e
+    told = _allgather([failed is not None])[:, 0]
+    if told.any():
+        if failed is not None:
+            raise failed
+        raise checkpoint.CheckpointError(
+            f"{ckpt.path}: process {int(told.argmax())} of this learner cannot read its sync "
+            "vectors: its log says why"
+        )
     theta = [f.read(leaves) for f in boxes.fragments]
     fragments = len(boxes.fragments)
     last = checkpoint.shard_last_seqs(sync) if island.leader else {}

@@ -167,6 +167,13 @@ def main() -> None:
         }
         out["joined"]["values"] = {k: local_values(v) for k, v in params.items()}
         if learner.resumed:  # the checkpoint's own params, read again into these shardings
+            # the state read into a template held whole on every host, too
+            whole = learner.restore_state({k: jnp.zeros(v.shape) for k, v in zeros.items()})
+            out["joined"]["whole_state"] = all(
+                np.array_equal(np.asarray(whole[k])[s.index], np.asarray(s.data))
+                for k, v in momentum.items()
+                for s in v.addressable_shards
+            )
             ckpt = learner._ckpt
             out["joined"]["origins"] = {str(p): digest(v) for p, v in ckpt.origins.items()}
             restored = ckpt.params(jax.tree.leaves(model(1, specs, mesh)))
@@ -204,6 +211,7 @@ def main() -> None:
         else:
             params = learner.finish(params, state=momentum)
         out["pushes"] = learner.stats.get("pushes", 0) - pushes0
+        out["steps"] = learner.steps
         out["versions_seen"] = versions
     except Exception as e:  # the test reads what each process raised
         out["error"] = f"{type(e).__name__}: {e}"

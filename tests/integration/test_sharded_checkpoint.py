@@ -110,6 +110,7 @@ def test_a_stopped_slice_resumes_its_step_params_and_sync_state(tmp_path, shard)
         assert after["resumed"] and after["steps"] == before["steps"], (j, after, before)
         assert after["count"] == before["count"]  # the int leaf, kept out of the plan
         assert after["momentum"] == before["momentum"]  # the caller's state, bit for bit
+        assert after["whole_state"]  # and into a template each host holds whole
         # the checkpoint's params, read back into this process's shards, bit for bit
         assert after["restored"] == before["values"], j
         # every fragment's sync state as this process held it: its origin and the
@@ -137,6 +138,14 @@ def test_a_stopped_slice_resumes_its_step_params_and_sync_state(tmp_path, shard)
     assert after["origins"] == {}  # per-process sync vectors do not carry across meshes
     log = (tmp_path / "one.0.log").read_text()
     assert "sync vectors" in log and "are per process" in log, log[-2000:]
+
+    # and back: the one process's whole vectors carry onto the 2-process slice's boxes
+    flags = [*_checkpoint_flags(ckpt), "--steps", "3"]
+    back = _finish(tmp_path, "back", _start(tmp_path, shard, "back", 2, flags))
+    for report in back:
+        after = report["joined"]
+        assert after["resumed"] and after["steps"] == one[0]["steps"], (after, one)
+        assert set(after["origins"]) == {"0", "1"} and report["pushes"] > 0, report
 
 
 @pytest.mark.timeout(600)
