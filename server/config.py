@@ -8,7 +8,9 @@ import os
 import pathlib
 import re
 
+from atoll.wire import settings
 from atoll.wire.codec import Codec
+from atoll.wire.settings import setting
 
 # Environment overrides, for Kubernetes: the StatefulSet sets the shard index from
 # the pod ordinal (ATOLL_SHARD_INDEX, or a pod name ending in -N via ATOLL_POD_NAME).
@@ -45,51 +47,102 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ShardConfig:
-    shard_index: int  # this shard's index, >= 0 (past num_shards: owns nothing until a reshard)
-    num_shards: int  # shards in the service, >= 1
-    data_dir: pathlib.Path  # write-ahead log and snapshots; must be writable
-    listen: str = "127.0.0.1:7070"  # host:port for gRPC; port 0 picks a free port
-    quorum: int = 1  # learners needed to close a round, >= 1
-    grace_factor: float = (
-        GRACE_FACTOR  # γ, >= 0: multiplies the grace window (see rules.estimate_grace)
+    shard_index: int = dataclasses.field(
+        metadata=settings.flag(
+            "this shard's index, from 0 (env ATOLL_SHARD_INDEX, or the ordinal ending "
+            "ATOLL_POD_NAME; default 0); a shard at or past --num-shards starts owning no "
+            "fragment, until `atoll reshard` moves some to it"
+        )
     )
-    max_staleness: int = 4  # versions a push's base may lag, >= 0
-    staleness_discount: float = 0.0  # a in (1 + s)^-a, >= 0; 0 disables discounting
-    lease_seconds: float = 30.0  # a learner is live this long after its last call, > 0
-    outer_lr: float = OUTER_LR  # outer SGD learning rate, > 0
-    outer_momentum: float = OUTER_MOMENTUM  # Nesterov momentum, in [0, 1)
-    momentum_delay: int = (
-        OUTER_MOMENTUM_DELAY  # rounds per momentum update (delayed Nesterov), >= 1
+    num_shards: int = dataclasses.field(
+        metadata=settings.flag(
+            f"shards of the run's first layout, in [1, {MAX_SHARDS}], fragment p on shard p "
+            "mod S (env ATOLL_NUM_SHARDS; default 1); `atoll reshard` changes it while the "
+            "run goes on"
+        )
     )
-    rda: bool = True  # radial-directional averaging for non-embedding tensors
-    delta_ring: int = 4  # published deltas kept for cheap pulls, >= 1; past max_staleness a push is refused anyway
-    snapshot_every: int = 50  # rounds between snapshots, >= 1
-    publish_codec: Codec = Codec.INT4  # codec of published deltas
-    max_message_bytes: int = 8 << 20  # gRPC message limit, >= 1 MiB
-    max_concurrent_streams: int = 64  # concurrent RPCs per connection, >= 1
-    token_file: pathlib.Path | None = (
-        None  # bearer tokens, one per line ("learner-id token" or "token")
+    data_dir: pathlib.Path = dataclasses.field(
+        metadata=settings.flag(
+            "directory for the write-ahead log and snapshots, made if missing; must be "
+            "writable (env ATOLL_DATA_DIR)"
+        )
     )
-    tls_cert: pathlib.Path | None = None  # PEM server certificate (enables TLS)
-    tls_key: pathlib.Path | None = None  # PEM private key for tls_cert
-    tls_client_ca: pathlib.Path | None = None  # PEM CA bundle: require client certificates (mTLS)
-    metrics_port: int | None = None  # Prometheus /metrics port; None disables, 0 picks one
-    quarantine_records: tuple[
-        int, ...
-    ] = ()  # log LSNs to set aside at recovery (an operator's decision)
-    # at recovery, a damaged log is set aside only if the newest snapshot holds all of it
-    truncate_damaged_log: bool = False
-    health_port: int | None = (
-        None  # plaintext grpc.health.v1 only, on the listen host; None disables, 0 picks one
+    listen: str = setting("127.0.0.1:7070", "HOST:PORT to serve gRPC on; port 0 picks a free one")
+    quorum: int = setting(1, "learners needed to close a round, >= 1")
+    grace_factor: float = setting(
+        GRACE_FACTOR,
+        "γ, >= 0: share of the overlap slack a round waits for stragglers "
+        "(see rules.estimate_grace)",
     )
-    max_inflight_bytes: int = (
-        2 << 30
-    )  # frame bytes all open Push/Init streams may declare at once, >= 1 MiB
-    max_connection_inflight_bytes: int = 512 << 20  # the same for one client connection, >= 1 MiB
-    stream_idle_seconds: float = 60.0  # a Push or Init stream silent this long is aborted, > 0
-    # a push in parts still missing some this many leases after its first part came in is
-    # dropped, none of it merged (a process of its learner died), > 0
-    part_wait_leases: float = 2.0
+    max_staleness: int = setting(4, "versions a push's base may lag before it is refused, >= 0")
+    staleness_discount: float = setting(0.0, "a in the (1+s)^-a weight discount, >= 0; 0 disables")
+    lease_seconds: float = setting(
+        30.0, "a learner counts as live this long after its last call, > 0"
+    )
+    outer_lr: float = setting(OUTER_LR, "outer SGD learning rate, > 0")
+    outer_momentum: float = setting(OUTER_MOMENTUM, "outer Nesterov momentum, in [0, 1)")
+    momentum_delay: int = setting(
+        OUTER_MOMENTUM_DELAY,
+        "rounds per outer momentum update (delayed Nesterov), >= 1; 1: every round",
+    )
+    rda: bool = setting(True, "plain weighted average instead of radial-directional averaging")
+    # past max_staleness a push is refused anyway
+    delta_ring: int = setting(4, "published deltas kept for delta pulls, >= 1")
+    snapshot_every: int = setting(50, "rounds between snapshots, >= 1")
+    publish_codec: Codec = setting(
+        Codec.INT4, "codec of published deltas", choices=("int4", "mxfp4", "fp32")
+    )
+    max_message_bytes: int = setting(8 << 20, "largest gRPC message accepted, >= 1 MiB")
+    max_concurrent_streams: int = setting(64, "concurrent RPCs per connection, >= 1")
+    token_file: pathlib.Path | None = setting(
+        None,
+        "bearer tokens, one per line as TOKEN or 'LEARNER_ID TOKEN' (env ATOLL_TOKEN_FILE)",
+    )
+    tls_cert: pathlib.Path | None = setting(None, "PEM server certificate (enables TLS)")
+    tls_key: pathlib.Path | None = setting(None, "PEM private key of --tls-cert")
+    tls_client_ca: pathlib.Path | None = setting(
+        None, "PEM CA bundle; requires client certificates (mTLS)"
+    )
+    metrics_port: int | None = setting(
+        None, "Prometheus /metrics port, 0 for any free one (off by default)"
+    )
+    quarantine_records: tuple[int, ...] = setting(
+        (),
+        "at recovery, copy log record LSN to DATA_DIR/quarantine/ and replay without it; "
+        "only when recovery names that record as one it cannot apply (repeatable; an "
+        "operator's decision)",
+        name="quarantine-record",
+        metavar="LSN",
+    )
+    truncate_damaged_log: bool = setting(
+        False,
+        "at recovery, when the write-ahead log is damaged, set its segments aside "
+        "(renamed *.wal.damaged) and go on from the newest snapshot, but only if that "
+        "snapshot holds every record of the log (as after a clean stop): nothing on disk "
+        "says which records were acknowledged, so a record only the log holds is never "
+        "dropped; otherwise recovery still refuses and says what the log alone holds",
+    )
+    health_port: int | None = setting(
+        None,
+        "also serve grpc.health.v1 alone, in plaintext, on this port of the --listen host "
+        "(for probes when the main port uses TLS); 0 for any free one (off by default)",
+    )
+    max_inflight_bytes: int = setting(
+        2 << 30,
+        "frame bytes all open Push and Init streams may declare at once, >= 1 MiB",
+    )
+    max_connection_inflight_bytes: int = setting(
+        512 << 20,
+        "the same for one client connection, >= 1 MiB; also the largest frame",
+    )
+    stream_idle_seconds: float = setting(
+        60.0, "a Push or Init stream that sends nothing this long is aborted, > 0"
+    )
+    part_wait_leases: float = setting(
+        2.0,
+        "a push in parts still missing some this many leases after its first part came in "
+        "is dropped, none of it merged (a process of its learner died), > 0",
+    )
 
     def __post_init__(self) -> None:
         _need(
@@ -197,24 +250,7 @@ class ShardConfig:
         """The `atoll syncer` flags that give this config: what a launcher (`atoll up`,
         `atoll chaos`) runs, so each setting is declared and checked here once. Settings at
         their defaults are left out; `--quarantine-record` repeats per LSN."""
-        args: list[str] = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value == f.default:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            if f.name == "rda":
-                args.append("--no-rda")
-            elif f.name == "truncate_damaged_log":
-                args.append("--truncate-damaged-log")
-            elif f.name == "quarantine_records":
-                for lsn in value:
-                    args += ["--quarantine-record", str(lsn)]
-            elif isinstance(value, Codec):
-                args += [flag, value.name.lower()]
-            else:
-                args += [flag, str(value)]
-        return args
+        return settings.to_args(self)
 
     @property
     def tls(self) -> bool:

@@ -28,7 +28,7 @@ from atoll.server.config import (
     load_tokens,
     shard_index_from_env,
 )
-from atoll.wire.codec import Codec
+from atoll.wire import settings
 from atoll.wire.records import serving_line
 
 if TYPE_CHECKING:
@@ -38,247 +38,45 @@ log = logging.getLogger("atoll.syncer")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The syncer's flags; every default is ShardConfig's."""
-    d = ShardConfig.__dataclass_fields__
-    p.add_argument(
-        "--shard-index",
-        type=int,
-        default=None,
-        help="this shard's index, from 0 (env ATOLL_SHARD_INDEX, or the ordinal ending "
-        "ATOLL_POD_NAME); a shard at or past --num-shards starts owning no fragment, until "
-        "`atoll reshard` moves some to it",
-    )
-    p.add_argument(
-        "--num-shards",
-        type=int,
-        default=None,
-        help="shards of the run's first layout, fragment p on shard p mod S (env "
-        "ATOLL_NUM_SHARDS; default 1); `atoll reshard` changes it while the run goes on",
-    )
-    p.add_argument(
-        "--data-dir",
-        type=pathlib.Path,
-        default=None,
-        help="directory for the write-ahead log and snapshots (env ATOLL_DATA_DIR)",
-    )
-    p.add_argument(
-        "--listen",
-        default=d["listen"].default,
-        help="HOST:PORT to serve gRPC on; port 0 picks a free one (default %(default)s)",
-    )
-    _add_round_arguments(p)
-    _add_serving_arguments(p)
-
-
-def _add_round_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of rounds and the outer optimiser: quorum, grace, staleness, codecs."""
-    d = ShardConfig.__dataclass_fields__
-    p.add_argument(
-        "--quorum",
-        type=int,
-        default=d["quorum"].default,
-        help="learners needed to close a round (default %(default)s)",
-    )
-    p.add_argument(
-        "--grace-factor",
-        type=float,
-        default=d["grace_factor"].default,
-        help="γ: share of the overlap slack a round waits for stragglers (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-staleness",
-        type=int,
-        default=d["max_staleness"].default,
-        help="versions a push's base may lag before it is refused (default %(default)s)",
-    )
-    p.add_argument(
-        "--staleness-discount",
-        type=float,
-        default=d["staleness_discount"].default,
-        help="a in the (1+s)^-a weight discount; 0 disables (default %(default)s)",
-    )
-    p.add_argument(
-        "--lease-seconds",
-        type=float,
-        default=d["lease_seconds"].default,
-        help="a learner counts as live this long after its last call (default %(default)s)",
-    )
-    p.add_argument(
-        "--outer-lr",
-        type=float,
-        default=d["outer_lr"].default,
-        help="outer SGD learning rate (default %(default)s)",
-    )
-    p.add_argument(
-        "--outer-momentum",
-        type=float,
-        default=d["outer_momentum"].default,
-        help="outer Nesterov momentum (default %(default)s)",
-    )
-    p.add_argument(
-        "--momentum-delay",
-        type=int,
-        default=d["momentum_delay"].default,
-        help="rounds per outer momentum update (delayed Nesterov); 1: every round (default %(default)s)",
-    )
-    p.add_argument(
-        "--no-rda",
-        action="store_true",
-        help="plain weighted average instead of radial-directional averaging",
-    )
-    p.add_argument(
-        "--delta-ring",
-        type=int,
-        default=d["delta_ring"].default,
-        help="published deltas kept for delta pulls (default %(default)s)",
-    )
-    p.add_argument(
-        "--snapshot-every",
-        type=int,
-        default=d["snapshot_every"].default,
-        help="rounds between snapshots (default %(default)s)",
-    )
-    p.add_argument(
-        "--publish-codec",
-        choices=["int4", "mxfp4", "fp32"],
-        default="int4",
-        help="codec of published deltas (default %(default)s)",
-    )
-
-
-def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of serving: message and stream limits, tokens, TLS, ports, recovery."""
-    d = ShardConfig.__dataclass_fields__
-    p.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=d["max_message_bytes"].default,
-        help="largest gRPC message accepted (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-concurrent-streams",
-        type=int,
-        default=d["max_concurrent_streams"].default,
-        help="concurrent RPCs per connection (default %(default)s)",
-    )
-    p.add_argument(
-        "--token-file",
-        type=pathlib.Path,
-        default=None,
-        help="bearer tokens, one per line as TOKEN or 'LEARNER_ID TOKEN' (env ATOLL_TOKEN_FILE)",
-    )
-    p.add_argument("--tls-cert", type=pathlib.Path, help="PEM server certificate (enables TLS)")
-    p.add_argument("--tls-key", type=pathlib.Path, help="PEM private key of --tls-cert")
-    p.add_argument(
-        "--tls-client-ca",
-        type=pathlib.Path,
-        help="PEM CA bundle; requires client certificates (mTLS)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="Prometheus /metrics port, 0 for any free one (off by default)",
-    )
-    p.add_argument(
-        "--health-port",
-        type=int,
-        default=None,
-        help="also serve grpc.health.v1 alone, in plaintext, on this port of the --listen host "
-        "(for probes when the main port uses TLS); 0 for any free one (off by default)",
-    )
-    p.add_argument(
-        "--max-inflight-bytes",
-        type=int,
-        default=d["max_inflight_bytes"].default,
-        help="frame bytes all open Push and Init streams may declare at once (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-connection-inflight-bytes",
-        type=int,
-        default=d["max_connection_inflight_bytes"].default,
-        help="the same for one client connection; also the largest frame (default %(default)s)",
-    )
-    p.add_argument(
-        "--quarantine-record",
-        type=int,
-        action="append",
-        default=[],
-        metavar="LSN",
-        help="at recovery, copy log record LSN to DATA_DIR/quarantine/ and replay without it; "
-        "only when recovery names that record as one it cannot apply (repeatable)",
-    )
-    p.add_argument(
-        "--truncate-damaged-log",
-        action="store_true",
-        help="at recovery, when the write-ahead log is damaged, set its segments aside "
-        "(renamed *.wal.damaged) and go on from the newest snapshot, but only if that "
-        "snapshot holds every record of the log (as after a clean stop): nothing on disk says "
-        "which records were acknowledged, so a record only the log holds is never dropped; "
-        "otherwise recovery still refuses and says what the log alone holds",
-    )
-    p.add_argument(
-        "--stream-idle-seconds",
-        type=float,
-        default=d["stream_idle_seconds"].default,
-        help="a Push or Init stream that sends nothing this long is aborted (default %(default)s)",
-    )
-    p.add_argument(
-        "--part-wait-leases",
-        type=float,
-        default=d["part_wait_leases"].default,
-        help="a push in parts still missing some this many leases after its first part is "
-        "dropped, none of it merged (default %(default)s)",
-    )
+    """The syncer's flags: one per ShardConfig field, its help and default the field's
+    (--shard-index, --num-shards, --data-dir and --token-file, which the environment may
+    give instead, have none here: `config_from_args`)."""
+    settings.add_flags(p, ShardConfig)
 
 
 def config_from_args(a: argparse.Namespace) -> ShardConfig:
-    """Flags first, then the environment, then defaults."""
+    """Flags first, then the environment (ATOLL_SHARD_INDEX or ATOLL_POD_NAME,
+    ATOLL_NUM_SHARDS, ATOLL_DATA_DIR, ATOLL_TOKEN_FILE), then ShardConfig's defaults; its
+    checks run as it is built (a ConfigError)."""
     index = a.shard_index if a.shard_index is not None else shard_index_from_env(0)
-    assert index is not None  # shard_index_from_env(0) falls back to 0
-    num = a.num_shards if a.num_shards is not None else int(os.environ.get(ENV_NUM_SHARDS, "1"))
-    data = a.data_dir or (
-        pathlib.Path(os.environ[ENV_DATA_DIR]) if os.environ.get(ENV_DATA_DIR) else None
-    )
+    num = a.num_shards if a.num_shards is not None else _env_int(ENV_NUM_SHARDS, 1)
+    data = a.data_dir or _env_path(ENV_DATA_DIR)
     if data is None:
         raise ConfigError(
             f"--data-dir is required (or set {ENV_DATA_DIR}): the shard's log and snapshots live there"
         )
-    token = a.token_file or (
-        pathlib.Path(os.environ[ENV_TOKEN_FILE]) if os.environ.get(ENV_TOKEN_FILE) else None
-    )
-    return ShardConfig(
+    return settings.from_args(
+        ShardConfig,
+        a,
         shard_index=index,
         num_shards=num,
         data_dir=data,
-        listen=a.listen,
-        quorum=a.quorum,
-        grace_factor=a.grace_factor,
-        max_staleness=a.max_staleness,
-        staleness_discount=a.staleness_discount,
-        lease_seconds=a.lease_seconds,
-        outer_lr=a.outer_lr,
-        outer_momentum=a.outer_momentum,
-        momentum_delay=a.momentum_delay,
-        rda=not a.no_rda,
-        delta_ring=a.delta_ring,
-        snapshot_every=a.snapshot_every,
-        publish_codec=Codec[a.publish_codec.upper()],
-        max_message_bytes=a.max_message_bytes,
-        max_concurrent_streams=a.max_concurrent_streams,
-        token_file=token,
-        tls_cert=a.tls_cert,
-        tls_key=a.tls_key,
-        tls_client_ca=a.tls_client_ca,
-        metrics_port=a.metrics_port,
-        health_port=a.health_port,
-        max_inflight_bytes=a.max_inflight_bytes,
-        max_connection_inflight_bytes=a.max_connection_inflight_bytes,
-        stream_idle_seconds=a.stream_idle_seconds,
-        part_wait_leases=a.part_wait_leases,
-        quarantine_records=tuple(a.quarantine_record),
-        truncate_damaged_log=a.truncate_damaged_log,
+        token_file=a.token_file or _env_path(ENV_TOKEN_FILE),
     )
+
+
+def _env_path(name: str) -> pathlib.Path | None:
+    return pathlib.Path(os.environ[name]) if os.environ.get(name) else None
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a whole number") from None
 
 
 MMAP_THRESHOLD_BYTES = 4 << 20  # larger blocks are mapped for themselves, unmapped when freed
