@@ -13,7 +13,17 @@ import pathlib
 import grpc
 import numpy as np
 import pytest
-from syncer_helpers import DEADLINE, PLAN, arrays_of, connect, describe, init, npz, status_of
+from syncer_helpers import (
+    DEADLINE,
+    PLAN,
+    arrays_of,
+    connect,
+    describe,
+    init,
+    npz,
+    push,
+    status_of,
+)
 
 from atoll.server.config import ShardConfig
 from atoll.server.fragment import Fragment
@@ -135,9 +145,14 @@ def test_a_forged_commit_and_unfreeze_of_a_fragment_out_of_range_log_nothing(pai
 
 
 def _genuine(pair) -> tuple[dict, bytes]:
+    """Fragment 0's exported state after one accepted push, so it carries an answer."""
     (_, _), (stub_a, _) = pair
+    delta = np.full(PLAN.fragment_sizes[0], 0.01, np.float32)
+    assert push(stub_a, PLAN, 0, "L", seq=1, base=0, delta=delta).accepted
     freeze(stub_a, 0, as_pb(MOVED))
-    return export(stub_a, 0)
+    meta, payload = export(stub_a, 0)
+    assert set(meta["state"]["answers"]) == {"L"} and "freeze" in meta
+    return meta, payload
 
 
 def _forgeries(meta: dict, payload: bytes) -> dict[str, tuple[dict, bytes]]:
@@ -174,15 +189,11 @@ def _forgeries(meta: dict, payload: bytes) -> dict[str, tuple[dict, bytes]]:
             with_array("ring.0", np.frombuffer(b"frame", np.uint8)),
         ),
         "answer seq -1": (
-            with_state(answers={"x": {**next(iter(state["answers"].values())), "seq": -1}}),
+            with_state(answers={"L": {**state["answers"]["L"], "seq": -1}}),
             payload,
-        )
-        if state["answers"]
-        else (with_state(last_round_size=-1), payload),
+        ),
         "no freeze record": ({k: v for k, v in meta.items() if k != "freeze"}, payload),
-        "freeze by another source": (meta | {"freeze": {**meta["freeze"], "source": 1}}, payload)
-        if "freeze" in meta
-        else ({k: v for k, v in meta.items() if k != "plan"}, payload),
+        "freeze by another source": (meta | {"freeze": {**meta["freeze"], "source": 1}}, payload),
     }
 
 
