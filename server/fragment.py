@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import sys
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -29,12 +28,9 @@ from atoll.wire import codec
 from atoll.wire.plan import FragmentPlan
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True)
 class Answer:
-    """A push's acknowledgement, kept so a retry gets the same one.
-
-    Every fragment keeps one per learner that ever pushed it, departed ones too
-    (`Fragment.answers`): slots and a shared reason string keep that at about 150 bytes."""
+    """A push's acknowledgement, kept so a retry gets the same one."""
 
     seq: int
     accepted: bool
@@ -44,9 +40,6 @@ class Answer:
     staleness: int
     weight: float  # the merge weight: token weight × discount
     discount: float = 1.0  # the staleness discount in `weight`; the round is shrunk by it too
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "reason", sys.intern(self.reason))  # a few values, shared
 
 
 class Fragment:
@@ -120,9 +113,7 @@ class Fragment:
             self.round.add(delta, answer.weight)
         self.full_weight += answer.weight / answer.discount
         self.round_state = rules.add_contributor(self.round_state, learner, now, self.quorum)
-        # one id string for every fragment's answer: what a departed learner leaves is that
-        # and one answer per fragment it pushed (server/shard.py `_forget_departed`)
-        self.answers[sys.intern(learner)] = answer
+        self.answers[learner] = answer
 
     def hold_part(
         self,

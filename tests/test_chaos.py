@@ -10,14 +10,8 @@ import types
 import numpy as np
 import pytest
 
-from atoll.faults.chaos import (
-    ChaosConfig,
-    ChaosConfigError,
-    ChaosSession,
-    FailureSchedule,
-    _uptime,
-    lockstep_config,
-)
+from atoll.faults.chaos import ChaosConfig, ChaosConfigError, _uptime, lockstep_config
+from atoll.faults.chaos_session import ChaosSession, FailureSchedule
 from atoll.local.config import UpConfig
 from atoll.server.audit import durable_pushes, lost_acks
 from atoll.server.config import ShardConfig

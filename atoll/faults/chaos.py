@@ -47,9 +47,8 @@ import time
 
 import numpy as np
 
+from atoll.faults.chaos_session import ChaosSession
 from atoll.local.config import UpConfig, UpConfigError, learner_specs, prepare_run_dir
-from atoll.local.processes import Learner, Shard, Standby, checkpoint_dir, stop_children
-from atoll.local.session import SHARD_START_SECONDS, Session
 from atoll.wire.records import read_jsonl
 
 
@@ -101,283 +100,6 @@ class ChaosConfig:
             raise ChaosConfigError(f"--standbys must be a whole number >= 0, got {self.standbys}")
 
 
-class FailureSchedule:
-    """Kill times per learner (seconds since the learners started): a Poisson process each,
-    from its own stream of `seed`, so every run of one chaos command meets the same ones."""
-
-    def __init__(self, seed: int, learners: int, mtbf: float):
-        self._rngs = [np.random.default_rng([seed, i]) for i in range(learners)]
-        self._next = [float(rng.exponential(mtbf)) for rng in self._rngs]
-        self.mtbf = mtbf
-
-    def due(self, learner: int, elapsed: float) -> bool:
-        """True once per kill time passed (and consumes it); times that passed together count once."""
-        if elapsed < self._next[learner]:
-            return False
-        while self._next[learner] <= elapsed:
-            self._next[learner] += float(self._rngs[learner].exponential(self.mtbf))
-        return True
-
-
-class ChaosSession(Session):
-    """An `atoll up` session that kills and restarts its own children on a schedule."""
-
-    def __init__(
-        self,
-        cfg: UpConfig,
-        chaos: ChaosConfig,
-        run_dir: pathlib.Path,
-        out,
-        inject: bool,
-        wan=None,
-        restart_all: bool = False,
-        standbys: int = 0,
-        token_budget: int | None = None,
-    ):
-        super().__init__(cfg, run_dir, out, live=False)
-        self.chaos, self.inject, self.wan = chaos, inject, wan
-        self.restart_all = (
-            restart_all  # checkpoint-restart: one learner's failure takes down every learner
-        )
-        self.token_budget = (
-            token_budget  # stop once the learners trained this many tokens (equal-token runs)
-        )
-        self.standbys = standbys  # spares kept: each killed learner's id goes to one, its machine returns as one
-        self.spares: list[Standby] = []  # standby processes holding no id yet
-        self.spares_started = 0
-        self.spare_at: list[
-            float
-        ] = []  # when to start another spare (a killed learner's machine is back)
-        self.handover: dict[
-            str, float
-        ] = {}  # learner name -> when it was killed, until a standby has its id
-        self.schedule = FailureSchedule(chaos.seed, cfg.learners, chaos.mtbf)
-        self.t0: float | None = None  # the failure clock's start: every learner training
-        self.end: float | None = None  # when the duration was up
-        self.restart_at: dict[str, float] = {}  # learner name -> when to start it again
-        self.shard_back_at: dict[int, float] = {}  # killed shard -> when to restart it
-        self.shards_down = False  # the session is stopping its shards: none is restarted
-        self.shard_kills_left = sorted(chaos.shard_kill_at)
-        self.kills: list[dict] = []  # every SIGKILL: time, who, step
-        self.restarts: list[dict] = []  # every restart: time, who
-        self.samples: list[tuple[float, int]] = []  # (time, sum of global versions)
-
-    # -- hooks into the session --
-
-    def _start_shards(self) -> None:
-        super()._start_shards()
-        if self._running() and self.wan is not None:
-            self.wan.start([s.port for s in self.shards])
-            self.say(f"WAN: {self.wan.describe()}")
-
-    def _addresses_for(self, spec) -> list[str]:
-        if self.wan is None:
-            return super()._addresses_for(spec)
-        return self.wan.shard_addresses(spec.index % self.wan.regions)
-
-    def _prefix_for(self, spec) -> list[str]:
-        return [] if self.wan is None else self.wan.command_prefix(spec.index % self.wan.regions)
-
-    def _start_learners(self) -> None:
-        super()._start_learners()
-        for _ in range(self.standbys):
-            self._start_spare()
-
-    def _start_spare(self) -> None:
-        name = f"standby-{self.spares_started}"
-        spec = learner_specs(self.cfg)[self.spares_started % self.cfg.learners]
-        spare = Standby(name, spec, self.cfg, self.run_dir, self._addresses_for(spec))
-        spare.prefix = self._prefix_for(spec=spec)
-        spare.start(self.pids)
-        self.spares.append(spare)
-        self.spares_started += 1
-
-    def _tokens(self) -> int:
-        """Tokens the learners trained so far (each at its newest status record)."""
-        return sum(int((l.status.last or {}).get("tokens", 0)) for l in self.learners)
-
-    def _spares_ready(self) -> bool:
-        waited = time.time() - (self.learners_started or time.time())
-        return (
-            all(s.ready() or not s.alive() for s in self.spares)
-            or waited > self.chaos.standby_ready_wait
-        )
-
-    def _stop(self, children, seconds: float) -> None:
-        learners = any(isinstance(c, Learner) for c in children)
-        if any(isinstance(c, Shard) for c in children):
-            self.shards_down = True  # from now on a killed shard stays down
-        if self.spares and learners:
-            spares, self.spares = (
-                self.spares,
-                [],
-            )  # before the learners: a stopped learner's id is not taken
-            stop_children(spares, seconds, self.hurry)
-        super()._stop(children, seconds)
-        if learners and not self.shards_down:
-            self._shards_back()
-
-    def _shards_back(self) -> None:
-        """Before the global model is read: every killed shard restarted and serving (a
-        shard killed near the end may still be down or recovering)."""
-        deadline = time.monotonic() + SHARD_START_SECONDS
-        while self.shard_back_at and self._running() and time.monotonic() < deadline:
-            for s in self.shards:
-                s.check_serving()
-            self._restart_shards(time.time())
-            self.wake.wait(0.1)
-
-    def _learners_busy(self) -> bool:
-        # a run stopped by tokens goes past the duration (up to 3x) to reach them
-        limit = self.chaos.duration * (3 if self.token_budget is not None else 1)
-        if self.t0 is not None and time.time() >= self.t0 + limit:
-            if self.end is None:
-                self.end = time.time()
-                self.say(f"chaos: {limit:g} s on the failure clock are up; stopping the learners")
-            return False
-        if (
-            self.t0 is not None
-            and self.token_budget is not None
-            and self._tokens() >= self.token_budget
-        ):
-            if self.end is None:
-                self.end = time.time()
-                self.say(
-                    f"chaos: the learners trained {self.token_budget:,} tokens, as many as the run compared "
-                    "with; stopping them"
-                )
-            return False
-        return bool(self.restart_at) or bool(self.handover) or super()._learners_busy()
-
-    def _learner_exited(self, l: Learner) -> None:
-        if l.name not in self.restart_at and l.name not in self.handover:  # not one of ours
-            super()._learner_exited(l)
-
-    def _shard_exited(self, s: Shard) -> None:
-        if s.index not in self.shard_back_at:
-            super()._shard_exited(s)
-
-    def _tick(self, draw: bool = True) -> None:
-        if (
-            self.t0 is None
-            and self.learners
-            and all(l.state == "training" for l in self.learners)
-            and self._spares_ready()
-        ):
-            self.t0 = time.time()
-            self.say(
-                f"chaos: every learner is training; the failure clock starts ({self.chaos.duration:g} s)"
-            )
-        if self.inject and self.t0 is not None and self._running():
-            self._inject(time.time())
-        super()._tick(draw)
-        if self._metrics:
-            self.samples.append(
-                (time.time(), sum(sum(m["versions"].values()) for m in self._metrics.values()))
-            )
-
-    # -- failures --
-
-    def _inject(self, now: float) -> None:
-        elapsed = now - self.t0
-        kills = self.end is None  # once the duration is up, only restarts of what was killed
-        for i, l in enumerate(self.learners):
-            if (
-                kills
-                and self.schedule.due(i, elapsed)
-                and l.alive()
-                and not l.finished
-                and l.state != "done"
-            ):
-                victims = self.learners if self.restart_all else [l]
-                for v in victims:
-                    if v.alive() and not v.finished:
-                        self._kill_learner(v, now, cause=l.name)
-        self._hand_over(now)
-        while self.spare_at and now >= self.spare_at[0]:
-            self.spare_at.pop(0)
-            self._start_spare()
-            self.say(f"chaos: a killed learner's machine is back as {self.spares[-1].name}")
-        for l in self.learners:
-            if l.name in self.restart_at and now >= self.restart_at[l.name] and not l.alive():
-                del self.restart_at[l.name]
-                l.status.poll()
-                if l.finished:
-                    continue
-                l.start(self.pids)
-                l.state = "starting"
-                self.restarts.append({"time": now, "learner": l.name})
-                self.say(f"chaos: restarted {l.name}")
-        while kills and self.shard_kills_left and elapsed >= self.shard_kills_left[0]:
-            self.shard_kills_left.pop(0)
-            s = self.shards[len(self.shard_back_at) % len(self.shards)] if self.shards else None
-            if s is not None and s.alive() and s.index not in self.shard_back_at:
-                s.proc.send_signal(signal.SIGKILL)
-                s.proc.wait()
-                self.shard_back_at[s.index] = now + self.chaos.shard_restart_delay
-                self.kills.append({"time": now, "shard": s.index})
-                self.say(
-                    f"chaos: SIGKILL shard {s.index}; back in {self.chaos.shard_restart_delay:g} s"
-                )
-        self._restart_shards(now)
-
-    def _restart_shards(self, now: float) -> None:
-        """Restarts each killed shard once its delay is up, until the shards are stopped."""
-        for index, back in list(self.shard_back_at.items()):
-            s = self.shards[index]
-            if now >= back and not s.alive() and s.state != "restarting" and not self.shards_down:
-                s.restart(self.pids)
-                self.say(f"chaos: restarted shard {index} on port {s.port}")
-            if s.state == "serving" and s.alive() and s.restarts > 0:
-                del self.shard_back_at[index]
-
-    def _kill_learner(self, l: Learner, now: float, cause: str) -> None:
-        l.update()
-        step = (l.status.last or {}).get("step", 0)
-        started = time.time()
-        l.proc.send_signal(signal.SIGKILL)
-        l.proc.wait()
-        # the kill's time is when the process is gone: `now` came earlier in the tick, and
-        # a push the learner logged in between would look like one made after the kill
-        now += time.time() - started
-        l.state = "killed"
-        self.kills.append({"time": now, "learner": l.name, "step": step, "cause": cause})
-        if self.standbys:
-            # a standby takes the id over; the killed learner's machine comes back as a spare
-            self.handover[l.name] = now
-            self.spare_at.append(now + self.chaos.restart_delay)
-            self.say(f"chaos: SIGKILL {l.name} at step {step}; a standby takes over")
-            return
-        self.restart_at[l.name] = now + self.chaos.restart_delay
-        self.say(
-            f"chaos: SIGKILL {l.name} at step {step}"
-            + (f" (with {cause})" if cause != l.name else "")
-            + f"; back in {self.chaos.restart_delay:g} s"
-        )
-
-    def _hand_over(self, now: float) -> None:
-        """A killed learner whose id a standby has claimed is that standby's process from now on."""
-        from atoll.learner.standby import holder
-
-        for spare in [s for s in self.spares if not s.alive()]:
-            self.spares.remove(spare)
-            self.say(
-                f"chaos: {spare.name} exited with status {spare.returncode}; its log ends:",
-                spare.tail(),
-            )
-        for name, killed in list(self.handover.items()):
-            pid = (holder(checkpoint_dir(self.run_dir), name) or {}).get("pid")
-            spare = next((s for s in self.spares if s.proc.pid == pid), None)
-            if spare is None:
-                continue
-            self.spares.remove(spare)
-            del self.handover[name]
-            learner = next(l for l in self.learners if l.name == name)
-            learner.take_over(spare)
-            self.restarts.append({"time": now, "learner": name, "standby": spare.name})
-            self.say(f"chaos: {spare.name} took over {name} {now - killed:.1f} s after its kill")
-
-
 # -- accounting ----------------------------------------------------------------------------
 
 
@@ -398,40 +120,14 @@ def account(
     for i in range(cfg.shards):
         for key, value in durable_pushes(run_dir / "shards" / str(i)).items():
             durable[key] = value
-    useful = 0.0
-    merged = accepted = 0
-    for a in pushes:
-        if not a["accepted"]:
-            continue
-        accepted += 1
-        if versions.get(a["fragment"], -1) >= a["merged_in"]:
-            merged += 1
-            if start is not None and start <= a["time"] <= end:
-                # the steps a push carries, less those made before the window (the first push)
-                useful += min(a["compute_seconds"], a["time"] - start) / cfg.fragments
+    useful, merged, accepted = _merged_compute(pushes, versions, start, end, cfg.fragments)
     span = (end - start) if start is not None and end is not None else 0.0
     provisioned = cfg.learners * span
-    compute = sum(
-        min(r.get("step_seconds", 0.0), r["time"] - start)  # a step that began before the window
-        for rs in status.values()
-        for r in rs
-        if r.get("state") == "training" and start is not None and start <= r["time"] <= end
-    )
     rejoined = sum(
         1
         for k in session.restarts
         if any(r.get("state") == "training" and r["time"] > k["time"] for r in status[k["learner"]])
     )
-    # kill -> the killed learner id's next accepted push (by a standby or by its own restart)
-    rejoin = []
-    for k in session.kills:
-        if "learner" in k:
-            later = [
-                a["time"]
-                for a in pushes
-                if a["learner"] == k["learner"] and a["accepted"] and a["time"] > k["time"]
-            ]
-            rejoin.append(round(min(later) - k["time"], 2) if later else None)
     # tokens trained, each learner id at its newest record (a resumed learner's count goes
     # on from its checkpoint, so steps redone after a kill count once)
     tokens = sum(
@@ -441,7 +137,7 @@ def account(
         "tokens": tokens,
         "goodput": useful / provisioned if provisioned > 0 else 0.0,
         "uptime": _uptime(session.samples, start, end, window),
-        "utilisation": compute / provisioned if provisioned > 0 else 0.0,
+        "utilisation": _step_seconds(status, start, end) / provisioned if provisioned > 0 else 0.0,
         "window_seconds": span,
         "useful_learner_seconds": useful,
         "provisioned_learner_seconds": provisioned,
@@ -449,7 +145,7 @@ def account(
         "learner_restarts": len(session.restarts),
         "learners_rejoined": rejoined,
         "standby_takeovers": sum(1 for k in session.restarts if "standby" in k),
-        "kill_to_first_accepted_push_s": rejoin,
+        "kill_to_first_accepted_push_s": _rejoin_seconds(session.kills, pushes),
         "shard_restarts": sum(s.restarts for s in session.shards),
         "pushes_accepted": accepted,
         "pushes_merged": merged,
@@ -469,6 +165,55 @@ def account(
         else [],
         "outcome": (report.get("sessions") or [{}])[-1].get("outcome"),
     }
+
+
+def _merged_compute(
+    pushes: list[dict],
+    versions: dict[int, int],
+    start: float | None,
+    end: float | None,
+    fragments: int,
+) -> tuple[float, int, int]:
+    """(learner-seconds in the window that reached the global model, pushes merged, pushes
+    accepted): an accepted push reached it if its fragment's final version is at least the one
+    that merged it, and carries its compute seconds over its `fragments` fragments."""
+    useful = 0.0
+    merged = accepted = 0
+    for a in pushes:
+        if not a["accepted"]:
+            continue
+        accepted += 1
+        if versions.get(a["fragment"], -1) >= a["merged_in"]:
+            merged += 1
+            if start is not None and start <= a["time"] <= end:
+                # the steps a push carries, less those made before the window (the first push)
+                useful += min(a["compute_seconds"], a["time"] - start) / fragments
+    return useful, merged, accepted
+
+
+def _step_seconds(status: dict[str, list[dict]], start: float | None, end: float | None) -> float:
+    """Learner-seconds of inner steps in the window, whether or not they reached the model."""
+    return sum(
+        min(r.get("step_seconds", 0.0), r["time"] - start)  # a step that began before the window
+        for rs in status.values()
+        for r in rs
+        if r.get("state") == "training" and start is not None and start <= r["time"] <= end
+    )
+
+
+def _rejoin_seconds(kills: list[dict], pushes: list[dict]) -> list[float | None]:
+    """Per learner kill, seconds to the killed learner id's next accepted push (by a standby or
+    by its own restart); None where none came."""
+    rejoin = []
+    for k in kills:
+        if "learner" in k:
+            later = [
+                a["time"]
+                for a in pushes
+                if a["learner"] == k["learner"] and a["accepted"] and a["time"] > k["time"]
+            ]
+            rejoin.append(round(min(later) - k["time"], 2) if later else None)
+    return rejoin
 
 
 def _uptime(

@@ -11,7 +11,7 @@ import sys
 import pytest
 from syncer_helpers import REPO
 
-from atoll.faults.chaos import FailureSchedule
+from atoll.faults.chaos_session import FailureSchedule
 from atoll.wire.records import read_jsonl
 
 pytestmark = pytest.mark.e2e  # two whole runs: `make test-fast` skips it
