@@ -47,6 +47,9 @@ from statistics import NormalDist
 
 import numpy as np
 
+from atoll.wire import settings
+from atoll.wire.settings import setting
+
 YEAR_S = 365.25 * 86400
 STRATEGIES = ("dp", "elastic", "atoll")
 LABELS = {"dp": "data-parallel", "elastic": "elastic DP", "atoll": "atoll"}
@@ -70,23 +73,33 @@ class PlanConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
     chips: int = 1_200_000  # accelerator chips provisioned (spares not counted), >= 1
-    mtbi_years: float = 1.0  # mean time between interruptions of one chip, years, > 0
-    learners: int = 8  # M: atoll learners, each chips/M chips, in [1, chips]
-    restart_s: float = 69.5  # dp: detect, swap spares, re-init all chips, restore, s, >= 0
-    checkpoint_cost_s: float = 0.0  # dp: stall per in-memory checkpoint, s, >= 0 (0: overlapped)
-    checkpoint_interval_s: float = (
-        0.0  # dp: training s between checkpoints; 0 = Young/Daly, >= 1 step
+    mtbi_years: float = setting(1.0, "mean time between interruptions of one chip, years, > 0")
+    learners: int = setting(8, "M: atoll learners, each chips/M chips, in [1, chips]")
+    restart_s: float = setting(
+        69.5,
+        "data-parallel job restart after an interruption (detect, swap spares, re-init all "
+        "chips, restore), s, >= 0",
     )
-    rejoin_s: float = 15.0  # atoll: a learner's restart and pull of the global model, s, >= 0
-    step_s: float = 0.5  # one synchronous inner step at nominal speed, s, > 0
-    sync_steps: int = 16  # H: inner steps between two syncs of a fragment, >= 1
-    fragments: int = 4  # P: fragments synced on a staggered schedule, >= 1
-    reconfig_s: float = 8.0  # elastic: pause to drop or re-add a slice, s, >= 0
-    repair_s: float = 1200.0  # elastic: until a dropped slice is repaired and re-added, s, >= 0
-    slice_chips: int = 1024  # elastic: chips one interruption removes (a replica), in [1, chips]
-    step_cv: float = 0.008  # coefficient of variation of a chip's step time, in [0, 0.5]
-    duration_days: float = 7.0  # simulated wall-clock time, days, > 0
-    seed: int = 0  # failure and straggler draws; same seed, same result
+    checkpoint_cost_s: float = setting(
+        0.0, "data-parallel stall per in-memory checkpoint, s, >= 0 (0: overlapped)"
+    )
+    checkpoint_interval_s: float = setting(
+        0.0, "training s between data-parallel checkpoints; 0 = Young/Daly, >= 1 step"
+    )
+    rejoin_s: float = setting(15.0, "atoll learner restart and pull of the global model, s, >= 0")
+    step_s: float = setting(0.5, "one synchronous inner step at nominal speed, s, > 0")
+    sync_steps: int = setting(16, "H: inner steps between two syncs of a fragment, >= 1")
+    fragments: int = setting(4, "P: fragments synced on a staggered schedule, >= 1")
+    reconfig_s: float = setting(8.0, "elastic DP pause to drop or re-add a slice, s, >= 0")
+    repair_s: float = setting(
+        1200.0, "elastic DP: until a dropped slice is repaired and re-added, s, >= 0"
+    )
+    slice_chips: int = setting(
+        1024, "elastic DP: chips one interruption removes (a replica), in [1, chips]"
+    )
+    step_cv: float = setting(0.008, "coefficient of variation of a chip's step time, in [0, 0.5]")
+    duration_days: float = setting(7.0, "simulated wall-clock time, days, > 0")
+    seed: int = setting(0, "failure and straggler draws' seed; same seed, same result")
 
     def __post_init__(self):
         def need(ok: bool, message: str) -> None:
@@ -413,8 +426,8 @@ def _chips_list(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """`atoll plan` flags; every assumption defaults to PlanConfig's."""
-    d = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
+    """`atoll plan` flags: the chip counts of the rows, then one flag per PlanConfig
+    assumption, generated from its fields (help and default the field's)."""
     p.add_argument(
         "--chips",
         type=_chips_list,
@@ -422,85 +435,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated chip counts, one row each (default: the published ones, "
         "150k to 2.4M)",
     )
-    p.add_argument(
-        "--mtbi-years",
-        type=float,
-        default=d["mtbi_years"],
-        help="mean time between interruptions of one chip, years (default %(default)g)",
-    )
-    p.add_argument(
-        "--learners",
-        type=int,
-        default=d["learners"],
-        help="M: atoll learners (default %(default)s)",
-    )
-    p.add_argument(
-        "--restart-s",
-        type=float,
-        default=d["restart_s"],
-        help="data-parallel job restart after an interruption, s (default %(default)g)",
-    )
-    p.add_argument(
-        "--checkpoint-cost-s",
-        type=float,
-        default=d["checkpoint_cost_s"],
-        help="data-parallel stall per in-memory checkpoint, s (default %(default)g)",
-    )
-    p.add_argument(
-        "--checkpoint-interval-s",
-        type=float,
-        default=d["checkpoint_interval_s"],
-        help="training s between data-parallel checkpoints; 0 = Young/Daly (default %(default)g)",
-    )
-    p.add_argument(
-        "--rejoin-s",
-        type=float,
-        default=d["rejoin_s"],
-        help="atoll learner restart and pull of the global model, s (default %(default)g)",
-    )
-    p.add_argument(
-        "--step-s", type=float, default=d["step_s"], help="inner step time, s (default %(default)g)"
-    )
-    p.add_argument(
-        "--sync-steps",
-        type=int,
-        default=d["sync_steps"],
-        help="H: inner steps between syncs of a fragment (default %(default)s)",
-    )
-    p.add_argument(
-        "--fragments", type=int, default=d["fragments"], help="P: fragments (default %(default)s)"
-    )
-    p.add_argument(
-        "--reconfig-s",
-        type=float,
-        default=d["reconfig_s"],
-        help="elastic DP pause to drop or re-add a slice, s (default %(default)g)",
-    )
-    p.add_argument(
-        "--repair-s",
-        type=float,
-        default=d["repair_s"],
-        help="elastic DP: until a dropped slice is re-added, s (default %(default)g)",
-    )
-    p.add_argument(
-        "--slice-chips",
-        type=int,
-        default=d["slice_chips"],
-        help="elastic DP: chips one interruption removes (default %(default)s)",
-    )
-    p.add_argument(
-        "--step-cv",
-        type=float,
-        default=d["step_cv"],
-        help="coefficient of variation of a chip's step time (default %(default)g)",
-    )
-    p.add_argument(
-        "--duration-days",
-        type=float,
-        default=d["duration_days"],
-        help="simulated time, days (default %(default)g)",
-    )
-    p.add_argument("--seed", type=int, default=d["seed"], help="random seed (default %(default)s)")
+    settings.add_flags(p, PlanConfig)
     p.add_argument(
         "--json", action="store_true", help="print one JSON object: assumptions and rows"
     )
@@ -511,11 +446,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The CLI entry: print the table (or JSON), optionally write the plot; 0 on success."""
-    names = {f.name for f in dataclasses.fields(PlanConfig)} - {"chips"}
     try:
-        cfg = PlanConfig(
-            chips=max(args.chips), **{k: v for k, v in vars(args).items() if k in names}
-        )
+        cfg = settings.from_args(PlanConfig, args, chips=max(args.chips))
         rows = table(cfg, args.chips)
     except PlanConfigError as e:
         parser.error(str(e))

@@ -103,3 +103,25 @@ def test_a_field_type_no_flag_can_give_is_refused():
 
     with pytest.raises(TypeError, match="cannot give"):
         settings.add_flags(argparse.ArgumentParser(), Bad)
+
+
+def test_the_commands_take_their_flags_from_the_configs():
+    """`atoll up`'s flags are None until given (a resume keeps the rest), `atoll chaos`
+    runs UpConfig at its own defaults, `atoll plan`'s defaults are PlanConfig's."""
+    from atoll import cli
+    from atoll.commands import subparser
+    from atoll.faults.chaos import CHAOS_RUN, chaos_up_config
+    from atoll.goodput import PlanConfig
+    from atoll.local.config import UpConfig
+
+    up = subparser(cli.parser(), "up")
+    assert settings.given(UpConfig, up.parse_args([])) == {}
+    given = settings.given(UpConfig, up.parse_args(["--quorum", "3", "--same-steps"]))
+    assert given == {"quorum": 3, "same_time": False}
+    assert UpConfig().quorum == 2  # min(2, M), resolved where M is known
+    chaos = subparser(cli.parser(), "chaos")
+    run = chaos_up_config(chaos.parse_args([]))
+    assert {k: getattr(run, k) for k in CHAOS_RUN} == CHAOS_RUN and run.quorum == 2
+    assert chaos_up_config(chaos.parse_args(["--quorum", "4"])).quorum == 4
+    plan = subparser(cli.parser(), "plan")
+    assert settings.from_args(PlanConfig, plan.parse_args([])) == PlanConfig()

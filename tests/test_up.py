@@ -17,7 +17,8 @@ from atoll.local.config import (
     prepare_run_dir,
 )
 from atoll.local.processes import Learner, Standby, child_env
-from atoll.local.report import build_report, learner_summary, lives, write_report
+from atoll.local.progress import lives
+from atoll.local.report import build_report, learner_summary, write_report
 from atoll.local.up import summary
 
 
@@ -63,7 +64,9 @@ def test_defaults_follow_the_learner_count():
         (dict(sync_patience=0), "--sync-patience must be > 0"),
         (dict(checkpoint_every=-1), "--checkpoint-every must be >= 0"),
         (dict(batch_size=0), "--batch-size must be >= 1"),
-        (dict(learners=2, quorum=3), "--quorum must be in [1, --learners=2]"),
+        (dict(learners=2, quorum=3), "--quorum must be at most --learners=2, got 3"),
+        # 0 is no longer "the default": the shard's own check refuses it
+        (dict(learners=2, quorum=0), "--quorum must be at least 1, got 0"),
         (dict(preset="huge"), "unknown --preset 'huge'"),
     ],
 )

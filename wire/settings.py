@@ -35,7 +35,7 @@ import dataclasses
 import enum
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -51,7 +51,7 @@ class Flag:
     metavar: str | None = None
     parse: Callable[[str], Any] | None = None  # text -> value, in place of the field's type
     render: Callable[[Any], str] | None = None  # value -> text, the inverse of parse
-    choices: tuple[str, ...] | None = None  # for an Enum, the members offered (default: all)
+    choices: tuple[str, ...] | None = None  # the values offered (an Enum's default: all)
     default_text: str | None = None  # the default as help shows it, where str() misleads
 
 
@@ -109,15 +109,26 @@ def add_flags(
     *,
     only: tuple[str, ...] | None = None,
     absent: bool = False,
+    defaults: Mapping[str, Any] | None = None,
 ) -> None:
     """Adds the flags of `cls`'s fields (or of those named in `only`) to `parser`.
 
     A flag's value defaults to its field's or, with `absent`, to None, so that a caller can
     tell which flags were given (a resume that keeps the rest); help shows the field's
-    default either way."""
+    default either way. `defaults` replaces some fields' defaults for a command that runs
+    `cls` another way (`atoll chaos`'s run is not `atoll up`'s)."""
     for s in settings(cls):
+        if defaults and s.name in defaults:
+            s = dataclasses.replace(s, field=_with_default(s.field, defaults[s.name]))
         if only is None or s.name in only:
             parser.add_argument(s.flag, **_argument(s, absent))
+
+
+def _with_default(field: dataclasses.Field[Any], default: Any) -> dataclasses.Field[Any]:
+    """A copy of `field` with another default."""
+    out: dataclasses.Field[Any] = dataclasses.field(default=default, metadata=field.metadata)
+    out.name, out.type = field.name, field.type
+    return out
 
 
 def _argument(s: Setting, absent: bool) -> dict[str, Any]:
@@ -136,6 +147,7 @@ def _argument(s: Setting, absent: bool) -> dict[str, Any]:
         kw["choices"] = s.how.choices or [m.name.lower() for m in s.base]
     else:
         kw["type"] = s.how.parse or s.base
+        kw["choices"] = s.how.choices
     if s.repeated and s.how.parse is None:
         kw["action"] = "append"  # default None: a list default would be appended to
         kw["default"] = None

@@ -376,8 +376,28 @@ def add_arguments(p) -> None:
     add_chaos_arguments(p)
 
 
+# `atoll chaos`'s run: `atoll up`'s settings (flags generated from UpConfig's fields) at
+# these defaults. The period is 64, not atoll up's 32: steps of a few ms on two shared cores
+# make a 32-step period about a third of a second, where per-round latency and overhead,
+# not failures, decide goodput (failure-free: 89 % at H=32, 96 % at H=64).
+CHAOS_RUN = {
+    "learners": 4,
+    "shards": 2,
+    "preset": "tiny",
+    "steps": 20000,  # the learning-rate schedule's length; --duration normally ends the run
+    "batch_size": 16,
+    "period": 64,
+    "overlap": 1,
+    "fragments": 4,
+    "lease_seconds": 5.0,
+}
+CHAOS_RUN_FLAGS = (*CHAOS_RUN, "quorum", "checkpoint_every")
+
+
 def _add_local_arguments(p) -> None:
     """The local mode's flags (`--mtbf`, `--seed` and `--json` are shared with --kubernetes)."""
+    from atoll.wire import settings
+
     d = {f.name: f.default for f in dataclasses.fields(ChaosConfig)}
     have = {o for action in p._actions for o in action.option_strings}
     if "--mtbf" not in have:
@@ -399,34 +419,19 @@ def _add_local_arguments(p) -> None:
     if "--json" not in have:
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     g = p.add_argument_group("local runs (real processes on this machine)")
+    settings.add_flags(g, UpConfig, only=CHAOS_RUN_FLAGS, defaults=CHAOS_RUN)
+    _add_failure_arguments(g, d)
     g.add_argument(
-        "--learners", type=int, default=4, help="M, learner processes (default %(default)s)"
+        "--work-dir",
+        type=pathlib.Path,
+        default=None,
+        help="where the runs go (default runs/chaos-<timestamp>)",
     )
-    g.add_argument("--shards", type=int, default=2, help="S, shard processes (default %(default)s)")
-    g.add_argument("--preset", default="tiny", help="model size (default %(default)s)")
-    g.add_argument(
-        "--steps",
-        type=int,
-        default=20000,
-        help="inner steps per learner, the learning-rate schedule's length; --duration "
-        "normally ends the run first (default %(default)s)",
-    )
-    g.add_argument(
-        "--batch-size", type=int, default=16, help="sequences per step (default %(default)s)"
-    )
-    # 64, not atoll up's 32: steps of a few ms on two shared cores make a 32-step period
-    # about a third of a second, where per-round latency and overhead, not failures,
-    # decide goodput (failure-free: 89 % at H=32, 96 % at H=64)
-    g.add_argument("--period", type=int, default=64, help="H (default %(default)s)")
-    g.add_argument("--overlap", type=int, default=1, help="τ (default %(default)s)")
-    g.add_argument("--fragments", type=int, default=4, help="P (default %(default)s)")
-    g.add_argument("--quorum", type=int, default=0, help="K for the atoll run (default min(2, M))")
-    g.add_argument(
-        "--lease-seconds",
-        type=float,
-        default=5.0,
-        help="a silent learner is not waited for after this (default %(default)s)",
-    )
+    _add_wan_arguments(g)
+
+
+def _add_failure_arguments(g, d: dict) -> None:
+    """The failures of the local mode and the runs it compares, defaulting to ChaosConfig's `d`."""
     g.add_argument(
         "--restart-delay",
         type=float,
@@ -453,13 +458,6 @@ def _add_local_arguments(p) -> None:
         help="standby learners, compiled and waiting, that take over a killed learner's id in the "
         "atoll run (a killed learner's machine returns as one after --restart-delay); 0: "
         "killed learners are restarted instead (default %(default)s)",
-    )
-    g.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=UpConfig.checkpoint_every,
-        help="steps between learner checkpoints, resumed by a restart or a standby; 0: none "
-        "(default %(default)s)",
     )
     g.add_argument(
         "--no-lockstep", dest="lockstep", action="store_false", help="skip the lockstep baseline"
@@ -496,12 +494,10 @@ def _add_local_arguments(p) -> None:
         default=d["uptime_window"],
         help="seconds per uptime window (default %(default)s)",
     )
-    g.add_argument(
-        "--work-dir",
-        type=pathlib.Path,
-        default=None,
-        help="where the runs go (default runs/chaos-<timestamp>)",
-    )
+
+
+def _add_wan_arguments(g) -> None:
+    """--wan: the learners behind emulated wide-area links."""
     g.add_argument(
         "--wan",
         action="store_true",

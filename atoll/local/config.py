@@ -6,6 +6,7 @@ processes, `atoll chaos` and `atoll bench quality`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -38,6 +39,7 @@ from atoll.server.config import (
     ShardConfig,
 )
 from atoll.wire.codec import Codec
+from atoll.wire.settings import setting
 
 FORMAT = "atoll.up.v1"  # config.json format; bump when UpConfig changes meaning
 
@@ -46,42 +48,83 @@ class UpConfigError(ValueError):
     """A setting that cannot work; the message says how to fix it."""
 
 
+def _slowdowns(text: str) -> tuple[float, ...]:
+    """--slowdown's text: one factor (2) or one per learner (1,1,2,2)."""
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected one factor (2) or one per learner (1,1,2,2), got {text!r}"
+        ) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class UpConfig:
-    shards: int = 2  # S: syncer shard processes, >= 1, <= fragments
-    learners: int = 4  # M: learner processes, >= 1
-    preset: str = PRESET  # model preset (learner.model.PRESETS)
-    steps: int = STEPS  # inner steps of a full-speed learner, >= 1
-    slowdown: tuple[
-        float, ...
-    ] = ()  # >= 1: one factor for all learners or one each; () = last M//2 at 2x
-    same_time: bool = True  # a learner slowed s× runs steps/s steps, so all islands finish together
+    shards: int = setting(2, "S, syncer shard processes, >= 1, <= --fragments")
+    learners: int = setting(4, "M, learner processes, >= 1")
+    preset: str = setting(PRESET, "model size: tiny, small, base, large")
+    steps: int = setting(STEPS, "inner steps of a full-speed learner, >= 1")
+    # resolved in __post_init__ to one factor per learner
+    slowdown: tuple[float, ...] = setting(
+        (),
+        "slowdown factors emulating older accelerators, each >= 1: one for every learner (2) "
+        "or one per learner (1,1,2,2)",
+        parse=_slowdowns,
+        render=lambda v: _flag_text(v),
+        default_text="the last M//2 learners at 2",
+    )
+    same_time: bool = setting(
+        True,
+        "every learner runs --steps (default: a learner slowed s× runs steps/s, so all "
+        "finish at about the same time)",
+        name="same-steps",
+    )
     # the learners' settings default to the learner's own (learner/config.py), and
     # LearnerConfig checks them: `learner_config` is what each learner runs
-    batch_size: int = BATCH_SIZE  # sequences per inner step per learner
-    period: int = PERIOD  # H: inner steps between two syncs of a fragment
-    overlap: int = OVERLAP  # τ: steps trained while a sync is in flight, in [0, H)
-    late_mix: float = LATE_MIX  # α's cap for a late adoption, (d − τ)/H; 0: off
-    fragments: int = FRAGMENTS  # P: fragments, >= shards
-    codec: str = CODEC.name.lower()  # outer-gradient and published-delta codec: int4, mxfp4, fp32
-    quorum: int = 0  # K: learners to close a round, <= learners; 0 = min(2, M)
+    batch_size: int = setting(BATCH_SIZE, "sequences per inner step per learner")
+    period: int = setting(PERIOD, "H: inner steps between syncs of a fragment")
+    overlap: int = setting(OVERLAP, "τ: steps trained while a sync is in flight, in [0, H)")
+    late_mix: float = setting(
+        LATE_MIX,
+        "α's cap for a sync adopted d steps after its push, past τ: the learner keeps "
+        "(d − τ)/H of its own fragment, up to this",
+        default_text=f"{LATE_MIX:g}: off",
+    )
+    fragments: int = setting(FRAGMENTS, "P: fragments, >= --shards")
+    codec: str = setting(
+        CODEC.name.lower(),
+        "wire codec of outer gradients and published deltas",
+        choices=("int4", "mxfp4", "fp32"),
+    )
+    quorum: int | None = setting(
+        None,
+        "K: learners needed to close a round, in [1, M]",
+        default_text="min(2, M)",
+    )
     grace_factor: float = (
         GRACE_FACTOR  # γ: multiplies the grace window a round waits for stragglers
     )
-    lease_seconds: float = 10.0  # a learner silent this long is not waited for
+    lease_seconds: float = setting(10.0, "a learner silent this long is not waited for")
     max_staleness: int = ShardConfig.max_staleness  # versions a push's base may lag, >= 0
     sync_patience: float = SYNC_PATIENCE  # seconds a learner waits on a round holding its push
     wait_for_rounds: bool = False  # learners block on a round a period late (the lockstep baseline)
-    checkpoint_every: int = CHECKPOINT_EVERY  # steps between checkpoints (run_dir/checkpoints)
-    outer_lr: float = OUTER_LR  # shards' outer SGD learning rate, > 0
-    outer_momentum: float = OUTER_MOMENTUM  # shards' outer Nesterov momentum, in [0, 1)
-    momentum_delay: int = (
-        OUTER_MOMENTUM_DELAY  # rounds per outer momentum update (delayed Nesterov), >= 1
+    checkpoint_every: int = setting(
+        CHECKPOINT_EVERY,
+        "steps between learner checkpoints (run_dir/checkpoints), which a restarted learner "
+        "resumes from; 0: none",
     )
-    evals: int = 6  # held-out evaluations per learner during the run (plus the final one)
+    outer_lr: float = setting(OUTER_LR, "shards' outer learning rate, > 0")
+    outer_momentum: float = setting(OUTER_MOMENTUM, "shards' outer Nesterov momentum, in [0, 1)")
+    momentum_delay: int = setting(
+        OUTER_MOMENTUM_DELAY,
+        "rounds per outer momentum update (delayed Nesterov), >= 1; 1: every round",
+    )
+    evals: int = setting(6, "held-out evaluations per learner during the run (plus the final one)")
     eval_batches: int = EVAL_BATCHES  # held-out batches per evaluation (rounded up to M's multiple)
-    seed: int = SEED  # model init and data order
-    baseline: bool = False  # then train the data-parallel baseline (M× batch) for the loss plot
+    seed: int = setting(SEED, "init and data-order seed")
+    baseline: bool = setting(
+        False, "afterwards, train the data-parallel baseline on as many tokens, for the loss plot"
+    )
 
     def __post_init__(self):
         def need(ok: bool, message: str) -> None:
@@ -104,10 +147,6 @@ class UpConfig:
             all(math.isfinite(s) and s >= 1 for s in self.slowdown),
             f"--slowdown factors must be >= 1 (1 = full speed), got {list(self.slowdown)}",
         )
-        need(
-            0 <= self.quorum <= self.learners,
-            f"--quorum must be in [1, --learners={self.learners}], got {self.quorum}",
-        )
         need(self.evals >= 0, f"--evals must be >= 0, got {self.evals}")
         need(self.eval_batches >= 1, f"--eval-batches must be at least 1, got {self.eval_batches}")
         from atoll.learner.model import PRESETS
@@ -125,7 +164,13 @@ class UpConfig:
         )
         # K = 2: a round merges at least two islands' deltas but never waits for all of them
         # (with K = M, learners blocked on rounds that each need the other can stall)
-        object.__setattr__(self, "quorum", self.quorum or min(2, self.learners))
+        if self.quorum is None:
+            object.__setattr__(self, "quorum", min(2, self.learners))
+        # at least 1 is ShardConfig's check (below); at most M needs M, so it is this one's
+        need(
+            self.quorum <= self.learners,
+            f"--quorum must be at most --learners={self.learners}, got {self.quorum}",
+        )
         object.__setattr__(
             self, "eval_batches", self.learners * -(-self.eval_batches // self.learners)
         )

@@ -28,7 +28,6 @@ be resumed (`atoll up --run-dir X`; X must hold a run):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import fcntl
 import json
@@ -37,6 +36,7 @@ import sys
 
 from atoll.local import progress
 from atoll.local.config import UpConfig, UpConfigError, _flag_text, prepare_run_dir
+from atoll.wire import settings
 
 # -- the run directory ------------------------------------------------------------------------
 
@@ -44,20 +44,10 @@ from atoll.local.config import UpConfig, UpConfigError, _flag_text, prepare_run_
 # -- the command ----------------------------------------------------------------------------
 
 
-def _slowdowns(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected one factor (2) or one per learner (1,1,2,2), got {text!r}"
-        ) from None
-    return values
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """`atoll up` flags; every setting defaults to UpConfig's (None here = not given, so a
-    resume can tell which flags were asked for)."""
-    d = {f.name: f.default for f in dataclasses.fields(UpConfig)}
+    """`atoll up` flags: where the run lives, how it reports, and one flag per UpConfig
+    setting, generated from its fields (each None here when not given, so a resume can
+    tell which flags were asked for; help shows UpConfig's default)."""
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--run-dir",
@@ -74,91 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="start a new run in DIR, a new or empty directory whose parent exists "
         "(default: a new run in runs/<timestamp>)",
     )
-    p.add_argument("--shards", type=int, help=f"S, syncer shard processes (default {d['shards']})")
-    p.add_argument("--learners", type=int, help=f"M, learner processes (default {d['learners']})")
-    p.add_argument("--preset", help=f"model size: tiny, small, base, large (default {d['preset']})")
-    p.add_argument(
-        "--steps", type=int, help=f"inner steps of a full-speed learner (default {d['steps']})"
-    )
-    p.add_argument(
-        "--slowdown",
-        type=_slowdowns,
-        help="slowdown factors emulating older accelerators: one for every learner (2) or one "
-        "per learner (1,1,2,2); default: the last M//2 learners at 2",
-    )
-    p.add_argument(
-        "--same-steps",
-        dest="same_time",
-        action="store_false",
-        default=None,
-        help="every learner runs --steps (default: a learner slowed s× runs steps/s, "
-        "so all finish at about the same time)",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        help=f"sequences per inner step per learner (default {d['batch_size']})",
-    )
-    p.add_argument(
-        "--period",
-        type=int,
-        help=f"H: inner steps between syncs of a fragment (default {d['period']})",
-    )
-    p.add_argument(
-        "--overlap",
-        type=int,
-        help=f"τ: steps trained while a sync is in flight (default {d['overlap']})",
-    )
-    p.add_argument(
-        "--late-mix",
-        type=float,
-        help="α's cap for a sync adopted d steps after its push, past τ: the learner keeps "
-        f"(d − τ)/H of its own fragment, up to this (default {d['late_mix']:g}: off)",
-    )
-    p.add_argument("--fragments", type=int, help=f"P: fragments (default {d['fragments']})")
-    p.add_argument(
-        "--codec", choices=["int4", "mxfp4", "fp32"], help=f"wire codec (default {d['codec']})"
-    )
-    p.add_argument(
-        "--quorum", type=int, help="K: learners needed to close a round (default min(2, M))"
-    )
-    p.add_argument(
-        "--lease-seconds",
-        type=float,
-        help=f"a learner silent this long is not waited for (default {d['lease_seconds']:g})",
-    )
-    p.add_argument(
-        "--outer-lr", type=float, help=f"shards' outer learning rate (default {d['outer_lr']:g})"
-    )
-    p.add_argument(
-        "--outer-momentum",
-        type=float,
-        help=f"shards' outer Nesterov momentum (default {d['outer_momentum']:g})",
-    )
-    p.add_argument(
-        "--momentum-delay",
-        type=int,
-        help=f"rounds per outer momentum update (delayed Nesterov); 1: every round "
-        f"(default {d['momentum_delay']})",
-    )
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        help=f"steps between learner checkpoints, which a restarted learner resumes from; 0: none "
-        f"(default {d['checkpoint_every']})",
-    )
-    p.add_argument(
-        "--evals",
-        type=int,
-        help=f"held-out evaluations per learner during the run (default {d['evals']})",
-    )
-    p.add_argument("--seed", type=int, help=f"init and data-order seed (default {d['seed']})")
-    p.add_argument(
-        "--baseline",
-        action="store_true",
-        default=None,
-        help="afterwards, train the data-parallel baseline on as many tokens, for the loss plot",
-    )
+    settings.add_flags(p, UpConfig, absent=True)
     p.add_argument(
         "--no-table", action="store_true", help="plain log lines instead of the live table"
     )
@@ -167,8 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The CLI entry: exit 0 finished, 1 failed, 130/143 stopped by SIGINT/SIGTERM."""
-    names = {f.name for f in dataclasses.fields(UpConfig)}
-    overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    overrides = settings.given(UpConfig, args)
     run_dir = (
         args.run_dir
         or args.new_run_dir
