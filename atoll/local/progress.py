@@ -22,6 +22,16 @@ StatusFile = JsonLines  # a learner's status file: one JSON record per step
 read_status = read_jsonl  # every whole record of a status file ([] when there is none)
 
 
+def lives(records: list[dict]) -> list[list[dict]]:
+    """A learner's records split into its processes' lives (each begins with `joining`)."""
+    out: list[list[dict]] = []
+    for r in records:
+        if r.get("state") == "joining" or not out:
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
 def scrape(port: int | None, timeout: float = SCRAPE_TIMEOUT) -> dict | None:
     """A shard's /metrics as {versions, outer_steps_per_period, cadence_seconds, rounds, pushes, refused,
     live, received, sent}; None if unreachable."""

@@ -1,4 +1,5 @@
-"""The report of an `atoll up` run: report.json and PNG plots, from the run directory.
+"""The report of an `atoll up` run: report.json (its plots: atoll/local/plots.py), from the
+run directory.
 
 Everything is computed from what the run left on disk (learners' status files,
 sessions.jsonl, shards.jsonl), so the report of a resumed run covers all its sessions.
@@ -8,12 +9,12 @@ A learner's counters restart with each of its processes ("lives", split at each
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import pathlib
 
-from atoll.local.progress import read_status
+from atoll.local.plots import plot
+from atoll.local.progress import lives, read_status
 
 FORMAT = "atoll.report.v1"
 DEFINITIONS = {
@@ -46,16 +47,6 @@ DEFINITIONS = {
     "shards": "each shard's last metrics sample; counters (rounds, pushes, bytes) count since its process "
     "last started, versions are durable",
 }
-
-
-def lives(records: list[dict]) -> list[list[dict]]:
-    """A learner's records split into its processes' lives (each begins with `joining`)."""
-    out: list[list[dict]] = []
-    for r in records:
-        if r.get("state") == "joining" or not out:
-            out.append([])
-        out[-1].append(r)
-    return out
 
 
 def learner_summary(records: list[dict], num_fragments: int, target_steps: int) -> dict:
@@ -158,106 +149,17 @@ def build_report(
     sessions = _read_jsonl(run_dir / "sessions.jsonl")
     records = {s.name: read_status(run_dir / "learners" / f"{s.name}.jsonl") for s in specs}
     learners = {s.name: learner_summary(records[s.name], cfg.fragments, s.steps) for s in specs}
-    # the session's word on how each process ended, where its records cannot tell: a
-    # learner stopped before its first step wrote no final record
-    for name, state in (states or {}).items():
-        if name not in learners or learners[name]["state"] == "done":
-            continue
-        if state in ("crashed", "killed"):
-            learners[name]["state"] = "crashed"
-        elif state == "stopped":
-            learners[name]["state"] = "stopped"
-    M = cfg.learners
-    learner_wall = sum(
-        (s.get("learners_end") or s["end"]) - s["learners_start"]
-        for s in sessions
-        if s.get("learners_start") is not None
-    )
-    tokens = sum(l["tokens"] for l in learners.values())
-    push_bytes = sum(l["push_bytes"] for l in learners.values())
-    pull_bytes = sum(l["pull_bytes"] for l in learners.values())
-    pushes = sum(l["pushes"] for l in learners.values())
-    adopted = sum(l["adopted"] for l in learners.values())
-    versions = sum(l["versions_pulled"] for l in learners.values())
-    params = max((l["params"] for l in learners.values()), default=0)
-    frag = params / cfg.fragments
-    wire = sum(l["bytes_sent"] + l["bytes_received"] for l in learners.values())
-    total_steps = sum(l["steps"] for l in learners.values())
-    dp_bytes = total_steps * 2 * (2 * (M - 1) / M) * 4 * params
-    g = {
-        "eval_loss": (global_eval or {}).get("eval_loss"),
-        "eval_bits_per_byte": (global_eval or {}).get("eval_bits_per_byte"),
-        "versions": (global_eval or {}).get("versions"),
-        "open_rounds": (global_eval or {}).get("open_rounds"),
-        "model": (global_eval or {}).get("model"),
-        "tokens": tokens,
-        "steps": total_steps,
-        "goodput": (
-            sum(l["step_seconds"] for l in learners.values()) / (M * learner_wall)
-            if learner_wall > 0
-            else None
-        ),
-        "learner_phase_seconds": learner_wall,
-        "push_bits_per_param": 8 * push_bytes / (pushes * frag) if pushes else None,
-        "pull_bits_per_param": 8 * pull_bytes / (adopted * frag) if adopted else None,
-        "pull_bits_per_param_per_version": (
-            8 * pull_bytes / (versions * params) if versions and params else None
-        ),
-        "bytes_sent": sum(l["bytes_sent"] for l in learners.values()),
-        "bytes_received": sum(l["bytes_received"] for l in learners.values()),
-        "data_parallel_bytes": dp_bytes,
-        "bytes_reduction_vs_data_parallel": dp_bytes / wire if wire and M > 1 else None,
-        "baseline_eval_loss": None,
-    }
+    _end_states(learners, states or {})
+    g = _global(learners, sessions, cfg, global_eval or {})
     baseline = None
     if baseline_spec is not None:
-        b_records = read_status(run_dir / "learners" / f"{baseline_spec.name}.jsonl")
-        records[baseline_spec.name] = b_records
-        baseline = learner_summary(b_records, 1, baseline_spec.steps)
-        for k in (
-            "bytes_sent",
-            "bytes_received",
-            "push_bytes",
-            "pull_bytes",
-            "pushes",
-            "refused",
-            "resyncs",
-            "adopted",
-            "versions_pulled",
-            "blocked_seconds",
-            "blocked_pct",
-            "mean_lag",
-            "max_lag",
-            "push_bits_per_param",
-            "pull_bits_per_param",
-            "pull_bits_per_param_per_version",
-        ):
-            baseline.pop(k, None)
-        g["baseline_eval_loss"] = baseline["final_eval_loss"]
-        if g["eval_loss"] is not None and baseline["final_eval_loss"]:
-            g["eval_loss_vs_baseline_pct"] = 100 * (
-                g["eval_loss"] / baseline["final_eval_loss"] - 1
-            )
-    shards = {}
-    for sample in _read_jsonl(run_dir / "shards.jsonl"):
-        shards[str(sample["shard"])] = {
-            k: v for k, v in sample.items() if k not in ("shard", "time")
-        }
-    per_period = [
-        v for s in shards.values() for v in (s.get("outer_steps_per_period") or {}).values()
-    ]
-    g["outer_steps_per_period"] = sum(per_period) / len(per_period) if per_period else None
-    for i, n in (shard_restarts or {}).items():
-        shards.setdefault(str(i), {})["restarts_this_session"] = n
-    done = all(l["state"] == "done" and l["steps"] >= l["target_steps"] for l in learners.values())
+        baseline = _baseline(run_dir, baseline_spec, g)
+    shards = _shards(run_dir, shard_restarts or {}, g)
     complete = (
-        done
+        all(_finished(l) for l in learners.values())
         and not interrupted
         and not failure
-        and (
-            baseline is None
-            or (baseline["state"] == "done" and baseline["steps"] >= baseline["target_steps"])
-        )
+        and (baseline is None or _finished(baseline))
     )
     return {
         "format": FORMAT,
@@ -277,6 +179,112 @@ def build_report(
     }
 
 
+def _finished(summary: dict) -> bool:
+    return summary["state"] == "done" and summary["steps"] >= summary["target_steps"]
+
+
+def _end_states(learners: dict[str, dict], states: dict[str, str]) -> None:
+    """The session's word on how each process ended, where its records cannot tell: a
+    learner stopped before its first step wrote no final record."""
+    for name, state in states.items():
+        if name not in learners or learners[name]["state"] == "done":
+            continue
+        if state in ("crashed", "killed"):
+            learners[name]["state"] = "crashed"
+        elif state == "stopped":
+            learners[name]["state"] = "stopped"
+
+
+def _global(learners: dict[str, dict], sessions: list[dict], cfg, global_eval: dict) -> dict:
+    """The run's figures: the global model's eval, and the learners' added up."""
+    M = cfg.learners
+    learner_wall = sum(
+        (s.get("learners_end") or s["end"]) - s["learners_start"]
+        for s in sessions
+        if s.get("learners_start") is not None
+    )
+
+    def total(key: str):
+        return sum(l[key] for l in learners.values())
+
+    push_bytes, pull_bytes = total("push_bytes"), total("pull_bytes")
+    pushes, adopted, versions = total("pushes"), total("adopted"), total("versions_pulled")
+    params = max((l["params"] for l in learners.values()), default=0)
+    frag = params / cfg.fragments
+    wire = total("bytes_sent") + total("bytes_received")
+    dp_bytes = total("steps") * 2 * (2 * (M - 1) / M) * 4 * params
+    return {
+        **{k: global_eval.get(k) for k in _GLOBAL_EVAL},
+        "tokens": total("tokens"),
+        "steps": total("steps"),
+        "goodput": total("step_seconds") / (M * learner_wall) if learner_wall > 0 else None,
+        "learner_phase_seconds": learner_wall,
+        "push_bits_per_param": 8 * push_bytes / (pushes * frag) if pushes else None,
+        "pull_bits_per_param": 8 * pull_bytes / (adopted * frag) if adopted else None,
+        "pull_bits_per_param_per_version": (
+            8 * pull_bytes / (versions * params) if versions and params else None
+        ),
+        "bytes_sent": total("bytes_sent"),
+        "bytes_received": total("bytes_received"),
+        "data_parallel_bytes": dp_bytes,
+        "bytes_reduction_vs_data_parallel": dp_bytes / wire if wire and M > 1 else None,
+        "baseline_eval_loss": None,
+    }
+
+
+_GLOBAL_EVAL = ("eval_loss", "eval_bits_per_byte", "versions", "open_rounds", "model")
+# what a data-parallel baseline has no part in (it never pushes or pulls)
+_NOT_BASELINE = (
+    "bytes_sent",
+    "bytes_received",
+    "push_bytes",
+    "pull_bytes",
+    "pushes",
+    "refused",
+    "resyncs",
+    "adopted",
+    "versions_pulled",
+    "blocked_seconds",
+    "blocked_pct",
+    "mean_lag",
+    "max_lag",
+    "push_bits_per_param",
+    "pull_bits_per_param",
+    "pull_bits_per_param_per_version",
+)
+
+
+def _baseline(run_dir: pathlib.Path, spec, g: dict) -> dict:
+    """The data-parallel baseline's summary; its eval loss, and the global model's against it,
+    go into the run's figures `g`."""
+    baseline = learner_summary(
+        read_status(run_dir / "learners" / f"{spec.name}.jsonl"), 1, spec.steps
+    )
+    for k in _NOT_BASELINE:
+        baseline.pop(k, None)
+    g["baseline_eval_loss"] = baseline["final_eval_loss"]
+    if g["eval_loss"] is not None and baseline["final_eval_loss"]:
+        g["eval_loss_vs_baseline_pct"] = 100 * (g["eval_loss"] / baseline["final_eval_loss"] - 1)
+    return baseline
+
+
+def _shards(run_dir: pathlib.Path, shard_restarts: dict[int, int], g: dict) -> dict[str, dict]:
+    """Each shard's last metrics sample and restarts this session; their mean outer steps per
+    period goes into the run's figures `g`."""
+    shards = {}
+    for sample in _read_jsonl(run_dir / "shards.jsonl"):
+        shards[str(sample["shard"])] = {
+            k: v for k, v in sample.items() if k not in ("shard", "time")
+        }
+    per_period = [
+        v for s in shards.values() for v in (s.get("outer_steps_per_period") or {}).values()
+    ]
+    g["outer_steps_per_period"] = sum(per_period) / len(per_period) if per_period else None
+    for i, n in shard_restarts.items():
+        shards.setdefault(str(i), {})["restarts_this_session"] = n
+    return shards
+
+
 def write_report(run_dir: pathlib.Path, cfg, specs, baseline_spec=None, **kw) -> dict:
     """Builds the report, draws the plots next to it, writes report.json (atomically); returns it."""
     report = build_report(run_dir, cfg, specs, baseline_spec, **kw)
@@ -289,164 +297,3 @@ def write_report(run_dir: pathlib.Path, cfg, specs, baseline_spec=None, **kw) ->
     tmp.write_text(json.dumps(report, indent=1))
     os.replace(tmp, run_dir / "report.json")
     return report
-
-
-# -- plots ------------------------------------------------------------------------------------
-
-
-def _series(records: list[dict], key: str) -> list[tuple[float, float]]:
-    """(time, value) of `key`, counters made cumulative across lives."""
-    out, offset, last = [], 0.0, 0.0
-    for life in lives(records):
-        offset += last
-        last = 0.0
-        for r in life:
-            if r.get(key) is not None:
-                last = r[key]
-                out.append((r["time"], offset + last))
-    return out
-
-
-def _smoothed(points: list[tuple[float, float]], keep: float = 0.9) -> list[tuple[float, float]]:
-    """An exponential moving average of (x, y) points, for noisy training losses."""
-    out, avg = [], None
-    for x, y in points:
-        avg = y if avg is None else keep * avg + (1 - keep) * y
-        out.append((x, avg))
-    return out
-
-
-def _save(fig, ax, path: pathlib.Path, legend: dict) -> str:
-    """Grid, legend (when anything is labelled), layout; writes the PNG, frees the figure."""
-    import matplotlib.pyplot as plt
-
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(**legend)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path.name
-
-
-def plot(run_dir: pathlib.Path, report: dict, specs, baseline_spec=None) -> list[str]:
-    """loss.png, wire.png, lag.png; returns their names."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    records = {s.name: read_status(run_dir / "learners" / f"{s.name}.jsonl") for s in specs}
-    sessions = report["sessions"]
-    t0 = min([s["start"] for s in sessions] + [r[0]["time"] for r in records.values() if r] or [0])
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    label = {
-        s.name: f"{s.name}" + (f" ({s.slowdown:g}x slower)" if s.slowdown > 1 else "")
-        for s in specs
-    }
-
-    # tokens of all learners together at time t: the x axis that matches the baseline's
-    token_curves = {
-        n: ([r["time"] for r in rs if "tokens" in r], [r["tokens"] for r in rs if "tokens" in r])
-        for n, rs in records.items()
-    }
-
-    def run_tokens(t: float) -> float:
-        total = 0
-        for times, toks in token_curves.values():
-            i = bisect.bisect_right(times, t)
-            total += toks[i - 1] if i else 0
-        return total
-
-    names = []
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=100)
-    for k, (name, rs) in enumerate(records.items()):
-        c = colors[k % len(colors)]
-        train = _smoothed(
-            [(run_tokens(r["time"]), r["loss"]) for r in rs if r.get("state") == "training"]
-        )
-        if train:
-            ax.plot(*zip(*train), "-", lw=0.8, color=c, alpha=0.3)
-        pts = [
-            (run_tokens(r["time"]), r["eval_loss"]) for r in rs if r.get("eval_loss") is not None
-        ]
-        if pts:
-            ax.plot(*zip(*pts), "o-", ms=3, lw=1.2, color=c, alpha=0.9, label=label[name])
-    g = report["global"]
-    if baseline_spec is not None:
-        b = [
-            r
-            for r in read_status(run_dir / "learners" / f"{baseline_spec.name}.jsonl")
-            if r.get("eval_loss") is not None
-        ]
-        if b:
-            ax.plot(
-                [r["tokens"] for r in b],
-                [r["eval_loss"] for r in b],
-                "s--",
-                ms=3,
-                lw=1.5,
-                color="black",
-                label="data-parallel baseline",
-            )
-    if g.get("eval_loss") is not None:
-        ax.plot(
-            [g["tokens"]],
-            [g["eval_loss"]],
-            "*",
-            ms=16,
-            color="crimson",
-            zorder=5,
-            label=f"global model {g['eval_loss']:.3f}",
-        )
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1e6:g}M"))
-    ax.set_xlabel("tokens trained, all learners together")
-    ax.set_ylabel("held-out loss (nats/byte); faint: training loss")
-    cfg = report["config"]
-    ax.set_title(
-        f"atoll up: {cfg['learners']} learners, {cfg['shards']} shards, {cfg['preset']}, "
-        f"{cfg['codec']}, H={cfg['period']}"
-    )
-    names.append(_save(fig, ax, run_dir / "loss.png", legend=dict(fontsize=8)))
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=100)
-    for k, (name, rs) in enumerate(records.items()):
-        c = colors[k % len(colors)]
-        for key, style, what in (("bytes_sent", "-", "sent"), ("bytes_received", "--", "received")):
-            pts = _series(rs, key)
-            if pts:
-                ax.plot(
-                    [(t - t0) / 60 for t, _ in pts],
-                    [v / 1e6 for _, v in pts],
-                    style,
-                    color=c,
-                    lw=1.2,
-                    label=f"{name} {what}",
-                )
-    ax.set_xlabel("minutes since the run started")
-    ax.set_ylabel("MB on the wire (cumulative)")
-    bits = g.get("push_bits_per_param")
-    ax.set_title(
-        "bytes on the wire per learner" + (f" ({bits:.2f} bits/param per push)" if bits else "")
-    )
-    names.append(_save(fig, ax, run_dir / "wire.png", legend=dict(fontsize=7, ncol=2)))
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.0), dpi=100)
-    for k, (name, rs) in enumerate(records.items()):
-        pts = [((r["time"] - t0) / 60, r["lag"]) for r in rs if r.get("lag") is not None]
-        if pts:
-            ax.step(
-                *zip(*pts),
-                where="post",
-                color=colors[k % len(colors)],
-                lw=1.2,
-                alpha=0.85,
-                label=label[name],
-            )
-    ax.set_xlabel("minutes since the run started")
-    ax.set_ylabel("version lag (versions)")
-    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    ax.set_title("version lag per learner (newest known - held, worst fragment)")
-    names.append(_save(fig, ax, run_dir / "lag.png", legend=dict(fontsize=8)))
-    return names
