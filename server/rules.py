@@ -80,13 +80,15 @@ def _int(name: str, x: object, *, low: int, hint: str = "") -> int:
 
 @dataclasses.dataclass(frozen=True)
 class RoundPolicy:
-    """How a shard runs its rounds; validated at construction."""
+    """How a shard runs its rounds; validated at construction. The settings have no
+    defaults here: ShardConfig holds them (`atoll syncer`'s flags), and the shard passes
+    each one on."""
 
-    quorum: int = 1  # K: contributors needed before a round may close; int >= 1
-    grace_factor: float = 1.0  # γ: multiplies the overlap slack; >= 0, 0 = no grace
-    max_staleness: int = 4  # s_max: oldest base accepted is current - s_max; int >= 0
-    discount_exponent: float = 0.0  # a in (1+s)^-a for stale pushes; >= 0, 0 = none
-    lease_seconds: float = 30.0  # a learner is live this long after its last call; > 0
+    quorum: int  # K: contributors needed before a round may close; int >= 1
+    grace_factor: float  # γ: multiplies the overlap slack; >= 0, 0 = no grace
+    max_staleness: int  # s_max: oldest base accepted is current - s_max; int >= 0
+    discount_exponent: float  # a in (1+s)^-a for stale pushes; >= 0, 0 = none
+    lease_seconds: float  # a learner is live this long after its last call; > 0
     ewma_alpha: float = 0.2  # weight of the newest timing sample; in (0, 1]
 
     def __post_init__(self) -> None:
@@ -246,7 +248,8 @@ def admit(
 
     Returns:
       An Admission; e.g. admit(seq=9, newest_seq=8, base_version=6, current_version=7,
-      in_round=False, tokens=100, inner_steps=10, policy=RoundPolicy(discount_exponent=1))
+      in_round=False, tokens=100, inner_steps=10, policy=RoundPolicy(quorum=1,
+      grace_factor=2.0, max_staleness=4, discount_exponent=1, lease_seconds=30.0))
       accepts with STALE_DISCOUNTED, staleness 1, discount 0.5 and weight 1000.0.
     """
     by_seq = _judge_seq(seq, newest_seq)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import pathlib
 import re
 
 import pytest
@@ -9,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atoll.server import rules
+from atoll.server.config import ShardConfig
 from atoll.server.rules import (
     CloseDecision,
     Ewma,
@@ -30,6 +32,20 @@ from atoll.server.rules import (
     open_round,
     token_weight,
 )
+
+
+def _policy(**fields) -> RoundPolicy:
+    """A RoundPolicy at ShardConfig's defaults but for `fields` (it has none of its own)."""
+    cfg = ShardConfig(0, 1, pathlib.Path("unused"))
+    values = dict(
+        quorum=cfg.quorum,
+        grace_factor=cfg.grace_factor,
+        max_staleness=cfg.max_staleness,
+        discount_exponent=cfg.staleness_discount,
+        lease_seconds=cfg.lease_seconds,
+    )
+    return RoundPolicy(**(values | fields))
+
 
 T0 = 1000.0  # an arbitrary instant on the injected monotonic clock
 FAST = settings(max_examples=150, deadline=None)
@@ -200,27 +216,25 @@ def test_ewma_refuses_bad_samples_and_alpha(sample, alpha):
 
 
 def test_estimate_grace_from_running_timings():
-    policy = RoundPolicy(grace_factor=1.0)
+    policy = _policy(grace_factor=1.0)
     step, sync = 0.5, Ewma(0.25, 3)
     # counted from the first push: τ·ξ_step − ξ_sync (the round's own ξ_quorum is inside it)
     assert estimate_grace(policy, 4, step, sync) == pytest.approx(1.75)
     assert estimate_grace(policy, 4, None, sync) == 0.0  # no step time yet
     assert estimate_grace(policy, 4, step, Ewma()) == pytest.approx(2.0)
-    assert estimate_grace(RoundPolicy(grace_factor=0.5), 4, step, Ewma()) == pytest.approx(1.0)
+    assert estimate_grace(_policy(grace_factor=0.5), 4, step, Ewma()) == pytest.approx(1.0)
     # never shorter than one step: a period's pushes arrive spread by up to a step
     assert estimate_grace(policy, 1, step, Ewma(0.4, 3)) == pytest.approx(0.5)
-    assert estimate_grace(RoundPolicy(grace_factor=0.0), 4, step, Ewma()) == 0.0
+    assert estimate_grace(_policy(grace_factor=0.0), 4, step, Ewma()) == 0.0
     # never past one sync period: the next period's pushes are due then
     assert estimate_grace(policy, 4, step, Ewma(), cadence_seconds=1.5) == 1.5
     assert estimate_grace(policy, 4, step, Ewma(), cadence_seconds=3.0) == pytest.approx(2.0)
     # nor shorter than γ/2 of a period: pushes on a busy host arrive spread by more than a step
     assert estimate_grace(policy, 4, step, Ewma(), cadence_seconds=9.0) == pytest.approx(4.5)
     assert estimate_grace(
-        RoundPolicy(grace_factor=0.5), 1, 0.005, Ewma(), cadence_seconds=0.32
+        _policy(grace_factor=0.5), 1, 0.005, Ewma(), cadence_seconds=0.32
     ) == pytest.approx(0.08)
-    assert (
-        estimate_grace(RoundPolicy(grace_factor=0.0), 1, 0.005, Ewma(), cadence_seconds=0.32) == 0.0
-    )
+    assert estimate_grace(_policy(grace_factor=0.0), 1, 0.005, Ewma(), cadence_seconds=0.32) == 0.0
 
 
 def test_cadence_is_h_steps_of_the_fastest_live_learner():
@@ -414,7 +428,7 @@ def test_decide_close_is_monotone_in_time(contributors, others, quorum, gaps, gr
 
 
 def test_policy_defaults_are_valid_and_frozen():
-    p = RoundPolicy()
+    p = _policy()
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.quorum = 2  # type: ignore[misc]
 
@@ -435,7 +449,7 @@ def test_policy_defaults_are_valid_and_frozen():
 )
 def test_policy_refuses_bad_fields_saying_how_to_fix(field, value, hint):
     with pytest.raises(ValueError, match=re.escape(hint)) as err:
-        RoundPolicy(**{field: value})
+        _policy(**{field: value})
     assert field in str(err.value)
 
 
@@ -451,7 +465,7 @@ def _admit(**kw):
         in_round=False,
         tokens=1000,
         inner_steps=10,
-        policy=RoundPolicy(max_staleness=2, discount_exponent=1.0),
+        policy=_policy(max_staleness=2, discount_exponent=1.0),
     )
     return admit(**(args | kw))
 
