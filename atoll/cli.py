@@ -45,7 +45,7 @@ COMMANDS = (
         "drain",
         "the syncer pod's preStop hook: if a scale-down takes this shard away, hand its "
         "fragments to the shards that stay (docs/resharding.md)",
-        "atoll.cluster.reshard",
+        "atoll.cluster.drain",
         add="add_drain_arguments",
         main="drain_command",
     ),

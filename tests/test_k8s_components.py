@@ -360,7 +360,7 @@ def _hosts(pattern: str, shards: int) -> set[str]:
 def _shard_addresses(overlay: str, objs) -> set[str]:
     """Every address pattern by which something dials the shards of `overlay`: the learners
     (each learner overlay that uses these shards), the drain and atoll-status."""
-    from atoll.cluster.reshard import DEFAULT_DRAIN_SHARDS
+    from atoll.cluster.drain import DEFAULT_DRAIN_SHARDS
 
     learners = [overlay] if overlay == "all-in-one" else LEARNER_ONLY
     patterns = {learner_settings(render(o))["ATOLL_SHARDS"] for o in learners}

@@ -970,7 +970,7 @@ def test_syncer_services(overlay):
 def test_a_scale_down_drains_the_leaving_shards_first(overlay, components):
     """The preStop hook is a valid `atoll drain` that can reach the shards, read the
     StatefulSet's size with the pod's own account, and finish within the grace period."""
-    from atoll.cluster.reshard import DEFAULT_DRAIN_SHARDS
+    from atoll.cluster.drain import DEFAULT_DRAIN_SHARDS
 
     objs = render(overlay, components)
     sts = one(objs, "StatefulSet", "atoll-syncer")
@@ -982,7 +982,7 @@ def test_a_scale_down_drains_the_leaving_shards_first(overlay, components):
     assert args.command == "drain" and args.statefulset == sts["metadata"]["name"]
     # it starts no move after --timeout, and the last one (its calls and health checks) ends
     # inside the grace period with time left for the shard's final snapshot
-    from atoll.cluster.reshard import MOVE_SECONDS
+    from atoll.cluster.drain import MOVE_SECONDS
 
     assert spec["terminationGracePeriodSeconds"] >= args.timeout + MOVE_SECONDS + 30
     # the shards by the headless Service's per-pod names, which stay while pods stop
@@ -1025,7 +1025,7 @@ def test_a_scale_down_drains_the_leaving_shards_first(overlay, components):
     else:
         assert args.tls_ca is None
     if "mutual-tls" in components:  # a client certificate, from the environment it reads
-        from atoll.cluster.reshard import ENV_DRAIN_TLS
+        from atoll.cluster.drain import ENV_DRAIN_TLS
 
         mounts = {
             m["name"]: pathlib.PurePath(m["mountPath"])

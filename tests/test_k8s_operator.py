@@ -140,7 +140,7 @@ def test_only_the_operator_token_is_mounted(components):
 def test_status_dials_shards_by_their_certificate_names(components):
     """The headless Service's per-pod names (what the drain dials and the certificate holds),
     at the pod's `grpc` port; never the pod IP, which the certificate does not name."""
-    from atoll.cluster.reshard import DEFAULT_DRAIN_SHARDS
+    from atoll.cluster.drain import DEFAULT_DRAIN_SHARDS
 
     objs = render("syncer", components)
     sts, grpc = _syncer(objs)
@@ -168,6 +168,7 @@ def test_reshard_job_is_a_valid_reshard(components, tmp_path, monkeypatch):
     """Suspended; its N from the ConfigMap atoll-reshard; the args, expanded as the kubelet
     does, are accepted by `atoll reshard` itself up to the point it dials the shards."""
     from atoll.cluster import reshard
+    from atoll.cluster.drain import DEFAULT_DRAIN_SHARDS
 
     objs = render("syncer", components)
     job = one(objs, "Job", "atoll-reshard")
@@ -182,7 +183,7 @@ def test_reshard_job_is_a_valid_reshard(components, tmp_path, monkeypatch):
     sts, grpc = _syncer(objs)
     pattern = _flag(c, "--shards")
     assert pattern == f"{sts['metadata']['name']}-{{i}}.{sts['spec']['serviceName']}:{grpc}"
-    assert pattern == reshard.DEFAULT_DRAIN_SHARDS
+    assert pattern == DEFAULT_DRAIN_SHARDS
 
     # the files the pod mounts, here
     token = tmp_path / "operator-token"

@@ -238,10 +238,10 @@ def up(i: int) -> FakeShard:
 
 
 def _drain(index, shards: dict, **kw):
-    from atoll.cluster import reshard as rs
+    from atoll.cluster import drain as dr
 
     kw.setdefault("timeout", 60.0)
-    return rs.drain(
+    return dr.drain(
         index,
         lambda: 2,
         lambda i: shards.get(i) or FakeShard(i, down=True),
@@ -254,7 +254,7 @@ def _drain(index, shards: dict, **kw):
 def planned(monkeypatch):
     """atoll drain's reshard, faked: the first call meets a target restarting
     (UNAVAILABLE), the next moves everything; `calls` lists the shards each was given."""
-    from atoll.cluster import reshard as rs
+    from atoll.cluster import drain as dr
 
     state: dict = {"calls": [], "done": False}
 
@@ -265,8 +265,8 @@ def planned(monkeypatch):
         state["done"] = True
         return {"map_version": 5, "owners": [0, 1, 0, 1], "moves": [{"fragment": 2}]}
 
-    monkeypatch.setattr(rs, "reshard", reshard)
-    monkeypatch.setattr(rs, "DRAIN_POLL_SECONDS", 0.0)
+    monkeypatch.setattr(dr, "reshard", reshard)
+    monkeypatch.setattr(dr, "DRAIN_POLL_SECONDS", 0.0)
     return state
 
 
@@ -297,9 +297,9 @@ def test_pods_stopped_one_at_a_time_each_plan_in_turn(planned):
 
 
 def test_a_leaving_shard_gives_up_at_its_timeout_saying_what_is_left(monkeypatch):
-    from atoll.cluster import reshard as rs
+    from atoll.cluster import drain as dr
 
-    monkeypatch.setattr(rs, "DRAIN_POLL_SECONDS", 0.0)
+    monkeypatch.setattr(dr, "DRAIN_POLL_SECONDS", 0.0)
     now = [0.0]
 
     def clock() -> float:
@@ -307,19 +307,19 @@ def test_a_leaving_shard_gives_up_at_its_timeout_saying_what_is_left(monkeypatch
         return now[0]
 
     stuck = {0: FakeShard(0), 1: FakeShard(1), 2: up(2), 3: Holding(3, [1, 3])}
-    with pytest.raises(rs.DrainError, match=r"shard 3 still holds fragments \[1, 3\] after 60 s"):
+    with pytest.raises(dr.DrainError, match=r"shard 3 still holds fragments \[1, 3\] after 60 s"):
         _drain(3, stuck, clock=clock)
-    with pytest.raises(rs.DrainError, match="scales to 0"):
-        rs.drain(0, lambda: 0, lambda i: FakeShard(i), 60.0, say=lambda _: None)
+    with pytest.raises(dr.DrainError, match="scales to 0"):
+        dr.drain(0, lambda: 0, lambda i: FakeShard(i), 60.0, say=lambda _: None)
 
 
 def test_a_refusal_waiting_cannot_mend_ends_the_drain(monkeypatch):
-    from atoll.cluster import reshard as rs
+    from atoll.cluster import drain as dr
 
     def reshard(shards, n, say, **kw):
         raise Refused(grpc.StatusCode.PERMISSION_DENIED)
 
-    monkeypatch.setattr(rs, "reshard", reshard)
+    monkeypatch.setattr(dr, "reshard", reshard)
     shards = {0: FakeShard(0), 1: FakeShard(1), 2: Holding(2, [2])}
     with pytest.raises(grpc.RpcError):
         _drain(2, shards)
