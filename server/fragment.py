@@ -55,8 +55,8 @@ class Fragment:
         rda: bool,
         delta_ring: int,
         publish_codec: codec.Codec,
-        quorum: int = 1,
-        momentum_delay: int = 1,
+        quorum: int,
+        momentum_delay: int,
         pool: merge.AccumulatorPool | None = None,
     ):
         self.index = index

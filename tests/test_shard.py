@@ -281,6 +281,7 @@ def test_a_snapshot_written_with_another_momentum_delay_is_refused_with_the_reas
         rda=True,
         delta_ring=4,
         publish_codec=codec.Codec.INT4,
+        quorum=shard.cfg.quorum,
         momentum_delay=1,
     )
     with pytest.raises(ValueError, match="--momentum-delay"):
@@ -293,6 +294,7 @@ def test_a_snapshot_written_with_another_momentum_delay_is_refused_with_the_reas
         rda=True,
         delta_ring=4,
         publish_codec=codec.Codec.INT4,
+        quorum=shard.cfg.quorum,
         momentum_delay=shard.cfg.momentum_delay,
     )
     same.restore(meta, arrays, now=0.0)

@@ -243,6 +243,7 @@ def test_an_adopt_of_a_fragment_its_owner_never_froze_is_refused(pair):
         rda=cfg.rda,
         delta_ring=cfg.delta_ring,
         publish_codec=cfg.publish_codec,
+        quorum=cfg.quorum,
         momentum_delay=cfg.momentum_delay,
     )
     made.initialize(np.zeros(PLAN.fragment_sizes[2], np.float32))
