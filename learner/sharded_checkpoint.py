@@ -130,17 +130,18 @@ class ProcessRows:
 def read_rows(
     ckpt: Checkpoint, boxes: ProcessBoxes
 ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-    """This process's (origins, residuals) from `ckpt`, read by every process together;
-    ({}, {}) on every process where the checkpoint was written on another mesh (its
-    fragments then restart from the global weights)."""
+    """This process's (origins, residuals) from `ckpt`, read by every process together:
+    its rows, or its boxes of a one-process checkpoint's whole vectors; ({}, {}) on every
+    process where another mesh wrote the rows (the fragments restart from the global
+    weights)."""
     meta, me = ckpt.meta, jax.process_index()
+    if meta.get("sync_layout") is None and ckpt.path is not None:
+        return _taken(ckpt.path, ckpt.cut, boxes)
     same = (
         meta.get("sync_layout") == LAYOUT
         and meta.get("processes") == jax.process_count()
         and meta["boxes"][me] == boxes_digest(boxes)
     )
-    if meta.get("sync_layout") is None and ckpt.path is not None:
-        return _taken(ckpt.path, ckpt.cut, boxes)
     if not _allgather([same])[:, 0].all():
         log.warning(
             "%s: written by %s; this learner's sync vectors are per process and per box, "
