@@ -110,40 +110,9 @@ def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> 
         "codecs": {},
     }
     for c in (codec.Codec.INT4, codec.Codec.MXFP4):
-        frame = codec.encode(x, c)
-        ef = codec.ErrorFeedback(num_params, c)
-        acc = RoundAccumulator(segments)
-        paths = {
-            "encode": lambda: codec.encode(x, c),
-            "encode_ef": lambda: ef.encode(x),
-            "decode_accumulate": lambda: codec.decode_into(frame, scratch, 0.5),
-            "read_codes": lambda: codec.read_codes(frame),
-            "norm_accumulate": lambda: acc.add_frame(frame, 1.0),
-        }
-        scratch[...] = 0.0
-        figures = {}
-        for name, threads in (("per_core", 1), ("all_cores", cores)):
-            old = codec.set_threads(threads)
-            try:
-                times = {path: _measure(fn, memcpy, repeats) for path, fn in paths.items()}
-            finally:
-                codec.set_threads(old)
-            figures[name] = {"threads": threads}
-            for path, (wall, cpu, base) in times.items():
-                figures[name][f"{path}_mparams_per_s"] = round(num_params / wall / 1e6, 1)
-                figures[name][f"{path}_vs_memcpy"] = round(base / wall, 3)
-                figures[name][f"{path}_mparams_per_cpu_s"] = round(
-                    num_params / max(cpu, 1e-9) / 1e6, 1
-                )
-        decoded = codec.decode(frame)
-        rel_error = float(
-            np.linalg.norm((decoded - x).astype(np.float64)) / np.linalg.norm(x.astype(np.float64))
+        result["codecs"][c.name.lower()] = _codec_figures(
+            c, x, scratch, RoundAccumulator(segments), memcpy, repeats, cores
         )
-        result["codecs"][c.name.lower()] = {
-            **figures,
-            "bits_per_param": round(len(frame) * 8 / num_params, 4),
-            "rel_error": round(rel_error, 5),
-        }
     int4 = result["codecs"]["int4"]["all_cores"]
     result["targets"] = {
         "int4_encode_mparams_per_s": ENCODE_TARGET,
@@ -157,6 +126,46 @@ def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> 
     # memcpy of the same run hold better than the rates. The load says how busy it was.
     result["load_average_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return result
+
+
+def _codec_figures(
+    c: codec.Codec, x: np.ndarray, scratch: np.ndarray, acc, memcpy, repeats: int, cores: int
+) -> dict:
+    """One codec's paths on one core and on `cores`, timed in turns with `memcpy` (which
+    copies into `scratch`, the buffer decoding adds to), and its wire size and error on `x`;
+    `acc`: a RoundAccumulator over x's tensor layout."""
+    num_params = x.size
+    frame = codec.encode(x, c)
+    ef = codec.ErrorFeedback(num_params, c)
+    paths = {
+        "encode": lambda: codec.encode(x, c),
+        "encode_ef": lambda: ef.encode(x),
+        "decode_accumulate": lambda: codec.decode_into(frame, scratch, 0.5),
+        "read_codes": lambda: codec.read_codes(frame),
+        "norm_accumulate": lambda: acc.add_frame(frame, 1.0),
+    }
+    scratch[...] = 0.0
+    figures: dict = {}
+    for name, threads in (("per_core", 1), ("all_cores", cores)):
+        old = codec.set_threads(threads)
+        try:
+            times = {path: _measure(fn, memcpy, repeats) for path, fn in paths.items()}
+        finally:
+            codec.set_threads(old)
+        figures[name] = {"threads": threads}
+        for path, (wall, cpu, base) in times.items():
+            figures[name][f"{path}_mparams_per_s"] = round(num_params / wall / 1e6, 1)
+            figures[name][f"{path}_vs_memcpy"] = round(base / wall, 3)
+            figures[name][f"{path}_mparams_per_cpu_s"] = round(num_params / max(cpu, 1e-9) / 1e6, 1)
+    decoded = codec.decode(frame)
+    rel_error = float(
+        np.linalg.norm((decoded - x).astype(np.float64)) / np.linalg.norm(x.astype(np.float64))
+    )
+    return {
+        **figures,
+        "bits_per_param": round(len(frame) * 8 / num_params, 4),
+        "rel_error": round(rel_error, 5),
+    }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

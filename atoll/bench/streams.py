@@ -386,101 +386,138 @@ def bench_streams(
             "> 0, --crowd-processes >= 1"
         )
     plan = FragmentPlan.build(SPECS, len(SPECS))
-    # Above the whole bench (three phases, two crowds opening): no stream times out inside it.
-    idle_seconds = 3 * seconds + 600
     ctx = mp.get_context("spawn")
-    root = pathlib.Path(tempfile.mkdtemp(prefix="atoll-bench-streams-"))
+    rig = _Rig(pathlib.Path(tempfile.mkdtemp(prefix="atoll-bench-streams-")))
     load_before = os.getloadavg()[0]
-    shard, prober, crowd, pusher = None, None, None, None
     try:
-        shard, port, metrics_port = start_shard(
+        # Above the whole bench (three phases, two crowds opening): no stream times out inside it.
+        rig.start(ctx, plan, idle_seconds=3 * seconds + 600)
+        figures = _run(rig, ctx, plan, watches, stalled, crowd_processes, seconds, push_interval)
+    finally:
+        rig.close()
+    report = {
+        "watch_streams": watches,
+        "stalled_pushes": stalled,
+        "streams_per_connection": PER_CONNECTION,
+        "client_connections": figures["opened"]["connections"],
+        "seconds_per_phase": seconds,
+        "push_interval_s": push_interval,
+    }
+    return {**report, **_streams_report(figures, watches + stalled, seconds, load_before)}
+
+
+class _Rig:
+    """What one bench runs and must stop: the shard process, the prober, the pusher and the
+    crowd open now, with the shard's directory `root`."""
+
+    def __init__(self, root: pathlib.Path):
+        self.root = root
+        self.shard, self.prober, self.crowd, self.pusher = None, None, None, None
+        self.address, self.metrics_port = "", 0
+
+    def start(self, ctx, plan: FragmentPlan, idle_seconds: float) -> None:
+        """Starts the shard (its fragments initialised), the pusher and the prober."""
+        self.shard, port, self.metrics_port = start_shard(
             ShardConfig(
                 shard_index=0,
                 num_shards=1,
-                data_dir=root / "data",
+                data_dir=self.root / "data",
                 listen="127.0.0.1:0",
                 quorum=1,
                 grace_factor=0.0,
                 metrics_port=0,
                 stream_idle_seconds=idle_seconds,
             ),
-            root / "syncer.log",
+            self.root / "syncer.log",
         )
-        address = f"127.0.0.1:{port}"
-        init = ShardClient(address, "bench-init")
+        self.address = f"127.0.0.1:{port}"
+        init = ShardClient(self.address, "bench-init")
         for p, n in enumerate(plan.fragment_sizes):
             init.init(
                 plan, p, codec.encode(np.zeros(n, np.float32), codec.Codec.INT4), codec.Codec.INT4
             )
         init.close()
-        pusher = _Pusher(address, plan)
-        frame_bytes = len(pusher.frames[0])
+        self.pusher = _Pusher(self.address, plan)
         conn, child = ctx.Pipe()
-        prober = (
+        self.prober = (
             conn,
-            ctx.Process(target=_prober, name="prober", args=(child, address), daemon=True),
+            ctx.Process(target=_prober, name="prober", args=(child, self.address), daemon=True),
         )
-        prober[1].start()
-        pusher.run(2.0, push_interval)  # warm up: the first outer steps compile
-        before = _phase(prober, pusher, shard.pid, seconds, push_interval)
+        self.prober[1].start()
 
-        crowd = _Crowd(
-            ctx, address, metrics_port, watches, stalled, crowd_processes, frame_bytes, plan
-        )
-        opened = crowd.opened()
-        open_calls = _open_calls(metrics_port)
-        during = _phase(prober, pusher, shard.pid, seconds, push_interval)
-        left = crowd.leave()
-        time.sleep(2.0)
-        after = _phase(prober, pusher, shard.pid, seconds, push_interval)
-
-        # The same crowd again: what the first left behind must not grow with the second.
-        crowd = _Crowd(
-            ctx, address, metrics_port, watches, stalled, crowd_processes, frame_bytes, plan
-        )
-        crowd.opened()
-        rss_second_open = _rss_mb(shard.pid)
-        crowd.leave()
-        time.sleep(2.0)
-        again = _phase(prober, pusher, shard.pid, seconds / 2, push_interval)
-        prober[0].send("start")
-        prober[0].send(None)
-        _recv(*prober)
-        peak = round(_proc_status(shard.pid)["VmHWM"] / 2**20, 1)
-    finally:
+    def close(self) -> None:
         try:
-            if crowd is not None:
-                crowd.close()
-            if prober is not None and prober[1].pid is not None:
-                prober[1].join(5)
-                if prober[1].is_alive():
-                    prober[1].kill()
-            if pusher is not None:
-                pusher.client.close()
+            if self.crowd is not None:
+                self.crowd.close()
+            if self.prober is not None and self.prober[1].pid is not None:
+                self.prober[1].join(5)
+                if self.prober[1].is_alive():
+                    self.prober[1].kill()
+            if self.pusher is not None:
+                self.pusher.client.close()
         finally:  # whatever failed above, the shard process goes
-            if shard is not None:
-                shard.send_signal(
-                    signal.SIGKILL
-                )  # the data is thrown away: no final snapshot needed
-                shard.wait()
-            shutil.rmtree(root, ignore_errors=True)
+            if self.shard is not None:
+                # the data is thrown away: no final snapshot needed
+                self.shard.send_signal(signal.SIGKILL)
+                self.shard.wait()
+            shutil.rmtree(self.root, ignore_errors=True)
 
+
+def _run(
+    rig: _Rig,
+    ctx,
+    plan: FragmentPlan,
+    watches: int,
+    stalled: int,
+    processes: int,
+    seconds: float,
+    push_interval: float,
+) -> dict:
+    """The phases: before, during and after a crowd, then after the same crowd again."""
+    pid, pusher = rig.shard.pid, rig.pusher
+
+    def phase(length: float) -> dict:
+        return _phase(rig.prober, pusher, pid, length, push_interval)
+
+    def crowd() -> _Crowd:
+        frame_bytes = len(pusher.frames[0])
+        args = (rig.address, rig.metrics_port, watches, stalled, processes, frame_bytes, plan)
+        rig.crowd = _Crowd(ctx, *args)
+        return rig.crowd
+
+    pusher.run(2.0, push_interval)  # warm up: the first outer steps compile
+    out = {"before": phase(seconds)}
+    first = crowd()
+    out["opened"] = first.opened()
+    out["open_calls"] = _open_calls(rig.metrics_port)
+    out["during"] = phase(seconds)
+    out["left"] = first.leave()
+    time.sleep(2.0)
+    out["after"] = phase(seconds)
+    # The same crowd again: what the first left behind must not grow with the second.
+    second = crowd()
+    second.opened()
+    out["rss_second_open"] = _rss_mb(pid)
+    second.leave()
+    time.sleep(2.0)
+    out["again"] = phase(seconds / 2)
+    rig.prober[0].send("start")
+    rig.prober[0].send(None)
+    _recv(*rig.prober)
+    out["peak"] = round(_proc_status(pid)["VmHWM"] / 2**20, 1)
+    return out
+
+
+def _streams_report(f: dict, streams: int, seconds: float, load_before: float) -> dict:
+    """The phases' figures, RSS, the host and the targets met, from `_run`'s figures `f`."""
+    before, during, after, again = f["before"], f["during"], f["after"], f["again"]
+    opened, left = f["opened"], f["left"]
     held = during["rss_mb_start"] - before["rss_mb_end"]
-    growth_open = during["rss_mb_end"] - during["rss_mb_start"]
-    growth_again = again["rss_mb_end"] - after["rss_mb_end"]
-    p99 = during["health_ms_p99"]
     phases = {"before": before, "during": during, "after": after, "after_second_crowd": again}
-    all_accepted = all(ph["pushes_accepted"] == ph["pushes"] > 0 for ph in phases.values())
     return {
-        "watch_streams": watches,
-        "stalled_pushes": stalled,
-        "streams_per_connection": PER_CONNECTION,
-        "client_connections": opened["connections"],
-        "seconds_per_phase": seconds,
-        "push_interval_s": push_interval,
         "crowd_open_seconds": opened["seconds"],
         "crowd_leave_seconds": left["seconds"],
-        "open_calls_at_shard": open_calls,
+        "open_calls_at_shard": f["open_calls"],
         "watch_notices_received": left["notices"],
         "watch_notices_per_s": round(left["notices"] / (seconds + opened["seconds"]), 1),
         "crowd_errors": left["errors"],
@@ -490,11 +527,11 @@ def bench_streams(
             "crowd_open": during["rss_mb_start"],
             "crowd_open_end": during["rss_mb_end"],
             "after": after["rss_mb_end"],
-            "second_crowd_open": rss_second_open,
+            "second_crowd_open": f["rss_second_open"],
             "after_second_crowd": again["rss_mb_end"],
-            "peak": peak,
+            "peak": f["peak"],
         },
-        "rss_kb_per_open_stream": round(held * 1024 / max(1, watches + stalled), 1),
+        "rss_kb_per_open_stream": round(held * 1024 / max(1, streams), 1),
         "rss_note": (
             "crowd_open - before: what the open streams hold; after - before: what the first crowd "
             "leaves behind (gRPC and allocator caches, grown tables), reused by the next crowd: "
@@ -505,28 +542,34 @@ def bench_streams(
             "loadavg_1m_before": round(load_before, 2),
             "loadavg_1m_after": round(os.getloadavg()[0], 2),
         },
-        "targets": {
-            "health_p99_ms": {
-                "want": f"< {TARGET_HEALTH_P99_MS:g} with the crowd open, no failed check",
-                "got": p99,
-                "met": p99 is not None
-                and p99 < TARGET_HEALTH_P99_MS
-                and during["health_failures"] == 0,
-            },
-            "pushes_accepted": {
-                "want": "every push, in every phase",
-                "got": {k: f"{ph['pushes_accepted']}/{ph['pushes']}" for k, ph in phases.items()},
-                "met": all_accepted,
-            },
-            "rss_flat": {
-                "want": f"<= {TARGET_RSS_GROWTH_MB:g} MB growth while the crowd is open and pushes "
-                f"flow, and <= {TARGET_RSS_GROWTH_MB:g} MB from one crowd to the next",
-                "got": {
-                    "while_open": round(growth_open, 1),
-                    "crowd_to_crowd": round(growth_again, 1),
-                },
-                "met": growth_open <= TARGET_RSS_GROWTH_MB and growth_again <= TARGET_RSS_GROWTH_MB,
-            },
+        "targets": _targets(phases),
+    }
+
+
+def _targets(phases: dict[str, dict]) -> dict:
+    """Health p99 with the crowd open, every push accepted, RSS flat: wanted, got, met."""
+    during = phases["during"]
+    p99 = during["health_ms_p99"]
+    growth_open = during["rss_mb_end"] - during["rss_mb_start"]
+    growth_again = phases["after_second_crowd"]["rss_mb_end"] - phases["after"]["rss_mb_end"]
+    return {
+        "health_p99_ms": {
+            "want": f"< {TARGET_HEALTH_P99_MS:g} with the crowd open, no failed check",
+            "got": p99,
+            "met": p99 is not None
+            and p99 < TARGET_HEALTH_P99_MS
+            and during["health_failures"] == 0,
+        },
+        "pushes_accepted": {
+            "want": "every push, in every phase",
+            "got": {k: f"{ph['pushes_accepted']}/{ph['pushes']}" for k, ph in phases.items()},
+            "met": all(ph["pushes_accepted"] == ph["pushes"] > 0 for ph in phases.values()),
+        },
+        "rss_flat": {
+            "want": f"<= {TARGET_RSS_GROWTH_MB:g} MB growth while the crowd is open and pushes "
+            f"flow, and <= {TARGET_RSS_GROWTH_MB:g} MB from one crowd to the next",
+            "got": {"while_open": round(growth_open, 1), "crowd_to_crowd": round(growth_again, 1)},
+            "met": growth_open <= TARGET_RSS_GROWTH_MB and growth_again <= TARGET_RSS_GROWTH_MB,
         },
     }
 
