@@ -32,6 +32,12 @@ BENCHES = (
         "atoll.bench.streams",
     ),
     Command(
+        "learners",
+        "one shard process under 10 to 10,000 simulated learners, steady and coming and "
+        "going: shard CPU per push, push latency, rounds per second, RSS per learner",
+        "atoll.bench.learners",
+    ),
+    Command(
         "learner",
         "what atoll.Learner costs a training loop against a real shard: per-step overhead "
         "with no sync due and the pause at a sync point",

@@ -73,6 +73,7 @@ COVERAGE: dict[str, tuple[str, str | None]] = {
     "bench ingest": ("test_bench_ingest.py::test_tiny_run_reports_every_figure", None),
     "bench streams": ("test_bench_streams.py::test_tiny_crowd_reports_every_figure", None),
     "bench learner": ("test_bench_learner.py::test_tiny_run_reports_every_figure", None),
+    "bench learners": ("test_bench_learners.py::test_tiny_run_reports_every_figure", None),
     "bench wan": ("test_bench_wan.py::test_tiny_run_reports_every_figure", None),
     "bench cadence": ("test_bench_cadence_run.py::test_tiny_run_reports_every_figure", None),
 }
