@@ -61,10 +61,12 @@ def loss_fn(params: dict, x_BxF: jax.Array, y_Bx1: jax.Array) -> jax.Array:
     return jnp.mean((h_BxH @ params["layer1"]["w"] + params["layer1"]["b"] - y_Bx1) ** 2)
 
 
-def batches(stream: int, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The data: a fixed teacher function; each stream is its own sequence of inputs."""
-    teacher_Fx1 = np.random.default_rng(0).standard_normal((FEATURES, 1))
-    rng = np.random.default_rng(1 + stream)
+def batches(stream: int, batch_size: int, seed: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The data: a fixed teacher function; each (seed, stream) its own sequence of inputs."""
+    # scaled so that sin(x @ teacher) takes a few hundred steps to learn, not one to
+    # shrink the output to its mean
+    teacher_Fx1 = 2 * np.random.default_rng(0).standard_normal((FEATURES, 1)) / np.sqrt(FEATURES)
+    rng = np.random.default_rng([seed, 1 + stream])
     while True:
         x_BxF = rng.standard_normal((batch_size, FEATURES)).astype(np.float32)
         yield x_BxF, np.sin(x_BxF @ teacher_Fx1).astype(np.float32)
@@ -87,6 +89,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shards", default="127.0.0.1:7070", help="HOST:PORT,... of the shards")
     parser.add_argument("--learner-id", required=True)
     parser.add_argument("--index", type=int, default=0, help="which data stream to read")
+    parser.add_argument("--seed", type=int, default=0, help="of the init and the data streams")
     parser.add_argument("--processes", type=int, default=1, help="JAX processes of this learner")
     parser.add_argument(
         "--process-id", type=int, help="this process's index; none: start all of them here"
@@ -99,6 +102,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--period", type=int, default=16, help="H: inner steps per sync")
     parser.add_argument("--fragments", type=int, default=2, help="P")
+    parser.add_argument(
+        "--wait-for-rounds",
+        action="store_true",
+        help="block on a round a period late: every sync happens, however fast the steps",
+    )
     return parser.parse_args()
 
 
@@ -132,20 +140,24 @@ def main() -> None:
         )
 
     def evaluate(params: dict) -> float:
-        """The loss on one test set of 1024 rows, whatever the number of processes."""
+        """The loss on one test set of 1024 rows, whatever the seed and process count."""
         return float(jax.jit(loss_fn)(params, *global_batch(*next(batches(-1, 1024)))))
 
     init = jax.jit(init_params, static_argnums=1, out_shardings=shardings)
-    params = init(jax.random.key(0), args.hidden)
+    params = init(jax.random.key(args.seed), args.hidden)
     loss = evaluate(params)  # every process takes part in the evaluation; process 0 prints
     if jax.process_index() == 0:
         print(f"{args.learner_id}: loss at start {loss:.4f}", flush=True)
     learner = atoll.Learner(
-        args.shards, args.learner_id, period=args.period, fragments=args.fragments
+        args.shards,
+        args.learner_id,
+        period=args.period,
+        fragments=args.fragments,
+        wait_for_rounds=args.wait_for_rounds,
     )  # atoll
     params = learner.join(params)  # atoll: the global weights, as the shardings of `params`
     opt_state = optimizer.init(params)  # sharded as the params are
-    data = batches(args.index, args.batch_size)  # the same batches for any process count
+    data = batches(args.index, args.batch_size, args.seed)  # the same for any process count
     for _ in range(args.steps):
         params, opt_state, loss = train_step(params, opt_state, *global_batch(*next(data)))
         params = learner.step(params, tokens=args.batch_size)  # atoll: every process calls it
