@@ -19,6 +19,7 @@ import optax
 import pytest
 
 import atoll
+from atoll.learner import checkpoint
 from atoll.learner.pytree import TreeLayout
 from atoll.server.config import ShardConfig
 from atoll.server.service import SyncerServer
@@ -136,9 +137,9 @@ def test_two_learners_train_a_pytree_through_the_shards_and_the_global_loss_fall
             for step in range(1, 161):
                 params, opt_state, _ = train_step(params, opt_state, *batch(rng))
                 time.sleep(0.004)
-                before, pushes = reads.count, learner._sync.pushes_started
+                before = reads.count
                 out = learner.step(params, tokens=32, last=step == 160)
-                if out is params and learner._sync.pushes_started == pushes:
+                if out is params and not learner.pushed:
                     assert reads.count == before, f"step {step} read the params with no sync"
                     quiet_steps += 1
                 params = out
@@ -242,12 +243,16 @@ def test_a_checkpointed_learner_resumes_its_steps_and_state_and_holds_its_id(one
     params = first.join(init())
     with pytest.raises(atoll.LearnerStateError, match="held by a live process"):
         atoll.Learner(one_shard, "a", fragments=2, checkpoint_dir=ckpt).join(init())
-    # steps slow enough for the step-5 write to end before step 10 is due (a write still
-    # running then would skip it: learner/checkpoint.py, guarantee 3)
-    params, opt_state = train(first, params, 12, seed=0, sleep=0.03)
-    first._checkpointer.close()  # the step-10 write is on disk
-    first.close()  # a crash, as far as the id is concerned: not finished
-    assert first._checkpointer.last_step == 10
+    # the step-5 write on disk before step 10 is due (a write still running then would
+    # skip it: learner/checkpoint.py, guarantee 3)
+    params, opt_state = train(first, params, 5, seed=0, sleep=0.03)
+    path, deadline = checkpoint.path_for(ckpt, "a"), time.monotonic() + 60
+    while checkpoint.progress(path) != (5, 5 * 32):
+        assert time.monotonic() < deadline, "the step-5 checkpoint was not written in 60 s"
+        time.sleep(0.05)
+    params, opt_state = train(first, params, 7, seed=1, state=opt_state, sleep=0.03)
+    first.close()  # a crash, as far as the id is concerned: not finished; the write ends
+    assert checkpoint.progress(path) == (10, 10 * 32)
 
     again = atoll.Learner(one_shard, "a", period=4, fragments=2, checkpoint_dir=ckpt)
     resumed = again.join(init(seed=5))
@@ -273,7 +278,6 @@ def test_a_standby_takes_over_a_failed_learners_id(one_shard, tmp_path):
         num_learners=2,
     )
     params, _ = train(failed, failed.join(init()), 4, seed=0)
-    failed._checkpointer.close()
     spare = atoll.Learner(
         one_shard, "spare", fragments=2, checkpoint_dir=ckpt, standby=True, num_learners=2
     )
