@@ -187,57 +187,52 @@ class Codes:
             peaks = cached[3]  # taken with the norms, in the same pass
         else:
             peaks = self._max_abs(o, e, meets, exact=False)
-        bound = peaks * np.abs(w.astype(np.float64))
-        risky = bound >= _SAFE_PRODUCT
+        risky = peaks * np.abs(w.astype(np.float64)) >= _SAFE_PRODUCT
         if np.any(risky):  # only near float32's limits: try each sum before writing any
             w_risky = np.where(risky, w, np.float32(0))
-
-            def check(i: int) -> int:
-                c, (r0, r1) = self._chunks[i], meets[i]
-                return (
-                    _kernels.accumulate(
-                        self._format,
-                        c.scales,
-                        c.codes,
-                        c.count,
-                        c.start,
-                        o[r0:r1],
-                        e[r0:r1],
-                        w_risky[r0:r1],
-                        flat,
-                        True,
-                        add,
-                    )
-                    if r1 > r0
-                    else -1
-                )
-
-            for bad in parallel(check, len(self._chunks)):
+            for bad in self._accumulate(o, e, meets, w_risky, flat, check=True, add=add):
                 if bad >= 0:
                     r = int(np.searchsorted(e, bad, side="right"))
                     raise CodecError(
                         f"adding range {r} (scale {float(w[r])!r}) would overflow float32 "
                         f"at index {bad}"
                     )
+        self._accumulate(o, e, meets, w, flat, check=False, add=add)
 
-        def run(i: int) -> None:
+    def _accumulate(
+        self,
+        o: np.ndarray,
+        e: np.ndarray,
+        meets: list[tuple[int, int]],
+        w: np.ndarray,
+        flat: np.ndarray,
+        *,
+        check: bool,
+        add: bool,
+    ) -> list[int]:
+        """The accumulate kernel on each chunk's share of the ranges, on the thread pool. With
+        `check` it writes nothing and answers, per chunk, the first index whose sum would not
+        be finite (-1: none, or a chunk no range meets)."""
+
+        def one(i: int) -> int:
             c, (r0, r1) = self._chunks[i], meets[i]
-            if r1 > r0:
-                _kernels.accumulate(
-                    self._format,
-                    c.scales,
-                    c.codes,
-                    c.count,
-                    c.start,
-                    o[r0:r1],
-                    e[r0:r1],
-                    w[r0:r1],
-                    flat,
-                    False,
-                    add,
-                )
+            if r1 <= r0:
+                return -1
+            return _kernels.accumulate(
+                self._format,
+                c.scales,
+                c.codes,
+                c.count,
+                c.start,
+                o[r0:r1],
+                e[r0:r1],
+                w[r0:r1],
+                flat,
+                check,
+                add,
+            )
 
-        parallel(run, len(self._chunks))
+        return parallel(one, len(self._chunks))
 
     def range_max_abs(self, offsets: npt.ArrayLike, ends: npt.ArrayLike) -> np.ndarray:
         """max |value| over each range [offsets[r], ends[r]) (0 for an empty one), float64.
