@@ -74,6 +74,9 @@ def test_to_args_gives_the_config_back_and_leaves_defaults_out():
     args = settings.to_args(cfg)
     assert settings.from_args(Example, _parser().parse_args(args)) == cfg
     assert settings.to_args(Example("n")) == ["--name", "n"]
+    every = settings.to_args(Example("n"), every=True)
+    assert every == ["--name", "n", "--count", "3", "--rate", "0.5", "--colour", "red"]
+    assert settings.from_args(Example, _parser().parse_args(every)) == Example("n")
 
 
 def test_the_dataclass_check_runs_and_a_missing_field_names_its_flag():

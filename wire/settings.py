@@ -185,13 +185,19 @@ def from_args(cls: type[T], namespace: argparse.Namespace, **values: Any) -> T:
     return cls(**fields)
 
 
-def to_args(config: object, *, skip: tuple[str, ...] = ()) -> list[str]:
+def to_args(config: object, *, skip: tuple[str, ...] = (), every: bool = False) -> list[str]:
     """The flags that give `config` back through `from_args`: settings at their defaults
-    (and those in `skip`) are left out; a repeated flag comes once per item."""
+    (and those in `skip`) are left out; a repeated flag comes once per item.
+
+    With `every`, settings at their defaults are spelled out too (a child whose flags
+    default from its environment must not read another value there), but for None, an
+    empty tuple and a switch left as it is, which no flag says."""
     args: list[str] = []
     for s in settings(type(config)):
         value = getattr(config, s.name)
-        if s.name in skip or value == s.field.default:
+        if s.name in skip or (value == s.field.default and not every):
+            continue
+        if value is None or value == () or (s.base is bool and value == s.default):
             continue
         if s.base is bool:
             args.append(s.flag)
