@@ -310,17 +310,3 @@ def test_a_stopped_learner_exits_with_128_plus_its_signal(reason, status):
     if reason is not None:
         stop.set(reason)
     assert stopped_status(stop) == status
-
-
-def test_no_function_of_the_learner_loop_cli_or_api_is_over_80_lines():
-    import ast
-
-    root = pathlib.Path(__file__).resolve().parents[1] / "learner"
-    long = []
-    for name in ("loop.py", "main.py", "api.py"):
-        for node in ast.walk(ast.parse((root / name).read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
-                if lines > 80:
-                    long.append(f"{name}:{node.lineno} {node.name} ({lines} lines)")
-    assert not long, long
