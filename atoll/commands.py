@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,10 +70,25 @@ def subparser(parser: argparse.ArgumentParser, *names: str) -> argparse.Argument
     return parser
 
 
+COMMAND_LOG = "ATOLL_COMMAND_LOG"  # a file: each command run appends a line (below)
+COMMAND_TAG = "ATOLL_COMMAND_TAG"  # what that line says ran it (the test suite: a test's id)
+
+
+def _log_command(dest: str, name: str) -> None:
+    """With ATOLL_COMMAND_LOG set, appends `{"table", "command", "tag"}` as one JSON line:
+    how the test suite checks that the test it names for a command runs that command."""
+    path = os.environ.get(COMMAND_LOG)
+    if path:
+        line = {"table": dest, "command": name, "tag": os.environ.get(COMMAND_TAG, "")}
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
 def run(args: argparse.Namespace, table: Sequence[Command], dest: str) -> int:
     """Calls the chosen row's main with the parsed args and its own parser (so a flag error
     reads `atoll COMMAND: error: ...`)."""
     command = next(c for c in table if c.name == getattr(args, dest))
+    _log_command(dest, command.name)
     return int(command.function(command.main)(args, getattr(args, f"{dest}_parser")))
 
 

@@ -15,7 +15,11 @@ from syncer_helpers import REPO
 from atoll.faults.wan import Wan, WanConfig, available
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def _env() -> dict[str, str]:
+    """This test's environment (read when it runs: the suite sets what each test runs under)."""
+    return {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 @pytest.mark.timeout(120)
@@ -95,7 +99,7 @@ def test_tiny_run_reports_every_figure(tmp_path):
         capture_output=True,
         text=True,
         timeout=560,
-        env=ENV,
+        env=_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(done.stdout)
@@ -138,7 +142,7 @@ def test_sigterm_during_the_data_parallel_run_ends_it_at_once(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=ENV,
+        env=_env(),
     )
     try:
         records = runs / "data-parallel" / "records.jsonl"
