@@ -28,9 +28,9 @@ SPECS = {
 }
 
 
-def values(seed: int) -> dict[str, np.ndarray]:
+def values(seed: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
 
 def place(tree: dict[str, np.ndarray], specs: dict[str, P], mesh: Mesh) -> dict[str, jax.Array]:
@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--mesh", choices=sorted(SPECS), default="fsdp")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--codec", default="INT4")
+    ap.add_argument("--w1-columns", type=int, default=64, help="32: boxes off the INT4 blocks")
     ap.add_argument("--fault", default="", help="misorder | mesh | plan: process 1's misuse")
     args = ap.parse_args()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -73,6 +74,7 @@ def main() -> None:
     specs = {k: P() if args.replicated else spec for k, spec in SPECS[args.mesh].items()}
     if args.fault == "mesh" and args.process_id == 1:
         specs["w1"] = P(None, "fsdp")
+    shapes = {**SHAPES, "w1": (SHAPES["w1"][0], args.w1_columns)}
     out: dict = {"process": args.process_id}
     learner = None
     try:
@@ -85,13 +87,13 @@ def main() -> None:
             codec=args.codec,
             wait_for_rounds=True,
         )
-        params = learner.join(place(values(0), specs, mesh))
+        params = learner.join(place(values(0, shapes), specs, mesh))
         joined = dict(learner.stats)
         out["held"] = {
             k: [list(s.data.shape) for s in v.addressable_shards] for k, v in params.items()
         }
         for step in range(args.steps):
-            params = train_step(params, place(values(100 + step), specs, mesh))
+            params = train_step(params, place(values(100 + step, shapes), specs, mesh))
             if args.fault == "misorder" and args.process_id == 1 and step == 5:
                 params = learner.finish(params)
                 break
