@@ -40,6 +40,7 @@ import tempfile
 
 import atoll
 from atoll.bench.learner_loop import WARMUP_PAIRS, Loop, report
+from atoll.bench.learner_sharded import MEMORY_SYNCS, bench_sharded
 from atoll.bench.shard import start_shard
 from atoll.commands import positive_int
 from atoll.learner import config as defaults
@@ -132,6 +133,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(atoll/bench/learner_sharded.py)",
     )
     p.add_argument(
+        "--memory-syncs",
+        type=positive_int,
+        default=MEMORY_SYNCS,
+        help="with --sharded: syncs whose host memory is measured, per process "
+        f"(default {MEMORY_SYNCS})",
+    )
+    p.add_argument(
         "--json", action="store_true", help="print one JSON object (the only output format)"
     )
 
@@ -141,9 +149,9 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--processes {args.processes}: only a --sharded learner spans processes here")
     try:
         if args.sharded:
-            from atoll.bench.learner_sharded import bench_sharded
-
-            result = bench_sharded(args.preset, args.steps, args.period, args.processes)
+            result = bench_sharded(
+                args.preset, args.steps, args.period, args.processes, args.memory_syncs
+            )
         else:
             result = bench_learner(args.preset, args.steps, args.period)
     except ValueError as e:

@@ -32,8 +32,9 @@ fragment:
     resident set before. It sees every allocator (numpy, XLA's host buffers, gRPC's),
     but only pages newly touched: memory an earlier sync freed and this one reuses from
     malloc's free lists would hide, so the phase first fixes glibc's mmap threshold at
-    64 KiB (mallopt): every buffer that big is mapped when allocated and unmapped when
-    freed, and counted by each window it lives in.
+    one page (mallopt): every buffer of a page or more (a box of a shard is tens of
+    KiB) is mapped when allocated and unmapped when freed, and counted by each window it
+    lives in; smaller ones may still reuse freed memory unseen.
   tracemalloc: Python's peak traced memory over its level before: exact, reuse or not,
     for what it sees (Python objects and numpy arrays), blind to the rest.
 Windows where another sync started or was adopted are left out (counted); windows of
@@ -71,7 +72,6 @@ from atoll.learner.model import PRESETS, ModelConfig, Params, init_params, loss_
 from atoll.learner.pytree import leaf_name
 from atoll.learner.sync import SyncConfig
 from atoll.learner.train import TrainConfig, global_batch, make_optimizer
-from atoll.local.processes import _die_with_parent
 from atoll.server.config import ShardConfig
 from atoll.wire.plan import FragmentPlan
 
@@ -79,14 +79,16 @@ DEVICES_PER_PROCESS = 2
 AXIS = "fsdp"  # the mesh axis parameters and batches are split over
 TARGET_BYTES_SHARE = 1.1  # a process's bytes <= 1.1 / n of the whole learner's
 TARGET_MEMORY_RATIO = 1.5  # host memory added by a sync <= 1.5 x the process's fragment
-MEMORY_SYNCS = 8  # sync windows measured in the memory phase
+MEMORY_SYNCS = 8  # sync windows measured in the memory phase (default)
 MEMORY_SLEEP = 0.05  # seconds between the learner.step calls of a window
 MEMORY_MAX_CALLS = 400  # learner.step calls a window waits for its adoption, at most
-MMAP_THRESHOLD = 64 * 1024  # bytes: glibc maps every allocation this big on its own
+MMAP_THRESHOLD = 4096  # bytes: glibc maps every allocation of a page or more on its own
 WORKER_TIMEOUT = 1800.0  # seconds a run's processes may take
 
 
-def bench_sharded(preset: str, steps: int, period: int, processes: int) -> dict:
+def bench_sharded(
+    preset: str, steps: int, period: int, processes: int, memory_syncs: int = MEMORY_SYNCS
+) -> dict:
     """Runs the whole learner (1 process, replicated) and the sharded one (`processes`
     processes); returns the comparison. Raises ValueError for a setting that cannot work
     and RuntimeError when a process fails (with its log's tail)."""
@@ -96,8 +98,8 @@ def bench_sharded(preset: str, steps: int, period: int, processes: int) -> dict:
         raise ValueError(f"--period {period}: {e}") from None
     root = pathlib.Path(tempfile.mkdtemp(prefix="atoll-bench-learner-sharded-"))
     try:
-        whole = _run(root / "whole", preset, steps, period, 1, sharded=False)[0]
-        parts = _run(root / "sharded", preset, steps, period, processes, sharded=True)
+        whole = _run(root / "whole", preset, steps, period, memory_syncs, 1, sharded=False)[0]
+        parts = _run(root / "sharded", preset, steps, period, memory_syncs, processes, True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return _compare(whole, parts, processes)
@@ -110,7 +112,13 @@ def _free_port() -> int:
 
 
 def _run(
-    root: pathlib.Path, preset: str, steps: int, period: int, processes: int, sharded: bool
+    root: pathlib.Path,
+    preset: str,
+    steps: int,
+    period: int,
+    memory_syncs: int,
+    processes: int,
+    sharded: bool,
 ) -> list[dict]:
     """One learner of `processes` worker processes against a fresh shard; their reports."""
     root.mkdir(parents=True)
@@ -136,6 +144,7 @@ def _run(
             cmd = [sys.executable, "-m", "atoll.bench.learner_sharded"]
             cmd += ["--shards", f"127.0.0.1:{port}", "--out", str(root / f"{i}.json")]
             cmd += ["--preset", preset, "--steps", str(steps), "--period", str(period)]
+            cmd += ["--memory-syncs", str(memory_syncs)]
             cmd += ["--coordinator", coordinator, "--processes", str(processes)]
             cmd += ["--process-id", str(i)] + (["--sharded"] if sharded else [])
             with open(root / f"{i}.log", "wb") as log:
@@ -145,15 +154,10 @@ def _run(
                         env=env,
                         stdout=log,
                         stderr=subprocess.STDOUT,
-                        preexec_fn=_die_with_parent,
+                        preexec_fn=_killed_with_parent,
                     )
                 )
-        ends = time.monotonic() + WORKER_TIMEOUT
-        for i, proc in enumerate(procs):
-            code = proc.wait(timeout=max(1.0, ends - time.monotonic()))
-            if code != 0:
-                tail = (root / f"{i}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"process {i} of the {root.name} learner exited {code}:\n{tail}")
+        _wait(procs, root)
         return [json.loads((root / f"{i}.json").read_text()) for i in range(processes)]
     finally:
         for proc in procs:
@@ -163,6 +167,29 @@ def _run(
         if shard is not None:
             shard.send_signal(signal.SIGKILL)  # its data is thrown away
             shard.wait()
+
+
+def _killed_with_parent() -> None:
+    """In a worker, before exec: SIGKILL when the bench dies, however it dies (a
+    learner's process stopped by SIGTERM may wait on its peers; the data is thrown away)."""
+    ctypes.CDLL("libc.so.6").prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], root: pathlib.Path) -> None:
+    """Until every process exits 0; RuntimeError with its log's tail as soon as one
+    fails (the others may wait on it in a collective forever) or past WORKER_TIMEOUT."""
+    ends = time.monotonic() + WORKER_TIMEOUT
+    while True:
+        codes = [proc.poll() for proc in procs]
+        for i, code in enumerate(codes):
+            if code not in (None, 0):
+                tail = (root / f"{i}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"process {i} of the {root.name} learner exited {code}:\n{tail}")
+        if all(code == 0 for code in codes):
+            return
+        if time.monotonic() > ends:
+            raise RuntimeError(f"the {root.name} learner ran past {WORKER_TIMEOUT:.0f} s")
+        time.sleep(0.5)
 
 
 # --- the comparison (parent) ---
@@ -190,6 +217,9 @@ def _compare(whole: dict, parts: list[dict], n: int) -> dict:
             "bytes_pulled_share": bench.target(pulled, round(TARGET_BYTES_SHARE / n, 4)),
             "sync_memory_ratio": bench.target(worst, TARGET_MEMORY_RATIO),
             **r["targets"],
+            "sync_pause_cpu_ms_p99": bench.target(
+                r["sync_pause_cpu_ms"]["p99"], bench.TARGET_SYNC_PAUSE_MS
+            ),
         }
         per_process.append(
             {
@@ -237,6 +267,8 @@ def _compare(whole: dict, parts: list[dict], n: int) -> dict:
                 "pushed_per_adoption": _per_adoption(whole, "pushed"),
                 "pulled_per_adoption": _per_adoption(whole, "pulled"),
             },
+            "addressable_fragment_bytes": whole["addressable_fragment_bytes"],
+            "memory": whole["memory"],
             **{k: whole[k] for k in _TIMING},
         },
         "per_process": per_process,
@@ -357,16 +389,16 @@ def _window_end(start: tuple[int, int]) -> tuple[int, int]:
     return 1024 * (_status_kb("VmHWM") - rss), tracemalloc.get_traced_memory()[1] - traced
 
 
-def _memory_phase(loop: _ShardedLoop, addressable: list[int]) -> dict:
-    """Peak host memory over MEMORY_SYNCS sync windows (push to adoption, no train step)
+def _memory_phase(loop: _ShardedLoop, addressable: list[int], windows: int) -> dict:
+    """Peak host memory over `windows` sync windows (push to adoption, no train step)
     and over as many quiet windows of the same shape."""
     ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD: fixed from now
     tracemalloc.start()
     syncs: list[tuple[int, int, float, int]] = []
     quiet: list[tuple[int, int]] = []
     overlapped = 0
-    for _ in range(MEMORY_SYNCS * loop.learner.sync_config.period * 4):
-        if len(syncs) >= MEMORY_SYNCS and len(quiet) >= MEMORY_SYNCS:
+    for _ in range(windows * loop.learner.sync_config.period * 4):
+        if len(syncs) >= windows and len(quiet) >= windows:
             break
         loop.step(api=False)
         before = {p: v for p, (v, _) in loop.learner.versions.items()}
@@ -442,7 +474,7 @@ def _worker(args: argparse.Namespace) -> dict:
         _settle(loop)
         stats = learner.stats
         addressable = _addressable_bytes(loop.params, learner.plan)
-        memory = _memory_phase(loop, addressable)
+        memory = _memory_phase(loop, addressable, args.memory_syncs)
         learner.finish(loop.params, timeout=60.0)
     finally:
         learner.close()
@@ -474,6 +506,7 @@ def _worker_main() -> None:
     ap.add_argument("--processes", type=int, required=True)
     ap.add_argument("--process-id", type=int, required=True)
     ap.add_argument("--sharded", action="store_true")
+    ap.add_argument("--memory-syncs", type=int, required=True)
     args = ap.parse_args()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if args.processes > 1:
