@@ -452,11 +452,15 @@ class Shard(Recovery, MoveCalls, PartCalls):
         return version, deltas is None, out
 
     def newest_seq(self, learner: str, p: int) -> int:
-        """The newest seq answered for `learner` on fragment p (0: none)."""
+        """The newest seq `learner` used on fragment p (0: none): its answered pushes' and
+        that of a push in parts still missing parts (held parts are logged: this outlives
+        a restart). A learner resuming goes on above it, so no part it sends is taken for
+        one of a push its previous run never finished: its first part supersedes those."""
         frag = self._fragment(p, need_init=False)
         with self.frag_locks[p]:
-            answers = (frag.answers.get(learner), frag.refusals.get(learner))
-        return max((a.seq for a in answers if a is not None), default=0)
+            seen = (frag.answers.get(learner), frag.refusals.get(learner))
+            held = frag.part_sets.get(learner)
+        return max([a.seq for a in seen if a is not None] + [held.seq if held else 0])
 
     def moved_away(self, fragments: list[int]) -> ShardError | None:
         """The refusal naming the new owner of the first of `fragments` that moved away

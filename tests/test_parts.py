@@ -310,6 +310,40 @@ def test_a_newer_push_replaces_an_unfinished_one_in_parts():
     assert dataclasses.replace(h, parts=0, part=0, boxes=()).problem() is None
 
 
+@pytest.mark.parametrize("held_in", ["log", "snapshot"])
+def test_a_learner_resuming_goes_on_above_a_push_in_parts_its_last_run_left_unfinished(held_in):
+    """The learner's newest seq (a pull's last_seq) counts a push in parts still missing
+    parts, after a restart too, so a resumed learner never sends a part of that seq again;
+    its next push supersedes the held parts, and a straggler of them changes nothing."""
+    (shard, log, snaps, clock), (reference, *_) = _two()
+    old = _delta("a", 1)
+    _push_parts(shard, "la", 1, 0, old, order=[0, 1])  # its processes died before parts 2, 3
+    assert shard.newest_seq("la", P) == 1
+    if held_in == "snapshot":
+        shard._snapshot()
+    log.crash()
+    back = _shard(log, snaps, clock)
+    assert sorted(back.fragments[P].part_sets["la"].frames) == [0, 1]
+    seq = back.newest_seq("la", P) + 1  # what the resumed learner sends next
+    assert seq == 2
+    new = _delta("a", 2)
+    answers = _push_parts(back, "la", seq, 0, new, order=[2, 0])
+    assert [answers[k].reason for k in (2, 0)] == ["part_held"] * 2
+    held = back.fragments[P].part_sets["la"]
+    assert (held.seq, sorted(held.frames)) == (2, [0, 2])  # none of the old parts in it
+    assert back.metrics.parts_dropped.labels("superseded")._value.get() == 1
+    (dropped, meta, _), *after = [parse_log_record(r) for _, r in log.records[-3:]]
+    assert (dropped, meta["seq"], meta["reason"]) == (LOG_PARTS_DROPPED, 1, "superseded")
+    assert [kind for kind, *_ in after] == [LOG_PART, LOG_PART]  # logged before the new parts
+    straggler = _push_parts(back, "la", 1, 0, old, order=[3])[3]
+    assert not straggler.accepted and straggler.reason == "duplicate"
+    assert _push_parts(back, "la", seq, 0, new, order=[1, 3])[3].accepted
+    assert _push_whole(back, "lb", 1, 0, _delta("b", 1)).version == 1
+    assert _push_whole(reference, "la", seq, 0, new).accepted
+    assert _push_whole(reference, "lb", 1, 0, _delta("b", 1)).version == 1
+    assert _state(back) == _state(reference)  # the old run's parts never touched the model
+
+
 def test_a_push_that_went_too_stale_before_its_last_part_is_refused_then_and_dropped():
     (shard, log, _, _), _ = _two(max_staleness=0)
     a = _delta("a", 1)
