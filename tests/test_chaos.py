@@ -4,6 +4,7 @@ acknowledgement audit against a real shard's log and snapshots."""
 from __future__ import annotations
 
 import io
+import math
 import signal
 import types
 
@@ -25,7 +26,8 @@ def test_schedule_is_the_same_for_one_seed_and_poisson_on_average():
     times_a = [t for t in range(0, 2000) if a.due(1, t / 2)]
     times_b = [t for t in range(0, 2000) if b.due(1, t / 2)]
     assert times_a == times_b and times_a
-    assert FailureSchedule(8, 3, 10.0)._next != FailureSchedule(7, 3, 10.0)._next
+    other = FailureSchedule(8, 3, 10.0)
+    assert [t for t in range(0, 2000) if other.due(1, t / 2)] != times_a
     # ~1000 s at a 10 s mean: about 100 kills (a 0.5 s tick merges the rare close pairs)
     assert 70 <= len(times_a) <= 130
 
@@ -40,6 +42,19 @@ def test_lockstep_waits_for_every_learner():
     cfg = lockstep_config(UpConfig(learners=4, preset="tiny"))
     assert cfg.quorum == 4 and cfg.grace_factor == 0
     assert cfg.lease_seconds >= 1e6 and cfg.sync_patience >= 1e6
+
+
+class KillOnceAt:
+    """A failure schedule with set kill times: learner i is due once, from times[i] on."""
+
+    def __init__(self, times: list[float]):
+        self.times = list(times)
+
+    def due(self, learner: int, elapsed: float) -> bool:
+        if elapsed < self.times[learner]:
+            return False
+        self.times[learner] = math.inf
+        return True
 
 
 class FakeLearner:
@@ -79,16 +94,17 @@ def test_a_kill_takes_one_learner_down_or_with_checkpoint_restart_all(tmp_path, 
         restart_all=restart_all,
     )
     session.learners = [FakeLearner(f"learner-{i}") for i in range(3)]
-    session.schedule._next = [5.0, 1e12, 1e12]  # learner-0 fails 5 s in; the others never
+    session.schedule = KillOnceAt([5.0, math.inf, math.inf])  # learner-0 fails 5 s in
     session.t0 = 1000.0
-    session._inject(1004.0)
+    session.inject_failures(1004.0)
     assert all(l.alive() for l in session.learners)
-    session._inject(1005.5)
+    session.inject_failures(1005.5)
     down = [l.name for l in session.learners if not l.alive()]
     # the atoll run passes restart_all=False even when the command asked for lockstep restarts
     assert down == (["learner-0", "learner-1", "learner-2"] if restart_all else ["learner-0"])
     assert all(l.signals == [signal.SIGKILL] for l in session.learners if not l.alive())
-    session._inject(1006.6)  # the restart delay has passed: every killed learner is started again
+    # the restart delay has passed: every killed learner is started again
+    session.inject_failures(1006.6)
     assert all(l.alive() for l in session.learners)
     assert [l.starts for l in session.learners] == ([1, 1, 1] if restart_all else [1, 0, 0])
 
@@ -202,5 +218,5 @@ def test_a_killed_shard_is_back_for_the_read_and_never_restarted_once_shards_sto
     session.shards, session.shard_back_at = [late], {0: 0.0}
     session.shards_down = True
     session.t0 = 0.0
-    session._inject(100.0)
+    session.inject_failures(100.0)
     assert late.restarts == 0 and not late.alive()

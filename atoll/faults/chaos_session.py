@@ -208,7 +208,7 @@ class ChaosSession(Session):
                 f"chaos: every learner is training; the failure clock starts ({self.chaos.duration:g} s)"
             )
         if self.inject and self.t0 is not None and self._running():
-            self._inject(time.time())
+            self.inject_failures(time.time())
         super()._tick(draw)
         if self._metrics:
             self.samples.append(
@@ -217,7 +217,9 @@ class ChaosSession(Session):
 
     # -- failures --
 
-    def _inject(self, now: float) -> None:
+    def inject_failures(self, now: float) -> None:
+        """One tick's failures at wall time `now`: the learner and shard kills due, standby
+        hand-overs, and restarts of what was killed once its delay has passed."""
         elapsed = now - self.t0
         kills = self.end is None  # once the duration is up, only restarts of what was killed
         for i, l in enumerate(self.learners):
