@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from atoll.local.config import learner_specs, prepare_run_dir
-from atoll.local.processes import Learner
+from atoll.local.processes import LearnerProcess
 from atoll.local.report import build_report
 from atoll.local.session import (
     OPEN_ROUND_MIN_SECONDS,
@@ -88,10 +88,10 @@ def _session(tmp_path, learners: int) -> Session:
     return Session(cfg, tmp_path / "run", io.StringIO(), live=False)
 
 
-def _stand_in(session: Session, index: int, code: str, records=()) -> Learner:
+def _stand_in(session: Session, index: int, code: str, records=()) -> LearnerProcess:
     """Learner `index` of the session, its process a Python stand-in running `code`, its
     status file holding `records` (as the learner would have written them)."""
-    l = Learner(learner_specs(session.cfg)[index], session.cfg, session.run_dir, [])
+    l = LearnerProcess(learner_specs(session.cfg)[index], session.cfg, session.run_dir, [])
     with open(l.status.path, "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     l.proc = subprocess.Popen(

@@ -16,7 +16,7 @@ from atoll.local.config import (
     learner_specs,
     prepare_run_dir,
 )
-from atoll.local.processes import Learner, Standby, child_env
+from atoll.local.processes import LearnerProcess, Standby, child_env
 from atoll.local.progress import lives
 from atoll.local.report import build_report, learner_summary, write_report
 from atoll.local.up import summary
@@ -84,7 +84,7 @@ def test_each_learner_runs_the_command_line_of_its_config(tmp_path, monkeypatch)
         {"preset": "tiny", "learners": 2, "period": 8, "codec": "fp32", "wait_for_rounds": True},
     )
     addresses = ["127.0.0.1:7070", "127.0.0.1:7071"]
-    learner = Learner(learner_specs(cfg)[1], cfg, run, addresses)
+    learner = LearnerProcess(learner_specs(cfg)[1], cfg, run, addresses)
     c = learner.config
     assert (c.learner_id, c.learner_index, c.num_learners, c.shards) == (
         "learner-1",
@@ -100,7 +100,7 @@ def test_each_learner_runs_the_command_line_of_its_config(tmp_path, monkeypatch)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert config_from_args(parser.parse_args(c.to_args())) == c
-    baseline = Learner(baseline_spec(cfg), cfg, run, []).config
+    baseline = LearnerProcess(baseline_spec(cfg), cfg, run, []).config
     assert baseline.baseline and baseline.shards == () and not baseline.wait_for_rounds
     assert baseline.push_log is None and baseline.checkpoint_dir is None
     # the variable that defaults --checkpoint-dir does not reach the children: the

@@ -16,7 +16,13 @@ from typing import Protocol
 import numpy as np
 
 from atoll.local.config import UpConfig, learner_specs
-from atoll.local.processes import Learner, Shard, Standby, checkpoint_dir, stop_children
+from atoll.local.processes import (
+    LearnerProcess,
+    ShardProcess,
+    Standby,
+    checkpoint_dir,
+    stop_children,
+)
 from atoll.local.session import SHARD_START_SECONDS, Session
 
 
@@ -143,8 +149,8 @@ class ChaosSession(Session):
         )
 
     def _stop(self, children, seconds: float) -> None:
-        learners = any(isinstance(c, Learner) for c in children)
-        if any(isinstance(c, Shard) for c in children):
+        learners = any(isinstance(c, LearnerProcess) for c in children)
+        if any(isinstance(c, ShardProcess) for c in children):
             self.shards_down = True  # from now on a killed shard stays down
         if self.spares and learners:
             spares, self.spares = (
@@ -188,11 +194,11 @@ class ChaosSession(Session):
             return False
         return bool(self.restart_at) or bool(self.handover) or super()._learners_busy()
 
-    def _learner_exited(self, l: Learner) -> None:
+    def _learner_exited(self, l: LearnerProcess) -> None:
         if l.name not in self.restart_at and l.name not in self.handover:  # not one of ours
             super()._learner_exited(l)
 
-    def _shard_exited(self, s: Shard) -> None:
+    def _shard_exited(self, s: ShardProcess) -> None:
         if s.index not in self.shard_back_at:
             super()._shard_exited(s)
 
@@ -272,7 +278,7 @@ class ChaosSession(Session):
             if s.state == "serving" and s.alive() and s.restarts > 0:
                 del self.shard_back_at[index]
 
-    def _kill_learner(self, l: Learner, now: float, cause: str) -> None:
+    def _kill_learner(self, l: LearnerProcess, now: float, cause: str) -> None:
         l.update()
         step = (l.status.last or {}).get("step", 0)
         started = time.time()

@@ -167,7 +167,7 @@ class PidFile:
         os.replace(tmp, self.path)
 
 
-class Shard(Child):
+class ShardProcess(Child):
     """`atoll syncer` on 127.0.0.1, port 0 at first (read from its serving line), with metrics."""
 
     def __init__(self, cfg: UpConfig, index: int, run_dir: pathlib.Path):
@@ -229,7 +229,7 @@ def learner_config(
     )
 
 
-class Learner(Child):
+class LearnerProcess(Child):
     """`atoll learner` (or the data-parallel baseline) and its status file."""
 
     def __init__(

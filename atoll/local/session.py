@@ -22,7 +22,7 @@ import time
 from atoll.export import GlobalModel, global_map, open_rounds, read_global  # noqa: F401
 from atoll.local import progress
 from atoll.local.config import UpConfig, baseline_spec, learner_specs
-from atoll.local.processes import Child, Learner, PidFile, Shard, stop_children
+from atoll.local.processes import Child, LearnerProcess, PidFile, ShardProcess, stop_children
 from atoll.local.report import write_report
 
 TICK = 1.0  # seconds between table redraws and child checks
@@ -46,9 +46,9 @@ class Session:
         self.stopping = threading.Event()  # set by the first SIGINT/SIGTERM (ends waits)
         self.wake = threading.Event()
         self.events: list[str] = []
-        self.shards: list[Shard] = []
-        self.learners: list[Learner] = []
-        self.baseline: Learner | None = None
+        self.shards: list[ShardProcess] = []
+        self.learners: list[LearnerProcess] = []
+        self.baseline: LearnerProcess | None = None
         self.started = time.time()
         self.learners_started: float | None = None
         self.learners_ended: float | None = None
@@ -109,7 +109,7 @@ class Session:
         return self.stop_signal is None and self.failure is None
 
     def _start_shards(self) -> None:
-        self.shards = [Shard(self.cfg, i, self.run_dir) for i in range(self.cfg.shards)]
+        self.shards = [ShardProcess(self.cfg, i, self.run_dir) for i in range(self.cfg.shards)]
         for s in self.shards:
             s.start(self.pids)
         deadline = time.monotonic() + SHARD_START_SECONDS
@@ -140,7 +140,7 @@ class Session:
 
     def _start_learners(self) -> None:
         self.learners = [
-            Learner(spec, self.cfg, self.run_dir, self._addresses_for(spec))
+            LearnerProcess(spec, self.cfg, self.run_dir, self._addresses_for(spec))
             for spec in learner_specs(self.cfg)
         ]
         for l in self.learners:
@@ -156,7 +156,7 @@ class Session:
 
     def _start_baseline(self) -> None:
         """The data-parallel reference, alone after the learners (so it has both cores)."""
-        self.baseline = Learner(baseline_spec(self.cfg), self.cfg, self.run_dir, [])
+        self.baseline = LearnerProcess(baseline_spec(self.cfg), self.cfg, self.run_dir, [])
         if self.baseline.finished:
             self.baseline.state = "done"
             return
@@ -209,7 +209,7 @@ class Session:
         if draw:
             self._draw()
 
-    def _learner_exited(self, l: Learner) -> None:
+    def _learner_exited(self, l: LearnerProcess) -> None:
         """A learner died: the others go on without it."""
         l.state = "crashed"
         self.say(
@@ -219,7 +219,7 @@ class Session:
             l.tail(),
         )
 
-    def _shard_exited(self, s: Shard) -> None:
+    def _shard_exited(self, s: ShardProcess) -> None:
         """A shard died: restarted once on its port (it recovers from disk); twice ends the run."""
         if s.restarts == 0 and s.port is not None:
             self.say(
@@ -288,13 +288,13 @@ class Session:
             self.say(f"stopping {', '.join(c.name for c in live)}")
         stragglers = stop_children(live, seconds, self.hurry)
         for c in live:
-            if isinstance(c, Shard):
+            if isinstance(c, ShardProcess):
                 c.state = "stopped"
-            elif isinstance(c, Learner):
+            elif isinstance(c, LearnerProcess):
                 self._learner_stopped(c, seconds, killed=c in stragglers)
         self._tick(draw=False)
 
-    def _learner_stopped(self, l: Learner, seconds: float, killed: bool) -> None:
+    def _learner_stopped(self, l: LearnerProcess, seconds: float, killed: bool) -> None:
         """What became of a learner sent SIGTERM: it left cleanly, was still starting, or not."""
         l.update()
         if l.state in ("done", "stopped"):
