@@ -21,7 +21,6 @@ whose params are split over them, each syncing its own boxes (learner/sharded.py
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import pathlib
@@ -34,17 +33,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from atoll.learner import checkpoint, distributed, standby
-from atoll.learner.config import (
-    LearnerConfig,
-    LearnerConfigError,
-    directory_problem,
-    shard_addresses,
-)
+from atoll.learner import arguments, checkpoint, distributed, standby, tenure
+from atoll.learner.config import LearnerConfig
 from atoll.learner.pytree import ParamsError, PyTree, TreeLayout
 from atoll.learner.stopping import Stopped
 from atoll.learner.sync import SyncConfig, SyncError, Synchronizer
-from atoll.wire.client import ShardClient, TlsFiles
+from atoll.learner.tenure import View
+from atoll.wire.client import TlsFiles
 from atoll.wire.codec import Codec
 from atoll.wire.plan import FragmentPlan
 
@@ -53,18 +48,6 @@ __all__ = ["Learner", "LearnerStateError", "ParamsError"]
 log = logging.getLogger("atoll.learner")
 _SYNC = SyncConfig()  # the sync settings' defaults, declared once (learner/sync.py)
 _NEW, _JOINED, _FINISHED, _CLOSED = "new", "joined", "finished", "closed"
-# SyncConfig's settings that are Learner arguments of the same name (`from_config`)
-_SYNC_ARGS = (
-    "period",
-    "overlap",
-    "mix",
-    "late_mix",
-    "codec",
-    "patience",
-    "wait_for_rounds",
-    "join_timeout",
-)
-_Claim = standby.Claim  # (`standby` is also an argument's name)
 
 
 class LearnerStateError(RuntimeError):
@@ -75,37 +58,6 @@ class JoinInterrupted(SystemExit, KeyboardInterrupt):
     """Ctrl-C during `join`: a KeyboardInterrupt to code that catches one, and a
     SystemExit(130) (the shell's status for SIGINT) to the interpreter, which then exits
     without printing a traceback."""
-
-
-class _View:
-    """The params of one call, flattened and checked once (`leaves`): structure, shapes
-    and dtypes are metadata, so a step with no sync due still reads nothing from the
-    device."""
-
-    __slots__ = ("layout", "params", "what", "_leaves")
-
-    def __init__(self, layout: TreeLayout, params: PyTree, what: str):
-        self.layout, self.params, self.what = layout, params, what
-        self._leaves: list[Any] | None = None
-
-    def leaves(self) -> list[Any]:
-        if self._leaves is None:
-            self._leaves = self.layout.leaves(self.params, self.what)
-        return self._leaves
-
-
-def _read(view: _View, p: int) -> np.ndarray:
-    return view.layout.read(view.leaves(), p)
-
-
-@dataclasses.dataclass
-class _Progress:
-    """What a checkpoint captures of the caller's side (the names checkpoint.py reads)."""
-
-    steps_done: int = 0
-    tokens_total: int = 0
-    params: Any = None  # every leaf of the tree, in tree order (synced or not)
-    opt_state: Any = ()  # the caller's `state`, if it passes one
 
 
 class Learner:
@@ -210,30 +162,22 @@ class Learner:
         claim_id: bool = True,
         run_info: Mapping[str, Any] | None = None,
     ):
-        _need(isinstance(learner_id, str) and learner_id != "", "learner_id must be a nonempty str")
-        self.pattern, self.addresses = _addresses(shards, num_shards)
-        _need(
-            isinstance(fragments, int) and fragments >= len(self.addresses),
-            f"fragments ({fragments!r}) must be an int, at least the number of shards "
-            f"({len(self.addresses)}): each shard owns one fragment or more",
-        )
+        self.pattern, self.addresses = arguments.addresses(shards, num_shards)
         sync = (period, overlap, mix, late_mix, codec, patience, wait_for_rounds)
-        self.sync_config = _sync_config(*sync, join_timeout)
-        _need(deadline > 0, f"deadline must be > 0 seconds, got {deadline}")
-        _need(checkpoint_every >= 0, f"checkpoint_every must be >= 0 steps, got {checkpoint_every}")
-        _need(num_learners >= 1, f"num_learners must be >= 1, got {num_learners}")
-        _need(
-            0 <= index < num_learners,
-            f"index must be in [0, num_learners={num_learners}), got {index}",
+        self.sync_config = arguments.sync_config(*sync, join_timeout)
+        arguments.check(
+            learner_id=learner_id,
+            fragments=fragments,
+            num_shards=len(self.addresses),
+            deadline=deadline,
+            checkpoint_every=checkpoint_every,
+            num_learners=num_learners,
+            index=index,
+            standby=standby,
+            checkpoint_dir=checkpoint_dir,
+            tls=tls,
         )
-        _need(
-            not standby or checkpoint_dir is not None,
-            "standby=True needs checkpoint_dir: the directory where learners claim their ids",
-        )
-        _need(
-            tls is None or isinstance(tls, TlsFiles), "tls must be an atoll.TlsFiles(ca, cert, key)"
-        )
-        self.checkpoint_dir = _checkpoint_dir(checkpoint_dir)
+        self.checkpoint_dir = arguments.checkpoint_dir(checkpoint_dir)
         self.learner_id, self.index, self.num_learners = learner_id, index, num_learners
         self.fragments, self.is_embedding = fragments, is_embedding
         self.token, self.tls, self.deadline = token, tls, deadline
@@ -256,7 +200,7 @@ class Learner:
         self._lock = threading.Lock()  # guards _phase and _sync against stop() from other threads
         self._layout: TreeLayout | None = None
         self._sync: Synchronizer | None = None
-        self._claim: _Claim | None = None
+        self._claim: standby.Claim | None = None
         self._checkpointer: checkpoint.Checkpointer | None = None
         self._trail: checkpoint.PushTrail | None = None
         self._ckpt: checkpoint.Checkpoint | None = None
@@ -285,28 +229,9 @@ class Learner:
           >>> cfg = LearnerConfig(shards=("127.0.0.1:7070",), learner_id="learner-0")
           >>> learner = Learner.from_config(cfg)
         """
-        try:
-            token = cfg.token_file.read_text().strip() if cfg.token_file else None
-        except OSError as e:  # a standby took an id whose token the Secret does not hold
-            raise LearnerConfigError(f"--token-file {cfg.token_file}: {e.strerror}") from None
-        sync = cfg.sync_config()
+        shards, learner_id, keywords = arguments.of_config(cfg)
         return cls(
-            cfg.shard_pattern if cfg.shard_pattern is not None else list(cfg.shards),
-            cfg.learner_id,
-            num_shards=len(cfg.shards) if cfg.shard_pattern is not None else None,
-            fragments=cfg.fragments,
-            token=token,
-            tls=TlsFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None,
-            checkpoint_dir=cfg.checkpoint_dir,
-            checkpoint_every=cfg.checkpoint_every,
-            standby=cfg.standby,
-            index=cfg.learner_index,
-            num_learners=cfg.num_learners,
-            deadline=cfg.deadline,
-            on_push=on_push,
-            claim_id=claim_id,
-            run_info=run_info,
-            **{name: getattr(sync, name) for name in _SYNC_ARGS},
+            shards, learner_id, on_push=on_push, claim_id=claim_id, run_info=run_info, **keywords
         )
 
     # --- the three calls ---
@@ -411,13 +336,13 @@ class Learner:
         self.steps += 1
         self._tokens = max(1, int(tokens))
         self.tokens += self._tokens
-        view = _View(layout, params, "params given to step()")
+        view = View(layout, params, "params given to step()")
         view.leaves()  # a tree changed since join fails here, at this step (ParamsError)
         seq_before = self._sync.seq if self._sync is not None else 0
         updates = self._sync_step(view, seconds, last)
         if updates:
             params = self._write(view, updates)
-            view = _View(layout, params, "params given to step()")
+            view = View(layout, params, "params given to step()")
         if self._checkpointer is not None:  # every process writes its own shards
             if self._sync is not None:
                 assert self._trail is not None  # made with the checkpointer
@@ -449,7 +374,7 @@ class Learner:
         """
         self._expect(_JOINED, "finish")
         layout = self._joined()
-        view = _View(layout, params, "params given to finish()")
+        view = View(layout, params, "params given to finish()")
         updates: dict[int, np.ndarray] = {}
         tail = self._tokens if self._local else None
         if self._island is not None:
@@ -461,7 +386,7 @@ class Learner:
         if updates:
             params = self._write(view, updates)
         if self._checkpointer is not None and self._local:
-            self._save(_View(layout, params, "params given to finish()"), state, wait=True)
+            self._save(View(layout, params, "params given to finish()"), state, wait=True)
         with self._lock:
             self._phase = _FINISHED
         self._release(done=True)
@@ -487,7 +412,7 @@ class Learner:
         self._expect(_JOINED, "save")
         if self._checkpointer is None:
             return False
-        self._save(_View(self._joined(), params, "params given to save()"), state, wait=True)
+        self._save(View(self._joined(), params, "params given to save()"), state, wait=True)
         return True
 
     @contextlib.contextmanager
@@ -518,19 +443,7 @@ class Learner:
         """
         if self._phase == _NEW:
             raise LearnerStateError("call join(params) before restore_state()")
-        if self._ckpt is None or not self._ckpt.meta["state"]:
-            return template
-        leaves, treedef = jax.tree_util.tree_flatten(template)
-        saved = [tuple(shape) for shape, _ in self._ckpt.meta["state"]]
-        if saved != [np.shape(b) for b in leaves]:
-            raise ParamsError(
-                f"the checkpoint's state has {len(saved)} leaves of shapes "
-                f"{saved[:4]}..., the template {len(leaves)} of "
-                f"{[np.shape(b) for b in leaves][:4]}...: pass a template made the way the "
-                "state you checkpointed was (the same optimiser, over the same params)"
-            )
-        # each leaf read in the template's dtype and sharding (each process its shards)
-        return jax.tree_util.tree_unflatten(treedef, self._ckpt.state(leaves))
+        return template if self._ckpt is None else tenure.restored_state(self._ckpt, template)
 
     def stop(self) -> None:
         """Ends every wait on the shards at once, from any thread (a signal handler's
@@ -623,7 +536,7 @@ class Learner:
             raise LearnerStateError("the plan is made by join(params): call join first")
         return self._layout
 
-    def _sync_step(self, view: _View, seconds: float, last: bool) -> dict[int, np.ndarray]:
+    def _sync_step(self, view: View, seconds: float, last: bool) -> dict[int, np.ndarray]:
         """Process 0's sync work after a step, and (several processes) its outcome on
         every process: {fragment: vector adopted}. Raises where process 0 was stopped
         or failed, on every process alike."""
@@ -654,7 +567,7 @@ class Learner:
             raise error
         return updates
 
-    def _island_step(self, view: _View, seconds: float, last: bool) -> dict[int, np.ndarray]:
+    def _island_step(self, view: View, seconds: float, last: bool) -> dict[int, np.ndarray]:
         """`_sync_step` of a learner sharded over its processes: every process syncs its
         own boxes; process 0's schedule decides for all (learner/sharded.py)."""
         island = self._island
@@ -668,7 +581,7 @@ class Learner:
             raise error
         return dict(updates)
 
-    def _write(self, view: _View, updates: dict[int, np.ndarray]) -> PyTree:
+    def _write(self, view: View, updates: dict[int, np.ndarray]) -> PyTree:
         """The tree with fragments `updates` adopted (local vectors on a sharded island)."""
         layout = self._joined()
         if self._island is None:
@@ -676,7 +589,7 @@ class Learner:
         leaves = self._island.write(view.leaves(), updates)
         return jax.tree_util.tree_unflatten(layout.treedef, leaves)
 
-    def _join_island(self, layout: TreeLayout, view: _View) -> PyTree:
+    def _join_island(self, layout: TreeLayout, view: View) -> PyTree:
         """`join` of a learner whose params are split over its processes: every process
         connects, joins and later pushes its own boxes (learner/sharded.py)."""
         from atoll.learner import sharded, sharded_checkpoint
@@ -692,7 +605,7 @@ class Learner:
             self._resume(self.checkpoint_dir, layout, sharded_checkpoint.ProcessRows(island.boxes))
             if self._ckpt is not None:
                 leaves = self._ckpt.params(view.leaves())
-                view = _View(layout, layout.write(leaves, {}), "params given to join()")
+                view = View(layout, layout.write(leaves, {}), "params given to join()")
         vectors = island.join(view)
         if self._ckpt is not None:
             assert self._trail is not None  # made by _resume
@@ -704,9 +617,9 @@ class Learner:
         self._layout = layout = TreeLayout(params, self.fragments, self.is_embedding)
         self._multi = multi = distributed.process_count() > 1
         leader = distributed.is_leader()
-        view = _View(layout, params, "params given to join()")
+        view = View(layout, params, "params given to join()")
         leaves = view.leaves()
-        if multi and _split(layout, leaves):
+        if multi and tenure.split(layout, leaves):
             return self._join_island(layout, view)
         if self.checkpoint_dir is not None and not multi and self.claim_id:
             self._claim_id(self.checkpoint_dir)
@@ -714,10 +627,11 @@ class Learner:
             self._resume(self.checkpoint_dir, layout)
             if self._ckpt is not None:  # every leaf, synced or not, as the live one is
                 leaves = self._ckpt.params(leaves)
-                view = _View(layout, layout.write(leaves, {}), "params given to join()")
+                view = View(layout, layout.write(leaves, {}), "params given to join()")
         vectors = [np.zeros(size, np.float32) for size in layout.plan.fragment_sizes]
-        if leader:
-            vectors = self._join_shards(view)
+        if leader:  # connects, joins, resumes the checkpoint's sync state
+            sync, ckpt = self._connect(), self._ckpt
+            vectors = tenure.join_shards(sync, view, ckpt, self._trail, self._shards)
         if multi:
             vectors = distributed.broadcast(vectors)
         self._boundary = time.perf_counter()
@@ -725,121 +639,57 @@ class Learner:
 
     def _claim_id(self, directory: pathlib.Path) -> None:
         """One live process per id: the claim, or (standby) the id of a failed learner."""
-        if self.standby:
-            log.info("standby %s waiting for a failed learner in %s", self.learner_id, directory)
-            self._claim = standby.wait_for_vacancy(directory, self.num_learners, self._stop)
-            if self._claim is None:
-                raise Stopped(f"standby {self.learner_id} stopped before taking over a learner")
-            log.info("standby %s takes over learner %s", self.learner_id, self._claim.learner_id)
-            self.learner_id = self._claim.learner_id
-            self.index = int(self._claim.info["learner_index"])
-            return
-        self._claim = standby.acquire(
-            directory, self.learner_id, self.index, self.num_learners, stop=self._stop
+        self._claim = claim = tenure.claim(
+            directory,
+            self.learner_id,
+            self.index,
+            self.num_learners,
+            wait=self.standby,
+            stop=self._stop,
         )
-        if self._claim is None:
+        if claim is None:
             raise LearnerStateError(
                 f"learner id {self.learner_id!r} is held by a live process "
                 f"({standby.holder(directory, self.learner_id)}): give another id, "
                 "or standby=True to wait for a failed learner's"
             )
-
-    def _identity(self) -> dict[str, Any]:
-        return {
-            **self.run_info,
-            "learner_id": self.learner_id,
-            "learner_index": self.index,
-            "num_learners": self.num_learners,
-            "plan_fingerprint": self.plan.fingerprint,
-        }
+        if self.standby:  # this process is now the failed learner it took over
+            self.learner_id, self.index = claim.learner_id, int(claim.info["learner_index"])
 
     def _resume(self, directory: pathlib.Path, layout: TreeLayout, rows: Any = None) -> None:
-        """Reads this id's checkpoint (checked to be of this plan and run) and makes the
-        writer; every process of a multi-host learner resumes process 0's newest cut.
-        `rows`: a sharded learner's (learner/sharded_checkpoint.py)."""
-        from atoll.learner.sharded_checkpoint import agreed_cut
-
-        path = checkpoint.path_for(directory, self.learner_id)
-        cut = agreed_cut(path) if self._multi else None
-        vectors = distributed.is_leader() and rows is None
-        self._ckpt = ckpt = checkpoint.read(path, vectors=vectors, cut=cut)
-        if ckpt is not None:
-            identity = self._identity()
-            checkpoint.check(ckpt, identity, path)
-            for key, value in self.run_info.items():
-                if ckpt.meta.get(key) != value:
-                    raise checkpoint.CheckpointError(
-                        f"{path} was written with {key}={ckpt.meta.get(key)!r}, this learner "
-                        f"runs {key}={value!r}: resume with the same settings, or give "
-                        "another checkpoint directory"
-                    )
-            if [tuple(s) for s, _ in ckpt.meta["params"]] != layout.shapes:
-                raise checkpoint.CheckpointError(f"{path} holds another model's params")
-            self.steps, self.tokens = ckpt.step, int(ckpt.meta.get("tokens", 0))
-        self._trail = checkpoint.PushTrail(layout.plan.num_fragments)
-        self._checkpointer = checkpoint.Checkpointer(
-            directory, self.learner_id, self.checkpoint_every, self._identity(), rows
+        """Reads this id's checkpoint and makes the writer (tenure.resume); a resumed
+        checkpoint's steps and tokens are this learner's."""
+        ident = tenure.identity(
+            self.run_info, self.learner_id, self.index, self.num_learners, layout.plan
         )
+        every, multi = self.checkpoint_every, self._multi
+        self._ckpt, self._trail, self._checkpointer = tenure.resume(
+            directory, layout, ident, self.run_info, every, multi=multi, rows=rows
+        )
+        if self._ckpt is not None:
+            self.steps, self.tokens = self._ckpt.step, int(self._ckpt.meta.get("tokens", 0))
 
-    def _join_shards(self, view: _View) -> list[np.ndarray]:
-        """Process 0: connects, joins (seeding what nobody has), resumes the checkpoint's
-        sync state; returns every fragment's vector to start from."""
-        sync = self._connect()
-        log.info("learner %s joining the syncer at %s", self.learner_id, ", ".join(self.addresses))
-        theta_ckpt = None
-        if self._ckpt is not None:
-            theta_ckpt = [_read(view, p) for p in range(self.plan.num_fragments)]
-        vectors = sync.join_fragments(view)
-        if self._ckpt is not None:
-            assert self._trail is not None and theta_ckpt is not None  # made by _resume
-            carried = checkpoint.resume_sync(
-                self._ckpt, sync, theta_ckpt, self._trail, checkpoint.shard_last_seqs(sync)
-            )
-            for p, vector in carried.items():
-                vectors[p] = vector
-            log.info(
-                "learner %s resumed its checkpoint at step %d: local progress kept for "
-                "fragments %s",
-                self.learner_id,
-                self._ckpt.step,
-                sorted(carried),
-            )
-        return vectors
+    @property
+    def _shards(self) -> tenure.Connection:
+        """How this learner reaches the shards, under its id as it is now."""
+        return tenure.Connection(
+            self.addresses, self.pattern, self.learner_id, self.token, self.tls, self.deadline
+        )
 
     def _connect(self, **engine: Any) -> Synchronizer:
-        """The sync engine over a client per shard (and the pattern's, for shards a
-        reshard adds), stopped at once if `stop` came first. `engine`: the Synchronizer's
-        `fragment_sync` and `read_fragment`, for a sharded island."""
-        tls, token, learner_id, deadline = self.tls, self.token, self.learner_id, self.deadline
-
-        def connect(address: str) -> ShardClient:
-            return ShardClient(address, learner_id, token=token, tls=tls, deadline=deadline)
-
-        pattern = self.pattern
-        sync = Synchronizer(
-            self.sync_config,
-            self.plan,
-            [connect(a) for a in self.addresses],
-            on_push=self.on_push,
-            connect=None if pattern is None else lambda i: connect(pattern.replace("{i}", str(i))),
-            **{"read_fragment": _read, **engine},
-        )
+        """The sync engine (tenure.connect), stopped at once if `stop` came first."""
+        sync = tenure.connect(self.sync_config, self.plan, self._shards, self.on_push, **engine)
         with self._lock:
             self._sync = sync
         if self._stop.is_set():
             sync.stop()
         return sync
 
-    def _save(self, view: _View, state: PyTree, wait: bool = False) -> None:
+    def _save(self, view: View, state: PyTree, wait: bool = False) -> None:
         assert self._checkpointer is not None
-        leaves = view.leaves()
-        progress = _Progress(
-            steps_done=self.steps,
-            tokens_total=self.tokens,
-            params=list(leaves),  # out of the plan too (an int step counter)
-            opt_state=() if state is None else state,
-        )
-        self._checkpointer.save(progress, self._sync, self._trail, wait=wait)
+        opt_state = () if state is None else state
+        progress = tenure.Progress(self.steps, self.tokens, opt_state=opt_state)
+        tenure.save(self._checkpointer, view, progress, self._sync, self._trail, wait=wait)
 
     def _release(self, done: bool) -> None:
         with self._lock:
@@ -847,81 +697,4 @@ class Learner:
         if sync is not None:
             sync.close()
             self._stats, self._versions = dict(sync.stats), sync.versions()
-        if self._checkpointer is not None:
-            self._checkpointer.close()
-        if self._claim is not None:
-            self._claim.release(done=done)
-
-
-def _need(ok: bool, message: str) -> None:
-    if not ok:
-        raise LearnerConfigError(message)
-
-
-def _addresses(
-    shards: str | Sequence[str], num_shards: int | None
-) -> tuple[str | None, tuple[str, ...]]:
-    """(pattern or None, addresses) of `Learner`'s `shards` argument, checked."""
-    if isinstance(shards, str):
-        pattern = shards if "{i}" in shards else None
-        addresses = shard_addresses(shards, num_shards)
-    else:
-        _need(
-            not isinstance(shards, (bytes, bytearray)) and all(isinstance(a, str) for a in shards),
-            f"shards must be a str or a list of 'host:port' str, got {shards!r}",
-        )
-        pattern, addresses = None, shard_addresses(",".join(shards), num_shards)
-    _need(len(addresses) >= 1, "shards names no shard: give 'host:port' of each, in index order")
-    return pattern, addresses
-
-
-def _sync_config(
-    period: int,
-    overlap: int,
-    mix: float,
-    late_mix: float,
-    codec: Codec | str,
-    patience: float,
-    wait_for_rounds: bool,
-    join_timeout: float,
-) -> SyncConfig:
-    """The sync settings, checked by SyncConfig (its errors as LearnerConfigError)."""
-    try:
-        wire_codec = Codec[codec.upper()] if isinstance(codec, str) else Codec(codec)
-    except (KeyError, ValueError):
-        raise LearnerConfigError(
-            f"codec {codec!r}: want one of {', '.join(c.name for c in Codec)}"
-        ) from None
-    try:
-        return SyncConfig(
-            period=period,
-            overlap=overlap,
-            mix=mix,
-            late_mix=late_mix,
-            codec=wire_codec,
-            patience=patience,
-            wait_for_rounds=wait_for_rounds,
-            join_timeout=join_timeout,
-        )
-    except ValueError as e:
-        raise LearnerConfigError(str(e)) from None
-
-
-def _checkpoint_dir(path: str | os.PathLike[str] | None) -> pathlib.Path | None:
-    """`checkpoint_dir` as a path the learner can write in (made if missing), or None."""
-    if path is None:
-        return None
-    directory = pathlib.Path(path)
-    problem = directory_problem(directory)
-    _need(problem is None, f"checkpoint_dir {directory}: {problem}")
-    return directory
-
-
-def _split(layout: TreeLayout, leaves: Sequence[Any]) -> bool:
-    """Whether a synced leaf is split over several processes: then every process syncs its
-    own boxes (learner/sharded.py); else process 0 syncs for all (learner/distributed.py)."""
-    return any(
-        hasattr(leaves[i], "is_fully_addressable")
-        and not (leaves[i].is_fully_addressable or leaves[i].is_fully_replicated)
-        for i in layout.synced
-    )
+        tenure.release(self._checkpointer, self._claim, done)

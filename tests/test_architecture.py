@@ -140,3 +140,31 @@ def test_nothing_imports_top_level_server_learner_or_wire():
                 if n.split(".")[0] in ("server", "learner", "wire")
             ]
     assert not offenders, offenders
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others (itself included)."""
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph[module]
+    return seen
+
+
+def test_the_learner_library_imports_only_the_learner_and_the_wire():
+    """`atoll.Learner` (learner/api.py) and all it imports stay a library: nothing of the
+    command layer (atoll.commands, atoll.cli), the server or the built-in trainer's entry
+    point (issue 42). The built-in trainer's CLI, learner/main.py, may use the commands'
+    shared flags; the library may not."""
+    graph = _graph()
+    reached = _reach(graph, "atoll.learner.api")
+    outside = sorted(
+        m for m in reached if m.split(".")[:2] not in (["atoll", "learner"], ["atoll", "wire"])
+    )
+    assert not outside, f"the learner library imports {outside}"
+    assert "atoll.learner.main" not in reached
+    assert {"atoll.learner.tenure", "atoll.learner.sync", "atoll.wire.client"} <= reached
+    # the walk sees a command-layer import where there is one
+    assert "atoll.commands" in _reach(graph, "atoll.learner.main")
