@@ -156,8 +156,8 @@ def _checked_codes(frame: bytes | Codes, codec: Codec | None, size: int) -> Code
     return read_codes(frame, codec=codec, num_values=size)
 
 
-class RoundState(NamedTuple):
-    """A snapshot of an open round: arrays and scalars only (np.savez-able)."""
+class AccumulatorSnapshot(NamedTuple):
+    """A `RoundAccumulator`'s open round as a snapshot: arrays and scalars only (np.savez-able)."""
 
     offsets: np.ndarray  # int64 [T]
     ends: np.ndarray  # int64 [T]
@@ -375,10 +375,10 @@ class RoundAccumulator:
             np.multiply(self._acc[o:e], sc, out=out[o:e])
         return out
 
-    def state(self) -> RoundState:
+    def state(self) -> AccumulatorSnapshot:
         """A copy of the open round, for a shard snapshot (an empty `acc` when no push is in)."""
         s = self.segments
-        return RoundState(
+        return AccumulatorSnapshot(
             s.offsets.copy(),
             s.ends.copy(),
             s.embedding.copy(),
@@ -392,13 +392,13 @@ class RoundAccumulator:
     @classmethod
     def from_state(
         cls,
-        state: RoundState,
+        state: AccumulatorSnapshot,
         segments: Segments | None = None,
         pool: AccumulatorPool | None = None,
     ) -> RoundAccumulator:
         """Resumes a round from `state()`; checks it against `segments` when given; its
         accumulators come from `pool`."""
-        st = RoundState(*state)
+        st = AccumulatorSnapshot(*state)
         saved = Segments(st.offsets, st.ends, st.embedding)
         if segments is not None and not segments.same_as(saved):
             raise ValueError(

@@ -11,8 +11,8 @@ import pytest
 from atoll.server.merge import (
     STEP_CHUNK,
     AccumulatorPool,
+    AccumulatorSnapshot,
     RoundAccumulator,
-    RoundState,
     Segments,
     add_scaled,
     delayed_nesterov,
@@ -201,7 +201,9 @@ def _round(seg, deltas, weights, snapshot_at=None):
     for i, (d, w) in enumerate(zip(deltas, weights)):
         if i == snapshot_at:  # through plain arrays and back, as a shard snapshot would
             acc = RoundAccumulator.from_state(
-                RoundState(*[np.array(x) if isinstance(x, np.ndarray) else x for x in acc.state()]),
+                AccumulatorSnapshot(
+                    *[np.array(x) if isinstance(x, np.ndarray) else x for x in acc.state()]
+                ),
                 seg,
             )
         acc.add(d.copy(), w)
