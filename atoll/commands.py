@@ -152,8 +152,10 @@ def period_list(text: str) -> tuple[int, ...]:
     return _whole_list(text, 1, "periods")
 
 
-def shard_addresses(text: str, flag: str = "--shards") -> list[str]:
-    """'HOST:PORT,HOST:PORT' as a list; a readable ArgumentTypeError for anything else."""
+def address_list(text: str, flag: str = "--shards") -> list[str]:
+    """'HOST:PORT,HOST:PORT' as a list, each address checked; a readable ArgumentTypeError for
+    anything else (a learner's --shards, which may be a {i} pattern, is
+    learner.config.shard_addresses's)."""
     addresses = [a.strip() for a in text.split(",") if a.strip()]
     if not addresses:
         raise argparse.ArgumentTypeError(f"{flag} takes HOST:PORT,..., got {text!r}")

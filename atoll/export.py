@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from atoll.commands import add_tls_arguments, shard_addresses, tls_from_args
+from atoll.commands import add_tls_arguments, address_list, tls_from_args
 from atoll.wire.client import ShardClient, described_map
 from atoll.wire.plan import FragmentMap, FragmentPlan, Slot, TensorSpec
 
@@ -337,7 +337,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from atoll.cluster.reshard import shard_clients
 
     try:
-        addresses = shard_addresses(args.shards.replace("{i}", "0"))
+        addresses = address_list(args.shards.replace("{i}", "0"))
     except argparse.ArgumentTypeError as e:
         parser.error(f"{e} (or a pattern such as 'HOST-{{i}}:PORT')")
     if "{i}" in args.shards and len(addresses) != 1:

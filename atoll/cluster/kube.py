@@ -29,7 +29,7 @@ import pathlib
 import re
 import sys
 
-from atoll.commands import add_tls_arguments, shard_addresses, tls_from_args
+from atoll.commands import add_tls_arguments, address_list, tls_from_args
 
 NAME, PART_OF, COMPONENT = (
     "app.kubernetes.io/name",
@@ -552,7 +552,7 @@ def status_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     addresses = None
     if args.shards is not None:
         try:
-            addresses = shard_addresses(args.shards)
+            addresses = address_list(args.shards)
         except argparse.ArgumentTypeError as e:
             parser.error(str(e))
     tls = tls_from_args(args, parser)

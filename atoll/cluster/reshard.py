@@ -28,8 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from atoll.commands import (
     add_tls_arguments,
+    address_list,
     positive_int,
-    shard_addresses,
     tls_from_args,
 )
 from atoll.wire import syncer_pb2 as pb
@@ -333,7 +333,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from atoll.server.config import ConfigError
 
     try:
-        addresses = shard_addresses(args.shards.replace("{i}", "0"))
+        addresses = address_list(args.shards.replace("{i}", "0"))
     except argparse.ArgumentTypeError as e:
         parser.error(f"{e} (or a pattern such as 'HOST-{{i}}:PORT')")
     if "{i}" in args.shards and len(addresses) != 1:
