@@ -26,7 +26,7 @@ COMMANDS = (
         "plan",
         "simulate goodput at datacenter scale: data-parallel, elastic data-parallel and atoll, "
         "beside the published figures",
-        "atoll.goodput",
+        "atoll.plan",
     ),
     Command(
         "status",

@@ -114,7 +114,7 @@ def test_the_commands_take_their_flags_from_the_configs():
     from atoll import cli
     from atoll.commands import subparser
     from atoll.faults.chaos import CHAOS_RUN, chaos_up_config
-    from atoll.goodput import PlanConfig
+    from atoll.plan import PlanConfig
     from atoll.local.config import UpConfig
 
     up = subparser(cli.parser(), "up")

@@ -1,11 +1,11 @@
-"""Tests for atoll/goodput.py (the goodput simulator behind `atoll plan`): the published goodput table, sanity limits, config errors, CLI."""
+"""Tests for atoll/plan.py (the goodput simulator behind `atoll plan`): the published goodput table, sanity limits, config errors, CLI."""
 
 import argparse
 import dataclasses
 
 import pytest
 
-from atoll.goodput import (
+from atoll.plan import (
     REFERENCE,
     PlanConfig,
     PlanConfigError,
