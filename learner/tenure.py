@@ -2,8 +2,9 @@
 its steps. `claim` holds the id (one live process per id; a standby takes a failed
 learner's), `resume` reads the id's checkpoint and makes its writer, `connect` and
 `join_shards` reach the shards and start from the run's weights (the checkpoint's local
-progress carried onto them), `save` writes a checkpoint. Functions of what they need:
-the Learner keeps what they return, and its phase.
+progress carried onto them), `save` writes a checkpoint, `restored_state` reads the
+caller's state back, `release` lets the id go. Functions of what they need: the Learner
+keeps what they return, and its phase.
 """
 
 from __future__ import annotations
