@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -28,9 +29,12 @@ from atoll.wire import codec
 from atoll.wire.plan import FragmentPlan
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Answer:
-    """A push's acknowledgement, kept so a retry gets the same one."""
+    """A push's acknowledgement, kept so a retry gets the same one.
+
+    Every fragment keeps one per learner that ever pushed it, departed ones too
+    (`Fragment.answers`): slots and a shared reason string keep that at about 150 bytes."""
 
     seq: int
     accepted: bool
@@ -40,6 +44,23 @@ class Answer:
     staleness: int
     weight: float  # the merge weight: token weight × discount
     discount: float = 1.0  # the staleness discount in `weight`; the round is shrunk by it too
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reason", sys.intern(self.reason))  # a few values, shared
+
+    def to_json(self) -> dict[str, Any]:
+        """`dataclasses.asdict(self)`, ten times as fast: a snapshot writes one per learner
+        that ever pushed, under the fragment's lock."""
+        return {
+            "seq": self.seq,
+            "accepted": self.accepted,
+            "reason": self.reason,
+            "detail": self.detail,
+            "version": self.version,
+            "staleness": self.staleness,
+            "weight": self.weight,
+            "discount": self.discount,
+        }
 
 
 class Fragment:
@@ -113,7 +134,9 @@ class Fragment:
             self.round.add(delta, answer.weight)
         self.full_weight += answer.weight / answer.discount
         self.round_state = rules.add_contributor(self.round_state, learner, now, self.quorum)
-        self.answers[learner] = answer
+        # one id string for every fragment's answer: what a departed learner leaves is that
+        # and one answer per fragment it pushed (server/shard.py `_forget_departed`)
+        self.answers[sys.intern(learner)] = answer
 
     def hold_part(
         self,
@@ -278,7 +301,7 @@ class Fragment:
             "last_round_size": self.last_round_size,
             "ring": [v for v, _ in self.ring],
             "contributors": sorted(self.contributors),
-            "answers": {k: dataclasses.asdict(a) for k, a in self.answers.items()},
+            "answers": {k: a.to_json() for k, a in self.answers.items()},
         }
         arrays: dict[str, np.ndarray] = {}
         if self.params is not None and self.published is not None:  # initialized

@@ -81,6 +81,7 @@ class Roster:
         # fragment -> learners whose last push of it came in (PushHeader.last)
         self.finished: collections.defaultdict[int, set[str]] = collections.defaultdict(set)
         self._dropped: list[int] = []  # fragments gone, to forget at the next advance
+        self._peak = 0  # the most learners leased at once since the tables last shrank
         self._reset_derived(-math.inf)
 
     def _reset_derived(self, now: float) -> None:
@@ -147,8 +148,9 @@ class Roster:
 
     def renew(self, m: str, seen: float) -> None:
         """A call from `m` at `seen`: its lease starts or runs on."""
-        if m not in self.last_seen and m not in self.known:
-            self._unknown_leased += 1
+        if m not in self.last_seen:
+            self._unknown_leased += m not in self.known
+            self._peak = max(self._peak, len(self.last_seen) + 1)
         self.last_seen[m] = seen
         if self._now < seen + self.lease:
             heapq.heappush(self._lapse, (seen, m))
@@ -234,7 +236,20 @@ class Roster:
             for fin in self.finished.values():
                 fin.discard(m)
             self._done.pop(m, None)
+        if gone and self._peak > 4 * len(self.last_seen) + 1024:
+            self._shrink()
         return gone
+
+    def _shrink(self) -> None:
+        """Gives back the hash tables a crowd that has left grew (a dict never shrinks as
+        entries go), in place: the shard holds the same objects."""
+        tables: list[dict[str, float] | dict[str, Timing] | dict[str, int] | set[str]]
+        tables = [self.last_seen, self.timings, self._done, self.known, self.live]
+        for table in [*tables, *self.finished.values()]:
+            held = table.copy()
+            table.clear()
+            table.update(held)  # type: ignore[arg-type]
+        self._peak = len(self.last_seen)
 
     def drop_fragment(self, p: int) -> None:
         """Fragment p is no longer here: forgotten at the next `advance` (this alone may be
