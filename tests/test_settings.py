@@ -114,8 +114,8 @@ def test_the_commands_take_their_flags_from_the_configs():
     from atoll import cli
     from atoll.commands import subparser
     from atoll.faults.chaos import CHAOS_RUN, chaos_up_config
-    from atoll.plan import PlanConfig
     from atoll.local.config import UpConfig
+    from atoll.plan import PlanConfig
 
     up = subparser(cli.parser(), "up")
     assert settings.given(UpConfig, up.parse_args([])) == {}
