@@ -66,6 +66,8 @@ __all__ = [
 
 FIRST_ROUND_GRACE_PERIODS = 1.5  # how long a fragment's first round waits for every live learner
 PRUNE_AFTER_LEASES = 10  # a learner silent this many leases is forgotten (its lease table entry)
+SNAPSHOT_FREE_ANSWERS = 4096  # a snapshot of this many answers or fewer is due every few rounds
+SNAPSHOT_ANSWERS_PER_PUSH = 8  # past them, the answers a snapshot writes per push since the last
 
 
 class Shard(Recovery, MoveCalls, PartCalls):
@@ -274,6 +276,7 @@ class Shard(Recovery, MoveCalls, PartCalls):
         frag.refusals.pop(h.learner_id, None)
         with self.lock:
             self.roster.know(h.learner_id)
+            self.pushes_since_snapshot += 1
         self.metrics.staleness.observe(frag.answers[h.learner_id].staleness)
         assert self.plan is not None  # _fragment found it
         self.metrics.compute_seconds.inc(h.inner_steps * h.step_seconds / self.plan.num_fragments)
@@ -358,12 +361,7 @@ class Shard(Recovery, MoveCalls, PartCalls):
         with self.lock:
             self.sync_time = self.sync_time.update(merge_seconds, self.policy.ewma_alpha)
             self.periods[p] = self.periods[p].closed(now, self.cadence_seconds)
-            self.rounds_since_snapshot += 1
-            snapshot = (
-                self.rounds_since_snapshot >= self.cfg.snapshot_every and not self._snapshotting
-            )
-            if snapshot:
-                self.rounds_since_snapshot, self._snapshotting = 0, True
+            snapshot = self._snapshot_due()
             self._version_changed()
         if snapshot:  # written by a thread of its own while pushes go on
             self._snapshot_thread = threading.Thread(
@@ -373,6 +371,23 @@ class Shard(Recovery, MoveCalls, PartCalls):
             )
             self._snapshot_thread.start()
         return None
+
+    def _snapshot_due(self) -> bool:
+        """After a round's close (under lock): whether to write a snapshot now. Every
+        `snapshot_every` rounds; but a snapshot writes every answer the shard holds (one per
+        learner ever seen, per fragment), so past SNAPSHOT_FREE_ANSWERS of them it also waits
+        for a push per SNAPSHOT_ANSWERS_PER_PUSH answers: under churn (rounds of a few
+        pushes, thousands of learners come and gone) its cost per push stays fixed."""
+        self.rounds_since_snapshot += 1
+        if self.rounds_since_snapshot < self.cfg.snapshot_every or self._snapshotting:
+            return False
+        answers = sum(len(f.answers) for f in list(self.fragments.values()))
+        pushes = self.pushes_since_snapshot
+        if answers > SNAPSHOT_FREE_ANSWERS and pushes * SNAPSHOT_ANSWERS_PER_PUSH < answers:
+            return False
+        self.rounds_since_snapshot = self.pushes_since_snapshot = 0
+        self._snapshotting = True
+        return True
 
     def tick(self) -> float | None:
         """Closes rounds whose grace ended or whose missing learners' leases lapsed;

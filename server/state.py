@@ -178,6 +178,7 @@ class ShardState:
         self.periods: dict[int, PeriodCount] = {}  # fragment -> outer steps against elapsed periods
         self.sync_time = rules.Ewma()
         self.rounds_since_snapshot = 0
+        self.pushes_since_snapshot = 0  # accepted, since the last snapshot began (under lock)
         self.last_lsn = 0
         self.snapshot_lsns: dict[
             int, int
