@@ -24,6 +24,7 @@ from atoll.wire.records import read_jsonl
 # one, a loaded host's margin, still well short of the 60 s RPC deadline each wait would
 # otherwise run out (learner/config.py `deadline`)
 STOP_SECONDS = 30.0
+JOINING = "joining the syncer at"  # the log line of the phase a learner joins in
 FLAGS = ["--preset", "tiny", "--period", "4", "--fragments", "2", "--eval-every", "0", "--quiet"]
 
 
@@ -53,6 +54,11 @@ class Learner:
 
     def records(self) -> list[dict]:
         return read_jsonl(self.status) if self.status.exists() else []
+
+    def blocked(self, still: float = 1.0) -> bool:
+        """No step recorded for `still` s: the steps of a tiny model take milliseconds,
+        so the learner waits on a sync (the status file gets a record after every step)."""
+        return time.time() - self.status.stat().st_mtime > still
 
     def stop(self) -> float:
         """SIGTERM; the seconds until it exited (fails the test past STOP_SECONDS)."""
@@ -87,14 +93,12 @@ def _free_port() -> int:
 def test_sigterm_ends_the_wait_for_shards_nobody_serves(tmp_path, learners):
     # the injected fault: --shards names a port nothing listens on
     learners.append(learner := Learner(tmp_path, f"127.0.0.1:{_free_port()}"))
-    learner.wait_for(
-        lambda: any(r["state"] == "joining" for r in learner.records()), "started joining"
-    )
-    time.sleep(2.0)  # compiled (tiny), asking the shard: a wait with a 60 s deadline
+    # compiled (tiny), asking the shard: a wait with a 60 s deadline
+    learner.wait_for(lambda: JOINING in learner.output(), "started joining the syncer")
     learner.stop()
     assert learner.proc.returncode == 128 + signal.SIGTERM, learner.output()  # not done: 143
     assert "SIGTERM: stopping" in learner.output()
-    assert "stopped by SIGTERM while" in learner.output()  # joining (or compiling, if slow)
+    assert "stopped by SIGTERM while joining the syncer" in learner.output()
     assert "Traceback" not in learner.output()
 
 
@@ -107,7 +111,7 @@ def test_sigterm_ends_the_wait_for_a_shard_that_never_answers(tmp_path, learners
         learners.append(learner := Learner(tmp_path, f"127.0.0.1:{hung.getsockname()[1]}"))
         connection, _ = hung.accept()  # the learner asks the shard: it waits for an answer
         with connection:
-            time.sleep(1.0)
+            learner.wait_for(lambda: JOINING in learner.output(), "started joining the syncer")
             learner.stop()
     assert learner.proc.returncode == 128 + signal.SIGTERM, learner.output()  # not done: 143
     assert "stopped by SIGTERM while joining the syncer" in learner.output()
@@ -127,7 +131,9 @@ def test_sigterm_ends_the_waits_of_a_learner_whose_shard_vanished(tmp_path, lear
         )
         # the injected fault: the shard stops answering (SIGSTOP: a hung host) or dies mid-run
         os.kill(shard.pid, fault)
-        time.sleep(1.5)  # the learner's next pushes go out to it and wait
+        # its syncs to the shard are never answered (or fail and are retried): the learner
+        # blocks on the round it needs
+        learner.wait_for(learner.blocked, "blocked on the vanished shard")
         learner.stop()
         if fault == signal.SIGSTOP:
             os.kill(shard.pid, signal.SIGCONT)

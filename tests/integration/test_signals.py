@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -134,10 +135,11 @@ def _free_port() -> int:
 # --- the syncer ---
 
 
-def _long_log(data_dir: pathlib.Path, rounds: int) -> None:
+def _long_log(data_dir: pathlib.Path, rounds: int) -> int:
     """A shard's log of `rounds` rounds of two learners' pushes to each of PLAN's fragments,
     written straight to the log (as the shard writes them, none of the shard's work):
-    seconds to write, tens of seconds to replay."""
+    seconds to write, tens of seconds to replay. Returns how many records it holds."""
+    written = 0
     frames = [
         codec.encode(np.random.default_rng(p).standard_normal(n).astype(np.float32) * 0.01)
         for p, n in enumerate(PLAN.fragment_sizes)
@@ -155,7 +157,8 @@ def _long_log(data_dir: pathlib.Path, rounds: int) -> None:
                 records.append(log_record(LOG_CLOSE, {"fragment": p, "trigger": "b"}))
             if len(records) >= 20_000 or r == rounds - 1:
                 wal.sync(wal.write_many(records)[-1])
-                records = []
+                written, records = written + len(records), []
+    return written
 
 
 def _digest(data_dir: pathlib.Path) -> dict[str, str]:
@@ -169,7 +172,7 @@ def _digest(data_dir: pathlib.Path) -> dict[str, str]:
 
 def test_a_syncer_replaying_a_long_log_stops_at_once_and_writes_nothing(tmp_path, children):
     data = tmp_path / "shard"
-    _long_log(data, rounds=15_000)  # 180,000 records: ~25 s of replay on an idle host
+    records = _long_log(data, rounds=15_000)  # ~25 s of replay on an idle host
     before = _digest(data)
     port = _free_port()
     children.append(
@@ -191,15 +194,15 @@ def test_a_syncer_replaying_a_long_log_stops_at_once_and_writes_nothing(tmp_path
             return False
 
     try:
-        syncer.wait_for(replaying, "started its replay")
+        syncer.wait_for(replaying, "started its recovery")
     finally:
         channel.close()
-    time.sleep(1.0)
-    # the injected fault: SIGTERM mid-replay (a pod deleted while it recovers)
+    # the injected fault: SIGTERM mid-recovery (a pod deleted while it recovers)
     assert syncer.sigterm() == 0, syncer.output()
     out = syncer.output()
     assert "recovered (" not in out and "serving on port" not in out, out  # it stopped mid-way
-    assert "recovery stopped after replaying" in out and "Traceback" not in out, out
+    stopped = re.search(r"recovery stopped after replaying (\d+) log records", out)
+    assert stopped and int(stopped[1]) < records and "Traceback" not in out, out
     # half a replay is no state to snapshot: the data directory is as it was
     assert _digest(data) == before
 
@@ -266,8 +269,8 @@ def test_a_standby_waiting_for_an_id_to_take_stops_within_seconds(tmp_path, chil
     args += ["--shards", f"127.0.0.1:{_free_port()}", "--checkpoint-dir", str(tmp_path / "ck")]
     args += ["--status-file", str(tmp_path / "{id}.jsonl"), *TINY]
     children.append(spare := Child(tmp_path / "spare.log", *args))
-    spare.wait_for(lambda: "ready (compiled" in spare.output(), "compiled")
-    time.sleep(0.5)  # polling the claims: every learner holds its id (there are none)
+    # the phase: polling the claims (every learner holds its id: there are none)
+    spare.wait_for(lambda: "waiting for a failed learner" in spare.output(), "compiled")
     assert spare.sigterm() == 128 + signal.SIGTERM, spare.output()  # stopped, not done: 143
     assert "stopped before taking over a learner" in spare.output()
     assert "Traceback" not in spare.output()
