@@ -80,7 +80,7 @@ class GlobalModel:
         }
 
 
-def global_map(describes: list, num_fragments: int) -> FragmentMap:
+def global_map(describes: list[Any], num_fragments: int) -> FragmentMap:
     """Which shard holds each fragment: the shards' maps merged (the newest statement about
     each fragment wins), or p mod S while no shard has one. `describes`: each shard's
     DescribeResponse, in index order.
@@ -101,7 +101,7 @@ def global_map(describes: list, num_fragments: int) -> FragmentMap:
     return fmap
 
 
-def open_rounds(describes: list, fmap: FragmentMap) -> dict[int, int]:
+def open_rounds(describes: list[Any], fmap: FragmentMap) -> dict[int, int]:
     """{fragment: pushes in its open round} for the rounds open on each fragment's owner."""
     out = {}
     for p, owner in enumerate(fmap.owners):
@@ -111,7 +111,7 @@ def open_rounds(describes: list, fmap: FragmentMap) -> dict[int, int]:
     return out
 
 
-def _num_fragments(describes: list) -> int:
+def _num_fragments(describes: list[Any]) -> int:
     """P, from the shards that hold a plan; RuntimeError when none does or they disagree."""
     plans = {(d.plan_fingerprint, d.num_fragments) for d in describes if d.plan_fingerprint}
     if not plans:
@@ -124,11 +124,12 @@ def _num_fragments(describes: list) -> int:
             + ", ".join(sorted(f for f, _ in plans))
             + "): are they shards of one run?"
         )
-    return next(iter(plans))[1]
+    num_fragments: int = next(iter(plans))[1]
+    return num_fragments
 
 
 def _checked_plan(
-    plan: FragmentPlan | None, describes: list, infos: dict[int, Any]
+    plan: FragmentPlan | None, describes: list[Any], infos: dict[int, Any]
 ) -> FragmentPlan:
     """The plan the shards serve (built from the owners' tensor lists when `plan` is None),
     checked against every shard's fingerprint."""
@@ -201,8 +202,8 @@ def read_global(
     plan = _checked_plan(plan, describes, infos)
     vectors, versions = [], {}
     for p in range(num_fragments):
-        owner = clients[fmap.owner(p)]
-        pulled = _asked(owner, lambda: owner.pull(p))
+        client = clients[fmap.owner(p)]
+        pulled = _asked(client, lambda: client.pull(p))
         if not pulled.snapshot or len(pulled.frames) != 1:
             raise RuntimeError(f"fragment {p}: expected one snapshot frame")
         vectors.append(codec.decode(pulled.frames[0][2], num_values=plan.fragment_sizes[p]))

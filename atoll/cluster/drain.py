@@ -15,6 +15,7 @@ import pathlib
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -90,7 +91,7 @@ def _plan_drain(
     say: Callable[[str], None],
     deadline: float,
     clock: Callable[[], float],
-) -> dict | None:
+) -> dict[str, Any] | None:
     """The planner's part of a drain: every move off shards `kept` and past, made by
     `reshard` over every shard up to the last that answers; None if no shard has a plan."""
     known = index + 1
@@ -124,7 +125,7 @@ def drain(
     clock: Callable[[], float] = time.monotonic,
     ordered: bool = False,
     shards: str = "HOST-{i}:PORT",
-) -> dict:
+) -> dict[str, Any]:
     """Shard `index` is stopping; `replicas()` says how many pods its StatefulSet keeps
     (asked again each round: a second scale-down may come), `connect(i)` makes shard i's
     client.
@@ -148,8 +149,8 @@ def drain(
     deadline = clock() + timeout
     dialled = _Dialled(connect)
     client, answers = dialled.client, dialled.answers
-    moves: list[dict] = []
-    planned: dict = {}  # the map the last plan left: map_version, owners
+    moves: list[dict[str, Any]] = []
+    planned: dict[str, Any] = {}  # the map the last plan left: map_version, owners
     left = "its fragments"  # what the last round found on this shard
     frozen = ""  # which of them are frozen mid-move
     waiting: set[int] = set()  # shards the last plan's moves waited for
@@ -195,7 +196,7 @@ def drain(
         dialled.close()
 
 
-def _waited_for(result: dict) -> set[int]:
+def _waited_for(result: dict[str, Any]) -> set[int]:
     """The shards the moves a plan skipped were waiting for (sources and targets)."""
     return {s for m in result.get("skipped", []) for s in (m["source"], m["target"])}
 
@@ -226,10 +227,13 @@ def statefulset_scale(namespace: str, name: str) -> tuple[int, bool] | None:
 
     api = client.AppsV1Api(connect().api_client)
     try:
-        answer = api.read_namespaced_stateful_set(
+        # unparsed (_preload_content=False): a urllib3 response, whatever the client's types say
+        answer: Any = api.read_namespaced_stateful_set(
             name, namespace, _request_timeout=(5.0, 15.0), _preload_content=False
         )
-        sts = json.loads(answer.data)  # only spec.replicas is read: no model to validate
+        sts: dict[str, Any] = json.loads(
+            answer.data
+        )  # only spec.replicas is read: no model to validate
     except client.exceptions.ApiException as e:
         if e.status == 404:
             return None
@@ -352,7 +356,9 @@ def drain_main(
     from atoll.cluster.kube import KubeError
     from atoll.server.config import ConfigError
 
-    say = lambda line: print(f"atoll drain: {line}", flush=True)  # noqa: E731
+    def say(line: str) -> None:
+        print(f"atoll drain: {line}", flush=True)
+
     stay = "N"  # the shards that stay, once known (for the way out of a stopped drain)
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
@@ -428,7 +434,7 @@ ENV_DRAIN_TLS = {
 DEFAULT_DRAIN_SHARDS = "atoll-syncer-{i}.atoll-syncer:50051"
 
 
-def drain_defaults() -> dict:
+def drain_defaults() -> dict[str, Any]:
     """The drain's settings from the syncer pod's environment."""
     return {
         "shards": os.environ.get(ENV_DRAIN_SHARDS, DEFAULT_DRAIN_SHARDS),

@@ -28,8 +28,14 @@ import os
 import pathlib
 import re
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from atoll.commands import add_tls_arguments, address_list, tls_from_args
+
+# the kubernetes client ships no types: its API and pod objects are Any to mypy
+Api = Any  # kubernetes.client.CoreV1Api
+Pod = Any  # kubernetes.client.V1Pod
 
 NAME, PART_OF, COMPONENT = (
     "app.kubernetes.io/name",
@@ -59,7 +65,7 @@ class NoKubeConfig(KubeError):
 # --- the API ---
 
 
-def connect(kubeconfig: str | None = None, context: str | None = None):
+def connect(kubeconfig: str | None = None, context: str | None = None) -> Api:
     """A CoreV1Api: in-cluster config inside a pod (unless a kubeconfig or context is given),
     else the kubeconfig (`kubeconfig`, then $KUBECONFIG, then ~/.kube/config)."""
     from kubernetes import client, config
@@ -95,7 +101,9 @@ def connect(kubeconfig: str | None = None, context: str | None = None):
     return client.CoreV1Api(client.ApiClient(configuration))
 
 
-def _call(api, what: str, method: str, *args, absent_ok: bool = False, **kwargs):
+def _call(
+    api: Api, what: str, method: str, *args: Any, absent_ok: bool = False, **kwargs: Any
+) -> Any:
     """One API call with timeouts; failures become a KubeError that says what to do.
     With `absent_ok`, a 404 returns None."""
     from kubernetes.client.exceptions import ApiException
@@ -123,7 +131,7 @@ def _call(api, what: str, method: str, *args, absent_ok: bool = False, **kwargs)
         ) from None
 
 
-def check_namespace(api, namespace: str) -> None:
+def check_namespace(api: Api, namespace: str) -> None:
     """Refuses any namespace not labelled atoll.dev/enabled=true (or that does not exist)."""
     ns = _call(api, f"reading namespace {namespace!r}", "read_namespace", namespace, absent_ok=True)
     if ns is None:
@@ -136,14 +144,14 @@ def check_namespace(api, namespace: str) -> None:
 
 
 def learner_clusters(
-    api, learner_contexts, kubeconfig: str | None
-) -> list[tuple[str | None, object]]:
+    api: Api, learner_contexts: Sequence[str] | None, kubeconfig: str | None
+) -> list[tuple[str | None, Api]]:
     """(context, API) of every cluster that may hold learner pods: the syncer's (context None)
     first, then each of `learner_contexts`, read from `kubeconfig`."""
     return [(None, api)] + [(c, connect(kubeconfig, c)) for c in learner_contexts or ()]
 
 
-def list_pods(api, namespace: str, labels: dict[str, str]) -> list:
+def list_pods(api: Api, namespace: str, labels: dict[str, str]) -> list[Pod]:
     """Pods carrying every label in `labels`, sorted by name; checked here as well as by the API."""
     selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
     pods = _call(
@@ -159,7 +167,7 @@ def list_pods(api, namespace: str, labels: dict[str, str]) -> list:
     )
 
 
-def pod_row(pod) -> dict:
+def pod_row(pod: Pod) -> dict[str, Any]:
     """What status shows of one pod."""
     status = pod.status
     ready = any(
@@ -175,12 +183,12 @@ def pod_row(pod) -> dict:
     }
 
 
-def shard_index(pod) -> int | None:
+def shard_index(pod: Pod) -> int | None:
     m = re.search(r"-(\d+)$", pod.metadata.name)
     return int(m.group(1)) if m else None
 
 
-def pod_address(pod, port_name: str, template: str = ADDRESS_TEMPLATE) -> str | None:
+def pod_address(pod: Pod, port_name: str, template: str = ADDRESS_TEMPLATE) -> str | None:
     """HOST:PORT of the pod's container port called `port_name`, through `template`."""
     ports = [
         p.container_port for c in pod.spec.containers for p in c.ports or () if p.name == port_name
@@ -197,7 +205,7 @@ def pod_address(pod, port_name: str, template: str = ADDRESS_TEMPLATE) -> str | 
     )
 
 
-def delete_pod(api, name: str, namespace: str) -> bool:
+def delete_pod(api: Api, name: str, namespace: str) -> bool:
     """Deletes one pod; False when it was gone already."""
     return (
         _call(
@@ -217,8 +225,8 @@ def delete_pod(api, name: str, namespace: str) -> bool:
 
 
 def describe_shard(
-    address: str, deadline: float = DESCRIBE_DEADLINE, token: str | None = None, tls=None
-) -> dict:
+    address: str, deadline: float = DESCRIBE_DEADLINE, token: str | None = None, tls: Any = None
+) -> dict[str, Any]:
     """{"describe": ...} from one shard's Describe, or {"error": ...} when it does not answer
     (`tls`: a wire.client.TlsFiles, or None for plaintext)."""
     import grpc
@@ -256,7 +264,7 @@ def describe_shard(
     }
 
 
-def _tls_hint(address: str, tls) -> str:
+def _tls_hint(address: str, tls: Any) -> str:
     """Why a shard dialled by IP over TLS may not answer: its certificate names hosts."""
     if tls is None:
         return ""
@@ -270,7 +278,9 @@ def _tls_hint(address: str, tls) -> str:
     )
 
 
-def _describe_all(shards: list[dict], deadline: float, token: str | None, tls=None) -> list[dict]:
+def _describe_all(
+    shards: list[dict[str, Any]], deadline: float, token: str | None, tls: Any = None
+) -> list[dict[str, Any]]:
     """Fills in each shard row's Describe (in parallel, so one dead shard costs one deadline)."""
     asked = [s for s in shards if s["address"] and s["ready"] is not False]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(asked)))) as pool:
@@ -292,7 +302,7 @@ def _describe_all(shards: list[dict], deadline: float, token: str | None, tls=No
 def status(
     namespace: str,
     *,
-    api=None,
+    api: Api | None = None,
     kubeconfig: str | None = None,
     context: str | None = None,
     learner_contexts: tuple[str, ...] = (),
@@ -300,8 +310,8 @@ def status(
     address_template: str = ADDRESS_TEMPLATE,
     deadline: float = DESCRIBE_DEADLINE,
     token: str | None = None,
-    tls=None,
-) -> dict:
+    tls: Any = None,
+) -> dict[str, Any]:
     """Shards and learners of the run in `namespace`, with every ready shard's Describe.
 
     Args:
@@ -339,8 +349,11 @@ def status(
 
 
 def status_of_addresses(
-    addresses: list[str], deadline: float = DESCRIBE_DEADLINE, token: str | None = None, tls=None
-) -> dict:
+    addresses: list[str],
+    deadline: float = DESCRIBE_DEADLINE,
+    token: str | None = None,
+    tls: Any = None,
+) -> dict[str, Any]:
     """The same report for shards given as HOST:PORT, without Kubernetes (no pods, no learners)."""
     shards = [
         {
@@ -361,18 +374,18 @@ def status_of_addresses(
     }
 
 
-def _table(header: list[str], rows: list[list]) -> list[str]:
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     """Rows under a header, each column padded to its widest cell ("-" for None)."""
     cells = [header] + [["-" if v is None else str(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
 
 
-def _yes(v):
+def _yes(v: object) -> str | None:
     return None if v is None else ("yes" if v else "no")
 
 
-def _fragments(d: dict) -> str:
+def _fragments(d: dict[str, Any]) -> str:
     """A shard's fragments as FRAGMENT:VERSION/OPEN ROUND (->SHARD it is moving to)."""
     return (
         "  ".join(
@@ -388,7 +401,7 @@ def _fragments(d: dict) -> str:
     )
 
 
-def _shard_lines(shards: list[dict]) -> list[str]:
+def _shard_lines(shards: list[dict[str, Any]]) -> list[str]:
     rows = []
     for s in shards:
         d = s.get("describe")
@@ -410,7 +423,7 @@ def _shard_lines(shards: list[dict]) -> list[str]:
     return _table(header + ["FRAGMENT:VERSION/OPEN ROUND (->SHARD: MOVING THERE)"], rows)
 
 
-def _learner_lines(learners: list[dict] | None) -> list[str]:
+def _learner_lines(learners: list[dict[str, Any]] | None) -> list[str]:
     if learners is None:
         return []
     if not learners:
@@ -427,7 +440,7 @@ def _learner_lines(learners: list[dict] | None) -> list[str]:
     return lines + [f"{ready}/{len(learners)} learner pods ready"]
 
 
-def render_status(report: dict) -> str:
+def render_status(report: dict[str, Any]) -> str:
     """The report as aligned text tables."""
     where = (
         f"namespace {report['namespace']}" if report["namespace"] else "shards given by --shards"
@@ -449,17 +462,17 @@ def render_status(report: dict) -> str:
 # --- CLI glue ---
 
 
-def flag_adder(p, have: set[str]):
+def flag_adder(p: argparse._ActionsContainer, have: set[str]) -> Callable[..., None]:
     """add_argument that leaves a flag already defined (by the local mode of `atoll chaos`) alone."""
 
-    def add(flag: str, **kwargs) -> None:
+    def add(flag: str, **kwargs: Any) -> None:
         if flag not in have:
             p.add_argument(flag, **kwargs)
 
     return add
 
 
-def add_cluster_arguments(add) -> None:
+def add_cluster_arguments(add: Callable[..., None]) -> None:
     """The flags that say which clusters and namespace a run is in and how to reach its pods."""
     add(
         "--namespace",

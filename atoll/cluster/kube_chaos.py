@@ -23,11 +23,14 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
+from typing import Any, TextIO, TypedDict
 
 from atoll.cluster.kube import (
     ADDRESS_TEMPLATE,
     LEARNERS,
     SYNCERS,
+    Api,
     KubeError,
     add_cluster_arguments,
     check_address_template,
@@ -50,11 +53,19 @@ def next_failure_in(rng: random.Random, pods: int, mtbf: float) -> float:
     return rng.expovariate(pods / mtbf) if pods else math.inf
 
 
-def scrape(address: str, timeout: float = SCRAPE_TIMEOUT) -> dict:
+class Scrape(TypedDict):
+    """What chaos reads of one shard's /metrics."""
+
+    compute_seconds: float  # accepted compute, a counter
+    rounds: float  # rounds closed, a counter
+    versions: dict[int, int]  # fragment -> version
+
+
+def scrape(address: str, timeout: float = SCRAPE_TIMEOUT) -> Scrape:
     """The counters and gauges chaos reports, from one shard's /metrics."""
     from atoll.wire.metrics import read_metrics
 
-    out = {"compute_seconds": 0.0, "rounds": 0.0, "versions": {}}
+    out: Scrape = {"compute_seconds": 0.0, "rounds": 0.0, "versions": {}}
     for s in read_metrics(address, timeout):
         if s.name == "atoll_accepted_compute_seconds_total":
             out["compute_seconds"] += s.value
@@ -65,8 +76,8 @@ def scrape(address: str, timeout: float = SCRAPE_TIMEOUT) -> dict:
     return out
 
 
-def _scrape_all(addresses: dict[str, str | None]) -> dict[str, dict | None]:
-    def one(address):
+def _scrape_all(addresses: dict[str, str | None]) -> dict[str, Scrape | None]:
+    def one(address: str | None) -> Scrape | None:
         try:
             return scrape(address) if address else None
         except (OSError, ValueError):
@@ -87,17 +98,17 @@ def chaos(
     duration_seconds: float,
     seed: int = 0,
     *,
-    api=None,
+    api: Api | None = None,
     kubeconfig: str | None = None,
     context: str | None = None,
     learner_contexts: tuple[str, ...] = (),
     learner_kubeconfig: str | None = None,
     dry_run: bool = False,
     address_template: str = ADDRESS_TEMPLATE,
-    out=None,
-    clock=time.monotonic,
-    sleep=time.sleep,
-) -> dict:
+    out: TextIO | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
     """Deletes learner pods at random for `duration_seconds` and reports what the run kept.
 
     Args:
@@ -154,10 +165,16 @@ def chaos(
 
 
 def _dry_run(
-    namespace: str, rng: random.Random, learners: list[str], mtbf: float, duration: float, out
-) -> dict:
+    namespace: str,
+    rng: random.Random,
+    learners: list[str],
+    mtbf: float,
+    duration: float,
+    out: TextIO | None,
+) -> dict[str, Any]:
     """The deletions a run of `duration` seconds would draw among today's `learners`, printed."""
-    plan, t = [], next_failure_in(rng, len(learners), mtbf)
+    plan: list[dict[str, Any]] = []
+    t = next_failure_in(rng, len(learners), mtbf)
     while t < duration:
         plan.append({"at_seconds": round(t, 3), "pod": rng.choice(learners)})
         print(f"would delete pod {plan[-1]['pod']} at {t:.2f} s", file=out, flush=True)
@@ -171,7 +188,9 @@ def _dry_run(
     }
 
 
-def _metrics_addresses(api, namespace: str, template: str, out) -> dict[str, str | None]:
+def _metrics_addresses(
+    api: Api, namespace: str, template: str, out: TextIO | None
+) -> dict[str, str | None]:
     """{syncer pod: its /metrics HOST:PORT or None}; says so when this cluster holds none."""
     shards = {
         p.metadata.name: pod_address(p, "metrics", template)
@@ -188,10 +207,17 @@ def _metrics_addresses(api, namespace: str, template: str, out) -> dict[str, str
 
 
 def _inject(
-    clusters, namespace: str, rng: random.Random, mtbf: float, end: float, out, clock, sleep
+    clusters: list[tuple[str | None, Api]],
+    namespace: str,
+    rng: random.Random,
+    mtbf: float,
+    end: float,
+    out: TextIO | None,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
 ) -> tuple[list[str], bool]:
     """Deletes learner pods until `end` on `clock`: (the pods deleted, whether Ctrl-C cut it short)."""
-    start, deleted = clock(), []
+    start, deleted = clock(), list[str]()
     try:
         while (now := clock()) < end:
             wait = next_failure_in(rng, len(_alive(clusters, namespace)), mtbf)
@@ -210,25 +236,22 @@ def _inject(
 
 
 def _kept(
-    before: dict[str, dict | None], after: dict[str, dict | None], learner_seconds: float
-) -> dict:
+    before: dict[str, Scrape | None], after: dict[str, Scrape | None], learner_seconds: float
+) -> dict[str, Any]:
     """What the shards scraped at both ends of the window kept: accepted compute, goodput (None
     unless every shard was scraped twice), rounds, version advance and the shards unscraped."""
-    scraped = [s for s in before if before[s] is not None and after[s] is not None]
-    compute = sum(
-        _increase(before[s]["compute_seconds"], after[s]["compute_seconds"]) for s in scraped
-    )
+    pairs = {s: (b, a) for s, b in before.items() if b is not None and (a := after[s]) is not None}
+    scraped = list(pairs)
+    compute = sum(_increase(b["compute_seconds"], a["compute_seconds"]) for b, a in pairs.values())
     advance: dict[int, int] = {}
-    for s in scraped:
-        for p, v in after[s]["versions"].items():
-            advance[p] = v - before[s]["versions"].get(p, 0)
+    for b, a in pairs.values():
+        for p, v in a["versions"].items():
+            advance[p] = v - b["versions"].get(p, 0)
     whole = bool(before) and len(scraped) == len(before)
     return {
         "accepted_compute_seconds": compute,
         "goodput": compute / learner_seconds if whole else None,
-        "rounds_closed": int(
-            sum(_increase(before[s]["rounds"], after[s]["rounds"]) for s in scraped)
-        ),
+        "rounds_closed": int(sum(_increase(b["rounds"], a["rounds"]) for b, a in pairs.values())),
         "version_advance": dict(sorted(advance.items())),
         "unscraped_shards": sorted(set(before) - set(scraped)),
     }
@@ -250,7 +273,7 @@ def _alive(
     return alive
 
 
-def render_chaos(r: dict) -> str:
+def render_chaos(r: dict[str, Any]) -> str:
     if r.get("dry_run"):
         return (
             f"dry run in {r['namespace']}: {len(r['would_delete'])} deletions planned over "

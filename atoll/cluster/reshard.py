@@ -22,6 +22,7 @@ import json
 import pathlib
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -145,7 +146,7 @@ def move(
     say: Callable[[str], None] = lambda _: None,
     new: FragmentMap | None = None,
     ready: Callable[[ShardClient], bool] = serving,
-) -> tuple[FragmentMap, dict]:
+) -> tuple[FragmentMap, dict[str, Any]]:
     """Carries out one move from `current` (to `new`, by default `current` with the
     fragment moved one version on); returns the new map and what it cost.
 
@@ -249,13 +250,13 @@ def reshard(
     until: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     ready: Callable[[ShardClient], bool] = serving,
-) -> dict:
+) -> dict[str, Any]:
     """Finishes any move a failure interrupted, then plans and carries out the moves
     that balance the fragments over `num_shards`. A move from or to a shard that does not
     serve (down, or restarting: `ready`) is left for a rerun (`skipped`), its fragment
     serving where it was; none starts once `clock()` passes `until`."""
-    done: list[dict] = []
-    skipped: list[dict] = []
+    done: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
     described = describe_all(clients, ready)
 
     def carry_out(current: FragmentMap, m: Move, new: FragmentMap | None = None) -> FragmentMap:
