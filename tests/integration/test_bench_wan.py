@@ -90,7 +90,6 @@ print(json.dumps({{"rtt_s": rtt, "upload_s": time.perf_counter() - t}}))
 @pytest.mark.timeout(600)
 def test_tiny_run_reports_every_figure(tmp_path):
     """Both modes over 2 regions for a few steps: the figures, the links' bytes and the plot."""
-    started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "atoll.cli", "bench", "wan", "--json"]
         + ["--steps", "16", "--evals", "2", "--batch-size", "8", "--rate-mbit", "20"]
@@ -108,8 +107,16 @@ def test_tiny_run_reports_every_figure(tmp_path):
         assert run["steps"] == 16 and run["tokens"] == 16 * 2 * 8 * 32
         assert run["train_seconds"] > 0 and run["steps_per_s"] > 0
         assert set(run["links"]) == {"r0_up", "r0_down", "r1_up", "r1_down"}
-        assert all(v["bytes"] > 0 and v["peak_mbit_s"] >= 0 for v in run["links"].values())
-        assert run["eval"][-1]["eval_loss"] < run["eval"][0]["eval_loss"] or run is atoll
+        # every link carries traffic while training: a mean over the window within the
+        # link's 20 Mbit/s, and a peak over one 0.5 s sample that is neither nothing nor
+        # past the link's rate by more than its burst and the sampler's timing (the peak
+        # leaves out the two samples that straddle the window's edges, which the mean
+        # interpolates, so a mean above the peak can happen and is not checked)
+        for name, v in run["links"].items():
+            assert v["bytes"] > 0 and 0 < v["mean_mbit_s"] <= 20, (name, v)
+            assert 0 < v["peak_mbit_s"] <= 1.5 * 20, (name, v)
+        # both learn in 16 steps: atoll's global model too (4.81 -> 3.99 measured)
+        assert run["eval"][-1]["eval_loss"] < run["eval"][0]["eval_loss"], run["eval"]
     # every data-parallel step all-reduces a fp32 gradient: each direction of every link
     # carries 4 bytes per parameter per step (a 2-process ring). The links are sampled
     # every 0.5 s over the training window, so its edges may miss a few steps' bytes: at
@@ -126,7 +133,6 @@ def test_tiny_run_reports_every_figure(tmp_path):
         "eval_loss_gap_pct_equal_tokens",
     }
     assert (tmp_path / "wan.png").stat().st_size > 10_000
-    assert time.monotonic() - started < 560
 
 
 @pytest.mark.timeout(300)
