@@ -14,6 +14,7 @@ import pathlib
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -44,6 +45,14 @@ SPECS = [
 ]
 PLAN = FragmentPlan.build(SPECS, 4)
 Metadata = Sequence[tuple[str, str]] | None
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (bound and released: it stays free only until
+    another process takes it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def bearer(token: str) -> list[tuple[str, str]]:

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
-from syncer_helpers import REPO
+from syncer_helpers import REPO, free_port
 
 # Both processes (and the reader) build the same values: row r of every leaf is r + 0.5.
 SCRIPT = textwrap.dedent("""
@@ -89,12 +88,6 @@ READER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(devices: int) -> dict[str, str]:
     return {
         **os.environ,
@@ -106,7 +99,7 @@ def _env(devices: int) -> dict[str, str]:
 
 @pytest.mark.timeout(120)
 def test_two_processes_write_their_shards_and_it_restores_on_any_mesh(tmp_path):
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", SCRIPT, str(port), str(i), str(tmp_path)],

@@ -7,12 +7,11 @@ errors that write nothing; `atoll up` leaves its final model in its run director
 from __future__ import annotations
 
 import json
-import socket
 
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from syncer_helpers import client_push, run_atoll, syncer_processes
+from syncer_helpers import client_push, free_port, run_atoll, syncer_processes
 
 import atoll
 from atoll import model_dir
@@ -120,12 +119,6 @@ def test_export_writes_what_the_shards_serve_and_sample_runs_it(shards, tmp_path
     assert sample.stdout.startswith("def ") and len(sample.stdout.encode()) > len("def \n")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_what_cannot_be_exported_is_a_readable_error_that_writes_nothing(shards, tmp_path):
     out = tmp_path / "model"
 
@@ -144,7 +137,7 @@ def test_what_cannot_be_exported_is_a_readable_error_that_writes_nothing(shards,
     assert code == 2 and "beyond the 1 given: 1 on shard 1, 3 on shard 1" in err, err
 
     # a shard that does not answer (nothing listens there): exit 1, rerun when it is up
-    dead = f"127.0.0.1:{_free_port()}"
+    dead = f"127.0.0.1:{free_port()}"
     code, err = export("--shards", f"{shards[0]},{dead}", "--deadline", "2")
     assert code == 1 and f"shard {dead} did not answer: DEADLINE_EXCEEDED" in err, err
 

@@ -4,14 +4,13 @@ and SIGKILL while they fly loses none that was acknowledged."""
 from __future__ import annotations
 
 import concurrent.futures
-import socket
 import threading
 import time
 
 import grpc
 import numpy as np
 import pytest
-from syncer_helpers import PLAN, connect, init, pull, push, shard_state, syncer_processes
+from syncer_helpers import PLAN, connect, free_port, init, pull, push, shard_state, syncer_processes
 
 from atoll.server.audit import durable_pushes, lost_acks
 from atoll.wire import syncer_pb2 as pb
@@ -30,12 +29,6 @@ FLAGS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fsyncs_and_pushes(metrics_port: int) -> tuple[int, int]:
     """(WAL fsyncs run, pushes accepted) from one scrape of the shard's own counters."""
     samples = read_metrics(f"127.0.0.1:{metrics_port}", timeout=10)
@@ -51,7 +44,7 @@ def _fsyncs_and_pushes(metrics_port: int) -> tuple[int, int]:
 @pytest.mark.timeout(120)
 def test_sigkill_among_concurrent_pushes_shares_fsyncs_and_loses_no_acknowledged_one(tmp_path):
     data = tmp_path / "shard"
-    metrics_port = _free_port()
+    metrics_port = free_port()
     with syncer_processes(tmp_path) as start:
         shard = start(data, *FLAGS, f"--metrics-port={metrics_port}")
         channel, stub = connect(shard.port)

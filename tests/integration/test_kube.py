@@ -21,7 +21,6 @@ import json
 import pathlib
 import random
 import re
-import socket
 import ssl
 import statistics
 import threading
@@ -31,7 +30,7 @@ import kmock
 import numpy as np
 import pytest
 import yaml
-from syncer_helpers import PLAN, connect, describe, init, push, syncer_processes
+from syncer_helpers import PLAN, connect, describe, free_port, init, push, syncer_processes
 
 from atoll.cluster import kube, kube_chaos
 
@@ -59,12 +58,6 @@ BYSTANDERS = {
 REMOTE = {"atoll-learner-v5p-slice-0": "us-east5", "atoll-learner-v5p-slice-1": "us-east5"}
 COMPUTE_PER_PUSH = 10 * 0.5 / PLAN.num_fragments  # inner_steps x step_seconds / fragments
 ROLE = pathlib.Path(__file__).resolve().parents[2] / "k8s" / "components" / "operator" / "rbac.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pod(

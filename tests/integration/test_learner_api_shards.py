@@ -365,13 +365,9 @@ print("adopted", learner.stats.get("adopted", "-"), "params", digest.hexdigest()
 @pytest.mark.e2e
 def test_a_two_process_learner_joins_and_adopts_on_every_process(tmp_path):
     """Process 0 alone talks to the shard; process 1 starts from and adopts what it did."""
-    import socket
+    from syncer_helpers import REPO, free_port, syncer_processes
 
-    from syncer_helpers import REPO, syncer_processes
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with syncer_processes(tmp_path) as start:
         shard = start(tmp_path / "s0", "--quorum", "1", "--lease-seconds", "5")
         env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}

@@ -9,13 +9,12 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
-from syncer_helpers import REPO, syncer_processes
+from syncer_helpers import REPO, free_port, syncer_processes
 
 from atoll.learner import checkpoint
 from atoll.wire.records import read_jsonl
@@ -28,12 +27,6 @@ FLAGS = ["--preset", "tiny", "--batch-size", "8", "--eval-batches", "1", "--quie
 # the one shard of the tests that sync: K = 1, so process 0's pushes close rounds alone
 ONE_SHARD = ["--shard-index", "0", "--num-shards", "1", "--quorum", "1", "--grace-factor", "1"]
 ONE_SHARD += ["--lease-seconds", "5"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(
@@ -75,7 +68,7 @@ def _start(
         *FLAGS,
         *flags,
     ]
-    port = _free_port()
+    port = free_port()
     procs: list[subprocess.Popen] = []
     logs = [tmp / f"{name}.{i}.log" for i in range(processes)]
     try:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import grpc
 import numpy as np
 import pytest
-from syncer_helpers import REPO
+from syncer_helpers import REPO, free_port
 
 from atoll.server.config import ShardConfig
 from atoll.server.service import SyncerServer
@@ -27,12 +26,6 @@ pytestmark = pytest.mark.e2e  # real processes: `make test-fast` skips it
 
 WORKER = pathlib.Path(__file__).with_name("sharded_learner_worker.py")
 FRAGMENTS = 2  # the worker's
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _learn(
@@ -65,7 +58,7 @@ def _learn(
             "XLA_FLAGS": "--xla_force_host_platform_device_count=2 "
             "--xla_cpu_multi_thread_eigen=false",
         }
-        port, procs = _free_port(), []
+        port, procs = free_port(), []
         for i in range(processes):
             cmd = [sys.executable, str(WORKER), "--shards", addresses]
             cmd += ["--out", str(tmp / f"{name}.{i}.json"), *flags]

@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from syncer_helpers import REPO, syncer_processes
+from syncer_helpers import REPO, free_port, syncer_processes
 
 from atoll.wire.records import read_jsonl
 
@@ -84,15 +84,9 @@ def learners():
         learner.kill()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_ends_the_wait_for_shards_nobody_serves(tmp_path, learners):
     # the injected fault: --shards names a port nothing listens on
-    learners.append(learner := Learner(tmp_path, f"127.0.0.1:{_free_port()}"))
+    learners.append(learner := Learner(tmp_path, f"127.0.0.1:{free_port()}"))
     # compiled (tiny), asking the shard: a wait with a 60 s deadline
     learner.wait_for(lambda: JOINING in learner.output(), "started joining the syncer")
     learner.stop()

@@ -18,7 +18,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from syncer_helpers import (
     REPO,
     SERVICE,
     connect,
+    free_port,
     health_status,
     init,
     push_requests,
@@ -126,12 +126,6 @@ def _kill_all_under(path: pathlib.Path) -> None:
             pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --- the syncer ---
 
 
@@ -174,7 +168,7 @@ def test_a_syncer_replaying_a_long_log_stops_at_once_and_writes_nothing(tmp_path
     data = tmp_path / "shard"
     records = _long_log(data, rounds=15_000)  # ~25 s of replay on an idle host
     before = _digest(data)
-    port = _free_port()
+    port = free_port()
     children.append(
         syncer := Child(
             tmp_path / "syncer.log",
@@ -266,7 +260,7 @@ def test_a_syncer_serving_open_watch_and_push_streams_stops_within_seconds(tmp_p
 
 def test_a_standby_waiting_for_an_id_to_take_stops_within_seconds(tmp_path, children):
     args = ["learner", "--standby", "--learner-id", "spare", "--num-learners", "2"]
-    args += ["--shards", f"127.0.0.1:{_free_port()}", "--checkpoint-dir", str(tmp_path / "ck")]
+    args += ["--shards", f"127.0.0.1:{free_port()}", "--checkpoint-dir", str(tmp_path / "ck")]
     args += ["--status-file", str(tmp_path / "{id}.jsonl"), *TINY]
     children.append(spare := Child(tmp_path / "spare.log", *args))
     # the phase: polling the claims (every learner holds its id: there are none)
@@ -278,7 +272,7 @@ def test_a_standby_waiting_for_an_id_to_take_stops_within_seconds(tmp_path, chil
 
 def test_atoll_drain_waiting_for_shards_that_never_answer_stops_within_seconds(tmp_path, children):
     # the injected fault: shards 0 to 2 on ports nothing listens on; shard 2 leaves (1 stays)
-    base = _free_port() // 10
+    base = free_port() // 10
     pattern = f"127.0.0.1:{base}{{i}}"
     args = ["drain", "--shards", pattern, "--shard-index", "2", "--replicas", "1"]
     children.append(drain := Child(tmp_path / "drain.log", *args, "--timeout", "600"))

@@ -6,18 +6,11 @@ traceback, and a shard already serving goes on serving."""
 from __future__ import annotations
 
 import pathlib
-import socket
 import subprocess
 import time
 
 import pytest
-from syncer_helpers import (
-    connect,
-    describe,
-    run_atoll,
-    syncer_processes,
-    wait_serving,
-)
+from syncer_helpers import connect, describe, free_port, run_atoll, syncer_processes, wait_serving
 
 START_SECONDS = 60  # a refused start returns well within this (imports take a few seconds)
 
@@ -26,13 +19,6 @@ START_SECONDS = 60  # a refused start returns well within this (imports take a f
 def processes(tmp_path):
     with syncer_processes(tmp_path) as start:
         yield start
-
-
-def free_port() -> int:
-    """A port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def syncer(*flags: str) -> subprocess.CompletedProcess:
