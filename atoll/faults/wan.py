@@ -57,9 +57,11 @@ import subprocess
 import threading
 import zlib
 from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 LOCK_PATH = "/run/atoll-wan.lock"  # serialises subnet choice across concurrent Wan instances
-POOL = ipaddress.ip_network("10.200.0.0/13")  # private block the per-instance /24s come from
+POOL = ipaddress.IPv4Network("10.200.0.0/13")  # private block the per-instance /24s come from
 CHUNK = 64 * 1024  # proxy read size, bytes
 MAX_REGIONS = 64  # one /30 per region in one /24
 MAX_PEER_PORTS = 256  # ports in a peer_ports range (one proxy listener each, per region)
@@ -86,7 +88,7 @@ class WanConfig:
     )
     queue_ms: float = 50.0  # tbf queue, as time at the rate; packets beyond it are dropped, > 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
             if not ok:
                 raise WanError(message)
@@ -129,7 +131,7 @@ class WanConfig:
         return 128 * 1024 + int(2 * self.rate_bytes * self.latency_ms / 1000)
 
 
-def _run(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
+def _run(args: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     try:
         done = subprocess.run(args, capture_output=True, text=True, timeout=30)
     except FileNotFoundError:
@@ -217,7 +219,7 @@ def _networks_in_use() -> list[ipaddress.IPv4Network]:
     used = []
     for token in re.findall(r"(?<![\d.])(\d+\.\d+\.\d+\.\d+(?:/\d+)?)", text):
         with contextlib.suppress(ValueError):
-            used.append(ipaddress.ip_network(token, strict=False))
+            used.append(ipaddress.IPv4Network(token, strict=False))
     return used
 
 
@@ -231,7 +233,11 @@ def _free_subnet(name: str) -> ipaddress.IPv4Network:
     used = _networks_in_use()
     start = zlib.crc32(name.encode()) % len(candidates)
     ordered = candidates[start:] + candidates[:start]
-    for clashes in (lambda net, u: net.overlaps(u), lambda net, u: u.subnet_of(net)):
+    tests: tuple[Callable[[ipaddress.IPv4Network, ipaddress.IPv4Network], bool], ...] = (
+        lambda net, u: net.overlaps(u),
+        lambda net, u: u.subnet_of(net),
+    )
+    for clashes in tests:
         for net in ordered:
             if not any(clashes(net, u) for u in used):
                 return net
@@ -253,8 +259,6 @@ def _set_linger_reset(writer: asyncio.StreamWriter) -> None:
 class _Proxy:
     """Delaying TCP proxy on its own asyncio loop in a daemon thread."""
 
-    _RESET = object()  # queued when the source reset: the destination is reset after the delay
-
     def __init__(self, latency_s: float, buffer_bytes: int, regions: int):
         self.latency_s, self.buffer_bytes = latency_s, buffer_bytes
         self.stats = [
@@ -262,7 +266,7 @@ class _Proxy:
         ]
         self.loop = asyncio.new_event_loop()
         self.servers: list[asyncio.Server] = []
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
         self.thread = threading.Thread(
             target=self.loop.run_forever, name="atoll-wan-proxy", daemon=True
         )
@@ -283,7 +287,7 @@ class _Proxy:
                 f"cannot listen on {host}:{port} for region-to-region traffic: {e}"
             ) from None
 
-        async def start():
+        async def start() -> None:
             handler = functools.partial(self._connection, (host, port), region, region_of)
             server = await asyncio.start_server(handler, sock=sock, limit=2 * CHUNK)
             self.servers.append(server)
@@ -293,23 +297,22 @@ class _Proxy:
     def listen(self, region: int, host: str, shard_port: int) -> int:
         """Serves host:shard_port (or host:ephemeral if taken) for the shard; returns the port."""
 
-        async def start():
+        async def start() -> int:
             handler = functools.partial(
                 self._connection, ("127.0.0.1", shard_port), region, lambda _: region
             )
-            for port in (shard_port, 0):
-                try:
-                    server = await asyncio.start_server(handler, host, port, limit=2 * CHUNK)
-                    self.servers.append(server)
-                    return server.sockets[0].getsockname()[1]
-                except OSError:
-                    if port == 0:
-                        raise
+            try:
+                server = await asyncio.start_server(handler, host, shard_port, limit=2 * CHUNK)
+            except OSError:  # taken: any free port
+                server = await asyncio.start_server(handler, host, 0, limit=2 * CHUNK)
+            self.servers.append(server)
+            port: int = server.sockets[0].getsockname()[1]
+            return port
 
         return asyncio.run_coroutine_threadsafe(start(), self.loop).result(timeout=10)
 
     def stop(self) -> None:
-        async def shutdown():
+        async def shutdown() -> None:
             for server in self.servers:
                 server.close()
             for task in list(self.tasks):
@@ -329,14 +332,15 @@ class _Proxy:
         target: tuple[str, int],
         target_region: int,
         region_of: Callable[[str], int | None],
-        client_r,
-        client_w,
+        client_r: asyncio.StreamReader,
+        client_w: asyncio.StreamWriter,
     ) -> None:
         """One client connection relayed to `target` (a shard, or a server in `target_region`).
 
         Bytes count as the client region's up and the target region's down, and back.
         """
         task = asyncio.current_task()
+        assert task is not None  # a connection's handler runs as a task of its own
         self.tasks.add(task)
         peer = client_w.get_extra_info("peername")
         region = region_of(peer[0]) if peer else None
@@ -347,7 +351,8 @@ class _Proxy:
         stats, theirs = self.stats[region], self.stats[target_region]
         stats["connections"] += 1
         stats["open"] += 1
-        shard_w, clean = None, False
+        shard_w: asyncio.StreamWriter | None = None
+        clean = False
         try:
             try:
                 shard_r, shard_w = await asyncio.open_connection(*target, limit=2 * CHUNK)
@@ -383,23 +388,25 @@ class _Proxy:
         self,
         src: asyncio.StreamReader,
         dst: asyncio.StreamWriter,
-        counters: list[tuple[dict, str]],
+        counters: list[tuple[dict[str, int], str]],
     ) -> None:
         """One direction: each chunk leaves latency_s after it was read, in order; EOF and reset too."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        # (when it leaves, a chunk; b"" at EOF, None once the source reset: the destination is
+        # reset after the delay)
+        queue: asyncio.Queue[tuple[float, bytes | None]] = asyncio.Queue()
         room = asyncio.Event()
         room.set()
         held = 0
 
-        async def read():
+        async def read() -> None:
             nonlocal held
             while True:
                 await room.wait()  # a full buffer stops reading: the sender's TCP window closes
                 try:
                     chunk = await src.read(CHUNK)
                 except OSError:
-                    queue.put_nowait((loop.time() + self.latency_s, self._RESET))
+                    queue.put_nowait((loop.time() + self.latency_s, None))
                     return
                 queue.put_nowait((loop.time() + self.latency_s, chunk))
                 if not chunk:
@@ -414,7 +421,7 @@ class _Proxy:
                 due, chunk = await queue.get()
                 if (wait := due - loop.time()) > 0:
                     await asyncio.sleep(wait)
-                if chunk is self._RESET:
+                if chunk is None:
                     raise ConnectionResetError(f"peer reset ({counters[0][1]})")
                 if not chunk:
                     if dst.can_write_eof():
@@ -483,7 +490,7 @@ class Wan:
         self._made: list[
             str
         ] = []  # namespaces and host links this Wan created: all teardown deletes
-        self._prev_sigterm = None
+        self._prev_sigterm: Callable[[int, FrameType | None], Any] | int | None = None
         self._sigterm_installed = False
         self._closed = False
 
@@ -513,7 +520,7 @@ class Wan:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _setup(self) -> None:
@@ -591,7 +598,7 @@ class Wan:
         table, where every region address is local; the proxy's transparent listeners take
         them. The host's own connections still reach a region by its link (main table).
         """
-        assert self.subnet is not None
+        assert self.subnet is not None and self.peer_ports is not None
         first, last = self.peer_ports
         self._table = (
             TABLE_BASE + (int(self.subnet.network_address) - int(POOL.network_address)) // 256
@@ -635,9 +642,9 @@ class Wan:
         host_ip = self._addresses(self._region(region))[0]
         return [f"{host_ip}:{port}" for port in self._ports[region]]
 
-    def stats(self) -> dict[int, dict]:
+    def stats(self) -> dict[int, dict[str, Any]]:
         """Per region: proxy bytes up/down, connections (total, open), and tc counters per direction."""
-        out = {}
+        out: dict[int, dict[str, Any]] = {}
         for r in range(self.cfg.regions):
             out[r] = dict(self._proxy.stats[r]) if self._proxy else {}
             host_link, ns_link = self._links(r)
@@ -671,7 +678,7 @@ class Wan:
                 self._prev_sigterm if self._prev_sigterm is not None else signal.SIG_DFL,
             )
 
-    def _on_sigterm(self, signum, frame) -> None:
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self.close()
         prev = self._prev_sigterm
         if callable(prev):
@@ -690,7 +697,7 @@ def _drop_table(table: int) -> None:
     _run(["ip", "route", "flush", "table", str(table)], check=False)
 
 
-def _tc_counters(args: list[str]) -> dict:
+def _tc_counters(args: list[str]) -> dict[str, Any]:
     done = _run(args, check=False)
     with contextlib.suppress(ValueError, IndexError, TypeError):
         q = next(q for q in json.loads(done.stdout) if q.get("root"))
