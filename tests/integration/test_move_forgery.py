@@ -151,7 +151,7 @@ def _genuine(pair) -> tuple[dict, bytes]:
     assert push(stub_a, PLAN, 0, "L", seq=1, base=0, delta=delta).accepted
     freeze(stub_a, 0, as_pb(MOVED))
     meta, payload = export(stub_a, 0)
-    assert set(meta["state"]["answers"]) == {"L"} and "freeze" in meta
+    assert "L" in meta["state"]["answers"] and "freeze" in meta
     return meta, payload
 
 
