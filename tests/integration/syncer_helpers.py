@@ -55,6 +55,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def serving_shard(data_dir: pathlib.Path, grace: float = 2.0, **settings) -> Iterator:
+    """A SyncerServer in this process on a free port (shard 0 of 1 unless `settings`, any
+    ShardConfig fields, say otherwise), stopped with `grace` when the block ends."""
+    from atoll.server.config import ShardConfig
+    from atoll.server.service import SyncerServer
+
+    settings = {"shard_index": 0, "num_shards": 1, "listen": "127.0.0.1:0", **settings}
+    server = SyncerServer(ShardConfig(data_dir=data_dir, **settings))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(grace=grace)
+
+
 def bearer(token: str) -> list[tuple[str, str]]:
     """Call metadata carrying a bearer token."""
     return [("authorization", f"Bearer {token}")]

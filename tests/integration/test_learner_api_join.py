@@ -13,10 +13,9 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
+from syncer_helpers import serving_shard
 
 import atoll
-from atoll.server.config import ShardConfig
-from atoll.server.service import SyncerServer
 
 
 def init() -> dict:
@@ -29,12 +28,8 @@ def init() -> dict:
 
 @pytest.fixture
 def one_shard(tmp_path):
-    server = SyncerServer(
-        ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path / "shard", listen="127.0.0.1:0")
-    )
-    server.start()
-    yield f"127.0.0.1:{server.port}"
-    server.stop()
+    with serving_shard(tmp_path / "shard") as server:
+        yield f"127.0.0.1:{server.port}"
 
 
 def _shape(p):

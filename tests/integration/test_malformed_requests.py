@@ -9,10 +9,17 @@ import pathlib
 import grpc
 import numpy as np
 import pytest
-from syncer_helpers import DEADLINE, PLAN, SERVICE, connect, describe, health_status, init
+from syncer_helpers import (
+    DEADLINE,
+    PLAN,
+    SERVICE,
+    connect,
+    describe,
+    health_status,
+    init,
+    serving_shard,
+)
 
-from atoll.server.config import ShardConfig
-from atoll.server.service import SyncerServer
 from atoll.wire import syncer_pb2 as pb
 
 # A varint that never ends: no protobuf message parses from it.
@@ -34,15 +41,11 @@ METHODS = {  # method -> (request streaming, response streaming)
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory):
     data = pathlib.Path(tmp_path_factory.mktemp("malformed"))
-    server = SyncerServer(
-        ShardConfig(shard_index=0, num_shards=1, data_dir=data, listen="127.0.0.1:0")
-    )
-    server.start()
-    channel, stub = connect(server.port)
-    init(stub, PLAN, 0, np.zeros(PLAN.fragment_sizes[0], np.float32))
-    yield server, channel, stub
-    channel.close()
-    server.stop(grace=0)
+    with serving_shard(data, grace=0) as server:
+        channel, stub = connect(server.port)
+        init(stub, PLAN, 0, np.zeros(PLAN.fragment_sizes[0], np.float32))
+        yield server, channel, stub
+        channel.close()
 
 
 def test_every_rpc_in_the_proto_is_covered():

@@ -7,14 +7,12 @@ import concurrent.futures
 import grpc
 import numpy as np
 import pytest
-from syncer_helpers import connect, describe, push_requests
+from syncer_helpers import connect, describe, push_requests, serving_shard
 from syncer_helpers import init as _init
 from syncer_helpers import pull as _pull
 from syncer_helpers import push as _push
 from syncer_helpers import status_of as status
 
-from atoll.server.config import ShardConfig
-from atoll.server.service import SyncerServer
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire.plan import FragmentPlan, TensorSpec
@@ -34,20 +32,8 @@ def plan():
 
 @pytest.fixture
 def shard(tmp_path):
-    server = SyncerServer(
-        ShardConfig(
-            shard_index=0,
-            num_shards=1,
-            data_dir=tmp_path,
-            listen="127.0.0.1:0",
-            quorum=2,
-            grace_factor=0.0,
-            snapshot_every=3,
-        )
-    )
-    server.start()
-    yield server
-    server.stop()
+    with serving_shard(tmp_path, quorum=2, grace_factor=0.0, snapshot_every=3) as server:
+        yield server
 
 
 def test_rounds_close_at_quorum_and_pulls_are_bit_exact(shard, plan):

@@ -9,12 +9,21 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-from syncer_helpers import DEADLINE, PLAN, arrays_of, connect, describe, init, npz, pull, push
+from syncer_helpers import (
+    DEADLINE,
+    PLAN,
+    arrays_of,
+    connect,
+    describe,
+    init,
+    npz,
+    pull,
+    push,
+    serving_shard,
+)
 from test_move_forgery import _genuine, adopt, pair, refused_with_nothing_logged  # noqa: F401
 
 from atoll.server import learner_ids
-from atoll.server.config import ShardConfig
-from atoll.server.service import SyncerServer
 from atoll.server.state import MAX_ABS_VALUE
 from atoll.wire import syncer_pb2 as pb
 
@@ -56,14 +65,11 @@ def test_an_adopt_whose_answer_names_a_bad_learner_id_says_the_rule(pair):  # no
 
 @pytest.fixture
 def shard(tmp_path):
-    cfg = ShardConfig(shard_index=0, num_shards=1, data_dir=tmp_path / "s", listen="127.0.0.1:0")
-    server = SyncerServer(cfg)
-    server.start()
-    channel, stub = connect(server.port)
-    init(stub, PLAN, 0, np.zeros(PLAN.fragment_sizes[0], np.float32))
-    yield stub
-    channel.close()
-    server.stop(grace=0)
+    with serving_shard(tmp_path / "s", grace=0) as server:
+        channel, stub = connect(server.port)
+        init(stub, PLAN, 0, np.zeros(PLAN.fragment_sizes[0], np.float32))
+        yield stub
+        channel.close()
 
 
 BAD_IDS = ["a b", "x" * (learner_ids.MAX_CHARS + 1), "é", "a/b"]
