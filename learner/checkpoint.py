@@ -45,9 +45,10 @@ Ordering guarantees (what a reader may rely on):
    there a due checkpoint waits for the previous write to finish.
 4. Resuming never counts steps twice. A fragment's local progress since its origin is
    carried onto the current global weights only if the fragment's shard has answered
-   no push of this learner newer than the checkpoint's (PullHeader.last_seq); otherwise
-   a push made after the checkpoint already delivered it, and the fragment simply adopts
-   the global weights. Seqs go on from the newest of the checkpoint's and the shards'.
+   no push of this learner newer than the checkpoint's (PullHeader.last_seq, which also
+   counts a push in parts the shard still holds unfinished); otherwise a push made after
+   the checkpoint delivered it or may have, and the fragment simply adopts the global
+   weights. Seqs go on from the newest of the checkpoint's and the shards'.
 5. A checkpoint restores onto any mesh of the same model: each array comes back in the
    dtype and sharding of the live leaf it replaces (the tree given to `join`, the
    template given to `restore_state`), each process reading only the shards it holds;
@@ -526,7 +527,7 @@ class Checkpointer:
         rows: Rows | None = None,
     ):
         self.path = path_for(directory, learner_id)
-        self.every, self.identity = every, {**identity, "checkpoint_every": every}
+        self.every, self.identity = every, identity
         self.rows = rows  # a sharded learner's: every process writes its own vectors
         self._manager = _manager(self.path)  # removes a killed write's temp
         self._next = (newest_cut(self.path) or 0) + 1  # cut numbers go on across restarts

@@ -212,13 +212,9 @@ def resume(
     fragments = len(boxes.fragments)
     last = checkpoint.shard_last_seqs(sync) if island.leader else {}
     agreed = _allgather([last.get(p, -1) for p in range(fragments)])[0]
-    carried = checkpoint.resume_sync(
+    # A push of the previous run may still be held in part by its shard (a process died
+    # before the last part): the shard counts its seq in last_seq, so join's seqs already
+    # go on above it and this run's first push of the fragment supersedes those parts.
+    return checkpoint.resume_sync(
         ckpt, sync, theta, trail, {p: int(s) for p, s in enumerate(agreed) if s >= 0}
     )
-    # A push of the previous run started after this checkpoint may still be held in part
-    # by its shard (a process died before the last part): its seq must not come again, or
-    # its held parts would be taken for this run's. Seqs go on past every push the
-    # checkpoint's interval can have started.
-    every = int(ckpt.meta.get("checkpoint_every", 0)) or 1
-    sync.seq += (every // sync.cfg.period + 2) * fragments
-    return carried

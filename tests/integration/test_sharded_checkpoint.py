@@ -35,7 +35,8 @@ ENV = {
 
 
 @pytest.fixture
-def shard(tmp_path):
+def shard(tmp_path, request):
+    settings = getattr(request, "param", {})  # ShardConfig fields a test sets
     server = SyncerServer(
         ShardConfig(
             shard_index=0,
@@ -45,6 +46,7 @@ def shard(tmp_path):
             quorum=1,
             grace_factor=1.0,
             lease_seconds=5,
+            **settings,
         )
     )
     server.start()
@@ -149,11 +151,23 @@ def test_a_stopped_slice_resumes_its_step_params_and_sync_state(tmp_path, shard)
 
 
 @pytest.mark.timeout(600)
-def test_a_process_killed_mid_push_merges_nothing_and_the_slice_rejoins(tmp_path, shard):
+@pytest.mark.parametrize(
+    ("checkpointed", "shard"),
+    [(True, {}), (False, {"part_wait_leases": 100.0})],
+    ids=["checkpoint", "no-checkpoint-parts-still-held"],
+    indirect=["shard"],
+)
+def test_a_process_killed_mid_push_merges_nothing_and_the_slice_rejoins(
+    tmp_path, shard, checkpointed
+):
+    """Whether or not a checkpoint's seq is past the killed push's, the restarted slice's
+    seqs go on above it: the shard's last_seq counts the parts it still holds of it (kept
+    past the restart in the second case), and the slice's next push supersedes them."""
     stop = tmp_path / "stop"
     solo = _start(tmp_path, shard, "solo", 1, ["--learner-id", "solo", "--until", str(stop)])
     marker = tmp_path / "held"
-    flags = [*_checkpoint_flags(tmp_path / "ckpt"), "--until", str(stop)]
+    saves = _checkpoint_flags(tmp_path / "ckpt") if checkpointed else []
+    flags = [*saves, "--until", str(stop)]
     island = _start(
         tmp_path, shard, "island", 2, [*flags, "--hold-from-seq", "5", "--marker", str(marker)]
     )
@@ -183,7 +197,7 @@ def test_a_process_killed_mid_push_merges_nothing_and_the_slice_rejoins(tmp_path
             time.sleep(0.2)
 
         dropped = shard.shard.metrics.parts_dropped
-        restarted = _start(tmp_path, shard, "restarted", 2, [*flags[:4], "--steps", "8"])
+        restarted = _start(tmp_path, shard, "restarted", 2, [*saves, "--steps", "8"])
         reports = _finish(tmp_path, "restarted", restarted)
     finally:
         stop.touch()
@@ -191,12 +205,16 @@ def test_a_process_killed_mid_push_merges_nothing_and_the_slice_rejoins(tmp_path
     solo_report = _finish(tmp_path, "solo", solo)
     assert solo_report[0]["pushes"] > 0
     for report in reports:
-        assert report["joined"]["resumed"] and report["joined"]["steps"] > 0, report
+        joined = report["joined"]
+        assert joined["resumed"] == checkpointed == (joined["steps"] > 0), report
+        assert joined["seq"] >= held["seq"], (joined["seq"], held)  # never that seq again
         assert report["pushes"] > 0, report  # the slice pushes again
     # nothing of the killed push was merged: its held part was dropped (superseded by
     # the restarted slice's newer push, or expired), and the slice's pushes since carry
     # newer seqs
     total = sum(dropped.labels(r)._value.get() for r in ("superseded", "expired"))
     assert total >= 1, total
+    if not checkpointed:  # held until the slice came back: its newer push replaced them
+        assert dropped.labels("superseded")._value.get() >= 1
     assert frag.part_sets.get("island") is None or frag.part_sets["island"].seq != held["seq"]
     assert frag.answers["island"].seq > held["seq"] and frag.answers["island"].accepted
