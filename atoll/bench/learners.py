@@ -377,6 +377,7 @@ def bench_learners(
     churn_lease: float = 2.0,
     processes: int = 4,
     inflight: int = 8,
+    modes: tuple[str, ...] = ("steady", "churn"),
 ) -> dict:
     """Shard CPU per push, push latency, rounds per second and RSS per learner (steady)
     and per departed learner (churn) at each N in `counts`; one JSON-able dict.
@@ -389,29 +390,33 @@ def bench_learners(
         )
     if churn_lease <= 0 or processes < 1 or inflight < 1:
         raise ValueError("--churn-lease must be > 0, --processes and --inflight >= 1")
+    if not modes or not set(modes) <= {"steady", "churn"}:
+        raise ValueError(f"--modes {','.join(modes)}: want steady, churn or both")
     root = pathlib.Path(tempfile.mkdtemp(prefix="atoll-bench-learners-"))
     started = time.monotonic()
     steady, churn = {}, {}
     try:
         for n in sorted(set(counts)):
             n_waves = max(waves, -(-min_pushes // (n * len(SPECS))))  # enough pushes to time
-            steady[n] = _steady(root / f"steady-{n}", n, n_waves, processes, inflight)
-            churn[n] = _churn(
-                root / f"churn-{n}", n, churn_pushes, churn_lease, processes, inflight
-            )
+            if "steady" in modes:
+                steady[n] = _steady(root / f"steady-{n}", n, n_waves, processes, inflight)
+            if "churn" in modes:
+                churn[n] = _churn(
+                    root / f"churn-{n}", n, churn_pushes, churn_lease, processes, inflight
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    ratio = _targets(steady)["cpu_per_push_ratio"]["got"]
+    targets = _targets(steady) if steady else {}
     return {
-        "learners": sorted(steady),
+        "learners": sorted(set(counts)),
         "fragments": len(SPECS),
         "quorum": QUORUM,
         "inflight_pushes": inflight,
         "client_processes": processes,
         "steady": {str(k): v for k, v in steady.items()},  # "waves" measured at each N
         "churn": {str(k): v for k, v in churn.items()},
-        "cpu_per_push_ratio": ratio,
-        "targets": _targets(steady),
+        "cpu_per_push_ratio": targets["cpu_per_push_ratio"]["got"] if steady else None,
+        "targets": targets,
         "seconds": round(time.monotonic() - started, 1),
     }
 
@@ -467,6 +472,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=8,
         help="pushes in flight at once, at every N (default %(default)s)",
     )
+    _add_modes(p)
+
+
+def _add_modes(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--modes",
+        default="steady,churn",
+        help="steady, churn or both, comma-separated (default %(default)s)",
+    )
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -479,6 +493,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             args.churn_lease,
             args.processes,
             args.inflight,
+            tuple(m for m in args.modes.split(",") if m),
         )
     except ValueError as e:
         parser.error(str(e))

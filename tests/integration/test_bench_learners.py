@@ -67,6 +67,7 @@ def test_bad_flags_get_readable_errors():
         (("--learners", "ten"), "want learner counts like 10,100"),
         (("--churn-lease", "0"), "--churn-lease must be > 0"),
         (("--waves", "0"), "--waves"),
+        (("--modes", "fast"), "want steady, churn or both"),
     ]:
         run = _bench(*flags, timeout=60)
         assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, flags
