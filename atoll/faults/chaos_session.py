@@ -11,12 +11,14 @@ from __future__ import annotations
 import pathlib
 import signal
 import time
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol, TextIO
 
 import numpy as np
 
-from atoll.local.config import UpConfig, learner_specs
+from atoll.local.config import LearnerSpec, UpConfig, learner_specs
 from atoll.local.processes import (
+    Child,
     LearnerProcess,
     ShardProcess,
     Standby,
@@ -46,6 +48,18 @@ class Failures(Protocol):
     def standby_ready_wait(self) -> float: ...
 
 
+class Regions(Protocol):
+    """The WAN regions a session's learners run in (RegionsPerRun, atoll/faults/chaos.py):
+    learner i runs in region i mod `regions`, started once the shards' ports are known."""
+
+    regions: int
+
+    def start(self, shard_ports: list[int]) -> None: ...
+    def describe(self) -> str: ...
+    def command_prefix(self, region: int) -> list[str]: ...
+    def shard_addresses(self, region: int) -> list[str]: ...
+
+
 class FailureSchedule:
     """Kill times per learner (seconds since the learners started): a Poisson process each,
     from its own stream of `seed`, so every run of one chaos command meets the same ones."""
@@ -72,9 +86,9 @@ class ChaosSession(Session):
         cfg: UpConfig,
         chaos: Failures,
         run_dir: pathlib.Path,
-        out,
+        out: TextIO,
         inject: bool,
-        wan=None,
+        wan: Regions | None = None,
         restart_all: bool = False,
         standbys: int = 0,
         token_budget: int | None = None,
@@ -103,8 +117,8 @@ class ChaosSession(Session):
         self.shard_back_at: dict[int, float] = {}  # killed shard -> when to restart it
         self.shards_down = False  # the session is stopping its shards: none is restarted
         self.shard_kills_left = sorted(chaos.shard_kill_at)
-        self.kills: list[dict] = []  # every SIGKILL: time, who, step
-        self.restarts: list[dict] = []  # every restart: time, who
+        self.kills: list[dict[str, Any]] = []  # every SIGKILL: time, who, step
+        self.restarts: list[dict[str, Any]] = []  # every restart: time, who
         self.samples: list[tuple[float, int]] = []  # (time, sum of global versions)
 
     # -- hooks into the session --
@@ -112,15 +126,17 @@ class ChaosSession(Session):
     def _start_shards(self) -> None:
         super()._start_shards()
         if self._running() and self.wan is not None:
-            self.wan.start([s.port for s in self.shards])
+            ports = [s.port for s in self.shards]
+            assert all(p is not None for p in ports), "the shards of a running session serve"
+            self.wan.start([p for p in ports if p is not None])
             self.say(f"WAN: {self.wan.describe()}")
 
-    def _addresses_for(self, spec) -> list[str]:
+    def _addresses_for(self, spec: LearnerSpec) -> list[str]:
         if self.wan is None:
             return super()._addresses_for(spec)
         return self.wan.shard_addresses(spec.index % self.wan.regions)
 
-    def _prefix_for(self, spec) -> list[str]:
+    def _prefix_for(self, spec: LearnerSpec) -> list[str]:
         return [] if self.wan is None else self.wan.command_prefix(spec.index % self.wan.regions)
 
     def _start_learners(self) -> None:
@@ -148,7 +164,7 @@ class ChaosSession(Session):
             or waited > self.chaos.standby_ready_wait
         )
 
-    def _stop(self, children, seconds: float) -> None:
+    def _stop(self, children: Sequence[Child], seconds: float) -> None:
         learners = any(isinstance(c, LearnerProcess) for c in children)
         if any(isinstance(c, ShardProcess) for c in children):
             self.shards_down = True  # from now on a killed shard stays down
@@ -157,7 +173,7 @@ class ChaosSession(Session):
                 self.spares,
                 [],
             )  # before the learners: a stopped learner's id is not taken
-            stop_children(spares, seconds, self.hurry)
+            stop_children([*spares], seconds, self.hurry)
         super()._stop(children, seconds)
         if learners and not self.shards_down:
             self._shards_back()
@@ -226,6 +242,7 @@ class ChaosSession(Session):
     def inject_failures(self, now: float) -> None:
         """One tick's failures at wall time `now`: the learner and shard kills due, standby
         hand-overs, and restarts of what was killed once its delay has passed."""
+        assert self.t0 is not None, "failures are injected once the failure clock runs"
         elapsed = now - self.t0
         kills = self.end is None  # once the duration is up, only restarts of what was killed
         for i, l in enumerate(self.learners):
@@ -258,7 +275,12 @@ class ChaosSession(Session):
         while kills and self.shard_kills_left and elapsed >= self.shard_kills_left[0]:
             self.shard_kills_left.pop(0)
             s = self.shards[len(self.shard_back_at) % len(self.shards)] if self.shards else None
-            if s is not None and s.alive() and s.index not in self.shard_back_at:
+            if (
+                s is not None
+                and s.proc is not None
+                and s.alive()
+                and s.index not in self.shard_back_at
+            ):
                 s.proc.send_signal(signal.SIGKILL)
                 s.proc.wait()
                 self.shard_back_at[s.index] = now + self.chaos.shard_restart_delay
@@ -282,6 +304,7 @@ class ChaosSession(Session):
         l.update()
         step = (l.status.last or {}).get("step", 0)
         started = time.time()
+        assert l.proc is not None, "only a live learner is killed"
         l.proc.send_signal(signal.SIGKILL)
         l.proc.wait()
         # the kill's time is when the process is gone: `now` came earlier in the tick, and
@@ -314,12 +337,12 @@ class ChaosSession(Session):
             )
         for name, killed in list(self.handover.items()):
             pid = (holder(checkpoint_dir(self.run_dir), name) or {}).get("pid")
-            spare = next((s for s in self.spares if s.proc.pid == pid), None)
-            if spare is None:
+            taker = next((s for s in self.spares if s.proc is not None and s.proc.pid == pid), None)
+            if taker is None:
                 continue
-            self.spares.remove(spare)
+            self.spares.remove(taker)
             del self.handover[name]
             learner = next(l for l in self.learners if l.name == name)
-            learner.take_over(spare)
-            self.restarts.append({"time": now, "learner": name, "standby": spare.name})
-            self.say(f"chaos: {spare.name} took over {name} {now - killed:.1f} s after its kill")
+            learner.take_over(taker)
+            self.restarts.append({"time": now, "learner": name, "standby": taker.name})
+            self.say(f"chaos: {taker.name} took over {name} {now - killed:.1f} s after its kill")
