@@ -37,6 +37,7 @@ to the end of `duration` (or to the first learner that finished its steps, if so
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -44,12 +45,16 @@ import pathlib
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
 from atoll.faults.chaos_session import ChaosSession
 from atoll.local.config import UpConfig, UpConfigError, learner_specs, prepare_run_dir
 from atoll.wire.records import read_jsonl
+
+if TYPE_CHECKING:
+    from atoll.faults.wan import Wan, WanConfig
 
 
 class ChaosConfigError(ValueError):
@@ -81,7 +86,7 @@ class ChaosConfig:
         120.0  # seconds the failure clock waits for the standbys to be ready, >= 0
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not (math.isfinite(self.duration) and self.duration > 0):
             raise ChaosConfigError(
                 f"--duration must be a positive number of seconds, got {self.duration}"
@@ -104,8 +109,12 @@ class ChaosConfig:
 
 
 def account(
-    run_dir: pathlib.Path, cfg: UpConfig, session: ChaosSession, report: dict, window: float
-) -> dict:
+    run_dir: pathlib.Path,
+    cfg: UpConfig,
+    session: ChaosSession,
+    report: dict[str, Any],
+    window: float,
+) -> dict[str, Any]:
     """Goodput, uptime, lost acknowledgements and rejoins of one finished run."""
     from atoll.server.audit import durable_pushes, lost_acks
 
@@ -168,7 +177,7 @@ def account(
 
 
 def _merged_compute(
-    pushes: list[dict],
+    pushes: list[dict[str, Any]],
     versions: dict[int, int],
     start: float | None,
     end: float | None,
@@ -191,20 +200,25 @@ def _merged_compute(
     return useful, merged, accepted
 
 
-def _step_seconds(status: dict[str, list[dict]], start: float | None, end: float | None) -> float:
+def _step_seconds(
+    status: dict[str, list[dict[str, Any]]], start: float | None, end: float | None
+) -> float:
     """Learner-seconds of inner steps in the window, whether or not they reached the model."""
-    return sum(
+    seconds: float = sum(
         min(r.get("step_seconds", 0.0), r["time"] - start)  # a step that began before the window
         for rs in status.values()
         for r in rs
         if r.get("state") == "training" and start is not None and start <= r["time"] <= end
     )
+    return seconds
 
 
-def _rejoin_seconds(kills: list[dict], pushes: list[dict]) -> list[float | None]:
+def _rejoin_seconds(
+    kills: list[dict[str, Any]], pushes: list[dict[str, Any]]
+) -> list[float | None]:
     """Per learner kill, seconds to the killed learner id's next accepted push (by a standby or
     by its own restart); None where none came."""
-    rejoin = []
+    rejoin: list[float | None] = []
     for k in kills:
         if "learner" in k:
             later = [
@@ -249,15 +263,19 @@ def lockstep_config(cfg: UpConfig) -> UpConfig:
 
 
 def run_chaos(
-    cfg: UpConfig, chaos: ChaosConfig, work_dir: pathlib.Path, out=sys.stderr, wan=None
-) -> dict:
+    cfg: UpConfig,
+    chaos: ChaosConfig,
+    work_dir: pathlib.Path,
+    out: TextIO = sys.stderr,
+    wan: RegionsPerRun | None = None,
+) -> dict[str, Any]:
     """Runs atoll under failures, then (by choice) lockstep and failure-free; returns the figures."""
     runs = [("atoll", cfg, True)]
     if chaos.lockstep:
         runs.append(("lockstep", lockstep_config(cfg), True))
     if chaos.failure_free:
         runs.append(("failure_free", cfg, False))
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     for name, run_cfg, inject in runs:
         restart_all = name == "lockstep" and chaos.lockstep_restart
         run_dir = work_dir / name
@@ -325,13 +343,13 @@ def run_chaos(
     return out_json
 
 
-def _median(values: list | None) -> float | None:
+def _median(values: list[float | None] | None) -> float | None:
     """The median of the figures that exist (a kill with no accepted push after it has none)."""
     known = [v for v in values or [] if v is not None]
     return round(float(np.median(known)), 2) if known else None
 
 
-def chaos_up_config(a) -> UpConfig:
+def chaos_up_config(a: argparse.Namespace) -> UpConfig:
     """The run under test, from `atoll chaos` flags: `atoll up`'s settings with chaos's defaults."""
     return UpConfig(
         shards=a.shards,
@@ -354,15 +372,13 @@ def chaos_up_config(a) -> UpConfig:
 
 
 def _seconds_list(text: str) -> tuple[float, ...]:
-    import argparse
-
     try:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds like 40,90, got {text!r}") from None
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """`atoll chaos`: the local mode's flags, then --kubernetes and its own."""
     from atoll.cluster.kube_chaos import add_chaos_arguments
 
@@ -394,7 +410,7 @@ CHAOS_RUN = {
 CHAOS_RUN_FLAGS = (*CHAOS_RUN, "quorum", "checkpoint_every")
 
 
-def _add_local_arguments(p) -> None:
+def _add_local_arguments(p: argparse.ArgumentParser) -> None:
     """The local mode's flags (`--mtbf`, `--seed` and `--json` are shared with --kubernetes)."""
     from atoll.wire import settings
 
@@ -430,7 +446,7 @@ def _add_local_arguments(p) -> None:
     _add_wan_arguments(g)
 
 
-def _add_failure_arguments(g, d: dict) -> None:
+def _add_failure_arguments(g: argparse._ArgumentGroup, d: dict[str, Any]) -> None:
     """The failures of the local mode and the runs it compares, defaulting to ChaosConfig's `d`."""
     g.add_argument(
         "--restart-delay",
@@ -496,7 +512,7 @@ def _add_failure_arguments(g, d: dict) -> None:
     )
 
 
-def _add_wan_arguments(g) -> None:
+def _add_wan_arguments(g: argparse._ArgumentGroup) -> None:
     """--wan: the learners behind emulated wide-area links."""
     g.add_argument(
         "--wan",
@@ -520,7 +536,7 @@ def _add_wan_arguments(g) -> None:
     )
 
 
-def main(args, parser) -> int:
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`atoll chaos` on this machine: exit 0 when nothing acknowledged was lost, 1 otherwise,
     128 + the signal when SIGINT/SIGTERM stopped it (with --kubernetes,
     `atoll.cluster.kube_chaos.chaos_main`)."""
@@ -592,8 +608,9 @@ def main(args, parser) -> int:
 class RegionsPerRun:
     """A fresh set of WAN regions for each run of one `atoll chaos` (its shards' ports differ)."""
 
-    def __init__(self, cfg):
-        self.cfg, self.regions, self.current = cfg, cfg.regions, None
+    def __init__(self, cfg: WanConfig):
+        self.cfg, self.regions = cfg, cfg.regions
+        self.current: Wan | None = None
 
     def start(self, shard_ports: list[int]) -> None:
         from atoll.faults.wan import Wan
@@ -612,14 +629,18 @@ class RegionsPerRun:
         )
 
     def command_prefix(self, region: int) -> list[str]:
-        return self.current.command_prefix(region)
+        return self._running().command_prefix(region)
 
     def shard_addresses(self, region: int) -> list[str]:
-        return self.current.shard_addresses(region)
+        return self._running().shard_addresses(region)
+
+    def _running(self) -> Wan:
+        assert self.current is not None, "the regions of a run start with its shards"
+        return self.current
 
 
-def summary(r: dict) -> str:
-    def pct(x):
+def summary(r: dict[str, Any]) -> str:
+    def pct(x: float | None) -> str:
         return "n/a" if x is None else f"{100 * x:.1f} %"
 
     lines = [
