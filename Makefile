@@ -45,9 +45,9 @@ lint: setup-test
 # atoll.learner and atoll.wire. The editable install maps them with an import hook mypy
 # cannot see, so build/typecheck/atoll/ links them in under their real names;
 # [tool.mypy]'s mypy_path puts that tree ahead of the repo's own ./atoll.
-# the application layer (atoll/) checked so far; the rest of it (bench/, local/, faults/,
+# the application layer (atoll/) checked so far; the rest of it (bench/, local/,
 # goodput.py) is still to be annotated
-TYPED_APP := cli.py commands.py export.py model_dir.py sample.py cluster
+TYPED_APP := cli.py commands.py export.py model_dir.py sample.py cluster faults
 typecheck: setup-test
 	mkdir -p build/typecheck/atoll
 	touch build/typecheck/atoll/__init__.py
@@ -55,7 +55,7 @@ typecheck: setup-test
 	ln -sfn ../../../learner build/typecheck/atoll/learner
 	ln -sfn ../../../wire build/typecheck/atoll/wire
 	for m in $(TYPED_APP); do ln -sfn ../../../atoll/$$m build/typecheck/atoll/$$m; done
-	$(BIN)/mypy -p atoll.server -p atoll.learner -p atoll.wire -p atoll.cluster \
+	$(BIN)/mypy -p atoll.server -p atoll.learner -p atoll.wire -p atoll.cluster -p atoll.faults \
 	    -m atoll.cli -m atoll.commands -m atoll.export -m atoll.model_dir -m atoll.sample
 
 format: setup-test
