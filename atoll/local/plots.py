@@ -6,12 +6,16 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from atoll.local.progress import lives, read_status
 
+if TYPE_CHECKING:
+    from atoll.local.config import LearnerSpec
 
-def _series(records: list[dict], key: str) -> list[tuple[float, float]]:
+
+def _series(records: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
     """(time, value) of `key`, counters made cumulative across lives."""
     out, offset, last = [], 0.0, 0.0
     for life in lives(records):
@@ -33,7 +37,7 @@ def _smoothed(points: list[tuple[float, float]], keep: float = 0.9) -> list[tupl
     return out
 
 
-def _save(fig, ax, path: pathlib.Path, legend: dict) -> str:
+def _save(fig: Any, ax: Any, path: pathlib.Path, legend: dict[str, Any]) -> str:
     """Grid, legend (when anything is labelled), layout; writes the PNG, frees the figure."""
     import matplotlib.pyplot as plt
 
@@ -51,8 +55,8 @@ class _Run:
     """What every plot of one run draws from."""
 
     run_dir: pathlib.Path
-    report: dict
-    records: dict[str, list[dict]]  # learner name -> its status records
+    report: dict[str, Any]
+    records: dict[str, list[dict[str, Any]]]  # learner name -> its status records
     label: dict[str, str]  # learner name -> its legend entry
     colors: list[str]
     t0: float  # the run's start: time 0 of the minutes axes
@@ -61,7 +65,12 @@ class _Run:
         return self.colors[k % len(self.colors)]
 
 
-def plot(run_dir: pathlib.Path, report: dict, specs, baseline_spec=None) -> list[str]:
+def plot(
+    run_dir: pathlib.Path,
+    report: dict[str, Any],
+    specs: Sequence[LearnerSpec],
+    baseline_spec: LearnerSpec | None = None,
+) -> list[str]:
     """loss.png, wire.png, lag.png; returns their names."""
     import matplotlib
 
@@ -86,7 +95,7 @@ def plot(run_dir: pathlib.Path, report: dict, specs, baseline_spec=None) -> list
     return [_loss_plot(run, baseline_spec), _wire_plot(run), _lag_plot(run)]
 
 
-def _run_tokens(records: dict[str, list[dict]]) -> Callable[[float], float]:
+def _run_tokens(records: dict[str, list[dict[str, Any]]]) -> Callable[[float], float]:
     """Tokens of all learners together at time t: the x axis that matches the baseline's."""
     curves = {
         n: ([r["time"] for r in rs if "tokens" in r], [r["tokens"] for r in rs if "tokens" in r])
@@ -103,7 +112,7 @@ def _run_tokens(records: dict[str, list[dict]]) -> Callable[[float], float]:
     return at
 
 
-def _loss_plot(run: _Run, baseline_spec) -> str:
+def _loss_plot(run: _Run, baseline_spec: LearnerSpec | None) -> str:
     """Each learner's held-out (and faint, smoothed training) loss against the tokens trained,
     the data-parallel baseline's and the global model's."""
     import matplotlib.pyplot as plt

@@ -10,6 +10,7 @@ compact line every few seconds elsewhere.
 from __future__ import annotations
 
 import time
+from typing import Any, TextIO
 
 from atoll.wire.metrics import read_metrics
 from atoll.wire.records import JsonLines, read_jsonl
@@ -22,9 +23,9 @@ StatusFile = JsonLines  # a learner's status file: one JSON record per step
 read_status = read_jsonl  # every whole record of a status file ([] when there is none)
 
 
-def lives(records: list[dict]) -> list[list[dict]]:
+def lives(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """A learner's records split into its processes' lives (each begins with `joining`)."""
-    out: list[list[dict]] = []
+    out: list[list[dict[str, Any]]] = []
     for r in records:
         if r.get("state") == "joining" or not out:
             out.append([])
@@ -32,7 +33,7 @@ def lives(records: list[dict]) -> list[list[dict]]:
     return out
 
 
-def scrape(port: int | None, timeout: float = SCRAPE_TIMEOUT) -> dict | None:
+def scrape(port: int | None, timeout: float = SCRAPE_TIMEOUT) -> dict[str, Any] | None:
     """A shard's /metrics as {versions, outer_steps_per_period, cadence_seconds, rounds, pushes, refused,
     live, received, sent}; None if unreachable."""
     if port is None:
@@ -41,7 +42,7 @@ def scrape(port: int | None, timeout: float = SCRAPE_TIMEOUT) -> dict | None:
         samples = read_metrics(f"127.0.0.1:{port}", timeout)
     except (OSError, ValueError):
         return None
-    out = {
+    out: dict[str, Any] = {
         "versions": {},
         "outer_steps_per_period": {},
         "cadence_seconds": None,
@@ -85,12 +86,16 @@ def clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def _num(value, fmt: str, missing: str = "-") -> str:
+def _num(value: Any, fmt: str, missing: str = "-") -> str:
     return missing if value is None else format(value, fmt)
 
 
 def table(
-    title: str, elapsed: float, learners: list[dict], shards: list[dict], events: list[str]
+    title: str,
+    elapsed: float,
+    learners: list[dict[str, Any]],
+    shards: list[dict[str, Any]],
+    events: list[str],
 ) -> list[str]:
     """The live table's lines.
 
@@ -139,7 +144,7 @@ def table(
     return lines
 
 
-def line(elapsed: float, learners: list[dict], shards: list[dict]) -> str:
+def line(elapsed: float, learners: list[dict[str, Any]], shards: list[dict[str, Any]]) -> str:
     """One compact log line for a non-terminal (CI, a pipe)."""
     parts = []
     for row in learners:
@@ -163,7 +168,7 @@ def line(elapsed: float, learners: list[dict], shards: list[dict]) -> str:
 class Screen:
     """Redraws a block of lines in place on a terminal (cursor home, clear to the end)."""
 
-    def __init__(self, stream):
+    def __init__(self, stream: TextIO):
         self.stream = stream
         self._cleared = False
 

@@ -12,9 +12,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from atoll.local.plots import plot
 from atoll.local.progress import lives, read_status
+
+if TYPE_CHECKING:
+    from atoll.local.config import LearnerSpec, UpConfig
 
 FORMAT = "atoll.report.v1"
 DEFINITIONS = {
@@ -49,7 +54,9 @@ DEFINITIONS = {
 }
 
 
-def learner_summary(records: list[dict], num_fragments: int, target_steps: int) -> dict:
+def learner_summary(
+    records: list[dict[str, Any]], num_fragments: int, target_steps: int
+) -> dict[str, Any]:
     """One learner's figures, added up over its lives."""
     last = records[-1] if records else {}
     training = [r for r in records if r.get("state") == "training"]
@@ -128,23 +135,23 @@ def learner_summary(records: list[dict], num_fragments: int, target_steps: int) 
     return out
 
 
-def _read_jsonl(path: pathlib.Path) -> list[dict]:
+def _read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
     return read_status(path)
 
 
 def build_report(
     run_dir: pathlib.Path,
-    cfg,
-    specs,
-    baseline_spec=None,
+    cfg: UpConfig,
+    specs: Sequence[LearnerSpec],
+    baseline_spec: LearnerSpec | None = None,
     *,
-    global_eval: dict | None = None,
-    events: list[str] = (),
+    global_eval: dict[str, Any] | None = None,
+    events: Sequence[str] = (),
     failure: str | None = None,
     interrupted: str | None = None,
     states: dict[str, str] | None = None,
     shard_restarts: dict[int, int] | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """report.json's content. `cfg`: the run's UpConfig; `specs`: its LearnerSpecs."""
     sessions = _read_jsonl(run_dir / "sessions.jsonl")
     records = {s.name: read_status(run_dir / "learners" / f"{s.name}.jsonl") for s in specs}
@@ -179,11 +186,11 @@ def build_report(
     }
 
 
-def _finished(summary: dict) -> bool:
-    return summary["state"] == "done" and summary["steps"] >= summary["target_steps"]
+def _finished(summary: dict[str, Any]) -> bool:
+    return bool(summary["state"] == "done" and summary["steps"] >= summary["target_steps"])
 
 
-def _end_states(learners: dict[str, dict], states: dict[str, str]) -> None:
+def _end_states(learners: dict[str, dict[str, Any]], states: dict[str, str]) -> None:
     """The session's word on how each process ended, where its records cannot tell: a
     learner stopped before its first step wrote no final record."""
     for name, state in states.items():
@@ -195,7 +202,12 @@ def _end_states(learners: dict[str, dict], states: dict[str, str]) -> None:
             learners[name]["state"] = "stopped"
 
 
-def _global(learners: dict[str, dict], sessions: list[dict], cfg, global_eval: dict) -> dict:
+def _global(
+    learners: dict[str, dict[str, Any]],
+    sessions: list[dict[str, Any]],
+    cfg: UpConfig,
+    global_eval: dict[str, Any],
+) -> dict[str, Any]:
     """The run's figures: the global model's eval, and the learners' added up."""
     M = cfg.learners
     learner_wall = sum(
@@ -204,7 +216,7 @@ def _global(learners: dict[str, dict], sessions: list[dict], cfg, global_eval: d
         if s.get("learners_start") is not None
     )
 
-    def total(key: str):
+    def total(key: str) -> Any:
         return sum(l[key] for l in learners.values())
 
     push_bytes, pull_bytes = total("push_bytes"), total("pull_bytes")
@@ -254,7 +266,7 @@ _NOT_BASELINE = (
 )
 
 
-def _baseline(run_dir: pathlib.Path, spec, g: dict) -> dict:
+def _baseline(run_dir: pathlib.Path, spec: LearnerSpec, g: dict[str, Any]) -> dict[str, Any]:
     """The data-parallel baseline's summary; its eval loss, and the global model's against it,
     go into the run's figures `g`."""
     baseline = learner_summary(
@@ -268,10 +280,12 @@ def _baseline(run_dir: pathlib.Path, spec, g: dict) -> dict:
     return baseline
 
 
-def _shards(run_dir: pathlib.Path, shard_restarts: dict[int, int], g: dict) -> dict[str, dict]:
+def _shards(
+    run_dir: pathlib.Path, shard_restarts: dict[int, int], g: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
     """Each shard's last metrics sample and restarts this session; their mean outer steps per
     period goes into the run's figures `g`."""
-    shards = {}
+    shards: dict[str, dict[str, Any]] = {}
     for sample in _read_jsonl(run_dir / "shards.jsonl"):
         shards[str(sample["shard"])] = {
             k: v for k, v in sample.items() if k not in ("shard", "time")
@@ -285,7 +299,13 @@ def _shards(run_dir: pathlib.Path, shard_restarts: dict[int, int], g: dict) -> d
     return shards
 
 
-def write_report(run_dir: pathlib.Path, cfg, specs, baseline_spec=None, **kw) -> dict:
+def write_report(
+    run_dir: pathlib.Path,
+    cfg: UpConfig,
+    specs: Sequence[LearnerSpec],
+    baseline_spec: LearnerSpec | None = None,
+    **kw: Any,
+) -> dict[str, Any]:
     """Builds the report, draws the plots next to it, writes report.json (atomically); returns it."""
     report = build_report(run_dir, cfg, specs, baseline_spec, **kw)
     try:

@@ -33,6 +33,7 @@ import fcntl
 import json
 import pathlib
 import sys
+from typing import Any
 
 from atoll.local import progress
 from atoll.local.config import UpConfig, UpConfigError, _flag_text, prepare_run_dir
@@ -115,7 +116,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def summary(report: dict, run_dir: pathlib.Path) -> str:
+def summary(report: dict[str, Any], run_dir: pathlib.Path) -> str:
     """The few lines printed at the end."""
     wall = progress.clock(report["wall_seconds"])
     if report.get("interrupted"):
