@@ -44,6 +44,7 @@ import dataclasses
 import json
 import math
 from statistics import NormalDist
+from typing import Any
 
 import numpy as np
 
@@ -101,7 +102,7 @@ class PlanConfig:
     duration_days: float = setting(7.0, "simulated wall-clock time, days, > 0")
     seed: int = setting(0, "failure and straggler draws' seed; same seed, same result")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
             if not ok:
                 raise PlanConfigError(message)
@@ -209,7 +210,7 @@ def _renewal(
     return ups[:last], max(0.0, horizon_s - start)
 
 
-def _dp(cfg: PlanConfig, rng: np.random.Generator) -> dict:
+def _dp(cfg: PlanConfig, rng: np.random.Generator) -> dict[str, Any]:
     """One job over all chips: every interruption rolls back to the last checkpoint and restarts."""
     interval, cost = cfg.checkpoint_interval(), cfg.checkpoint_cost_s
     segment = interval + cost  # a checkpoint completes every `segment` s of uptime
@@ -229,10 +230,11 @@ def _lost_since_sync(ups: np.ndarray, period: float, fragments: int) -> np.ndarr
     offsets = period * (np.arange(fragments) + 1) / fragments  # fragment p first syncs at (p+1)·S/P
     up = ups[:, None]
     since = np.where(up < offsets, up, (up - offsets) % period)
-    return since.mean(axis=1)
+    lost: np.ndarray = since.mean(axis=1)
+    return lost
 
 
-def _atoll(cfg: PlanConfig, rng: np.random.Generator) -> dict:
+def _atoll(cfg: PlanConfig, rng: np.random.Generator) -> dict[str, Any]:
     """M independent learners; each dies alone, loses its unsynced steps and rejoins."""
     period = cfg.sync_steps * cfg.step_s
     sizes = [
@@ -254,7 +256,7 @@ def _atoll(cfg: PlanConfig, rng: np.random.Generator) -> dict:
     }
 
 
-def _elastic(cfg: PlanConfig, rng: np.random.Generator) -> dict:
+def _elastic(cfg: PlanConfig, rng: np.random.Generator) -> dict[str, Any]:
     """One job that shrinks by a slice per interruption and grows back after repair."""
     slices = cfg.chips // cfg.slice_chips
     rest = (
@@ -301,7 +303,7 @@ def _elastic(cfg: PlanConfig, rng: np.random.Generator) -> dict:
     }
 
 
-def simulate(cfg: PlanConfig, strategy: str) -> dict:
+def simulate(cfg: PlanConfig, strategy: str) -> dict[str, Any]:
     """Goodput of one strategy under `cfg`.
 
     Args:
@@ -334,7 +336,7 @@ def simulate(cfg: PlanConfig, strategy: str) -> dict:
     }
 
 
-def table(cfg: PlanConfig, chips_list: list[int]) -> list[dict]:
+def table(cfg: PlanConfig, chips_list: list[int]) -> list[dict[str, Any]]:
     """One row per chip count: every strategy's goodput, and the published figures where
     they apply (this chip count, MTBI 1 year, M = 8), else None."""
     rows = []
@@ -347,7 +349,7 @@ def table(cfg: PlanConfig, chips_list: list[int]) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path) -> None:
+def plot(rows: list[dict[str, Any]], path: str) -> None:
     """Goodput vs chips: simulated lines, published points (PNG)."""
     import matplotlib
 
@@ -394,7 +396,7 @@ def _chips_text(chips: int) -> str:
     )
 
 
-def render(rows: list[dict], cfg: PlanConfig) -> str:
+def render(rows: list[dict[str, Any]], cfg: PlanConfig) -> str:
     """The side-by-side text table: simulated goodput, published in brackets."""
     head = f"{'chips':>8}  " + "  ".join(
         f"{LABELS[s] + (' M=' + str(cfg.learners) if s == 'atoll' else ''):>16}" for s in STRATEGIES
