@@ -13,8 +13,10 @@ import math
 import os
 import pathlib
 from collections.abc import Sequence
+from typing import Any
 
-from atoll.learner.config import (
+from atoll.learner.config import LearnerConfig, LearnerConfigError
+from atoll.learner.defaults import (
     BATCH_SIZE,
     CHECKPOINT_EVERY,
     CODEC,
@@ -27,8 +29,6 @@ from atoll.learner.config import (
     SEED,
     STEPS,
     SYNC_PATIENCE,
-    LearnerConfig,
-    LearnerConfigError,
 )
 from atoll.server.config import (
     GRACE_FACTOR,
@@ -126,7 +126,7 @@ class UpConfig:
         False, "afterwards, train the data-parallel baseline on as many tokens, for the loss plot"
     )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
             if not ok:
                 raise UpConfigError(message)
@@ -164,11 +164,11 @@ class UpConfig:
         )
         # K = 2: a round merges at least two islands' deltas but never waits for all of them
         # (with K = M, learners blocked on rounds that each need the other can stall)
-        if self.quorum is None:
-            object.__setattr__(self, "quorum", min(2, self.learners))
+        quorum = min(2, self.learners) if self.quorum is None else self.quorum
+        object.__setattr__(self, "quorum", quorum)
         # at least 1 is ShardConfig's check (below); at most M needs M, so it is this one's
         need(
-            self.quorum <= self.learners,
+            quorum <= self.learners,
             f"--quorum must be at most --learners={self.learners}, got {self.quorum}",
         )
         object.__setattr__(
@@ -185,6 +185,7 @@ class UpConfig:
 
     def shard_config(self, index: int, data_dir: pathlib.Path, port: int) -> ShardConfig:
         """Shard `index`'s settings in this run; `ShardConfig.to_args()` is its command line."""
+        assert self.quorum is not None  # resolved in __post_init__
         return ShardConfig(
             shard_index=index,
             num_shards=self.shards,
@@ -229,15 +230,16 @@ class UpConfig:
             checkpoint_every=self.checkpoint_every,
         )
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, **dataclasses.asdict(self), "slowdown": list(self.slowdown)}
 
     @classmethod
-    def from_json(cls, data: dict) -> UpConfig:
+    def from_json(cls, data: dict[str, Any]) -> UpConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(
-            **{k: tuple(v) if k == "slowdown" else v for k, v in data.items() if k in fields}
-        )
+        kwargs: dict[str, Any] = {
+            k: tuple(v) if k == "slowdown" else v for k, v in data.items() if k in fields
+        }
+        return cls(**kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,7 +288,7 @@ def baseline_spec(cfg: UpConfig) -> LearnerSpec:
 
 
 def prepare_run_dir(
-    run_dir: pathlib.Path, overrides: dict, *, resume: bool = False, parents: bool = True
+    run_dir: pathlib.Path, overrides: dict[str, Any], *, resume: bool = False, parents: bool = True
 ) -> tuple[UpConfig, bool]:
     """(config, resuming): a new run from `overrides`, or with `resume` the stored one
     after checking them.
@@ -326,7 +328,7 @@ def prepare_run_dir(
     return cfg, False
 
 
-def _resumed(run_dir: pathlib.Path, overrides: dict) -> UpConfig:
+def _resumed(run_dir: pathlib.Path, overrides: dict[str, Any]) -> UpConfig:
     """The stored config of the run in `run_dir`, once `overrides` are found to agree."""
     config_path = run_dir / "config.json"
     if not config_path.is_file():
@@ -371,7 +373,7 @@ def _resumed(run_dir: pathlib.Path, overrides: dict) -> UpConfig:
     return cfg
 
 
-def _flag_text(value) -> str:
+def _flag_text(value: object) -> str:
     if isinstance(value, (tuple, list)):
         return ",".join(f"{v:g}" for v in value)
     return str(value)

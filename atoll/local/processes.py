@@ -18,6 +18,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from atoll.learner.config import ENV_CHECKPOINT_DIR, LearnerConfig
 from atoll.local import progress
@@ -74,7 +76,7 @@ class Child:
         self.prefix: list[
             str
         ] = []  # a command that runs the child elsewhere, e.g. `ip netns exec NS`
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.log_offset = 0  # where this start's output begins in the log
         self.stop_sent = False  # this start was sent SIGTERM by stop_children
 
@@ -103,6 +105,12 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
     @property
+    def process(self) -> subprocess.Popen[bytes]:
+        """This start's process (there is one once start() has run)."""
+        assert self.proc is not None, f"{self.name} was never started"
+        return self.proc
+
+    @property
     def returncode(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
@@ -120,7 +128,7 @@ class Child:
 
 
 def stop_children(
-    children: list[Child], seconds: float, hurry: threading.Event | None = None
+    children: Sequence[Child], seconds: float, hurry: threading.Event | None = None
 ) -> list[Child]:
     """SIGTERM, wait up to `seconds` (or until `hurry`), SIGKILL the stragglers, reap all;
     returns the stragglers (those that did not stop by themselves)."""
@@ -128,7 +136,7 @@ def stop_children(
     for c in live:
         c.stop_sent = True
         try:
-            c.proc.send_signal(signal.SIGTERM)
+            c.process.send_signal(signal.SIGTERM)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + seconds
@@ -141,11 +149,11 @@ def stop_children(
     stragglers = [c for c in live if c.alive()]
     for c in stragglers:
         try:
-            c.proc.kill()
+            c.process.kill()
         except ProcessLookupError:
             pass
     for c in live:
-        c.proc.wait()
+        c.process.wait()
     return stragglers
 
 
@@ -154,11 +162,11 @@ class PidFile:
 
     def __init__(self, path: pathlib.Path):
         self.path = path
-        self.children: list[dict] = []
+        self.children: list[dict[str, Any]] = []
         self._write()
 
     def add(self, child: Child) -> None:
-        self.children.append({"name": child.name, "kind": child.kind, "pid": child.proc.pid})
+        self.children.append({"name": child.name, "kind": child.kind, "pid": child.process.pid})
         self._write()
 
     def _write(self) -> None:
@@ -186,6 +194,7 @@ class ShardProcess(Child):
 
     def restart(self, pids: PidFile) -> None:
         """On the same port, from the same data directory (it recovers from disk)."""
+        assert self.port is not None  # restarted only once it served (session._shard_exited)
         self.args = self._args(self.port)
         self.restarts += 1
         self.state, self.metrics_port = "restarting", None
@@ -301,7 +310,7 @@ class LearnerProcess(Child):
             if self.state not in ("crashed", "killed"):
                 self.state = r.get("state", self.state)
 
-    def row(self) -> dict:
+    def row(self) -> dict[str, Any]:
         r = self.status.last
         training = (r["time"] - self.life_start) if r and self.life_start else None
         return {

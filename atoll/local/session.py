@@ -17,11 +17,14 @@ import pathlib
 import signal
 import threading
 import time
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, TextIO
 
 # global_map and open_rounds: the read's pure parts, imported from here by tests/test_session.py
 from atoll.export import GlobalModel, global_map, open_rounds, read_global  # noqa: F401
 from atoll.local import progress
-from atoll.local.config import UpConfig, baseline_spec, learner_specs
+from atoll.local.config import LearnerSpec, UpConfig, baseline_spec, learner_specs
 from atoll.local.processes import Child, LearnerProcess, PidFile, ShardProcess, stop_children
 from atoll.local.report import write_report
 
@@ -38,7 +41,7 @@ MODEL_DIR = "model"  # where in the run directory the final global model is writ
 class Session:
     """One `atoll up` session: start or resume, watch, finish (or stop), report."""
 
-    def __init__(self, cfg: UpConfig, run_dir: pathlib.Path, out, live: bool):
+    def __init__(self, cfg: UpConfig, run_dir: pathlib.Path, out: TextIO, live: bool):
         self.cfg, self.run_dir, self.out, self.live = cfg, run_dir, out, live
         self.screen = progress.Screen(out) if live else None
         self.stop_signal: int | None = None
@@ -56,12 +59,12 @@ class Session:
         self.pids = PidFile(run_dir / "pids.json")
         self._line = progress.Ticker(LINE_EVERY)
         self._sample = progress.Ticker(SAMPLE_EVERY)
-        self._metrics: dict[int, dict] = {}
+        self._metrics: dict[int, dict[str, Any]] = {}
         self._steps_seen, self._progress_at, self._stall_said = -1, time.monotonic(), False
 
     # -- signals and messages --
 
-    def _on_signal(self, signum, _frame) -> None:
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         if self.stop_signal is None:
             self.stop_signal = signum
             self.stopping.set()
@@ -78,7 +81,7 @@ class Session:
 
     # -- the session --
 
-    def run(self) -> dict:
+    def run(self) -> dict[str, Any]:
         """Runs the session to its end (or a signal or failure); returns the report."""
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         global_eval = None
@@ -95,7 +98,7 @@ class Session:
                 global_eval = self._evaluate_global()
             self._stop(self.shards, SHARD_STOP_SECONDS)
             if self._running() and self.baseline is not None:
-                self._watch(lambda: self.baseline.alive())
+                self._watch(self.baseline.alive)
         finally:
             self._stop(
                 self.learners + ([self.baseline] if self.baseline else []), LEARNER_STOP_SECONDS
@@ -130,11 +133,11 @@ class Session:
     def _learners_busy(self) -> bool:
         return any(l.alive() for l in self.learners)
 
-    def _addresses_for(self, spec) -> list[str]:
+    def _addresses_for(self, spec: LearnerSpec) -> list[str]:
         """The shard addresses a learner is given (in shard index order)."""
         return [f"127.0.0.1:{s.port}" for s in self.shards]
 
-    def _prefix_for(self, spec) -> list[str]:
+    def _prefix_for(self, spec: LearnerSpec) -> list[str]:
         """A command a learner runs under (none here: on this host, in this namespace)."""
         return []
 
@@ -167,7 +170,7 @@ class Session:
         self.baseline.start(self.pids)
         self.baseline.state = "starting"
 
-    def _watch(self, busy) -> None:
+    def _watch(self, busy: Callable[[], bool]) -> None:
         """Redraws and checks children every TICK until `busy()` is false or we must stop."""
         while self._running() and busy():
             self._tick()
@@ -254,7 +257,7 @@ class Session:
                 "resumes it"
             )
 
-    def _rows(self) -> tuple[list[dict], list[dict]]:
+    def _rows(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         learners = [l.row() for l in self.learners + ([self.baseline] if self.baseline else [])]
         shards = [
             {
@@ -271,7 +274,7 @@ class Session:
     def _draw(self, final: bool = False) -> None:
         learners, shards = self._rows()
         elapsed = time.time() - self.started
-        if self.live:
+        if self.screen is not None:  # live
             title = (
                 f"atoll up  {self.run_dir}  |  {self.cfg.shards} shards, {self.cfg.learners} learners, "
                 f"{self.cfg.preset}  |  Ctrl-C stops (data kept)"
@@ -280,7 +283,7 @@ class Session:
         elif final or self._line():
             print(progress.line(elapsed, learners, shards), file=self.out, flush=True)
 
-    def _stop(self, children: list[Child], seconds: float) -> None:
+    def _stop(self, children: Sequence[Child], seconds: float) -> None:
         live = [c for c in children if c.alive()]
         if not live:
             return
@@ -329,12 +332,12 @@ class Session:
             m["cadence_seconds"] for m in self._metrics.values() if m.get("cadence_seconds")
         ]
         if cadences:
-            return max(cadences)
-        steps = [(l.status.last or {}).get("step_seconds") for l in self.learners if l.status.last]
-        steps = [t for t in steps if t]
+            return float(max(cadences))
+        times = [(l.status.last or {}).get("step_seconds") for l in self.learners if l.status.last]
+        steps: list[float] = [t for t in times if t]
         return self.cfg.period * min(steps) if steps else None
 
-    def _evaluate_global(self) -> dict | None:
+    def _evaluate_global(self) -> dict[str, Any] | None:
         wait = round_wait_seconds(self.cfg.lease_seconds, self._period_seconds())
         self.say(
             "learners finished; evaluating the global model from the shards (waiting up to "
@@ -383,19 +386,19 @@ class Session:
         self.say(f"wrote the global model to {path} (atoll sample --model {path} --prompt ...)")
         return str(path)
 
-    def _finish(self, global_eval: dict | None) -> dict:
+    def _finish(self, global_eval: dict[str, Any] | None) -> dict[str, Any]:
         self._draw(final=True)
         ended = time.time()
         interrupted = self.stop_signal is not None
         outcome = "interrupted" if interrupted else "failed" if self.failure else "finished"
-        session = {
+        session: dict[str, Any] = {
             "start": self.started,
             "end": ended,
             "outcome": outcome,
             "learners_start": self.learners_started,
             "learners_end": self.learners_ended or ended,
         }
-        if interrupted:
+        if self.stop_signal is not None:  # interrupted
             session["signal"] = signal.Signals(self.stop_signal).name
         with open(self.run_dir / "sessions.jsonl", "a") as f:
             f.write(json.dumps(session) + "\n")
@@ -472,7 +475,7 @@ def evaluate_global(
     wait_seconds: float,
     stop: threading.Event | None = None,
     model: GlobalModel | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """The global model (`model`, or read from the shards by read_global_model) on the
     learners' held-out batches. Returns eval_loss, eval_bits_per_byte, versions
     ({fragment: version}), open_rounds ({fragment: pushes left in its round, not in the
