@@ -45,9 +45,9 @@ lint: setup-test
 # atoll.learner and atoll.wire. The editable install maps them with an import hook mypy
 # cannot see, so build/typecheck/atoll/ links them in under their real names;
 # [tool.mypy]'s mypy_path puts that tree ahead of the repo's own ./atoll.
-# the application layer (atoll/) checked so far; the rest of it (bench/, local/,
-# goodput.py) is still to be annotated
-TYPED_APP := cli.py commands.py export.py model_dir.py sample.py cluster faults
+# the application layer (atoll/) checked so far; the rest of it (bench/) is still to be
+# annotated
+TYPED_APP := cli.py commands.py export.py model_dir.py sample.py plan.py cluster faults local
 typecheck: setup-test
 	mkdir -p build/typecheck/atoll
 	touch build/typecheck/atoll/__init__.py
@@ -56,7 +56,8 @@ typecheck: setup-test
 	ln -sfn ../../../wire build/typecheck/atoll/wire
 	for m in $(TYPED_APP); do ln -sfn ../../../atoll/$$m build/typecheck/atoll/$$m; done
 	$(BIN)/mypy -p atoll.server -p atoll.learner -p atoll.wire -p atoll.cluster -p atoll.faults \
-	    -m atoll.cli -m atoll.commands -m atoll.export -m atoll.model_dir -m atoll.sample
+	    -p atoll.local -m atoll.cli -m atoll.commands -m atoll.export -m atoll.model_dir \
+	    -m atoll.sample -m atoll.plan
 
 format: setup-test
 	$(BIN)/ruff check --fix .
