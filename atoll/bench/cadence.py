@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 from atoll.commands import non_negative_int, positive_int, seed_list
 from atoll.local.config import UpConfig, UpConfigError, learner_specs, prepare_run_dir
@@ -44,13 +45,13 @@ def burners(count: int) -> Iterator[list[int]]:
             p.wait()
 
 
-def _status(path: pathlib.Path) -> list[dict]:
+def _status(path: pathlib.Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def versions_at(shard_records: list[dict], t: float) -> list[int]:
+def versions_at(shard_records: list[dict[str, Any]], t: float) -> list[int]:
     """Each fragment's version as the shards' status records had it at instant `t`."""
     seen: dict[str, int] = {}
     for r in shard_records:
@@ -59,7 +60,7 @@ def versions_at(shard_records: list[dict], t: float) -> list[int]:
     return [seen[k] for k in sorted(seen, key=int)]
 
 
-def summary(report: dict, run_dir: pathlib.Path, cfg: UpConfig) -> dict:
+def summary(report: dict[str, Any], run_dir: pathlib.Path, cfg: UpConfig) -> dict[str, Any]:
     """One run's cadence figures from its report and status files."""
     g = report["global"]
     periods = max(r["steps"] for r in report["learners"].values()) / cfg.period
@@ -88,7 +89,9 @@ def summary(report: dict, run_dir: pathlib.Path, cfg: UpConfig) -> dict:
     }
 
 
-def bench_cadence(cfg: UpConfig, seeds: tuple[int, ...], burn: int, work_dir: pathlib.Path) -> dict:
+def bench_cadence(
+    cfg: UpConfig, seeds: tuple[int, ...], burn: int, work_dir: pathlib.Path
+) -> dict[str, Any]:
     runs = {}
     for seed in seeds:
         run_dir = work_dir / f"seed{seed}"
@@ -118,7 +121,7 @@ def bench_cadence(cfg: UpConfig, seeds: tuple[int, ...], burn: int, work_dir: pa
     }
 
 
-def _overrides(cfg: UpConfig) -> dict:
+def _overrides(cfg: UpConfig) -> dict[str, Any]:
     keys = ("learners", "preset", "steps", "batch_size", "period", "overlap", "fragments")
     return {k: getattr(cfg, k) for k in keys} | {
         "quorum": cfg.quorum,

@@ -12,11 +12,15 @@ import json
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from atoll.commands import positive_int
 from atoll.wire import codec
+
+if TYPE_CHECKING:
+    from atoll.server.merge import RoundAccumulator
 
 # `atoll bench codec` targets (docs/design.md §6), INT4 frames on all cores, M params/s.
 ENCODE_TARGET = 1000.0
@@ -72,7 +76,7 @@ def transformer_like_sizes(num_params: int) -> list[int]:
     return sizes
 
 
-def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> dict:
+def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
     """Frame rates of every 4-bit codec on one core and on all cores, with wire size and error.
 
     Paths, each as M params/s, as a ratio to memcpy of the same float32 bytes timed in
@@ -93,13 +97,13 @@ def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> 
     scratch = np.empty_like(x)
     load_before = os.getloadavg()[0]
 
-    def memcpy():
+    def memcpy() -> None:
         np.copyto(scratch, x)
 
     memcpy_s = _best_seconds(memcpy, repeats)
     sizes = transformer_like_sizes(num_params)
     segments = Segments.from_sizes(sizes, embedding=[True] + [False] * (len(sizes) - 1))
-    result: dict = {
+    result: dict[str, Any] = {
         "params": num_params,
         "repeats": repeats,
         "cores": cores,
@@ -129,8 +133,14 @@ def bench_codec(num_params: int = 64 << 20, repeats: int = 3, seed: int = 0) -> 
 
 
 def _codec_figures(
-    c: codec.Codec, x: np.ndarray, scratch: np.ndarray, acc, memcpy, repeats: int, cores: int
-) -> dict:
+    c: codec.Codec,
+    x: np.ndarray,
+    scratch: np.ndarray,
+    acc: RoundAccumulator,
+    memcpy: Callable[[], None],
+    repeats: int,
+    cores: int,
+) -> dict[str, Any]:
     """One codec's paths on one core and on `cores`, timed in turns with `memcpy` (which
     copies into `scratch`, the buffer decoding adds to), and its wire size and error on `x`;
     `acc`: a RoundAccumulator over x's tensor layout."""
@@ -145,7 +155,7 @@ def _codec_figures(
         "norm_accumulate": lambda: acc.add_frame(frame, 1.0),
     }
     scratch[...] = 0.0
-    figures: dict = {}
+    figures: dict[str, Any] = {}
     for name, threads in (("per_core", 1), ("all_cores", cores)):
         old = codec.set_threads(threads)
         try:

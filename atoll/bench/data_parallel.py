@@ -63,7 +63,7 @@ class DataParallelConfig:
     eval_batches: int = EVAL_BATCHES  # held-out batches of batch_size rows per evaluation
     seed: int = SEED  # init and data order
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for field in ("shards", "batch_size", "steps", "eval_batches"):
             value = getattr(self, field)
             if not (isinstance(value, int) and value >= 1):
@@ -77,11 +77,12 @@ def _use_gloo_host(host: str) -> None:
     127.0.0.1 here, which no other region can reach)."""
     import jax
     from jax._src import distributed, xla_bridge
-    from jax._src.lib import _jax
+    from jaxlib import _jax  # jax._src.lib's _jax; it ships no stub (Any)
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    update: Callable[[str, Any], None] = jax.config.update  # (untyped in jax)
+    update("jax_cpu_collectives_implementation", "gloo")
 
-    def cpu_client():
+    def cpu_client() -> Any:
         collectives = _jax.make_gloo_tcp_collectives(
             distributed_client=distributed.global_state.client, hostname=host
         )
@@ -95,24 +96,26 @@ class _Replica:
     """One process's part of the job: its rows, the step's compiled pieces, and its model."""
 
     model_cfg: Any  # learner.model's config of cfg.preset
-    shards: list  # Batches of the shards this process trains on
+    shards: list[Any]  # Batches of the shards this process trains on
     heldout: Any  # held-out batches (process 0 evaluates on them)
     local_mesh: Any  # evaluation's mesh: this process's first device
     size: int  # parameters; a gradient vector holds them, then the loss
-    gradient: Callable  # (params, batch) -> the gradient and the loss, one vector
-    update: Callable  # (params, opt_state, vector) -> (params, opt_state)
-    all_reduce: Callable  # vector -> the mean of every process's vector
+    gradient: Callable[..., Any]  # (params, batch) -> the gradient and the loss, one vector
+    update: Callable[..., Any]  # (params, opt_state, vector) -> (params, opt_state)
+    all_reduce: Callable[[Any], Any]  # vector -> the mean of every process's vector
     params: Any
     opt_state: Any
 
-    def eval_loss(self, params, batches) -> float:
+    def eval_loss(self, params: Any, batches: Any) -> float:
         """The mean held-out loss of `params` over `batches`."""
         from atoll.learner.train import evaluate
 
         return evaluate(params, batches, self.model_cfg, self.local_mesh)["loss"]
 
 
-def _step_pieces(model_cfg, optimizer, params, num_processes: int):
+def _step_pieces(
+    model_cfg: Any, optimizer: Any, params: Any, num_processes: int
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[[Any], Any], int]:
     """The step's three compiled pieces (gradient, update, all-reduce) and the vector's
     parameter count."""
     import jax
@@ -127,25 +130,29 @@ def _step_pieces(model_cfg, optimizer, params, num_processes: int):
     size = flat.size
 
     @jax.jit
-    def gradient(params, batch_BxL1):  # the mean loss's gradient and the loss, one vector
+    def gradient(
+        params: Any, batch_BxL1: Any
+    ) -> Any:  # the mean loss's gradient and the loss, one vector
         loss, grads = jax.value_and_grad(loss_fn)(params, batch_BxL1, model_cfg)
         return jnp.append(ravel_pytree(grads)[0], loss)
 
     @jax.jit
-    def update(params, opt_state, vector):
+    def update(params: Any, opt_state: Any, vector: Any) -> Any:
         updates, opt_state = optimizer.update(unravel(vector[:size]), opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
     mesh = Mesh(np.asarray(jax.devices()), ("p",))
-    rows = NamedSharding(mesh, PartitionSpec("p"))
-    mean = jax.jit(lambda g: g.mean(axis=0), out_shardings=NamedSharding(mesh, PartitionSpec()))
+    spec: Callable[..., PartitionSpec] = PartitionSpec  # (untyped in jax)
+    from_local: Callable[..., jax.Array] = jax.make_array_from_process_local_data  # (untyped)
+    rows = NamedSharding(mesh, spec("p"))
+    mean = jax.jit(lambda g: g.mean(axis=0), out_shardings=NamedSharding(mesh, spec()))
 
-    def all_reduce(vector):
+    def all_reduce(vector: Any) -> Any:
         """The mean of every process's vector (XLA's all-reduce: gloo on CPU)."""
         if num_processes == 1:
             return vector
         local = np.asarray(vector)[None]
-        stacked = jax.make_array_from_process_local_data(rows, local, (num_processes, size + 1))
+        stacked = from_local(rows, local, (num_processes, size + 1))
         return mean(stacked).addressable_data(0)
 
     return gradient, update, all_reduce, size
@@ -218,7 +225,8 @@ def _compile(r: _Replica) -> None:
         vector = r.all_reduce(r.gradient(warm_params, batch))
         r.eval_loss(warm_params, r.heldout[:1])
         warm_params, warm_state = r.update(warm_params, warm_state, vector)
-    jax.block_until_ready(r.all_reduce(vector))
+    wait: Callable[[Any], Any] = jax.block_until_ready  # (untyped in jax)
+    wait(r.all_reduce(vector))
 
 
 def _step(r: _Replica, step: int) -> tuple[float, dict[str, float], Any]:
@@ -226,15 +234,16 @@ def _step(r: _Replica, step: int) -> tuple[float, dict[str, float], Any]:
     all-reduced vector (the mean gradient, then the mean loss)."""
     import jax
 
+    wait: Callable[[Any], Any] = jax.block_until_ready  # (untyped in jax)
     start = time.perf_counter()
     batch = np.concatenate([s[step] for s in r.shards]) if len(r.shards) > 1 else r.shards[0][step]
     vector = r.gradient(r.params, batch).block_until_ready()
     computed = time.perf_counter()
     vector = r.all_reduce(vector)
-    vector = jax.block_until_ready(vector)
+    vector = wait(vector)
     reduced = time.perf_counter()
     r.params, r.opt_state = r.update(r.params, r.opt_state, vector)
-    r.params = jax.block_until_ready(r.params)
+    r.params = wait(r.params)
     done = time.perf_counter()
     phases = {
         "compute_s": computed - start,
@@ -247,13 +256,15 @@ def _step(r: _Replica, step: int) -> tuple[float, dict[str, float], Any]:
 class _Records:
     """A run's records, each stamped with its step, training time, wall time and tokens."""
 
-    def __init__(self, tokens_per_step: int, on_record: Callable[[dict], None] | None):
-        self.rows: list[dict] = []
+    def __init__(
+        self, tokens_per_step: int, on_record: Callable[[dict[str, Any]], None] | None
+    ) -> None:
+        self.rows: list[dict[str, Any]] = []
         self.clock = 0.0  # seconds of training (evaluations excluded)
         self.tokens_per_step = tokens_per_step
         self.on_record = on_record
 
-    def add(self, step: int, row: dict) -> None:
+    def add(self, step: int, row: dict[str, Any]) -> None:
         row = {
             "step": step,
             "time": round(self.clock, 4),  # seconds of training before this record
@@ -270,8 +281,8 @@ def train(
     cfg: DataParallelConfig,
     process_id: int = 0,
     num_processes: int = 1,
-    on_record: Callable[[dict], None] | None = None,
-) -> dict:
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Trains; every process returns the same summary (process 0's evaluations included).
 
     With one process it trains on all `cfg.shards` shards' rows per step; with several,
@@ -303,7 +314,13 @@ def train(
     return _summary(cfg, num_processes, r.size, records, phases)
 
 
-def _summary(cfg, num_processes: int, size: int, records: _Records, phases: dict) -> dict:
+def _summary(
+    cfg: DataParallelConfig,
+    num_processes: int,
+    size: int,
+    records: _Records,
+    phases: dict[str, Any],
+) -> dict[str, Any]:
     """What `train` returns: the run's shape, its time, its last evaluation, its records."""
     evals = [row for row in records.rows if "eval_loss" in row]
     return {
@@ -325,10 +342,11 @@ def _summary(cfg, num_processes: int, size: int, records: _Records, phases: dict
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-def start_coordinator(processes: int, port: int) -> subprocess.Popen:
+def start_coordinator(processes: int, port: int) -> subprocess.Popen[str]:
     """The coordination service on 127.0.0.1:port in a child; returns once it listens."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "atoll.bench.data_parallel", "coordinator"]
@@ -337,6 +355,7 @@ def start_coordinator(processes: int, port: int) -> subprocess.Popen:
         stderr=open(os.environ.get("ATOLL_DP_COORD_LOG", os.devnull), "w"),
         text=True,
     )
+    assert proc.stdout is not None
     line = proc.stdout.readline()
     if READY not in line:
         proc.kill()
@@ -360,7 +379,7 @@ def run_job(
     work_dir: pathlib.Path,
     timeout: float,
     on_started: Callable[[], None] | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Runs one worker per placement (all of cfg.shards) to the end; process 0's summary.
 
     Process 0 appends its records to work_dir/records.jsonl as it trains.
@@ -370,7 +389,7 @@ def run_job(
     work_dir.mkdir(parents=True, exist_ok=True)
     out = work_dir / "summary.json"
     out.unlink(missing_ok=True)
-    procs = []
+    procs: list[subprocess.Popen[bytes]] = []
     logs = []
     try:
         for p, place in enumerate(placements):
@@ -402,12 +421,13 @@ def run_job(
                 tail = (work_dir / f"worker{failed[0] if failed else 0}.log").read_text()[-2000:]
                 raise RuntimeError(f"data-parallel job: {why}:\n{tail}")
             time.sleep(0.2)
-        return json.loads(out.read_text())
+        summary: dict[str, Any] = json.loads(out.read_text())
+        return summary
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
         for log in logs:
             log.close()
 
@@ -416,7 +436,7 @@ def run_job(
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from jax._src.lib import _jax
+    from jaxlib import _jax  # jax._src.lib's _jax; it ships no stub (Any)
 
     _die_with_parent()  # a bench killed however it dies takes it along (not a preexec_fn:
     # forking a process that runs JAX's threads to run Python before exec can deadlock)
@@ -454,7 +474,8 @@ def _worker(args: argparse.Namespace) -> int:
     _say(f"process {args.process_id}: joined; training")
     with open(args.records, "a") if args.process_id == 0 else contextlib.nullcontext() as f:
 
-        def on_record(row: dict) -> None:
+        def on_record(row: dict[str, Any]) -> None:
+            assert f is not None  # passed on only with the file open
             f.write(json.dumps(row) + "\n")
             f.flush()
 
@@ -464,7 +485,8 @@ def _worker(args: argparse.Namespace) -> int:
         tmp.write_text(json.dumps(summary))
         os.replace(tmp, args.out)
     _say(f"process {args.process_id}: trained; leaving")
-    jax.distributed.shutdown()
+    leave: Callable[[], None] = jax.distributed.shutdown  # (untyped in jax)
+    leave()
     _say(f"process {args.process_id}: left")
     return 0
 

@@ -35,6 +35,8 @@ import pathlib
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
+from typing import Any
 
 from atoll.commands import period_list, positive_int, seed_list
 from atoll.faults.chaos import lockstep_config
@@ -72,7 +74,9 @@ def mixed_config(cfg: UpConfig, slowdown: float) -> UpConfig:
     return dataclasses.replace(cfg, slowdown=slow, same_time=False)
 
 
-def run_configs(cfg: UpConfig, periods, fp32: bool, slowdown: float) -> dict[str, UpConfig]:
+def run_configs(
+    cfg: UpConfig, periods: Sequence[int], fp32: bool, slowdown: float
+) -> dict[str, UpConfig]:
     """{name: config} of one seed's runs; `cfg` is atoll's at the first period, and its
     run also trains the data-parallel baseline (the same for every H)."""
     out = {}
@@ -88,7 +92,7 @@ def run_configs(cfg: UpConfig, periods, fp32: bool, slowdown: float) -> dict[str
     return out
 
 
-def _run(cfg: UpConfig, run_dir: pathlib.Path) -> dict:
+def _run(cfg: UpConfig, run_dir: pathlib.Path) -> dict[str, Any]:
     cfg, _ = prepare_run_dir(run_dir, dataclasses.asdict(cfg) | {"slowdown": list(cfg.slowdown)})
     report = Session(cfg, run_dir, sys.stderr, live=False).run()
     if not report.get("complete"):
@@ -102,7 +106,7 @@ def _run(cfg: UpConfig, run_dir: pathlib.Path) -> dict:
     return report
 
 
-def run_summary(report: dict, baseline_loss: float) -> dict:
+def run_summary(report: dict[str, Any], baseline_loss: float) -> dict[str, Any]:
     """One run's figures from its `atoll up` report."""
     g = report["global"]
     learners = report["learners"].values()
@@ -135,7 +139,7 @@ def run_summary(report: dict, baseline_loss: float) -> dict:
     }
 
 
-def _spread(values: list[float]) -> dict:
+def _spread(values: list[float]) -> dict[str, Any]:
     return {
         "mean": round(statistics.fmean(values), 3),
         "min": round(min(values), 3),
@@ -144,7 +148,9 @@ def _spread(values: list[float]) -> dict:
     }
 
 
-def summarise(reports: dict[int, dict[str, dict]], periods, seeds) -> dict:
+def summarise(
+    reports: dict[int, dict[str, dict[str, Any]]], periods: Sequence[int], seeds: Sequence[int]
+) -> dict[str, Any]:
     """The frontier from every run's report: `reports[seed][name]` (`run_configs`' names)."""
     baseline = {s: reports[s][f"atoll-h{periods[0]}"]["baseline"]["final_eval_loss"] for s in seeds}
     runs = {
@@ -156,10 +162,10 @@ def summarise(reports: dict[int, dict[str, dict]], periods, seeds) -> dict:
         for h in periods
     }
 
-    def over_seeds(h: int, method: str, key: str) -> dict:
+    def over_seeds(h: int, method: str, key: str) -> dict[str, Any]:
         return _spread([runs[h][method][s][key] for s in seeds])
 
-    def difference(h: int, a: str, b: str) -> dict:
+    def difference(h: int, a: str, b: str) -> dict[str, Any]:
         return _spread([runs[h][a][s]["gap_pct"] - runs[h][b][s]["gap_pct"] for s in seeds])
 
     frontier = {
@@ -201,8 +207,8 @@ def summarise(reports: dict[int, dict[str, dict]], periods, seeds) -> dict:
     return out
 
 
-def _targets(out: dict, periods) -> dict:
-    def target(want: str, got: float, met: bool) -> dict:
+def _targets(out: dict[str, Any], periods: Sequence[int]) -> dict[str, Any]:
+    def target(want: str, got: float, met: bool) -> dict[str, Any]:
         return {"want": want, "got": got, "met": met}
 
     t = {}
@@ -229,7 +235,7 @@ def _targets(out: dict, periods) -> dict:
     return t
 
 
-def plot_frontier(result: dict, path: pathlib.Path) -> None:
+def plot_frontier(result: dict[str, Any], path: pathlib.Path) -> None:
     """frontier.png: gap to data-parallel against bandwidth saved, one curve per method
     (a point per H, the mean over seeds with the seeds' range as error bars)."""
     import matplotlib
@@ -283,17 +289,17 @@ def plot_frontier(result: dict, path: pathlib.Path) -> None:
 
 def bench_quality(
     cfg: UpConfig,
-    periods=PERIODS,
-    seeds=(0,),
+    periods: Sequence[int] = PERIODS,
+    seeds: Sequence[int] = (0,),
     *,
     fp32: bool = False,
     slowdown: float = MIXED_SLOWDOWN,
     work_dir: pathlib.Path | None = None,
     out_dir: pathlib.Path | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Every run of the frontier, then their summary; `cfg` is atoll's settings but H and the seed."""
     base = pathlib.Path(work_dir or tempfile.mkdtemp(prefix="atoll-quality-"))
-    reports: dict[int, dict[str, dict]] = {}
+    reports: dict[int, dict[str, dict[str, Any]]] = {}
     for seed in seeds:
         configs = run_configs(dataclasses.replace(cfg, seed=seed), periods, fp32, slowdown)
         reports[seed] = {name: _run(c, base / f"seed{seed}" / name) for name, c in configs.items()}
@@ -329,7 +335,7 @@ def bench_quality(
     return result
 
 
-def _settings(cfg: UpConfig) -> dict:
+def _settings(cfg: UpConfig) -> dict[str, Any]:
     return {
         "outer_lr": cfg.outer_lr,
         "outer_momentum": cfg.outer_momentum,

@@ -26,8 +26,13 @@ import os
 import pathlib
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable
+from multiprocessing.connection import Connection
+from multiprocessing.context import SpawnContext, SpawnProcess
+from typing import Any
 
 import grpc
 import numpy as np
@@ -59,7 +64,13 @@ SPECS = [TensorSpec(f"w{i}", (512, 128)) for i in range(4)]  # 4 fragments of 64
 
 
 def _crowd(
-    conn, address: str, kind: str, count: int, first: int, frame_bytes: int, plan_json: str
+    conn: Connection,
+    address: str,
+    kind: str,
+    count: int,
+    first: int,
+    frame_bytes: int,
+    plan_json: str,
 ) -> None:
     """`count` Watch streams, or Push streams that stall after their header, opened on
     one asyncio loop; reports when they are open, closes them when told to."""
@@ -71,15 +82,23 @@ def _crowd(
     )
 
 
-async def _crowd_async(conn, address, kind, count, first, frame_bytes, plan) -> None:
+async def _crowd_async(
+    conn: Connection,
+    address: str,
+    kind: str,
+    count: int,
+    first: int,
+    frame_bytes: int,
+    plan: FragmentPlan,
+) -> None:
     channels = [
         grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
         for _ in range(-(-count // PER_CONNECTION))
     ]
-    opened, notices, errors = asyncio.Semaphore(0), [0], []
+    opened, notices, errors = asyncio.Semaphore(0), [0], list[str]()
     stall = asyncio.Event()  # never set: the stalled pushes' request streams wait on it
 
-    async def watch(i: int, stub) -> None:
+    async def watch(i: int, stub: pb_grpc.SyncerStub) -> None:
         seen = 0
         try:
             async for _ in stub.Watch(pb.WatchRequest(learner_id=f"watcher-{first + i}")):
@@ -90,8 +109,8 @@ async def _crowd_async(conn, address, kind, count, first, frame_bytes, plan) -> 
         except grpc.aio.AioRpcError as e:
             errors.append(e.code().name)
 
-    async def stalled(i: int, stub) -> None:
-        async def requests():
+    async def stalled(i: int, stub: pb_grpc.SyncerStub) -> None:
+        async def requests() -> AsyncIterator[pb.PushRequest]:
             yield pb.PushRequest(
                 header=pb.PushHeader(
                     learner_id=f"staller-{first + i}",
@@ -145,7 +164,7 @@ async def _crowd_async(conn, address, kind, count, first, frame_bytes, plan) -> 
     conn.send({"notices": notices[0], "errors": sorted(set(errors))})
 
 
-def _prober(conn, address: str) -> None:
+def _prober(conn: Connection, address: str) -> None:
     """Checks health every PROBE_INTERVAL until told to stop; sends the latencies."""
     _die_with_parent()
     channel = grpc.insecure_channel(address)
@@ -153,7 +172,7 @@ def _prober(conn, address: str) -> None:
     request = health_pb2.HealthCheckRequest(service=SERVICE)
     while True:
         conn.recv()  # start a phase
-        latencies, failures = [], 0
+        latencies, failures = list[float](), 0
         while not conn.poll():
             started = time.perf_counter()
             try:
@@ -184,7 +203,7 @@ class _Pusher:
     """Real pushes at a fixed interval, one learner, fragments in turn (quorum 1: each
     push closes its fragment's round)."""
 
-    def __init__(self, address: str, plan: FragmentPlan):
+    def __init__(self, address: str, plan: FragmentPlan) -> None:
         self.client = ShardClient(address, "bench-pusher", deadline=30.0)
         self.plan = plan
         self.frames = [
@@ -194,8 +213,8 @@ class _Pusher:
         self.versions = [0] * plan.num_fragments
         self.seq = 0
 
-    def run(self, seconds: float, interval: float) -> dict:
-        latencies, accepted, refused, failed = [], 0, 0, []
+    def run(self, seconds: float, interval: float) -> dict[str, Any]:
+        latencies, accepted, refused, failed = list[float](), 0, 0, list[str]()
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             p = self.seq % self.plan.num_fragments
@@ -231,7 +250,13 @@ class _Pusher:
         }
 
 
-def _phase(prober, pusher: _Pusher, shard_pid: int, seconds: float, push_interval: float) -> dict:
+def _phase(
+    prober: tuple[Connection, SpawnProcess],
+    pusher: _Pusher,
+    shard_pid: int,
+    seconds: float,
+    push_interval: float,
+) -> dict[str, Any]:
     """Probes health and pushes for `seconds`; RSS at the start and end of the phase."""
     conn, proc = prober
     rss_start = _proc_status(shard_pid)["VmRSS"]
@@ -254,7 +279,8 @@ def _phase(prober, pusher: _Pusher, shard_pid: int, seconds: float, push_interva
 
 
 def _gauge(metrics_port: int, name: str, label: str = "") -> float:
-    return _scrape(metrics_port).get(name, {}).get(label, 0.0)
+    value: float = _scrape(metrics_port).get(name, {}).get(label, 0.0)
+    return value
 
 
 def _open_calls(metrics_port: int) -> dict[str, float]:
@@ -266,7 +292,7 @@ def _open_calls(metrics_port: int) -> dict[str, float]:
     }
 
 
-def _wait_for(check, timeout: float, what: str) -> float:
+def _wait_for(check: Callable[[], bool], timeout: float, what: str) -> float:
     started = time.monotonic()
     while not check():
         if time.monotonic() - started > timeout:
@@ -280,7 +306,7 @@ class _Crowd:
 
     def __init__(
         self,
-        ctx,
+        ctx: SpawnContext,
         address: str,
         metrics_port: int,
         watches: int,
@@ -288,13 +314,13 @@ class _Crowd:
         processes: int,
         frame_bytes: int,
         plan: FragmentPlan,
-    ):
+    ) -> None:
         self.watches, self.stalled, self.metrics_port = watches, stalled, metrics_port
         self.frame_bytes = frame_bytes
         sizes = [watches // processes + (i < watches % processes) for i in range(processes)]
         self.jobs = [("watch", n, sum(sizes[:i])) for i, n in enumerate(sizes) if n]
         self.jobs += [("stall", stalled, 0)] if stalled else []
-        self.procs = []
+        self.procs: list[tuple[Connection, SpawnProcess]] = []
         for kind, n, first in self.jobs:
             conn, child = ctx.Pipe()
             proc = ctx.Process(
@@ -306,7 +332,7 @@ class _Crowd:
             proc.start()
             self.procs.append((conn, proc))
 
-    def opened(self) -> dict:
+    def opened(self) -> dict[str, Any]:
         """Waits until every stream is open at the shard; returns what the clients saw."""
         started = time.monotonic()
         reports = [_recv(conn, proc, timeout=OPEN_TIMEOUT + 60) for conn, proc in self.procs]
@@ -328,7 +354,7 @@ class _Crowd:
             ),
         }
 
-    def leave(self) -> dict:
+    def leave(self) -> dict[str, Any]:
         """Closes every stream; waits until the shard has let go of them."""
         for conn, _ in self.procs:
             conn.send("leave")
@@ -368,7 +394,7 @@ def bench_streams(
     seconds: float = 20.0,
     push_interval: float = 1.0,
     crowd_processes: int = 4,
-) -> dict:
+) -> dict[str, Any]:
     """Health latency, pushes and RSS of one shard process before, during and after a crowd.
 
     Raises ValueError for counts or durations that cannot work.
@@ -410,12 +436,15 @@ class _Rig:
     """What one bench runs and must stop: the shard process, the prober, the pusher and the
     crowd open now, with the shard's directory `root`."""
 
-    def __init__(self, root: pathlib.Path):
+    def __init__(self, root: pathlib.Path) -> None:
         self.root = root
-        self.shard, self.prober, self.crowd, self.pusher = None, None, None, None
+        self.shard: subprocess.Popen[str] | None = None
+        self.prober: tuple[Connection, SpawnProcess] | None = None
+        self.crowd: _Crowd | None = None
+        self.pusher: _Pusher | None = None
         self.address, self.metrics_port = "", 0
 
-    def start(self, ctx, plan: FragmentPlan, idle_seconds: float) -> None:
+    def start(self, ctx: SpawnContext, plan: FragmentPlan, idle_seconds: float) -> None:
         """Starts the shard (its fragments initialised), the pusher and the prober."""
         self.shard, port, self.metrics_port = start_shard(
             ShardConfig(
@@ -439,11 +468,9 @@ class _Rig:
         init.close()
         self.pusher = _Pusher(self.address, plan)
         conn, child = ctx.Pipe()
-        self.prober = (
-            conn,
-            ctx.Process(target=_prober, name="prober", args=(child, self.address), daemon=True),
-        )
-        self.prober[1].start()
+        prober = ctx.Process(target=_prober, name="prober", args=(child, self.address), daemon=True)
+        self.prober = (conn, prober)
+        prober.start()
 
     def close(self) -> None:
         try:
@@ -465,28 +492,30 @@ class _Rig:
 
 def _run(
     rig: _Rig,
-    ctx,
+    ctx: SpawnContext,
     plan: FragmentPlan,
     watches: int,
     stalled: int,
     processes: int,
     seconds: float,
     push_interval: float,
-) -> dict:
+) -> dict[str, Any]:
     """The phases: before, during and after a crowd, then after the same crowd again."""
-    pid, pusher = rig.shard.pid, rig.pusher
+    # rig.start set them
+    assert rig.shard is not None and rig.pusher is not None and rig.prober is not None
+    pid, pusher, prober = rig.shard.pid, rig.pusher, rig.prober
 
-    def phase(length: float) -> dict:
-        return _phase(rig.prober, pusher, pid, length, push_interval)
+    def phase(length: float) -> dict[str, Any]:
+        return _phase(prober, pusher, pid, length, push_interval)
 
     def crowd() -> _Crowd:
         frame_bytes = len(pusher.frames[0])
         args = (rig.address, rig.metrics_port, watches, stalled, processes, frame_bytes, plan)
-        rig.crowd = _Crowd(ctx, *args)
-        return rig.crowd
+        rig.crowd = c = _Crowd(ctx, *args)
+        return c
 
     pusher.run(2.0, push_interval)  # warm up: the first outer steps compile
-    out = {"before": phase(seconds)}
+    out: dict[str, Any] = {"before": phase(seconds)}
     first = crowd()
     out["opened"] = first.opened()
     out["open_calls"] = _open_calls(rig.metrics_port)
@@ -501,14 +530,16 @@ def _run(
     second.leave()
     time.sleep(2.0)
     out["again"] = phase(seconds / 2)
-    rig.prober[0].send("start")
-    rig.prober[0].send(None)
-    _recv(*rig.prober)
+    prober[0].send("start")
+    prober[0].send(None)
+    _recv(*prober)
     out["peak"] = round(_proc_status(pid)["VmHWM"] / 2**20, 1)
     return out
 
 
-def _streams_report(f: dict, streams: int, seconds: float, load_before: float) -> dict:
+def _streams_report(
+    f: dict[str, Any], streams: int, seconds: float, load_before: float
+) -> dict[str, Any]:
     """The phases' figures, RSS, the host and the targets met, from `_run`'s figures `f`."""
     before, during, after, again = f["before"], f["during"], f["after"], f["again"]
     opened, left = f["opened"], f["left"]
@@ -546,7 +577,7 @@ def _streams_report(f: dict, streams: int, seconds: float, load_before: float) -
     }
 
 
-def _targets(phases: dict[str, dict]) -> dict:
+def _targets(phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Health p99 with the crowd open, every push accepted, RSS flat: wanted, got, met."""
     during = phases["during"]
     p99 = during["health_ms_p99"]

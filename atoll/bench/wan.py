@@ -30,9 +30,15 @@ import sys
 import tempfile
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 from atoll.commands import Terminated, positive_int, raise_terminated
 from atoll.learner.defaults import LATE_MIX, PERIOD
+
+if TYPE_CHECKING:
+    from atoll.faults.wan import Wan, WanConfig
+    from atoll.local.config import LearnerSpec, UpConfig
+    from atoll.local.session import Session
 
 SAMPLE_S = 0.5  # how often the links' counters are read
 PEER_PORTS = (61000, 61031)  # each region's ephemeral ports (gloo binds one)
@@ -57,7 +63,7 @@ class WanBenchConfig:
     period: int = PERIOD  # atoll's H (its default): inner steps between syncs of a fragment
     late_mix: float = LATE_MIX  # atoll's late-adoption mix cap (its default: off)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         from atoll.faults.wan import WanConfig
 
         if not (isinstance(self.regions, int) and self.regions >= 2):
@@ -74,12 +80,13 @@ class WanBenchConfig:
 class LinkSampler:
     """Reads every link's tbf byte counters every SAMPLE_S in a thread: (time, {link: bytes})."""
 
-    def __init__(self, wan):
-        self.wan, self.samples = wan, []
+    def __init__(self, wan: Wan) -> None:
+        self.wan = wan
+        self.samples: list[tuple[float, dict[str, int]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="link-sampler", daemon=True)
 
-    def _read(self) -> tuple[float, dict]:
+    def _read(self) -> tuple[float, dict[str, int]]:
         stats = self.wan.stats()
         return time.time(), {
             f"r{r}_{d}": int(s[f"tc_{d}"].get("bytes", 0))
@@ -96,12 +103,12 @@ class LinkSampler:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
         self.samples.append(self._read())
 
-    def window(self, start: float, end: float) -> dict:
+    def window(self, start: float, end: float) -> dict[str, Any]:
         """Per link: bytes carried in [start, end] (interpolated), peak and mean Mbit/s."""
 
         def at(t: float, link: str) -> float:
@@ -139,7 +146,7 @@ def dp_timeout(cfg: WanBenchConfig) -> float:
     return 600.0 + 1.5 * cfg.steps * step_seconds
 
 
-def run_data_parallel(cfg: WanBenchConfig, work_dir: pathlib.Path) -> dict:
+def run_data_parallel(cfg: WanBenchConfig, work_dir: pathlib.Path) -> dict[str, Any]:
     from atoll.bench import data_parallel as dp
     from atoll.faults.wan import Wan, WanConfig
 
@@ -190,7 +197,9 @@ def run_data_parallel(cfg: WanBenchConfig, work_dir: pathlib.Path) -> dict:
     }
 
 
-def _wan_session(cfg, run_dir: pathlib.Path, wcfg, holder: dict):
+def _wan_session(
+    cfg: UpConfig, run_dir: pathlib.Path, wcfg: WanConfig, holder: dict[str, Any]
+) -> Session:
     """An `atoll up` session whose learner i runs in region i, shards on the host."""
     from atoll.faults.wan import Wan
     from atoll.local.session import Session
@@ -199,22 +208,26 @@ def _wan_session(cfg, run_dir: pathlib.Path, wcfg, holder: dict):
         def _start_shards(self) -> None:
             super()._start_shards()
             if self._running():
-                holder["wan"] = Wan(wcfg, [s.port for s in self.shards]).__enter__()
+                ports = [s.port for s in self.shards if s.port is not None]
+                assert len(ports) == len(self.shards), "every shard printed its serving line"
+                holder["wan"] = Wan(wcfg, ports).__enter__()
                 holder["sampler"] = LinkSampler(holder["wan"]).__enter__()
 
-        def _addresses_for(self, spec) -> list[str]:
-            return holder["wan"].shard_addresses(spec.index)
+        def _addresses_for(self, spec: LearnerSpec) -> list[str]:
+            wan: Wan = holder["wan"]
+            return wan.shard_addresses(spec.index)
 
-        def _prefix_for(self, spec) -> list[str]:
-            return holder["wan"].command_prefix(spec.index)
+        def _prefix_for(self, spec: LearnerSpec) -> list[str]:
+            wan: Wan = holder["wan"]
+            return wan.command_prefix(spec.index)
 
     return WanSession(cfg, run_dir, sys.stderr, live=False)
 
 
-def run_atoll(cfg: WanBenchConfig, run_dir: pathlib.Path) -> dict:
+def run_atoll(cfg: WanBenchConfig, run_dir: pathlib.Path) -> dict[str, Any]:
     from atoll.faults.wan import WanConfig
     from atoll.local.config import UpConfig, prepare_run_dir
-    from atoll.local.report import read_status
+    from atoll.local.progress import read_status
 
     up = UpConfig(
         learners=cfg.regions,
@@ -228,7 +241,7 @@ def run_atoll(cfg: WanBenchConfig, run_dir: pathlib.Path) -> dict:
         late_mix=cfg.late_mix,
     )
     up, _ = prepare_run_dir(run_dir, dataclasses.asdict(up) | {"slowdown": list(up.slowdown)})
-    holder: dict = {}
+    holder: dict[str, Any] = {}
     try:
         report = _wan_session(
             up, run_dir, WanConfig(cfg.regions, cfg.rate_mbit, cfg.latency_ms), holder
@@ -288,20 +301,24 @@ def run_atoll(cfg: WanBenchConfig, run_dir: pathlib.Path) -> dict:
     }
 
 
-def time_to_loss(evals: list[dict], target: float) -> float | None:
+def time_to_loss(evals: list[dict[str, Any]], target: float) -> float | None:
     """Seconds until the eval loss first reaches `target` (linear between evaluations)."""
     prev = None
     for e in evals:
         if e["eval_loss"] <= target:
+            seconds: float = e["seconds"]
             if prev is None:
-                return e["seconds"]
-            frac = (prev["eval_loss"] - target) / max(prev["eval_loss"] - e["eval_loss"], 1e-12)
-            return prev["seconds"] + frac * (e["seconds"] - prev["seconds"])
+                return seconds
+            frac: float = (prev["eval_loss"] - target) / max(
+                prev["eval_loss"] - e["eval_loss"], 1e-12
+            )
+            before: float = prev["seconds"]
+            return before + frac * (seconds - before)
         prev = e
     return None
 
 
-def compare(dp: dict, atoll: dict, cfg: WanBenchConfig) -> dict:
+def compare(dp: dict[str, Any], atoll: dict[str, Any], cfg: WanBenchConfig) -> dict[str, Any]:
     """The headline figures from the two runs."""
     target = max(
         min(e["eval_loss"] for e in dp["eval"]), min(e["eval_loss"] for e in atoll["eval"])
@@ -349,7 +366,7 @@ def compare(dp: dict, atoll: dict, cfg: WanBenchConfig) -> dict:
     }
 
 
-def plot(result: dict, out_dir: pathlib.Path) -> str:
+def plot(result: dict[str, Any], out_dir: pathlib.Path) -> str:
     """wan.png: eval loss against seconds of training (log) and against tokens, both runs."""
     import matplotlib
 
@@ -399,7 +416,9 @@ def plot(result: dict, out_dir: pathlib.Path) -> str:
     return str(path)
 
 
-def bench_wan(cfg: WanBenchConfig, work_dir: pathlib.Path, out_dir: pathlib.Path | None) -> dict:
+def bench_wan(
+    cfg: WanBenchConfig, work_dir: pathlib.Path, out_dir: pathlib.Path | None
+) -> dict[str, Any]:
     started = time.time()
     dp = run_data_parallel(cfg, work_dir / "data-parallel")
     atoll = run_atoll(cfg, work_dir / "atoll")
