@@ -7,6 +7,7 @@ import os
 import pathlib
 
 import pytest
+from procs import processes_naming
 
 from atoll.bench import data_parallel as dp
 
@@ -56,20 +57,6 @@ dp.run_job(cfg, [here, here], work, timeout=600)
 """
 
 
-def _pids_naming(*marks: str) -> list[int]:
-    """Live processes whose command line holds one of `marks`."""
-    found = []
-    for proc in pathlib.Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, ValueError, IndexError):
-            continue
-        if state != "Z" and any(m in cmdline for m in marks):
-            found.append(int(proc.name))
-    return found
-
-
 def test_a_killed_job_takes_its_coordinator_and_workers_along(tmp_path: pathlib.Path):
     """However the bench dies, its coordinator and workers go too, within seconds: the
     coordinator's own shutdown waited minutes for workers that were killed."""
@@ -87,14 +74,14 @@ def test_a_killed_job_takes_its_coordinator_and_workers_along(tmp_path: pathlib.
         while not (records.exists() and records.read_text().strip()):
             assert parent.poll() is None and time.monotonic() < deadline, "the job never trained"
             time.sleep(0.2)
-        assert len(_pids_naming(*marks)) == 3  # the coordinator and both workers
+        assert len(processes_naming(*marks)) == 3  # the coordinator and both workers
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         gone_by = time.monotonic() + 15
-        while (left := _pids_naming(*marks)) and time.monotonic() < gone_by:
+        while (left := processes_naming(*marks)) and time.monotonic() < gone_by:
             time.sleep(0.2)
         assert not left, f"outlived the killed job: {left}"
     finally:
         parent.kill()
-        for pid in _pids_naming(*marks):
+        for pid in processes_naming(*marks):
             os.kill(pid, signal.SIGKILL)

@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+from procs import running
 from syncer_helpers import REPO
 
 # SIGKILL of the parent -> its children gone: well under a second when idle; the shard's
@@ -33,15 +34,6 @@ WRAPPER = textwrap.dedent("""
     print(shard.pid, flush=True)
     time.sleep(600)
 """)
-
-
-def _gone(pid: int) -> bool:
-    """No such process, or only its zombie (its parent died; init reaps it when it will)."""
-    try:
-        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return stat.rpartition(")")[2].split()[0] == "Z"
 
 
 def _descendants(pid: int) -> dict[int, str]:
@@ -70,14 +62,14 @@ def _descendants(pid: int) -> dict[int, str]:
 def _wait_gone(pids: list[int]) -> list[int]:
     """The pids still alive after GONE_SECONDS (none, once they have all died)."""
     deadline = time.monotonic() + GONE_SECONDS
-    while (alive := [p for p in pids if not _gone(p)]) and time.monotonic() < deadline:
+    while (alive := [p for p in pids if running(p)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     return alive
 
 
 def _kill_left(pids) -> None:
     for pid in pids:
-        if not _gone(pid):
+        if running(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -96,7 +88,7 @@ def test_the_shard_a_bench_started_dies_when_the_bench_is_killed(tmp_path):
     shard = None
     try:
         shard = int(wrapper.stdout.readline())  # printed once the shard serves
-        assert not _gone(shard)
+        assert running(shard)
         # the injected fault: the bench dies with no chance to stop its shard
         wrapper.send_signal(signal.SIGKILL)
         assert wrapper.wait(timeout=30) == -signal.SIGKILL

@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
+from procs import processes_naming
 from syncer_helpers import (
     PLAN,
     REPO,
@@ -103,19 +104,8 @@ def children():
 
 
 def _processes_under(path: pathlib.Path) -> dict[int, str]:
-    """{pid: command line} of every live process (not a zombie) naming `path`."""
-    found = {}
-    for entry in pathlib.Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if str(path) in cmdline and state != "Z":
-            found[int(entry.name)] = cmdline
-    return found
+    """{pid: command line} of every running process (not a zombie) naming `path`."""
+    return processes_naming(str(path))
 
 
 def _kill_all_under(path: pathlib.Path) -> None:

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from procs import running
 from syncer_helpers import REPO
 
 pytestmark = pytest.mark.e2e  # a whole (short) run: `make test-fast` skips it
@@ -24,16 +25,6 @@ def _children(run_dir: pathlib.Path) -> list[dict]:
         return json.loads((run_dir / "pids.json").read_text())["children"]
     except (FileNotFoundError, json.JSONDecodeError):
         return []
-
-
-def _alive(pid: int) -> bool:
-    """True while `pid` is an atoll process (a zombie or a reused pid is not ours)."""
-    try:
-        cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
-        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return b"atoll" in cmdline and state != "Z"
 
 
 def test_ctrl_c_before_the_first_step_stops_the_learners_cleanly(tmp_path):
@@ -66,7 +57,7 @@ def test_ctrl_c_before_the_first_step_stops_the_learners_cleanly(tmp_path):
             up.kill()
             up.wait()
         for c in _children(run_dir) if run_dir else []:
-            if _alive(c["pid"]):
+            if running(c["pid"], "atoll"):
                 os.kill(c["pid"], signal.SIGKILL)
 
     output = log.read_text()
@@ -81,4 +72,4 @@ def test_ctrl_c_before_the_first_step_stops_the_learners_cleanly(tmp_path):
     }, report["events"]
     assert not [e for e in report["events"] if "killed it" in e or "the others go on" in e]
     assert "crashed" not in output
-    assert not [c for c in _children(run_dir) if _alive(c["pid"])], "orphaned children"
+    assert not [c for c in _children(run_dir) if running(c["pid"], "atoll")], "orphaned children"

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from procs import running
 from syncer_helpers import REPO
 
 from atoll.wire.records import read_jsonl
@@ -32,16 +33,6 @@ FLAGS = [
     "2",
     "--no-table",
 ]
-
-
-def _pid_alive(pid: int) -> bool:
-    """True while `pid` is an atoll process (a zombie or a reused pid is not ours)."""
-    try:
-        cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
-        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return b"atoll" in cmdline and state != "Z"
 
 
 class Up:
@@ -85,7 +76,7 @@ class Up:
             self.proc.kill()
             self.proc.wait()
         for child in self.children():
-            if _pid_alive(child["pid"]):
+            if running(child["pid"], "atoll"):
                 os.kill(child["pid"], signal.SIGKILL)
 
 
@@ -166,7 +157,7 @@ def test_up_runs_to_a_report_with_plots_through_a_shard_kill(tmp_path, ups):
         "shard-1",
         "shard-1",
     ]
-    assert not [c for c in children if _pid_alive(c["pid"])]
+    assert not [c for c in children if running(c["pid"], "atoll")]
 
 
 def test_ctrl_c_stops_every_child_and_the_run_resumes(tmp_path, ups):
@@ -180,7 +171,7 @@ def test_ctrl_c_stops_every_child_and_the_run_resumes(tmp_path, ups):
 
     children = up.children()
     assert len(children) == 4
-    assert not [c for c in children if _pid_alive(c["pid"])], "orphaned children"
+    assert not [c for c in children if running(c["pid"], "atoll")], "orphaned children"
     report = up.report()
     assert report["interrupted"] == "SIGINT" and not report["complete"]
     reached = report["learners"]["learner-0"]["steps"]
@@ -217,4 +208,4 @@ def test_ctrl_c_stops_every_child_and_the_run_resumes(tmp_path, ups):
         == records[rejoin]["step"] + 1
     )
     assert report["global"]["eval_loss"] is not None
-    assert not [c for c in resumed.children() if _pid_alive(c["pid"])]
+    assert not [c for c in resumed.children() if running(c["pid"], "atoll")]
