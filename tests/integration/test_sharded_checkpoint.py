@@ -17,8 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from syncer_helpers import REPO
-from test_learner_sharded import _free_port
+from syncer_helpers import REPO, free_port
 
 from atoll.server.config import ShardConfig
 from atoll.server.service import SyncerServer
@@ -58,7 +57,7 @@ def _start(
     tmp: pathlib.Path, server: SyncerServer, name: str, processes: int, flags: list[str]
 ) -> list[subprocess.Popen]:
     """The worker as one learner of `processes` processes (1: params replicated)."""
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     for i in range(processes):
         cmd = [sys.executable, str(WORKER), "--shards", f"127.0.0.1:{server.port}"]
         cmd += ["--out", str(tmp / f"{name}.{i}.json"), *flags]
