@@ -65,9 +65,8 @@ POOL = ipaddress.IPv4Network("10.200.0.0/13")  # private block the per-instance 
 CHUNK = 64 * 1024  # proxy read size, bytes
 MAX_REGIONS = 64  # one /30 per region in one /24
 MAX_PEER_PORTS = 256  # ports in a peer_ports range (one proxy listener each, per region)
-TABLE_BASE = (
-    30000  # routing table and rule priority of a Wan with peers: TABLE_BASE + its /24's index
-)
+# routing table and rule priority of a Wan with peers: TABLE_BASE + its /24's index
+TABLE_BASE = 30000
 IP_TRANSPARENT = 19  # linux/in.h: a socket may bind, and answer from, an address not on the host
 _NAME = re.compile(r"[a-z][a-z0-9]{0,9}")  # leaves room for "h63" in a 15-byte interface name
 _DEFAULT_NAME = re.compile(r"w(\d+)[a-z]")  # f"w{pid}{letter}": swept once that pid is gone
@@ -83,9 +82,8 @@ class WanConfig:
     regions: int  # network namespaces, each one learner region, 1..64
     rate_mbit: float  # link rate per region and direction, Mbit/s (10^6 bit/s), > 0
     latency_ms: float  # one-way delay added in each direction, ms, >= 0 (RTT = 2x)
-    burst_kb: float = (
-        0.0  # tbf bucket, KiB; bytes sent at line speed after idle; 0 = max(16, 4 ms of rate)
-    )
+    # tbf bucket, KiB; bytes sent at line speed after idle; 0 = max(16, 4 ms of rate)
+    burst_kb: float = 0.0
     queue_ms: float = 50.0  # tbf queue, as time at the rate; packets beyond it are dropped, > 0
 
     def __post_init__(self) -> None:
@@ -356,9 +354,7 @@ class _Proxy:
         try:
             try:
                 shard_r, shard_w = await asyncio.open_connection(*target, limit=2 * CHUNK)
-            except (
-                OSError
-            ):  # the shard is down: reset after a round trip, when a refusal would come back
+            except OSError:  # the shard is down: reset after a round trip, as a refusal would
                 await asyncio.sleep(2 * self.latency_s)
                 raise
             ups, downs = [(stats, "bytes_up")], [(stats, "bytes_down")]
@@ -487,9 +483,8 @@ class Wan:
         self.subnet: ipaddress.IPv4Network | None = None
         self._proxy: _Proxy | None = None
         self._ports: list[list[int]] = []
-        self._made: list[
-            str
-        ] = []  # namespaces and host links this Wan created: all teardown deletes
+        # namespaces and host links this Wan created: all teardown deletes
+        self._made: list[str] = []
         self._prev_sigterm: Callable[[int, FrameType | None], Any] | int | None = None
         self._sigterm_installed = False
         self._closed = False
@@ -683,9 +678,7 @@ class Wan:
         prev = self._prev_sigterm
         if callable(prev):
             prev(signum, frame)
-        elif (
-            prev != signal.SIG_IGN
-        ):  # default (or a handler set outside Python): die by SIGTERM, as without us
+        elif prev != signal.SIG_IGN:  # default or set outside Python: die by SIGTERM, as without us
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
 
