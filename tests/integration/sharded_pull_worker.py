@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from sharded_learner_worker import SPECS, place, train_step, values
+from sharded_learner_worker import SHAPES, SPECS, place, train_step, values
 
 
 def _held(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
@@ -107,13 +107,13 @@ def main() -> None:
             codec="FP32" if args.fault == "codec" and odd else "INT4",
             wait_for_rounds=True,
         )
-        params = learner.join(place(values(0), specs, mesh))
+        params = learner.join(place(values(0, SHAPES), specs, mesh))
         joined = dict(learner.stats)
         out["bytes_joined"] = joined.get("bytes_received", 0)
         if args.join_only:
             np.savez(args.out + ".npz", **_held(params))
         for step in range(0 if args.join_only else args.steps):
-            params = train_step(params, place(values(100 + step), specs, mesh))
+            params = train_step(params, place(values(100 + step, SHAPES), specs, mesh))
             params = learner.step(params, tokens=8)
             if args.lockstep:
                 _settle(learner)

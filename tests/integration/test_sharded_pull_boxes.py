@@ -59,7 +59,7 @@ def _addresses(servers: list[SyncerServer]) -> str:
 
 def _leaves(weights: list[np.ndarray]) -> dict[str, np.ndarray]:
     """The published weights as the worker's leaves (its plan: the same names and P)."""
-    layout = TreeLayout(values(0), FRAGMENTS)
+    layout = TreeLayout(values(0, SHAPES), FRAGMENTS)
     out = {}
     for p, vector in enumerate(weights):
         for i, start, end in layout.slots[p]:
