@@ -45,9 +45,9 @@ lint: setup-test
 # atoll.learner and atoll.wire. The editable install maps them with an import hook mypy
 # cannot see, so build/typecheck/atoll/ links them in under their real names;
 # [tool.mypy]'s mypy_path puts that tree ahead of the repo's own ./atoll.
-# the application layer (atoll/) checked so far; the rest of it (bench/) is still to be
-# annotated
-TYPED_APP := cli.py commands.py export.py model_dir.py sample.py plan.py cluster faults local
+# the application layer (atoll/) checked so far; the rest of it (bench/'s streams, ingest*,
+# learner* and learners) is still to be annotated
+TYPED_APP := cli.py commands.py export.py model_dir.py sample.py plan.py cluster faults local bench
 typecheck: setup-test
 	mkdir -p build/typecheck/atoll
 	touch build/typecheck/atoll/__init__.py
@@ -57,7 +57,8 @@ typecheck: setup-test
 	for m in $(TYPED_APP); do ln -sfn ../../../atoll/$$m build/typecheck/atoll/$$m; done
 	$(BIN)/mypy -p atoll.server -p atoll.learner -p atoll.wire -p atoll.cluster -p atoll.faults \
 	    -p atoll.local -m atoll.cli -m atoll.commands -m atoll.export -m atoll.model_dir \
-	    -m atoll.sample -m atoll.plan
+	    -m atoll.sample -m atoll.plan -m atoll.bench -m atoll.bench.cadence -m atoll.bench.codec \
+	    -m atoll.bench.data_parallel -m atoll.bench.quality -m atoll.bench.shard -m atoll.bench.wan
 
 format: setup-test
 	$(BIN)/ruff check --fix .
