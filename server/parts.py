@@ -130,8 +130,7 @@ class TensorIndex:
 
     def meeting(self, box: Box, shapes: Sequence[Sequence[int]]) -> Box | None:
         """A box held here that shares an element with `box`, or None."""
-        start, stop = box.bounds(shapes[box.tensor])
-        a, b = start[self.axis], stop[self.axis]
+        a, b = self._extent(box, shapes[box.tensor])
         lo = bisect.bisect_right(self.starts, a - self.longest)
         for other in self.boxes[lo : bisect.bisect_left(self.starts, b)]:
             if overlap(box, other, shapes):
@@ -139,12 +138,18 @@ class TensorIndex:
         return None
 
     def add(self, box: Box, shape: Sequence[int]) -> None:
-        start, stop = box.bounds(shape)
-        a = start[self.axis]
+        a, b = self._extent(box, shape)
         at = bisect.bisect_right(self.starts, a)
         self.starts.insert(at, a)
         self.boxes.insert(at, box)
-        self.longest = max(self.longest, stop[self.axis] - a)
+        self.longest = max(self.longest, b - a)
+
+    def _extent(self, box: Box, shape: Sequence[int]) -> tuple[int, int]:
+        """[a, b) of `box` along the axis; a scalar tensor's one element is [0, 1)."""
+        start, stop = box.bounds(shape)
+        if not shape:
+            return 0, 1
+        return start[self.axis], stop[self.axis]
 
 
 def _overlap_problem(
