@@ -14,12 +14,15 @@ from __future__ import annotations
 import os
 import pathlib
 import resource
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 
 from atoll.local.processes import _die_with_parent
 from atoll.wire import codec
-from atoll.wire.plan import FragmentPlan
+from atoll.wire.plan import FragmentPlan, Slot
 
 DELTA_STD = 1e-3  # scale of the synthetic outer gradients
 
@@ -38,7 +41,7 @@ class _Segments:
     """A fragment's tensors as the merge reads them (`merge.Segments`, without importing
     the merge and the JAX it brings into this process)."""
 
-    def __init__(self, slots):
+    def __init__(self, slots: Sequence[Slot]) -> None:
         self.offsets = np.asarray([s.offset for s in slots], np.int64)
         self.ends = np.asarray([s.end for s in slots], np.int64)
         self.embedding = np.asarray([bool(s.spec.embedding) for s in slots], bool)
@@ -63,7 +66,7 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 def measure(
     plan: FragmentPlan, frames: list[list[bytes]], rounds: int, log_path: pathlib.Path, fsyncs: int
-) -> dict:
+) -> dict[str, Any]:
     """CPU seconds and bytes of `rounds` rounds of every learner's frame of every fragment.
 
     Each round of a fragment goes into the same accumulator (warm pages; the round's
@@ -107,7 +110,13 @@ def measure(
 
 
 def run_limit(
-    conn, plan_json: str, learners: int, rounds: int, log_path: str, fsyncs: int, cpu: int | None
+    conn: Connection,
+    plan_json: str,
+    learners: int,
+    rounds: int,
+    log_path: str,
+    fsyncs: int,
+    cpu: int | None,
 ) -> None:
     """A child process: pins itself to `cpu` (None: not pinned), one codec thread, then
     sends `measure`'s result over `conn`."""

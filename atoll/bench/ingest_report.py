@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +36,7 @@ def percentiles_ms(seconds: list[float]) -> dict[str, float | None]:
     }
 
 
-def delta(after: dict, before: dict, name: str) -> dict:
+def delta(after: dict[str, Any], before: dict[str, Any], name: str) -> dict[Any, float]:
     """Metric `name` of a `_scrape` after a phase less the one before it, per label."""
     return {k: v - before.get(name, {}).get(k, 0.0) for k, v in after.get(name, {}).items()}
 
@@ -57,7 +58,9 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
     return lower
 
 
-def quantile_ms(after: dict, before: dict, name: str, q: float = 0.5) -> float | None:
+def quantile_ms(
+    after: dict[str, Any], before: dict[str, Any], name: str, q: float = 0.5
+) -> float | None:
     value = histogram_quantile(q, delta(after, before, name + "_bucket"))
     return None if value is None else round(value * 1e3, 3)
 
@@ -82,25 +85,25 @@ class Measured:
 
     rss_start: int  # the shard's VmRSS once serving, before Init
     bits_per_param: float  # of the learners' frames
-    raw_before: dict  # ingest._run_phase of the no-op server, before the ingest
-    ingest: dict  # ingest._run_phase of the measured ingest rounds
+    raw_before: dict[str, Any]  # ingest._run_phase of the no-op server, before the ingest
+    ingest: dict[str, Any]  # ingest._run_phase of the measured ingest rounds
     cpu_shard: float  # the shard's CPU seconds over them
-    before: dict  # the shard's /metrics before them
-    after: dict  # and after
-    mem: dict  # the shard's VmRSS and VmHWM after them
+    before: dict[str, Any]  # the shard's /metrics before them
+    after: dict[str, Any]  # and after
+    mem: dict[str, Any]  # the shard's VmRSS and VmHWM after them
     peak_scope: str  # what VmHWM spans
-    ring: dict  # ingest._delta_ring
+    ring: dict[str, Any]  # ingest._delta_ring
     fsyncs: int  # the shard's fsyncs over the measured rounds
-    limit: dict  # ingest._limit
-    pinned: dict  # --cores K: ingest._pinned_phase
-    raw_after: dict  # ingest._run_phase of the no-op server, after everything else
+    limit: dict[str, Any]  # ingest._limit
+    pinned: dict[int, Any]  # --cores K: ingest._pinned_phase
+    raw_after: dict[str, Any]  # ingest._run_phase of the no-op server, after everything else
 
 
-def _mb_per_s(phase: dict) -> float:
-    return phase["bytes"] / phase["seconds"] / 1e6
+def _mb_per_s(phase: dict[str, Any]) -> float:
+    return float(phase["bytes"] / phase["seconds"] / 1e6)
 
 
-def _figures(lay: Layout, m: Measured) -> dict:
+def _figures(lay: Layout, m: Measured) -> dict[str, Any]:
     """The rates, costs and memory figures derived from a run's measurements."""
     held = lay.plan.num_params
     raw_runs = [_mb_per_s(m.raw_before), _mb_per_s(m.raw_after)]
@@ -110,7 +113,7 @@ def _figures(lay: Layout, m: Measured) -> dict:
     rss = (m.mem["VmRSS"] - m.rss_start) / held
     ring_delta_bytes_per_param = m.ring["delta_bytes"] / held
     ring_filled = min(m.ring["capacity"], lay.warmup_rounds + lay.rounds)
-    by_cores: dict = {str(k): v for k, v in m.pinned.items()}
+    by_cores: dict[str, Any] = {str(k): v for k, v in m.pinned.items()}
     if len(m.pinned) >= 2:
         lo, hi = min(m.pinned), max(m.pinned)
         scaling = m.pinned[hi]["wire_mb_per_s"] / m.pinned[lo]["wire_mb_per_s"]
@@ -133,7 +136,7 @@ def _figures(lay: Layout, m: Measured) -> dict:
     }
 
 
-def report(lay: Layout, m: Measured, load_before: float) -> dict:
+def report(lay: Layout, m: Measured, load_before: float) -> dict[str, Any]:
     """The bench's JSON object."""
     f = _figures(lay, m)
     ingest, ratio, cost_over_limit = m.ingest, f["ratio"], f["cost_over_limit"]
@@ -188,7 +191,7 @@ def report(lay: Layout, m: Measured, load_before: float) -> dict:
     }
 
 
-def _memoryreport(m: Measured, f: dict) -> dict:
+def _memoryreport(m: Measured, f: dict[str, Any]) -> dict[str, Any]:
     """fsync latency and count, and the shard's memory per parameter held."""
     capacity, filled = m.ring["capacity"], f["ring_filled"]
     return {
@@ -214,7 +217,7 @@ def _memoryreport(m: Measured, f: dict) -> dict:
     }
 
 
-def _shardreport(m: Measured) -> dict:
+def _shardreport(m: Measured) -> dict[str, Any]:
     """The shard's own view of the measured rounds: memory, CPU, and its /metrics."""
 
     def total(name: str) -> float:
@@ -235,7 +238,7 @@ def _shardreport(m: Measured) -> dict:
     }
 
 
-def _targets(f: dict, fsyncs: int) -> dict:
+def _targets(f: dict[str, Any], fsyncs: int) -> dict[str, Any]:
     """Each target: what is wanted, what this run got, and whether it met it."""
     ratio, rss, cost_over_limit = f["ratio"], f["rss"], f["cost_over_limit"]
     by_cores = f["by_cores"]
