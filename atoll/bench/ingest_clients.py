@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from concurrent import futures
+from multiprocessing.connection import Connection
+from typing import Any
 
 import grpc
 import numpy as np
@@ -23,7 +26,7 @@ INNER_STEPS, TOKENS = 100, 100 * 8192  # what each push claims; sets the merge w
 RAW_METHOD = "/atoll.bench.Raw/Drain"
 
 
-def _chunked(header: pb.PushHeader, frame: bytes, chunk_bytes: int):
+def _chunked(header: pb.PushHeader, frame: bytes, chunk_bytes: int) -> Iterator[pb.PushRequest]:
     """The messages of one push, exactly as ShardClient.push sends them."""
     yield pb.PushRequest(header=header)
     for start in range(0, len(frame), chunk_bytes):
@@ -56,11 +59,11 @@ def part_frames(plan: FragmentPlan, p: int, frame: bytes, parts: int) -> list[by
     return out
 
 
-def serve_raw(conn) -> None:
+def serve_raw(conn: Connection) -> None:
     """A no-op client-streaming gRPC server: drains each stream, acks its byte count."""
     _die_with_parent()  # a bench killed mid-phase takes its children with it
 
-    def drain(requests, context):
+    def drain(requests: Iterable[bytes], context: grpc.ServicerContext) -> bytes:
         return str(sum(len(r) for r in requests)).encode()
 
     server = grpc.server(
@@ -84,7 +87,7 @@ def serve_raw(conn) -> None:
 class _Versions:
     """A learner's view of fragment versions: raised by push acks and a Watch stream."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.known: dict[int, int] = {}
         self.cond = threading.Condition()
 
@@ -101,7 +104,7 @@ class _Versions:
             return self.known[p]
 
 
-def _follow(watch, versions: _Versions) -> None:
+def _follow(watch: Iterable[Any], versions: _Versions) -> None:
     try:
         for w in watch:
             versions.saw(w.fragment, w.version)
@@ -121,12 +124,12 @@ def _channel(address: str) -> grpc.Channel:
     )
 
 
-def _tally() -> dict:
+def _tally() -> dict[str, Any]:
     """An empty count of pushes: bytes, accepted (and their params), refusals, latencies."""
     return {"bytes": 0, "accepted": 0, "accepted_params": 0, "refused": {}, "latency": []}
 
 
-def _add(total: dict, part: dict) -> None:
+def _add(total: dict[str, Any], part: dict[str, Any]) -> None:
     for key in ("bytes", "accepted", "accepted_params"):
         total[key] += part[key]
     total["latency"] += part["latency"]
@@ -148,7 +151,7 @@ class _Pusher:
         raw_address: str,
         connections: int,
         parts: int = 1,
-    ):
+    ) -> None:
         self.plan, self.frames, self.learner_id = plan, frames, learner_id
         self.parts = parts
         # each fragment's pushes as [(boxes, frame)] (one whole push: no boxes)
@@ -167,7 +170,8 @@ class _Pusher:
             r.stream_unary(RAW_METHOD, request_serializer=pb.PushRequest.SerializeToString)
             for _, r in self.channels
         ]
-        self.versions, self.watch = _Versions(), None
+        self.versions = _Versions()
+        self.watch: Any = None  # the Watch call (a grpc stream, untyped), once following
         self.joined = 0  # ingest rounds so far; also this learner's push sequence number
         self.pool = futures.ThreadPoolExecutor(connections)
 
@@ -197,7 +201,7 @@ class _Pusher:
             boxes=boxes,
         )
 
-    def send_share(self, phase: str, c: int) -> dict:
+    def send_share(self, phase: str, c: int) -> dict[str, Any]:
         """Connection c's fragments, one push (or drain) at a time, each timed to its ack."""
         out = _tally()
         for p in range(c, self.plan.num_fragments, len(self.channels)):
@@ -223,7 +227,7 @@ class _Pusher:
             out["latency"].append(time.monotonic() - t0)  # the whole push, every part
         return out
 
-    def rounds(self, phase: str, rounds: int) -> dict:
+    def rounds(self, phase: str, rounds: int) -> dict[str, Any]:
         """`rounds` rounds of `phase` ("raw" or "ingest") over every connection at once."""
         cpu0, started = time.process_time(), time.monotonic()
         total = _tally()
@@ -251,7 +255,7 @@ class _Pusher:
 
 
 def learner(
-    conn,
+    conn: Connection,
     index: int,
     shard_address: str,
     raw_address: str,
