@@ -59,7 +59,8 @@ typecheck: setup-test
 	    -p atoll.local -m atoll.cli -m atoll.commands -m atoll.export -m atoll.model_dir \
 	    -m atoll.sample -m atoll.plan -m atoll.bench -m atoll.bench.cadence -m atoll.bench.codec \
 	    -m atoll.bench.data_parallel -m atoll.bench.quality -m atoll.bench.shard -m atoll.bench.wan \
-	    -m atoll.bench.ingest_clients -m atoll.bench.ingest_limit -m atoll.bench.ingest_report
+	    -m atoll.bench.ingest -m atoll.bench.ingest_clients -m atoll.bench.ingest_limit \
+	    -m atoll.bench.ingest_report
 
 format: setup-test
 	$(BIN)/ruff check --fix .

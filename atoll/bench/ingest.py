@@ -37,6 +37,9 @@ import signal
 import subprocess
 import tempfile
 import time
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 import numpy as np
 
@@ -52,6 +55,8 @@ from atoll.wire.metrics import read_metrics
 from atoll.wire.plan import FragmentPlan, TensorSpec
 
 DEFAULT_PARAMS = 100_000_000
+
+_Child = tuple[Connection, BaseProcess]  # a child process and the parent's end of its pipe
 
 
 def transformer_specs(num_params: int) -> list[TensorSpec]:
@@ -103,16 +108,16 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _scrape(port: int) -> dict[str, dict]:
+def _scrape(port: int) -> dict[str, dict[Any, float]]:
     """{metric name: {le or label value or "": value}} from the shard's /metrics."""
-    out: dict[str, dict] = {}
+    out: dict[str, dict[Any, float]] = {}
     for s in read_metrics(f"127.0.0.1:{port}", timeout=10):
         key = s.labels.get("le", s.labels.get("reason", ""))
         out.setdefault(s.name, {})[float(key) if "le" in s.labels else key] = s.value
     return out
 
 
-def _delta_ring(address: str) -> dict:
+def _delta_ring(address: str) -> dict[str, int]:
     """The shard's delta ring capacity and the size of its newest delta of every fragment."""
     probe = ShardClient(address, "")  # no learner id: an anonymous reader takes no lease
     try:
@@ -126,7 +131,7 @@ def _delta_ring(address: str) -> dict:
     return {"capacity": described.settings.delta_ring, "delta_bytes": delta_bytes}
 
 
-def _recv(conn, proc, timeout: float = 600.0):
+def _recv(conn: Connection, proc: BaseProcess, timeout: float = 600.0) -> Any:
     """The child's next message; raises instead of waiting forever on a child that died."""
     deadline = time.monotonic() + timeout
     while not conn.poll(1.0):
@@ -137,7 +142,7 @@ def _recv(conn, proc, timeout: float = 600.0):
     return conn.recv()
 
 
-def _run_phase(learners, phase: str, rounds: int) -> dict:
+def _run_phase(learners: list[_Child], phase: str, rounds: int) -> dict[str, Any]:
     """Starts every learner on one phase and gathers the span from first push to last ack."""
     for conn, _ in learners:
         conn.send((phase, rounds))
@@ -167,14 +172,19 @@ def _pin(pid: int, cpus: list[int]) -> None:
             pass  # the thread ended meanwhile
 
 
-def _pin_all(shard_pid: int, learners, shard_cpus: list[int], client_cpus: list[int]) -> None:
+def _pin_all(
+    shard_pid: int, learners: list[_Child], shard_cpus: list[int], client_cpus: list[int]
+) -> None:
     _pin(shard_pid, shard_cpus)
     for _, proc in learners:
-        _pin(proc.pid, client_cpus)
+        if proc.pid is not None:  # None only before it starts
+            _pin(proc.pid, client_cpus)
     _pin(os.getpid(), client_cpus)
 
 
-def _pinned_phase(shard_pid: int, learners, cpus: list[int], k: int, rounds: int) -> dict:
+def _pinned_phase(
+    shard_pid: int, learners: list[_Child], cpus: list[int], k: int, rounds: int
+) -> dict[str, Any]:
     """`rounds` ingest rounds with the shard pinned to the first k CPUs and the learners
     (and the bench) to the others, or to all of them where none are left."""
     shard_cpus, client_cpus = cpus[:k], cpus[k:] or cpus
@@ -195,8 +205,14 @@ def _pinned_phase(shard_pid: int, learners, cpus: list[int], k: int, rounds: int
 
 
 def _limit(
-    ctx, plan: FragmentPlan, learners: int, rounds: int, data_dir: pathlib.Path, fsyncs: int, cpus
-) -> dict:
+    ctx: mp.context.SpawnContext,
+    plan: FragmentPlan,
+    learners: int,
+    rounds: int,
+    data_dir: pathlib.Path,
+    fsyncs: int,
+    cpus: list[int],
+) -> dict[str, Any]:
     """`ingest_limit.measure` in a child process on one core, over the learners' frames."""
     cpu = cpus[0] if len(cpus) > 1 else None
     conn, child = ctx.Pipe()
@@ -208,7 +224,7 @@ def _limit(
     )
     proc.start()
     try:
-        result = _recv(conn, proc)
+        result: dict[str, Any] = _recv(conn, proc)
     finally:
         proc.join(10)
         if proc.is_alive():
@@ -271,12 +287,12 @@ class _Run:
     """The processes of one run, filled in as each starts so that `_stop` ends those that did."""
 
     ctx: mp.context.SpawnContext
-    shard: subprocess.Popen | None = None
+    shard: subprocess.Popen[str] | None = None
     port: int = 0  # the shard's gRPC port
     metrics_port: int = 0
     rss_start: int = 0  # the shard's VmRSS once serving, before Init
-    raw: tuple | None = None  # (pipe, process) of the no-op gRPC server
-    learners: list = dataclasses.field(default_factory=list)  # (pipe, process) per learner
+    raw: _Child | None = None  # (pipe, process) of the no-op gRPC server
+    learners: list[_Child] = dataclasses.field(default_factory=list)  # (pipe, process) per learner
 
 
 def _start(run: _Run, lay: Layout, root: pathlib.Path) -> None:
@@ -350,7 +366,7 @@ def _stop(run: _Run) -> None:
         run.shard.wait()
 
 
-def _warm_up(learners, warmup_rounds: int) -> None:
+def _warm_up(learners: list[_Child], warmup_rounds: int) -> None:
     """Every learner watches (and is live) before any pushes; then the unmeasured rounds."""
     for conn, _ in learners:
         conn.send(("watch", 0))
@@ -360,9 +376,15 @@ def _warm_up(learners, warmup_rounds: int) -> None:
         _run_phase(learners, "ingest", warmup_rounds)
 
 
-def _measured_ingest(run: _Run, rounds: int) -> dict:
+def _shard_pid(run: _Run) -> int:
+    if run.shard is None:
+        raise RuntimeError("the shard has not started")
+    return run.shard.pid
+
+
+def _measured_ingest(run: _Run, rounds: int) -> dict[str, Any]:
     """The measured ingest rounds, the shard's metrics, CPU time and memory read around them."""
-    pid = run.shard.pid
+    pid = _shard_pid(run)
     before = _scrape(run.metrics_port)
     cpu_before = _cpu_seconds(pid)
     try:  # "5" resets VmHWM, so the peak below is the measured phase's own
@@ -383,7 +405,9 @@ def _measured_ingest(run: _Run, rounds: int) -> dict:
     }
 
 
-def _measure(run: _Run, lay: Layout, cores, cpus: list[int], data_dir: pathlib.Path) -> Measured:
+def _measure(
+    run: _Run, lay: Layout, cores: list[int] | None, cpus: list[int], data_dir: pathlib.Path
+) -> Measured:
     """Warm-up, then raw, ingest, the limit, any pinned rounds, and raw again."""
     frame_bytes = [_recv(conn, proc) for conn, proc in run.learners]  # frames are encoded
     bits_per_param = 8 * sum(map(sum, frame_bytes)) / (lay.learners * lay.plan.num_params)
@@ -391,10 +415,10 @@ def _measure(run: _Run, lay: Layout, cores, cpus: list[int], data_dir: pathlib.P
     raw_before = _run_phase(run.learners, "raw", lay.rounds)
     shard = _measured_ingest(run, lay.rounds)
     ring = _delta_ring(f"127.0.0.1:{run.port}")
-    fsyncs = delta(shard["after"], shard["before"], "atoll_wal_fsync_seconds_count")
-    fsyncs = int(fsyncs.get("", 0.0))
+    fsync_counts = delta(shard["after"], shard["before"], "atoll_wal_fsync_seconds_count")
+    fsyncs = int(fsync_counts.get("", 0.0))
     limit = _limit(run.ctx, lay.plan, lay.learners, lay.rounds, data_dir, fsyncs, cpus)
-    pid = run.shard.pid
+    pid = _shard_pid(run)
     pinned = {k: _pinned_phase(pid, run.learners, cpus, k, lay.rounds) for k in cores or []}
     if pinned:
         _pin_all(pid, run.learners, cpus, cpus)
@@ -420,7 +444,7 @@ def bench_ingest(
     connections: int | None = None,
     cores: list[int] | None = None,
     parts: int = 1,
-) -> dict:
+) -> dict[str, Any]:
     """Ingest rate, push latency, fsync latency and memory of one shard process under N learners.
 
     Every learner pushes each fragment once per round; `warmup_rounds` go first,
