@@ -45,8 +45,8 @@ lint: setup-test
 # atoll.learner and atoll.wire. The editable install maps them with an import hook mypy
 # cannot see, so build/typecheck/atoll/ links them in under their real names;
 # [tool.mypy]'s mypy_path puts that tree ahead of the repo's own ./atoll.
-# the application layer (atoll/) checked so far; the rest of it (bench/'s streams, ingest*,
-# learner* and learners) is still to be annotated
+# the application layer (atoll/) checked so far; the rest of it (bench/'s learner* and
+# learners) is still to be annotated
 TYPED_APP := cli.py commands.py export.py model_dir.py sample.py plan.py cluster faults local bench
 typecheck: setup-test
 	mkdir -p build/typecheck/atoll
@@ -60,7 +60,7 @@ typecheck: setup-test
 	    -m atoll.sample -m atoll.plan -m atoll.bench -m atoll.bench.cadence -m atoll.bench.codec \
 	    -m atoll.bench.data_parallel -m atoll.bench.quality -m atoll.bench.shard -m atoll.bench.wan \
 	    -m atoll.bench.ingest -m atoll.bench.ingest_clients -m atoll.bench.ingest_limit \
-	    -m atoll.bench.ingest_report
+	    -m atoll.bench.ingest_report -m atoll.bench.streams
 
 format: setup-test
 	$(BIN)/ruff check --fix .
