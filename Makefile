@@ -60,7 +60,7 @@ typecheck: setup-test
 	    -m atoll.sample -m atoll.plan -m atoll.bench -m atoll.bench.cadence -m atoll.bench.codec \
 	    -m atoll.bench.data_parallel -m atoll.bench.quality -m atoll.bench.shard -m atoll.bench.wan \
 	    -m atoll.bench.ingest -m atoll.bench.ingest_clients -m atoll.bench.ingest_limit \
-	    -m atoll.bench.ingest_report -m atoll.bench.streams
+	    -m atoll.bench.ingest_report -m atoll.bench.learners -m atoll.bench.streams
 
 format: setup-test
 	$(BIN)/ruff check --fix .

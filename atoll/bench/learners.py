@@ -38,6 +38,9 @@ import signal
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
 
 import grpc
 import numpy as np
@@ -82,7 +85,7 @@ class _Pushes:
         self.seq: Counter[str] = Counter()
         self.pool = concurrent.futures.ThreadPoolExecutor(threads)
 
-    def push(self, learner: str, p: int, base: int, last: bool, steady: bool) -> dict:
+    def push(self, learner: str, p: int, base: int, last: bool, steady: bool) -> dict[str, Any]:
         """One push; {ms, accepted, reason, version} or {failed: status name}."""
         self.seq[learner] += 1
         header = pb.PushHeader(
@@ -113,11 +116,11 @@ class _Pushes:
             "ms": ms, "accepted": ack.accepted, "reason": reason, "version": ack.version, "p": p,
         }  # fmt: skip
 
-    def join(self, learners: list[str], versions: list[int]) -> list[dict]:
+    def join(self, learners: list[str], versions: list[int]) -> list[dict[str, Any]]:
         """Every learner pulls fragment 0 at the version it holds (nothing comes back):
         its lease starts, as a learner's does when it joins, before its first push."""
 
-        def pull(m: str) -> dict:
+        def pull(m: str) -> dict[str, Any]:
             request = pb.PullRequest(fragment=0, have_version=versions[0], learner_id=m)
             try:
                 for _ in self.stub.Pull(request, timeout=PUSH_DEADLINE):
@@ -128,7 +131,7 @@ class _Pushes:
 
         return [j.result() for j in [self.pool.submit(pull, m) for m in learners]]
 
-    def wave(self, learners: list[str], versions: list[int]) -> list[dict]:
+    def wave(self, learners: list[str], versions: list[int]) -> list[dict[str, Any]]:
         """Every learner pushes every fragment once, fragment by fragment."""
         out = []
         for p, base in enumerate(versions):
@@ -136,11 +139,11 @@ class _Pushes:
             out += [j.result() for j in jobs]
         return out
 
-    def churn(self, learners: list[str], versions: list[int], pushes: int) -> list[dict]:
+    def churn(self, learners: list[str], versions: list[int], pushes: int) -> list[dict[str, Any]]:
         """Each learner pushes every fragment `pushes` times back to back and leaves."""
         latest = list(versions)
 
-        def visit(m: str) -> list[dict]:
+        def visit(m: str) -> list[dict[str, Any]]:
             done = []
             for k in range(pushes):
                 for p in range(len(latest)):
@@ -152,7 +155,7 @@ class _Pushes:
         return [r for job in [self.pool.submit(visit, m) for m in learners] for r in job.result()]
 
 
-def _client(conn, address: str, plan_json: str, threads: int) -> None:
+def _client(conn: Connection, address: str, plan_json: str, threads: int) -> None:
     """A client process: runs each ("join" | "wave" | "churn", learners, versions, pushes) it is
     sent and answers with the pushes' results; None ends it."""
     _die_with_parent()
@@ -181,7 +184,7 @@ class _Run:
         root.mkdir(parents=True)
         self.shard, port, _ = start_shard(cfg, root / "syncer.log")
         self.address = f"127.0.0.1:{port}"
-        self.clients: list = []
+        self.clients: list[tuple[Connection, mp.context.SpawnProcess]] = []
         ctx = mp.get_context("spawn")
         threads = max(1, inflight // processes)
         for i in range(processes):
@@ -219,7 +222,7 @@ class _Run:
 
     def run(
         self, kind: str, learners: list[str], pushes: int = 1, versions: list[int] | None = None
-    ) -> list[dict]:
+    ) -> list[dict[str, Any]]:
         """Splits `learners` over the client processes, runs `kind` from `versions` (None:
         the shard's now), returns every push's result."""
         versions = self.versions() if versions is None else versions
@@ -228,7 +231,7 @@ class _Run:
             conn.send((kind, learners[i::n], versions, pushes))
         return [r for conn, proc in self.clients for r in _recv(conn, proc, REPLY_TIMEOUT)]
 
-    def wait_for(self, check, timeout: float) -> bool:
+    def wait_for(self, check: Callable[[], bool], timeout: float) -> bool:
         end = time.monotonic() + timeout
         while not check():
             if time.monotonic() > end:
@@ -254,7 +257,9 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 3) if values else None
 
 
-def _summary(results: list[dict], cpu: float, seconds: float, rounds: int) -> dict:
+def _summary(
+    results: list[dict[str, Any]], cpu: float, seconds: float, rounds: int
+) -> dict[str, Any]:
     """What a phase's pushes and the shard's CPU over them came to."""
     ms = [r["ms"] for r in results if "ms" in r]
     reasons = Counter(r.get("reason") or r.get("failed") for r in results)
@@ -272,7 +277,9 @@ def _summary(results: list[dict], cpu: float, seconds: float, rounds: int) -> di
     }
 
 
-def _steady(root: pathlib.Path, n: int, waves: int, processes: int, inflight: int) -> dict:
+def _steady(
+    root: pathlib.Path, n: int, waves: int, processes: int, inflight: int
+) -> dict[str, Any]:
     """N learners, one round per fragment per wave; RSS per learner after the waves (at
     small N mostly the first rounds' one-off allocations)."""
     # a lease longer than any wave: no learner lapses between its pushes
@@ -293,7 +300,7 @@ def _steady(root: pathlib.Path, n: int, waves: int, processes: int, inflight: in
         # closes on its last push, whose answer carries the new version
         versions = before = run.versions()
         cpu0, t0 = run.cpu(), time.monotonic()
-        results = []
+        results: list[dict[str, Any]] = []
         for _ in range(waves):
             wave = run.run("wave", learners, versions=versions)
             new = [
@@ -317,7 +324,7 @@ def _steady(root: pathlib.Path, n: int, waves: int, processes: int, inflight: in
 
 def _churn(
     root: pathlib.Path, n: int, pushes: int, lease: float, processes: int, inflight: int
-) -> dict:
+) -> dict[str, Any]:
     """N learners that each push a few times and leave; RSS per departed learner once the
     shard has forgotten them."""
     cfg = ShardConfig(
@@ -349,16 +356,16 @@ def _prune_after_leases() -> int:
     return PRUNE_AFTER_LEASES
 
 
-def _target(got: float | None, want: float) -> dict:
+def _target(got: float | None, want: float) -> dict[str, Any]:
     return {"got": got, "want": want, "met": got is not None and got <= want}
 
 
-def _targets(steady: dict[int, dict]) -> dict:
+def _targets(steady: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The issue's targets, from the steady runs that were made."""
     small, large = min(steady), max(steady)
     cpu = [steady[k]["cpu_ms_per_push"] for k in (small, large)]
     ratio = round(cpu[1] / cpu[0], 3) if None not in cpu and cpu[0] else None
-    out: dict = {"cpu_per_push_ratio": _target(ratio, TARGET_CPU_RATIO)}
+    out: dict[str, Any] = {"cpu_per_push_ratio": _target(ratio, TARGET_CPU_RATIO)}
     if 10 in steady and 1000 in steady:
         p99 = steady[1000]["push_ms_p99"] / steady[10]["push_ms_p99"]
         out["push_p99_ratio_1000_over_10"] = _target(round(p99, 3), TARGET_P99_RATIO)
@@ -378,7 +385,7 @@ def bench_learners(
     processes: int = 4,
     inflight: int = 8,
     modes: tuple[str, ...] = ("steady", "churn"),
-) -> dict:
+) -> dict[str, Any]:
     """Shard CPU per push, push latency, rounds per second and RSS per learner (steady)
     and per departed learner (churn) at each N in `counts`; one JSON-able dict.
 
