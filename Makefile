@@ -45,8 +45,8 @@ lint: setup-test
 # atoll.learner and atoll.wire. The editable install maps them with an import hook mypy
 # cannot see, so build/typecheck/atoll/ links them in under their real names;
 # [tool.mypy]'s mypy_path puts that tree ahead of the repo's own ./atoll.
-# the application layer (atoll/) checked so far; the rest of it (bench/'s learner* and
-# learners) is still to be annotated
+# the application layer (atoll/) checked so far; the rest of it (bench/'s learner,
+# learner_loop and learner_sharded) is still to be annotated
 TYPED_APP := cli.py commands.py export.py model_dir.py sample.py plan.py cluster faults local bench
 typecheck: setup-test
 	mkdir -p build/typecheck/atoll
