@@ -9,7 +9,9 @@ from atoll.commands import Command, add_commands, run
 
 COMMANDS = (
     Command("syncer", "run one syncer shard", "atoll.server.main"),
-    Command("learner", "run one learner (an island training a replica)", "atoll.learner.main"),
+    Command(
+        "learner", "run one learner (an island training a replica)", "atoll.learner.trainer.main"
+    ),
     Command(
         "up",
         "a whole run on this machine: shards and learners as processes, a live table, then a "

@@ -58,7 +58,7 @@ class Exported:
 
     def model_config(self) -> Any:
         """The built-in model's ModelConfig, as recorded; None when it is not a preset."""
-        from atoll.learner.model import ModelConfig
+        from atoll.learner.trainer.model import ModelConfig
 
         return ModelConfig(**self.record["model"]) if self.record.get("model") else None
 
@@ -79,7 +79,7 @@ def check_target(out: pathlib.Path) -> None:
 def recognise_preset(plan: FragmentPlan) -> str | None:
     """The built-in preset whose parameters `plan` fragments, by tensor names and shapes
     (None: none does). Only a preset with as many parameters is built to compare."""
-    from atoll.learner.model import PRESETS, init_params
+    from atoll.learner.trainer.model import PRESETS, init_params
 
     for name, cfg in PRESETS.items():
         if cfg.num_params != plan.num_params:
@@ -115,7 +115,7 @@ def write(
       >>> write(pathlib.Path("model"), model.params(), model.plan, {"fragments": []}, "tiny")
       {'format': 'atoll.export.v1', 'plan_fingerprint': '…', 'preset': 'tiny', ...}
     """
-    from atoll.learner.model import preset as preset_config
+    from atoll.learner.trainer.model import preset as preset_config
 
     out = pathlib.Path(out)
     if not (replace and (out / RECORD).is_file()):

@@ -2,7 +2,7 @@
 
     atoll sample --model runs/20261122-043926/model --prompt "def main(" --tokens 200
 
-The built-in model is byte-level (learner/data.py reads text as its UTF-8 bytes): the
+The built-in model is byte-level (learner/trainer/data.py reads text as its UTF-8 bytes): the
 prompt's bytes are the first tokens, and each token drawn is one byte, printed as it
 comes (bytes that are not valid UTF-8 print as U+FFFD). The model sees at most its
 context's worth of the newest tokens.
@@ -34,7 +34,7 @@ def generate(
     """Draws `num_tokens` tokens after `prompt_L`, one at a time.
 
     Args:
-      params: the built-in model's parameters (`atoll.learner.model.init_params`' tree).
+      params: the built-in model's parameters (`atoll.learner.trainer.model.init_params`' tree).
       cfg: its ModelConfig.
       prompt_L: int token ids in [0, cfg.vocab), at least one.
       num_tokens: how many to draw.
@@ -77,7 +77,7 @@ def _next_logits(cfg: Any) -> Callable[..., Any]:
     """The jitted logits of the token after position `last` of a (1, C) window."""
     import jax
 
-    from atoll.learner.model import forward
+    from atoll.learner.trainer.model import forward
 
     @jax.jit
     def next_logits(params: Any, window_1xC: Any, last: Any) -> Any:

@@ -1,5 +1,6 @@
 """The learner: `Learner`, the public API for your own training loop (learner/api.py),
-and `atoll learner`, the built-in model and data on top of the same sync engine.
+and the library under it (sync, checkpoints, routing); atoll.learner.trainer
+(learner/trainer/) is `atoll learner`, the built-in model and data: one user of the library.
 
 Names are imported on first use, so `import atoll` and the command line stay quick.
 """

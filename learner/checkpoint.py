@@ -111,7 +111,7 @@ class TrainerState(Protocol):
 
 
 class Restorable(TrainerState, Protocol):
-    """A trainer a checkpoint is restored into (learner/train.py's Trainer)."""
+    """A trainer a checkpoint is restored into (learner/trainer/train.py's Trainer)."""
 
     def restore(self, snapshot: Mapping[str, Any]) -> None: ...
 

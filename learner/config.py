@@ -1,6 +1,6 @@
 """A learner's settings (`LearnerConfig`), their defaults and the environment variables
-that give their defaults in a cluster; `atoll.learner.main` turns flags into one,
-`LearnerConfig.to_args()` turns one back into flags, `atoll.learner.loop` runs it.
+that give their defaults in a cluster; `atoll.learner.trainer.main` turns flags into one,
+`LearnerConfig.to_args()` turns one back into flags, `atoll.learner.trainer.loop` runs it.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class LearnerConfig:
     shard_pattern: str | None = None
     learner_index: int = 0  # which disjoint data shard this learner reads, in [0, num_learners)
     num_learners: int = 1  # M, learners in the run (data shards; baseline batch multiplier)
-    preset: str = PRESET  # model preset (learner.model.PRESETS)
+    preset: str = PRESET  # model preset (learner.trainer.model.PRESETS)
     batch_size: int = BATCH_SIZE  # sequences per inner step on this learner, >= 1
     steps: int = STEPS  # inner steps to run, >= 1
     lr: float = 3e-3  # inner AdamW peak learning rate, > 0
@@ -95,7 +95,7 @@ class LearnerConfig:
     slowdown: float = 1.0  # >= 1: stretch each step (an older accelerator generation)
     baseline: bool = False  # data-parallel reference: no syncer, M× batch
     # devices each param (and its AdamW state) is split over, on the mesh axis "fsdp" of
-    # the slice's devices (learner/mesh.py), >= 0; 1: replicated; 0: all of the slice's
+    # the slice's devices (learner/trainer/mesh.py), >= 0; 1: replicated; 0: all of the slice's
     fsdp: int = 1
     token_file: pathlib.Path | None = None  # a file holding this learner's bearer token
     tls_ca: pathlib.Path | None = None  # PEM CA of the shards' certificates (enables TLS)

@@ -28,7 +28,7 @@ DEADLINE = 60.0  # seconds per RPC to a shard
 # enough for shards that start with the learners (a pod scheduled, a log replayed), short
 # enough that a wrong address fails rather than retrying forever
 JOIN_TIMEOUT = 300.0
-PRESET = "small"  # model preset (learner.model.PRESETS)
+PRESET = "small"  # model preset (learner.trainer.model.PRESETS)
 BATCH_SIZE = 16  # sequences per inner step
 STEPS = 200  # inner steps to run
 EVAL_BATCHES = 8  # held-out batches per evaluation

@@ -1,7 +1,7 @@
 """A learner that spans every host of its slice: one JAX process per host, one island.
 
 Every process runs the same training loop on its part of the global batch (XLA
-all-reduces the gradients over the slice, learner/train.py); exactly one process,
+all-reduces the gradients over the slice, learner/trainer/train.py); exactly one process,
 process 0, talks to the syncer. After each step process 0 broadcasts what it decided
 (stop or go on, which fragments it adopted, and their values) over JAX collectives,
 so every process holds the same parameters and the outer gradient is computed once,

@@ -16,7 +16,7 @@ PACKAGES = {
     "atoll.wire": REPO / "wire",
 }
 # entry points: flags in, a run out; only the command line imports them
-ENTRY_POINTS = {"atoll.cli", "atoll.local.up", "atoll.learner.main", "atoll.server.main"}
+ENTRY_POINTS = {"atoll.cli", "atoll.local.up", "atoll.learner.trainer.main", "atoll.server.main"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -100,7 +100,7 @@ def test_the_graph_sees_the_packages():
     assert {
         "atoll.cli",
         "atoll.server.shard",
-        "atoll.learner.loop",
+        "atoll.learner.trainer.loop",
         "atoll.wire.codec",
         "atoll.local.session",
         "atoll.faults.chaos",
@@ -156,7 +156,7 @@ def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
 def test_the_learner_library_imports_only_the_learner_and_the_wire():
     """`atoll.Learner` (learner/api.py) and all it imports stay a library: nothing of the
     command layer (atoll.commands, atoll.cli), the server or the built-in trainer's entry
-    point (issue 42). The built-in trainer's CLI, learner/main.py, may use the commands'
+    point (issue 42). The built-in trainer's CLI, learner/trainer/main.py, may use the commands'
     shared flags; the library may not."""
     graph = _graph()
     reached = _reach(graph, "atoll.learner.api")
@@ -164,7 +164,24 @@ def test_the_learner_library_imports_only_the_learner_and_the_wire():
         m for m in reached if m.split(".")[:2] not in (["atoll", "learner"], ["atoll", "wire"])
     )
     assert not outside, f"the learner library imports {outside}"
-    assert "atoll.learner.main" not in reached
+    assert "atoll.learner.trainer.main" not in reached
     assert {"atoll.learner.tenure", "atoll.learner.sync", "atoll.wire.client"} <= reached
     # the walk sees a command-layer import where there is one
-    assert "atoll.commands" in _reach(graph, "atoll.learner.main")
+    assert "atoll.commands" in _reach(graph, "atoll.learner.trainer.main")
+
+
+def test_the_learner_library_never_imports_the_built_in_trainer():
+    """learner/ is the library a user imports and learner/trainer/ the built-in trainer,
+    one user of it (issue 42): no library module imports a trainer module, directly or
+    deferred, so the library runs without the trainer's model, data or mesh."""
+    graph = _graph()
+    library = {m for m in graph if m.startswith("atoll.learner.")} - {
+        m for m in graph if m.startswith("atoll.learner.trainer")
+    }
+    assert {"atoll.learner.api", "atoll.learner.sync", "atoll.learner.config"} <= library
+    wrong = sorted(
+        (m, d) for m in library for d in graph[m] if d.startswith("atoll.learner.trainer")
+    )
+    assert not wrong, f"the learner library imports the built-in trainer: {wrong}"
+    # the walk sees the trainer's imports of the library where there are some
+    assert "atoll.learner.api" in graph["atoll.learner.trainer.loop"]

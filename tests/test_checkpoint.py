@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 from atoll.learner import checkpoint, standby
-from atoll.learner.data import Batches, load_corpus, stdlib_dir
-from atoll.learner.model import PRESETS
-from atoll.learner.train import TrainConfig, Trainer
+from atoll.learner.trainer.data import Batches, load_corpus, stdlib_dir
+from atoll.learner.trainer.model import PRESETS
+from atoll.learner.trainer.train import TrainConfig, Trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = PRESETS["tiny"]

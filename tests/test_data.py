@@ -1,4 +1,4 @@
-"""Tests for learner/data.py: corpus sources and errors, the split, shards, resume."""
+"""Tests for learner/trainer/data.py: corpus sources and errors, the split, shards, resume."""
 
 import os
 import pathlib
@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from atoll.learner.data import (
+from atoll.learner.trainer.data import (
     Batches,
     Corpus,
     DataError,

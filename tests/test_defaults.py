@@ -18,9 +18,9 @@ import yaml
 from atoll import Learner, cli
 from atoll.commands import subparser
 from atoll.learner import config as home
-from atoll.learner import main as learner_main
 from atoll.learner.config import LearnerConfig
 from atoll.learner.sync import SyncConfig
+from atoll.learner.trainer import main as learner_main
 from atoll.local.config import UpConfig, learner_specs
 from atoll.server import main as syncer_main
 from atoll.server.config import (

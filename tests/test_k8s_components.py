@@ -270,7 +270,7 @@ def _alert_rules(objs) -> list[dict]:
 
 def _learner_metric_names() -> set[str]:
     """Sample names a learner exposes, as Prometheus stores them."""
-    from atoll.learner.loop import _Metrics
+    from atoll.learner.trainer.loop import _Metrics
 
     text = prometheus_client.generate_latest(_Metrics("learner-0").registry).decode()
     return {s.name for f in _families(text).values() for s in f.samples}

@@ -853,7 +853,7 @@ def test_tpu_learners_have_time_to_write_their_checkpoint(overlay):
     (params, AdamW's two moments, sync origins, residuals; learner/checkpoint.py). The
     largest preset's must fit twice over in the grace period at Filestore basic's ~100 MiB/s
     of writes; the kubelet's default 30 s would cut it off."""
-    from atoll.learner.model import PRESETS
+    from atoll.learner.trainer.model import PRESETS
 
     largest = max(c.num_params for c in PRESETS.values())
     seconds = 20 * largest / (100 * 2**20)
@@ -1266,7 +1266,7 @@ def test_a_standby_sends_the_token_of_the_id_it_takes(tmp_path, monkeypatch):
 
 def _learner_config(args: list[str], seen: dict, token: pathlib.Path, monkeypatch):
     """The LearnerConfig `atoll learner args` builds in a container whose environment is `seen`."""
-    from atoll.learner.main import config_from_args
+    from atoll.learner.trainer.main import config_from_args
 
     with monkeypatch.context() as m:
         for name in [n for n in os.environ if n.startswith("ATOLL_")]:
@@ -1395,7 +1395,7 @@ def test_multi_host_tpu_jobset(overlay, tmp_path, monkeypatch):
 
 def _check_multi_host_jobset(jobset, objs, expected, tmp_path, monkeypatch) -> None:
     from atoll.learner.distributed import DistributedConfig
-    from atoll.learner.main import config_from_args
+    from atoll.learner.trainer.main import config_from_args
 
     accelerator, chips_per_host, hosts, _ = expected
     assert jobset["spec"]["network"]["enableDNSHostnames"] is True, (
@@ -1450,7 +1450,7 @@ def test_every_pod_of_a_multi_host_slice_syncs_its_own_shards(overlay, tmp_path,
     """A multi-host slice splits its params over every chip (--fsdp all), so every pod, not
     only process 0's, pushes and pulls its own parts: each pod is one learner id with one
     token, and the shards' NetworkPolicy admits each of them."""
-    from atoll.learner.main import config_from_args
+    from atoll.learner.trainer.main import config_from_args
 
     hosts = MULTI_HOST_OVERLAYS[overlay][2]
     objs = render(overlay)
@@ -1998,7 +1998,7 @@ def _families(registry_text: str) -> dict[str, object]:
 @functools.cache
 def exposed_metric_names() -> frozenset[str]:
     """Sample names a shard and a learner expose, as Prometheus stores them."""
-    from atoll.learner.loop import _Metrics
+    from atoll.learner.trainer.loop import _Metrics
     from atoll.server.certificates import CertificateMetrics
     from atoll.server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
     from atoll.server.service import ServingMetrics
@@ -2021,7 +2021,7 @@ def exposed_metric_names() -> frozenset[str]:
 
 def test_learner_totals_are_counters_and_up_says_provisioned():
     """Bytes, blocked time and tokens only grow: counters, so rate() works across restarts."""
-    from atoll.learner.loop import _Metrics, _observe
+    from atoll.learner.trainer.loop import _Metrics, _observe
 
     class Sync:
         stats = {"bytes_sent": 0, "bytes_received": 0, "blocked_seconds": 0.0}

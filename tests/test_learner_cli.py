@@ -12,7 +12,7 @@ import pytest
 from atoll.cli import main
 from atoll.learner.config import LearnerConfig, LearnerConfigError
 from atoll.learner.distributed import DistributedConfig
-from atoll.learner.main import add_arguments, config_from_args
+from atoll.learner.trainer.main import add_arguments, config_from_args
 from atoll.wire.codec import Codec
 
 
@@ -139,7 +139,7 @@ def test_multi_process_setting_from_flags_then_environment_then_tpu_slice():
 def test_a_shard_pattern_is_kept_to_reach_shards_added_later():
     import argparse
 
-    from atoll.learner.main import add_arguments, config_from_args
+    from atoll.learner.trainer.main import add_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -303,8 +303,8 @@ def test_a_sync_setting_is_checked_once_by_the_synchronizer():
     "reason, status", [("SIGTERM", 143), ("SIGINT", 130), ("a stop request", 1), (None, 1)]
 )
 def test_a_stopped_learner_exits_with_128_plus_its_signal(reason, status):
-    from atoll.learner.loop import stopped_status
     from atoll.learner.stopping import Stop
+    from atoll.learner.trainer.loop import stopped_status
 
     stop = Stop()
     if reason is not None:

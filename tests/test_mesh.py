@@ -1,4 +1,4 @@
-"""learner/mesh.py: which leaves FSDP splits and how; and a Trainer whose params are split
+"""learner/trainer/mesh.py: which leaves FSDP splits and how; and a Trainer whose params are split
 over 4 host devices follows the replicated trajectory, its AdamW state split alike."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from atoll.learner.mesh import (
+from atoll.learner.trainer.mesh import (
     FSDP_AXIS,
     MIN_SPLIT,
     MeshError,
@@ -23,7 +23,7 @@ from atoll.learner.mesh import (
     placement,
     split_count,
 )
-from atoll.learner.model import PRESETS, init_params
+from atoll.learner.trainer.model import PRESETS, init_params
 
 REPO = str(pathlib.Path(__file__).resolve().parents[1])
 
@@ -68,10 +68,10 @@ _SCRIPT = textwrap.dedent("""
     import json, sys
     import jax
     import numpy as np
-    from atoll.learner.data import Batches, load_corpus, stdlib_dir
-    from atoll.learner.mesh import split_count
-    from atoll.learner.model import PRESETS
-    from atoll.learner.train import Trainer, TrainConfig
+    from atoll.learner.trainer.data import Batches, load_corpus, stdlib_dir
+    from atoll.learner.trainer.mesh import split_count
+    from atoll.learner.trainer.model import PRESETS
+    from atoll.learner.trainer.train import Trainer, TrainConfig
     cfg = PRESETS["tiny"]
     corpus = load_corpus(stdlib_dir() / "json", cache_dir=sys.argv[1])
     out = {}

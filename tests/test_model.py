@@ -1,4 +1,4 @@
-"""Tests for learner/model.py: shapes, causality, init, the fragment plan, a golden step."""
+"""Tests for learner/trainer/model.py: shapes, causality, init, the fragment plan, a golden step."""
 
 import math
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from atoll.learner.model import (
+from atoll.learner.trainer.model import (
     PRESETS,
     ModelConfig,
     ModelConfigError,
@@ -103,7 +103,7 @@ GOLDEN = {"init_loss": 5.555826187133789, "one_step_loss": 5.158759117126465}
 
 
 def test_golden_one_step_loss(params):
-    from atoll.learner.train import TrainConfig, make_optimizer
+    from atoll.learner.trainer.train import TrainConfig, make_optimizer
 
     opt = make_optimizer(TrainConfig(peak_lr=1e-2, warmup_steps=0, total_steps=100))
     batch = jnp.asarray(fixed_batch(TINY), jnp.int32)

@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from atoll import model_dir
-from atoll.learner.model import PRESETS, init_params
+from atoll.learner.trainer.model import PRESETS, init_params
 from atoll.wire.plan import FragmentPlan, named_leaves
 
 READ = {"map_version": 0, "waited_seconds": 0.0, "fragments": []}

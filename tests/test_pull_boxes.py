@@ -267,7 +267,7 @@ def test_a_learner_can_name_boxes_as_the_wire_does():
 
 
 def _small_plan() -> FragmentPlan:
-    D, F, V, L = 192, 768, 256, 4  # learner/model.py PRESETS["small"]
+    D, F, V, L = 192, 768, 256, 4  # learner/trainer/model.py PRESETS["small"]
     specs = [TensorSpec("embed/tokens", (V, D)), TensorSpec("final_norm/scale", (D,))]
     specs.append(TensorSpec("head/w", (D, V)))
     for i in range(L):

@@ -8,7 +8,7 @@ import pytest
 
 from atoll import model_dir
 from atoll.cli import main as atoll
-from atoll.learner.model import PRESETS, forward, init_params
+from atoll.learner.trainer.model import PRESETS, forward, init_params
 from atoll.sample import generate
 from atoll.wire.plan import FragmentPlan
 

@@ -1,4 +1,4 @@
-"""Tests for learner/train.py: learning, the schedule, swaps, save-resume, devices."""
+"""Tests for learner/trainer/train.py: learning, the schedule, swaps, save-resume, devices."""
 
 import dataclasses
 import json
@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from atoll.learner.data import Batches, load_corpus, stdlib_dir
-from atoll.learner.model import PRESETS
-from atoll.learner.train import (
+from atoll.learner.trainer.data import Batches, load_corpus, stdlib_dir
+from atoll.learner.trainer.model import PRESETS
+from atoll.learner.trainer.train import (
     TrainConfig,
     TrainConfigError,
     Trainer,
@@ -183,9 +183,9 @@ def test_batch_of_the_wrong_shape_is_refused(corpus):
 _DEVICE_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax
-    from atoll.learner.data import Batches, load_corpus, stdlib_dir
-    from atoll.learner.model import PRESETS
-    from atoll.learner.train import Trainer, TrainConfig, TrainConfigError
+    from atoll.learner.trainer.data import Batches, load_corpus, stdlib_dir
+    from atoll.learner.trainer.model import PRESETS
+    from atoll.learner.trainer.train import Trainer, TrainConfig, TrainConfigError
     cfg = PRESETS["tiny"]
     tcfg = TrainConfig(**json.loads(sys.argv[2]))
     corpus = load_corpus(stdlib_dir() / "json", cache_dir=sys.argv[1])

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from atoll.learner.main import add_arguments, config_from_args
+from atoll.learner.trainer.main import add_arguments, config_from_args
 from atoll.local.config import (
     UpConfig,
     UpConfigError,

@@ -5,7 +5,7 @@ every process computes the gradient of its own rows, the gradients (and the loss
 all-reduced across the processes by XLA's CPU collectives over gloo, and every process
 applies the same AdamW update to its replica. Process p reads the rows atoll's learner p
 reads (`Batches(learner=p, num_learners=R)`), so both runs see the same data, and the
-optimiser is the learners' (learner/train.py's `make_optimizer`) with a global batch of
+optimiser is the learners' (learner/trainer/train.py's `make_optimizer`) with a global batch of
 R × batch_size.
 
 The three phases of a step are timed apart (compute, all-reduce, update), so the bench
@@ -53,7 +53,7 @@ SHUTDOWN_WAIT_SECONDS = 2.0
 
 @dataclasses.dataclass(frozen=True)
 class DataParallelConfig:
-    preset: str = "tiny"  # model preset (learner.model.PRESETS)
+    preset: str = "tiny"  # model preset (learner.trainer.model.PRESETS)
     shards: int = 2  # R: data shards (atoll's learners), one per process in a job, >= 1
     batch_size: int = 16  # sequences per shard per step; the global batch is shards x this
     steps: int = 200  # optimiser steps, >= 1
@@ -95,7 +95,7 @@ def _use_gloo_host(host: str) -> None:
 class _Replica:
     """One process's part of the job: its rows, the step's compiled pieces, and its model."""
 
-    model_cfg: Any  # learner.model's config of cfg.preset
+    model_cfg: Any  # learner.trainer.model's config of cfg.preset
     shards: list[Any]  # Batches of the shards this process trains on
     heldout: Any  # held-out batches (process 0 evaluates on them)
     local_mesh: Any  # evaluation's mesh: this process's first device
@@ -108,7 +108,7 @@ class _Replica:
 
     def eval_loss(self, params: Any, batches: Any) -> float:
         """The mean held-out loss of `params` over `batches`."""
-        from atoll.learner.train import evaluate
+        from atoll.learner.trainer.train import evaluate
 
         return evaluate(params, batches, self.model_cfg, self.local_mesh)["loss"]
 
@@ -124,7 +124,7 @@ def _step_pieces(
     from jax.flatten_util import ravel_pytree
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from atoll.learner.model import loss_fn
+    from atoll.learner.trainer.model import loss_fn
 
     flat, unravel = ravel_pytree(params)
     size = flat.size
@@ -162,9 +162,9 @@ def _replica(cfg: DataParallelConfig, process_id: int, num_processes: int) -> _R
     """This process's data, model, optimiser and step, the model on its first device."""
     import jax
 
-    from atoll.learner.data import Batches, eval_batches, load_corpus
-    from atoll.learner.model import init_params, preset
-    from atoll.learner.train import TrainConfig, data_mesh, make_optimizer
+    from atoll.learner.trainer.data import Batches, eval_batches, load_corpus
+    from atoll.learner.trainer.model import init_params, preset
+    from atoll.learner.trainer.train import TrainConfig, data_mesh, make_optimizer
 
     model_cfg = preset(cfg.preset)
     corpus = load_corpus(None, vocab=model_cfg.vocab)

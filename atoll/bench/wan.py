@@ -139,7 +139,7 @@ def dp_timeout(cfg: WanBenchConfig) -> float:
     """Seconds the data-parallel job may take before it counts as hung: one and a half
     times what its all-reduces need over the links (each step sends and receives about 2 x 4 bytes a
     parameter on every link, and crosses the delay four times), plus 10 minutes."""
-    from atoll.learner.model import PRESETS
+    from atoll.learner.trainer.model import PRESETS
 
     step_bits = 2 * 4 * 8 * PRESETS[cfg.preset].num_params
     step_seconds = step_bits / (cfg.rate_mbit * 1e6) + 4 * cfg.latency_ms / 1e3
@@ -488,7 +488,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from atoll.faults.wan import WanError, available
-    from atoll.learner.model import PRESETS
+    from atoll.learner.trainer.model import PRESETS
 
     if (why := available()) is not None:
         print(f"atoll bench wan: {why}", file=sys.stderr)

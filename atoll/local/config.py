@@ -149,7 +149,7 @@ class UpConfig:
         )
         need(self.evals >= 0, f"--evals must be >= 0, got {self.evals}")
         need(self.eval_batches >= 1, f"--eval-batches must be at least 1, got {self.eval_batches}")
-        from atoll.learner.model import PRESETS
+        from atoll.learner.trainer.model import PRESETS
 
         need(
             self.preset in PRESETS,

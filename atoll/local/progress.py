@@ -1,6 +1,6 @@
 """What `atoll up` watches: learners' status files, shards' /metrics, and the live table.
 
-Learners append one JSON record per step to their status file (learner/loop.py);
+Learners append one JSON record per step to their status file (learner/trainer/loop.py);
 `StatusFile` reads only what was appended since its last look. Shards serve
 Prometheus text on their metrics port; `scrape` turns it into one small dict. The
 table is a pure function of both, drawn in place on a terminal (`Screen`) or as one

@@ -455,7 +455,7 @@ def read_global_model(
     """The run's global model, read fragment by fragment (FP32 snapshots) from the shards
     its fragment map names (atoll.export.read_global), waiting up to `wait_seconds` for
     rounds still open (see round_wait_seconds) or until `stop` is set (a Ctrl-C)."""
-    from atoll.learner.model import init_params, preset
+    from atoll.learner.trainer.model import init_params, preset
     from atoll.wire.client import ShardClient
     from atoll.wire.plan import FragmentPlan
 
@@ -480,9 +480,9 @@ def evaluate_global(
     learners' held-out batches. Returns eval_loss, eval_bits_per_byte, versions
     ({fragment: version}), open_rounds ({fragment: pushes left in its round, not in the
     model}) and waited_seconds."""
-    from atoll.learner.data import eval_batches, load_corpus
-    from atoll.learner.model import preset
-    from atoll.learner.train import evaluate
+    from atoll.learner.trainer.data import eval_batches, load_corpus
+    from atoll.learner.trainer.model import preset
+    from atoll.learner.trainer.train import evaluate
 
     model = model or read_global_model(cfg, addresses, wait_seconds, stop)
     model_cfg = preset(cfg.preset)

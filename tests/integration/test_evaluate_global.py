@@ -12,7 +12,7 @@ from syncer_helpers import client_push, syncer_processes
 
 from atoll.cluster import reshard
 from atoll.faults.chaos import lockstep_config
-from atoll.learner.model import init_params, preset
+from atoll.learner.trainer.model import init_params, preset
 from atoll.local.config import UpConfig
 from atoll.local.session import evaluate_global
 from atoll.wire import codec

@@ -16,7 +16,7 @@ from syncer_helpers import client_push, free_port, run_atoll, syncer_processes
 import atoll
 from atoll import model_dir
 from atoll.faults.chaos import lockstep_config
-from atoll.learner.model import PRESETS, init_params
+from atoll.learner.trainer.model import PRESETS, init_params
 from atoll.local.config import UpConfig
 from atoll.wire import codec
 from atoll.wire.client import ShardClient

@@ -31,13 +31,14 @@ from typing import Any, Protocol
 import numpy as np
 import prometheus_client as prom
 
-from atoll.learner import checkpoint, distributed, mesh, standby, stopping
+from atoll.learner import checkpoint, distributed, standby, stopping
 from atoll.learner.api import Learner
 from atoll.learner.config import LearnerConfig
-from atoll.learner.data import Batches, Corpus, load_corpus
-from atoll.learner.model import ModelConfig, preset
 from atoll.learner.stopping import Stop, Stopped
-from atoll.learner.train import TrainConfig, Trainer
+from atoll.learner.trainer import mesh
+from atoll.learner.trainer.data import Batches, Corpus, load_corpus
+from atoll.learner.trainer.model import ModelConfig, preset
+from atoll.learner.trainer.train import TrainConfig, Trainer
 from atoll.wire.records import Record, append_jsonl, read_jsonl
 
 log = logging.getLogger("atoll.learner")

@@ -3,7 +3,7 @@
 A learner is a whole island (docs/design.md §4): the batch is sharded over a 1-D mesh of
 `jax.devices()` (axis "data") and parameters and optimiser state are replicated, so
 XLA all-reduces the gradients inside the island; or, with `fsdp`, parameters and their
-optimiser state are split over the mesh's "fsdp" axis (learner/mesh.py). The same code
+optimiser state are split over the mesh's "fsdp" axis (learner/trainer/mesh.py). The same code
 runs on one CPU, on `XLA_FLAGS=--xla_force_host_platform_device_count=4`, or on a
 TPU/GPU host.
 
@@ -32,8 +32,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from atoll.learner.data import eval_batches
-from atoll.learner.mesh import (
+from atoll.learner.trainer.data import eval_batches
+from atoll.learner.trainer.mesh import (
     DATA_AXIS,
     Placement,
     batch_spec,
@@ -42,7 +42,7 @@ from atoll.learner.mesh import (
     placement,
     state_shardings,
 )
-from atoll.learner.model import ModelConfig, Params, init_params, loss_fn
+from atoll.learner.trainer.model import ModelConfig, Params, init_params, loss_fn
 
 OptState = Any  # optax state pytree
 Step = Any  # a jitted step (jax.jit's wrapper); called, lowered, compiled
@@ -159,7 +159,7 @@ def make_train_step(
     """The jitted `(params, opt_state, batch_BxL1) -> (params, opt_state, metrics)`.
 
     batch_BxL1 is sharded over every device of the mesh; params are placed `where`
-    (learner/mesh.py; default: replicated), the optimiser state like its params, metrics
+    (learner/trainer/mesh.py; default: replicated), the optimiser state like its params, metrics
     replicated. metrics: {"loss", "grad_norm"} (grad norm before clipping).
     """
     replicated = NamedSharding(mesh, _spec())
@@ -340,7 +340,7 @@ class Trainer:
             (emulates an older accelerator generation).
           devices: the island's devices (default all of `jax.devices()`).
           fsdp: split params (and their optimiser state) this many ways over the mesh's
-            "fsdp" axis; 1: replicated; 0: over every device (learner/mesh.py).
+            "fsdp" axis; 1: replicated; 0: over every device (learner/trainer/mesh.py).
         """
         if not (isinstance(slowdown, (int, float)) and slowdown >= 1 and math.isfinite(slowdown)):
             raise TrainConfigError(

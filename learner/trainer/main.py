@@ -390,11 +390,11 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The CLI entry: readable errors for user mistakes, never a traceback."""
     from atoll.learner.checkpoint import CheckpointError
-    from atoll.learner.data import DataError
-    from atoll.learner.mesh import MeshError
-    from atoll.learner.model import ModelConfigError
     from atoll.learner.sync import SyncError
-    from atoll.learner.train import TrainConfigError
+    from atoll.learner.trainer.data import DataError
+    from atoll.learner.trainer.mesh import MeshError
+    from atoll.learner.trainer.model import ModelConfigError
+    from atoll.learner.trainer.train import TrainConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -403,7 +403,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(e))
     initialize(cfg.distributed)  # before anything touches a JAX backend
     try:
-        from atoll.learner.loop import run
+        from atoll.learner.trainer.loop import run
 
         return run(cfg)
     except (
