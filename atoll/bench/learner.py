@@ -44,8 +44,8 @@ from atoll.bench.learner_sharded import MEMORY_SYNCS, bench_sharded
 from atoll.bench.shard import start_shard
 from atoll.commands import positive_int
 from atoll.learner import config as defaults
-from atoll.learner.model import PRESETS
 from atoll.learner.sync import SyncConfig
+from atoll.learner.trainer.model import PRESETS
 from atoll.server.config import ShardConfig
 
 DEFAULT_STEPS = 128

@@ -14,8 +14,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import atoll
-from atoll.learner.model import PRESETS, init_params
-from atoll.learner.train import (
+from atoll.learner.trainer.model import PRESETS, init_params
+from atoll.learner.trainer.train import (
     DATA_AXIS,
     TrainConfig,
     data_mesh,

@@ -68,10 +68,10 @@ from jax.sharding import PartitionSpec as P
 import atoll
 from atoll.bench import learner_loop as bench
 from atoll.bench.shard import start_shard
-from atoll.learner.model import PRESETS, ModelConfig, Params, init_params, loss_fn
 from atoll.learner.pytree import leaf_name
 from atoll.learner.sync import SyncConfig
-from atoll.learner.train import TrainConfig, global_batch, make_optimizer
+from atoll.learner.trainer.model import PRESETS, ModelConfig, Params, init_params, loss_fn
+from atoll.learner.trainer.train import TrainConfig, global_batch, make_optimizer
 from atoll.server.config import ShardConfig
 from atoll.wire.plan import FragmentPlan
 
