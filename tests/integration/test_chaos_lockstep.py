@@ -5,6 +5,7 @@ checkpoints, and the synchronous run goes on to its end."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from atoll.wire.records import read_jsonl
 pytestmark = pytest.mark.e2e  # two whole runs: `make test-fast` skips it
 
 LEARNERS, DURATION, MTBF, SEED = 2, 35.0, 40.0, 54
+INIT_LOSS = math.log(256)  # nats: a byte model's loss, uniform over the bytes
 
 
 def _kill_times(seed: int, learners: int, mtbf: float, duration: float) -> list[tuple[float, int]]:
@@ -62,7 +64,12 @@ def test_a_lockstep_run_restarts_every_learner_from_its_checkpoint_and_goes_on(t
     assert result["runs"]["atoll"]["outcome"] == "finished"
     for figure in ("goodput", "lockstep_goodput", "uptime", "lockstep_uptime"):
         assert result[figure] is not None and 0 < result[figure] <= 1, figure
-    assert result["final_eval_loss"] is not None and result["lockstep_final_eval_loss"] is not None
+    # both global models learned: an untrained model starts at uniform over the bytes
+    # (ln 256 = 5.55 nats) and a run that never learned stays there; measured 1.77 (atoll)
+    # and 1.78 (lockstep), so 1.5 nats under uniform leaves a loaded host (fewer steps in
+    # the 35 s, a longer restart) more than 2 nats
+    for figure in ("final_eval_loss", "lockstep_final_eval_loss"):
+        assert result[figure] is not None and result[figure] < INIT_LOSS - 1.5, (figure, result)
     report = json.loads((work / "lockstep" / "report.json").read_text())
     assert report["global"]["open_rounds"] == lockstep["open_rounds"]
     assert any("evaluating the global model" in e for e in report["events"])
