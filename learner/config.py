@@ -5,6 +5,7 @@ that give their defaults in a cluster; `atoll.learner.trainer.main` turns flags 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import pathlib
@@ -33,7 +34,9 @@ from atoll.learner.defaults import (  # noqa: F401
 from atoll.learner.distributed import (
     DistributedConfig,
 )
+from atoll.wire import settings
 from atoll.wire.codec import Codec
+from atoll.wire.settings import flag, setting
 
 
 def _need(ok: bool, message: str) -> None:
@@ -67,66 +70,132 @@ class LearnerConfigError(ValueError):
     """A learner setting that cannot work; the message says how to fix it."""
 
 
+def devices(text: str) -> int:
+    """--fsdp's value: a number of devices, 'all' being 0."""
+    if text.strip().lower() == "all":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of devices (or 'all')"
+        ) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
+    """A learner's settings; `atoll learner`'s flags are its fields' (wire/settings.py), but for
+    --shards/--num-shards and the multi-host flags, which `atoll.learner.trainer.main` adds."""
+
     shards: tuple[str, ...]  # shard addresses in index order (empty only with baseline)
-    learner_id: str  # stable across restarts: the shards know a learner by it
+    learner_id: str = dataclasses.field(  # stable across restarts: the shards know a learner by it
+        metadata=flag(
+            "stable name of this learner (env ATOLL_LEARNER_ID)", default_text="the host name"
+        )
+    )
     # --shards as a pattern ('host-{i}:port'): shards past `shards` that a reshard brings
     # in are reached by it (docs/resharding.md); None: only `shards` exist
     shard_pattern: str | None = None
-    learner_index: int = 0  # which disjoint data shard this learner reads, in [0, num_learners)
-    num_learners: int = 1  # M, learners in the run (data shards; baseline batch multiplier)
-    preset: str = PRESET  # model preset (learner.trainer.model.PRESETS)
-    batch_size: int = BATCH_SIZE  # sequences per inner step on this learner, >= 1
-    steps: int = STEPS  # inner steps to run, >= 1
-    lr: float = 3e-3  # inner AdamW peak learning rate, > 0
-    warmup: int = 20  # inner warm-up steps
-    period: int = PERIOD  # H: inner steps between syncs of one fragment, >= 1
-    overlap: int = OVERLAP  # τ: steps trained while a sync is in flight, in [0, H)
-    mix: float = MIX  # α: share of local weights kept when adopting a global fragment, in [0, 1)
-    late_mix: float = LATE_MIX  # α up to this for a late adoption, (d − τ)/H; in [0, 1), 0: off
-    fragments: int = FRAGMENTS  # P: fragments (>= shards); every learner and shard must agree
-    codec: Codec = CODEC  # outer-gradient codec
-    seed: int = SEED  # model init seed (the same on every learner) and data order
-    data: pathlib.Path | None = None  # text file, directory or .npy tokens; None: the stdlib
-    cache_dir: pathlib.Path | None = None  # corpus cache (default ~/.cache/atoll)
-    eval_every: int = 50  # steps between held-out evaluations; 0: only at the end
-    eval_batches: int = EVAL_BATCHES  # held-out batches per evaluation
-    slowdown: float = 1.0  # >= 1: stretch each step (an older accelerator generation)
-    baseline: bool = False  # data-parallel reference: no syncer, M× batch
-    # devices each param (and its AdamW state) is split over, on the mesh axis "fsdp" of
-    # the slice's devices (learner/trainer/mesh.py), >= 0; 1: replicated; 0: all of the slice's
-    fsdp: int = 1
-    token_file: pathlib.Path | None = None  # a file holding this learner's bearer token
-    tls_ca: pathlib.Path | None = None  # PEM CA of the shards' certificates (enables TLS)
-    tls_cert: pathlib.Path | None = None  # PEM client certificate (mutual TLS)
-    tls_key: pathlib.Path | None = None  # its private key
-    status_file: pathlib.Path | None = None  # JSON lines of progress, for `atoll up`
-    push_log: pathlib.Path | None = (
-        None  # JSON lines, one per answered push (for `atoll chaos` audits)
+    learner_index: int = setting(
+        0, "data shard of this learner in [0, num-learners) (env ATOLL_LEARNER_INDEX)"
     )
-    sync_patience: float = (
-        SYNC_PATIENCE  # seconds (at least; 4 periods of steps if longer) to wait on a round, > 0
+    num_learners: int = setting(
+        1, "M, learners in the run (data shards; baseline batch multiplier)"
     )
-    wait_for_rounds: bool = False  # block on a round a whole period late (synchronous semantics)
-    compile_cache: pathlib.Path | None = (
-        None  # persistent XLA compilation cache: restarts skip compiling
+    preset: str = setting(PRESET, "model size: tiny, small, base, large")
+    batch_size: int = setting(BATCH_SIZE, "sequences per inner step")
+    steps: int = setting(STEPS, "inner steps to run")
+    lr: float = setting(3e-3, "inner AdamW peak learning rate")
+    warmup: int = setting(20, "inner warm-up steps")
+    period: int = setting(PERIOD, "H: inner steps between syncs of a fragment")
+    overlap: int = setting(OVERLAP, "τ: steps trained while a sync is in flight")
+    mix: float = setting(MIX, "α: share of local weights kept when adopting")
+    late_mix: float = setting(
+        LATE_MIX,
+        "α's cap for a sync adopted d steps after its push, past τ: α = (d − τ)/H up to "
+        "this; helps on links whose round trip spans many steps; 0: off",
     )
-    metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: any free port
-    deadline: float = DEADLINE  # seconds per RPC, > 0
-    join_timeout: float = JOIN_TIMEOUT  # seconds joining waits for the shards, all retries, > 0
-    lease_exit_wait: float = 10.0  # seconds to wait at the end for syncs in flight, >= 0
-    progress: bool = True  # print the live progress line
+    fragments: int = setting(FRAGMENTS, "P: fragments; all learners must agree")
+    codec: Codec = setting(CODEC, "outer-gradient codec", choices=("int4", "mxfp4", "fp32"))
+    seed: int = setting(SEED, "init and data-order seed")
+    data: pathlib.Path | None = setting(
+        None,
+        "text file, directory of text files, or .npy token array "
+        "(default: the Python stdlib's sources)",
+    )
+    cache_dir: pathlib.Path | None = setting(None, "corpus cache (default ~/.cache/atoll)")
+    eval_every: int = setting(50, "steps between evaluations; 0: only at the end")
+    eval_batches: int = setting(EVAL_BATCHES, "held-out batches per evaluation")
+    slowdown: float = setting(1.0, "stretch each step X times, emulating an older accelerator")
+    baseline: bool = setting(False, "data-parallel reference: no syncer, M× batch")
+    fsdp: int = setting(
+        1,
+        "split each param and its optimiser state N ways over the mesh axis 'fsdp' of "
+        "the slice's devices (a (data, fsdp) = (devices/N, N) mesh; the batch is split over "
+        "all of them); params too small or with no dimension N divides stay replicated; "
+        "all (or 0): every device of the slice; 1: replicated",
+        parse=devices,
+        metavar="N",
+    )
+    token_file: pathlib.Path | None = setting(
+        None, "file holding this learner's bearer token (env ATOLL_TOKEN_FILE)"
+    )
+    tls_ca: pathlib.Path | None = setting(
+        None, "PEM CA of the shards' certificates (enables TLS; the Secret's ca.crt)"
+    )
+    tls_cert: pathlib.Path | None = setting(
+        None, "PEM client certificate, for shards that require mutual TLS"
+    )
+    tls_key: pathlib.Path | None = setting(None, "PEM private key of --tls-cert")
+    status_file: pathlib.Path | None = setting(
+        None, "append JSON progress records here ({id} stands for the learner id)"
+    )
+    push_log: pathlib.Path | None = setting(
+        None,
+        "append one JSON line per answered push here (fragment, seq, accepted, versions; "
+        "{id} stands for the learner id)",
+    )
+    sync_patience: float = setting(
+        SYNC_PATIENCE,
+        "seconds to wait on a round holding our push before training on without it "
+        "(at least 4 periods of steps)",
+    )
+    wait_for_rounds: bool = setting(
+        False,
+        "synchronous semantics, for baselines: when a fragment's round is still open a whole "
+        "period after its push, stop training until it closes (by default a learner never waits)",
+    )
+    compile_cache: pathlib.Path | None = setting(
+        None,
+        "directory for compiled programs, so a restarted learner skips compiling "
+        "(env ATOLL_COMPILE_CACHE; off by default)",
+    )
+    metrics_port: int | None = setting(None, "Prometheus /metrics port (off by default)")
+    deadline: float = setting(DEADLINE, "seconds per call to a shard")
+    join_timeout: float = setting(
+        JOIN_TIMEOUT, "seconds joining waits for the shards to answer, all retries together"
+    )
+    lease_exit_wait: float = setting(10.0, "seconds to wait at the end for syncs in flight")
+    progress: bool = setting(True, "no progress line", name="quiet")
     distributed: DistributedConfig | None = (
         None  # the slice's processes (learner/distributed.py); None: one
     )
-    checkpoint_dir: pathlib.Path | None = (
-        None  # durable learner state and id claims (learner/checkpoint.py)
+    checkpoint_dir: pathlib.Path | None = setting(
+        None,
+        "durable learner state: a checkpoint per learner id, written in the background, "
+        "that a restart resumes from (same step, data position and optimiser state); "
+        "also where learners claim their ids for standbys (env ATOLL_CHECKPOINT_DIR; "
+        "off by default)",
     )
-    checkpoint_every: int = (
-        CHECKPOINT_EVERY  # steps between background checkpoints, >= 0 (0: only when stopped)
+    checkpoint_every: int = setting(
+        CHECKPOINT_EVERY,
+        "steps between checkpoints; 0: only when stopped by a signal (env ATOLL_CHECKPOINT_EVERY)",
     )
-    standby: bool = False  # wait, compiled, to take over a failed learner's id (learner/standby.py)
+    standby: bool = setting(
+        False,
+        "load and compile, then wait to take over the id of a failed learner of "
+        "--checkpoint-dir (its data shard, status file and checkpoint)",
+    )
 
     def __post_init__(self) -> None:
         self._check_run()
@@ -208,15 +277,15 @@ class LearnerConfig:
         if token_dir and self.token_file is not None:
             parent = pathlib.Path(self.token_file).parent
             _need(parent.is_dir(), f"--token-file {self.token_file}: no directory {parent}")
-        for flag, path in (
+        for option, path in (
             ("--token-file", None if token_dir else self.token_file),
             ("--tls-ca", self.tls_ca),
             ("--tls-cert", self.tls_cert),
             ("--tls-key", self.tls_key),
         ):
-            _need(path is None or pathlib.Path(path).is_file(), f"{flag} {path}: no such file")
+            _need(path is None or pathlib.Path(path).is_file(), f"{option} {path}: no such file")
         # paths the learner writes: refused here, not once it has loaded
-        for flag, path, check in (
+        for option, path, check in (
             ("--checkpoint-dir", self.checkpoint_dir, directory_problem),
             ("--compile-cache", self.compile_cache, directory_problem),
             ("--status-file", self.status_file, file_problem),
@@ -226,7 +295,7 @@ class LearnerConfig:
                 problem = None if path is None else check(pathlib.Path(path))
             except OSError as e:  # e.g. a directory on the way that may not be searched
                 problem = e.strerror
-            _need(problem is None, f"{flag} {path}: {problem}")
+            _need(problem is None, f"{option} {path}: {problem}")
 
     def sync_config(self) -> SyncConfig:
         """The synchronizer's settings of this learner."""
@@ -255,19 +324,7 @@ class LearnerConfig:
             args += ["--shards", self.shard_pattern, "--num-shards", str(len(self.shards))]
         elif self.shards:
             args += ["--shards", ",".join(self.shards)]
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name in _SPELLED_APART or value is None or value is False:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            if value is True:
-                args.append(flag)
-            elif isinstance(value, Codec):
-                args += [flag, value.name.lower()]
-            else:
-                args += [flag, str(value)]
-        if not self.progress:
-            args.append("--quiet")
+        args += settings.to_args(self, skip=("learner_id",), every=True)
         multi = self.distributed
         if multi is not None and multi.coordinator is not None:
             args += ["--coordinator", multi.coordinator]
@@ -293,8 +350,6 @@ class LearnerConfig:
         )
 
 
-# the fields whose flags are not their names: `to_args` spells them itself
-_SPELLED_APART = ("learner_id", "shards", "shard_pattern", "progress", "distributed")
 # SyncConfig names its settings as atoll.Learner's arguments; `atoll learner` takes them as flags
 _SYNC_FLAGS = {
     "period": "--period",

@@ -257,7 +257,7 @@ def test_every_learner_setting_has_a_flag_to_render():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     dests = {a.dest for a in parser._actions}
-    spelled_apart = {"shard_pattern": "shards", "progress": "quiet", "distributed": "coordinator"}
+    spelled_apart = {"shard_pattern": "shards", "distributed": "coordinator"}
     for f in dataclasses.fields(LearnerConfig):
         assert spelled_apart.get(f.name, f.name) in dests, f"LearnerConfig.{f.name} has no flag"
 
