@@ -1,7 +1,7 @@
 """`atoll bench learner`: what `atoll.Learner` costs the training loop it sits in.
 
-One process trains a `learner/model.py` preset with the built-in jitted step
-(`learner/train.py`: AdamW, `TrainConfig`'s batch size) on random byte batches, joined
+One process trains a `learner/trainer/model.py` preset with the built-in jitted step
+(`learner/trainer/train.py`: AdamW, `TrainConfig`'s batch size) on random byte batches, joined
 as one learner to a real `atoll syncer` subprocess (quorum 1, no grace: each push
 closes its round). Steps run in pairs, one bare (the jitted step alone) and one with
 the API (the same step, then `params = learner.step(params)`), the pair's order
@@ -37,13 +37,14 @@ import pathlib
 import shutil
 import signal
 import tempfile
+from typing import Any
 
-import atoll
 from atoll.bench.learner_loop import WARMUP_PAIRS, Loop, report
 from atoll.bench.learner_sharded import MEMORY_SYNCS, bench_sharded
 from atoll.bench.shard import start_shard
 from atoll.commands import positive_int
-from atoll.learner import config as defaults
+from atoll.learner import defaults
+from atoll.learner.api import Learner
 from atoll.learner.sync import SyncConfig
 from atoll.learner.trainer.model import PRESETS
 from atoll.server.config import ShardConfig
@@ -53,7 +54,7 @@ DEFAULT_STEPS = 128
 
 def bench_learner(
     preset: str = defaults.PRESET, steps: int = DEFAULT_STEPS, period: int = defaults.PERIOD
-) -> dict:
+) -> dict[str, Any]:
     """Times `steps` pairs of train steps, one bare and one with `learner.step` after it.
 
     Raises ValueError for a setting that cannot work (before any process starts).
@@ -78,7 +79,7 @@ def bench_learner(
             ),
             root / "syncer.log",
         )
-        learner = atoll.Learner(f"127.0.0.1:{port}", "bench-learner", period=period)
+        learner = Learner(f"127.0.0.1:{port}", "bench-learner", period=period)
         loop = Loop(learner, preset)
         for pair in range(WARMUP_PAIRS):
             loop.pair(bare_first=pair % 2 == 0)
@@ -103,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--preset",
         choices=sorted(PRESETS),
         default=defaults.PRESET,
-        help=f"the model trained (learner/model.py; default {defaults.PRESET})",
+        help=f"the model trained (learner/trainer/model.py; default {defaults.PRESET})",
     )
     p.add_argument(
         "--steps",

@@ -8,21 +8,26 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-import atoll
+from atoll.learner.api import Learner
+from atoll.learner.trainer.mesh import DATA_AXIS
 from atoll.learner.trainer.model import PRESETS, init_params
 from atoll.learner.trainer.train import (
-    DATA_AXIS,
     TrainConfig,
     data_mesh,
     global_batch,
     make_optimizer,
     make_train_step,
 )
+
+_spec: Callable[..., PartitionSpec] = PartitionSpec  # (untyped in jax)
+_ready: Callable[[Any], Any] = jax.block_until_ready  # (untyped in jax)
 
 TARGET_OVERHEAD_RATIO = 0.01  # an API step with no sync due over its bare pair (docs/design.md §6)
 TARGET_SYNC_PAUSE_MS = 5.0  # p99 of the wall time inside learner.step at a sync point (§6)
@@ -49,7 +54,7 @@ class Step:
 class Loop:
     """The training loop under test: the built-in jitted step over random byte batches."""
 
-    def __init__(self, learner: atoll.Learner, preset: str):
+    def __init__(self, learner: Learner, preset: str):
         self.learner, self.preset = learner, preset
         self.model_cfg, self.train_cfg = PRESETS[preset], TrainConfig()
         self.mesh = data_mesh()
@@ -57,14 +62,14 @@ class Loop:
         self.train_step = make_train_step(self.model_cfg, optimizer, self.mesh)
         rng = np.random.default_rng(0)
         shape = (self.train_cfg.batch_size, self.model_cfg.context + 1)
-        rows = NamedSharding(self.mesh, PartitionSpec(DATA_AXIS))
+        rows = NamedSharding(self.mesh, _spec(DATA_AXIS))
         self.batches = [
             global_batch(rng.integers(0, self.model_cfg.vocab, shape, np.int32), rows)
             for _ in range(NUM_BATCHES)
         ]
         self.tokens = self.train_cfg.batch_size * self.model_cfg.context
         self.params = learner.join(init_params(self.model_cfg, self.train_cfg.seed))
-        replicated = NamedSharding(self.mesh, PartitionSpec())
+        replicated = NamedSharding(self.mesh, _spec())
         self.opt_state = jax.jit(optimizer.init, out_shardings=replicated)(self.params)
         self.done = 0
 
@@ -81,9 +86,7 @@ class Loop:
         batch = self.batches[self.done % NUM_BATCHES]
         self.done += 1
         start = time.perf_counter()
-        self.params, self.opt_state, _ = jax.block_until_ready(
-            self.train_step(self.params, self.opt_state, batch)
-        )
+        self.params, self.opt_state, _ = _ready(self.train_step(self.params, self.opt_state, batch))
         trained = time.perf_counter()
         if not api:
             return Step(trained - start)
@@ -91,7 +94,7 @@ class Loop:
         params = self.learner.step(self.params, tokens=self.tokens)
         adopted = params is not self.params  # else the tree given, whose step was waited for
         if adopted:
-            jax.block_until_ready(params)
+            _ready(params)
         end, cpu = time.perf_counter(), time.thread_time() - cpu
         self.params = params
         pushed = self.learner.pushed  # started by this call (stats count a push when answered)
@@ -114,7 +117,7 @@ def summary_ms(seconds: list[float]) -> dict[str, float | int | None]:
     }
 
 
-def paired_overhead(pairs: list[tuple[Step, Step]], median_bare: float) -> dict:
+def paired_overhead(pairs: list[tuple[Step, Step]], median_bare: float) -> dict[str, Any]:
     """median(API step - its pair's bare step) / median bare step, with a bootstrap 95 %
     interval; None where no pair is given."""
     if not pairs:
@@ -128,17 +131,17 @@ def paired_overhead(pairs: list[tuple[Step, Step]], median_bare: float) -> dict:
     }
 
 
-def target(got: float | None, want: float) -> dict:
+def target(got: float | None, want: float) -> dict[str, Any]:
     return {"want": f"<= {want}", "got": got, "met": got is not None and got <= want}
 
 
 def report(
     loop: Loop,
     pairs: list[tuple[Step, Step]],
-    stats_before: dict,
-    stats: dict,
+    stats_before: dict[str, Any],
+    stats: dict[str, Any],
     load_before: float,
-) -> dict:
+) -> dict[str, Any]:
     """The JSON object: step times per kind, the overhead, the pause, the targets."""
     bare = [b.seconds for b, _ in pairs]
     median_bare = float(np.median(bare))
@@ -150,7 +153,7 @@ def report(
     sync_config, plan = loop.learner.sync_config, loop.learner.plan
 
     def counted(key: str) -> float:
-        return round(stats.get(key, 0) - stats_before.get(key, 0), 6)
+        return round(float(stats.get(key, 0)) - float(stats_before.get(key, 0)), 6)
 
     return {
         "preset": loop.preset,

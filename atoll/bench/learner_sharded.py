@@ -58,22 +58,26 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import atoll
 from atoll.bench import learner_loop as bench
 from atoll.bench.shard import start_shard
+from atoll.learner.api import Learner
 from atoll.learner.pytree import leaf_name
 from atoll.learner.sync import SyncConfig
 from atoll.learner.trainer.model import PRESETS, ModelConfig, Params, init_params, loss_fn
 from atoll.learner.trainer.train import TrainConfig, global_batch, make_optimizer
 from atoll.server.config import ShardConfig
 from atoll.wire.plan import FragmentPlan
+
+P: Callable[..., PartitionSpec] = PartitionSpec  # (untyped in jax)
+_ready: Callable[[Any], Any] = jax.block_until_ready  # (untyped in jax)
 
 DEVICES_PER_PROCESS = 2
 AXIS = "fsdp"  # the mesh axis parameters and batches are split over
@@ -88,7 +92,7 @@ WORKER_TIMEOUT = 1800.0  # seconds a run's processes may take
 
 def bench_sharded(
     preset: str, steps: int, period: int, processes: int, memory_syncs: int = MEMORY_SYNCS
-) -> dict:
+) -> dict[str, Any]:
     """Runs the whole learner (1 process, replicated) and the sharded one (`processes`
     processes); returns the comparison. Raises ValueError for a setting that cannot work
     and RuntimeError when a process fails (with its log's tail)."""
@@ -119,7 +123,7 @@ def _run(
     memory_syncs: int,
     processes: int,
     sharded: bool,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """One learner of `processes` worker processes against a fresh shard; their reports."""
     root.mkdir(parents=True)
     shard = None
@@ -195,17 +199,17 @@ def _wait(procs: list[subprocess.Popen[bytes]], root: pathlib.Path) -> None:
 # --- the comparison (parent) ---
 
 
-def _per_adoption(report: dict, key: str) -> float | None:
+def _per_adoption(report: dict[str, Any], key: str) -> float | None:
     adoptions = report["bytes"]["adoptions"]
     return report["bytes"][key] / adoptions if adoptions else None
 
 
-def _share(report: dict, whole: dict, key: str) -> float | None:
+def _share(report: dict[str, Any], whole: dict[str, Any], key: str) -> float | None:
     mine, all_ = _per_adoption(report, key), _per_adoption(whole, key)
     return None if mine is None or not all_ else round(mine / all_, 4)
 
 
-def _compare(whole: dict, parts: list[dict], n: int) -> dict:
+def _compare(whole: dict[str, Any], parts: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """The JSON object: the whole learner's bytes, then every process's figures and
     targets; `targets_met` is whether every process met every target."""
     per_process = []
@@ -294,7 +298,7 @@ class _ShardedLoop(bench.Loop):
     """learner.py's loop (its pair and step), over a mesh of every process's devices,
     params and optimiser state split on their first axis (FSDP) or replicated."""
 
-    def __init__(self, learner: atoll.Learner, preset: str, sharded: bool):
+    def __init__(self, learner: Learner, preset: str, sharded: bool):
         self.learner, self.preset = learner, preset
         self.model_cfg, self.train_cfg = PRESETS[preset], TrainConfig()
         self.mesh = mesh = Mesh(np.asarray(jax.devices()), (AXIS,))
@@ -304,8 +308,12 @@ class _ShardedLoop(bench.Loop):
             return NamedSharding(mesh, _fsdp_spec(x.shape, mesh.size) if sharded else P())
 
         shardings = jax.tree.map(placed, host)
+
+        def on_devices(x: np.ndarray, s: NamedSharding) -> jax.Array:
+            return jax.make_array_from_callback(x.shape, s, lambda i: x[i])
+
         params = jax.tree.map(
-            lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
+            on_devices,
             host,
             shardings,
         )
@@ -330,7 +338,7 @@ class _ShardedLoop(bench.Loop):
         self.done = 0
 
 
-def _fsdp_spec(shape: tuple[int, ...], devices: int) -> P:
+def _fsdp_spec(shape: tuple[int, ...], devices: int) -> PartitionSpec:
     return P(AXIS) if len(shape) >= 2 and shape[0] % devices == 0 else P()
 
 
@@ -389,7 +397,7 @@ def _window_end(start: tuple[int, int]) -> tuple[int, int]:
     return 1024 * (_status_kb("VmHWM") - rss), tracemalloc.get_traced_memory()[1] - traced
 
 
-def _memory_phase(loop: _ShardedLoop, addressable: list[int], windows: int) -> dict:
+def _memory_phase(loop: _ShardedLoop, addressable: list[int], windows: int) -> dict[str, Any]:
     """Peak host memory over `windows` sync windows (push to adoption, no train step)
     and over as many quiet windows of the same shape."""
     ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD: fixed from now
@@ -436,7 +444,7 @@ def _window(loop: _ShardedLoop) -> str:
     learner, params = loop.learner, loop.params
     new = learner.step(params, tokens=loop.tokens)
     pushed, other = learner.pushed, new is not params
-    params, adopted = jax.block_until_ready(new), False
+    params, adopted = _ready(new), False
     for calls in range(MEMORY_MAX_CALLS):
         if calls >= 1 and not (pushed and not adopted):
             break
@@ -445,7 +453,7 @@ def _window(loop: _ShardedLoop) -> str:
         other = other or learner.pushed
         if new is not params:
             other, adopted = other or not pushed or adopted, True
-            params = jax.block_until_ready(new)
+            params = _ready(new)
     loop.params = params
     if other:
         return "overlapped"
@@ -454,16 +462,16 @@ def _window(loop: _ShardedLoop) -> str:
     return "sync" if adopted else "late"
 
 
-def _stats(values: list[int]) -> dict:
+def _stats(values: list[int]) -> dict[str, Any]:
     if not values:
         return {"count": 0, "median": None, "max": None}
     return {"count": len(values), "median": int(np.median(values)), "max": int(max(values))}
 
 
-def _worker(args: argparse.Namespace) -> dict:
+def _worker(args: argparse.Namespace) -> dict[str, Any]:
     """One process: the timed pairs, the memory phase, finish; its report."""
     load_before = os.getloadavg()[0]
-    learner = atoll.Learner(args.shards, "bench-learner", period=args.period)
+    learner = Learner(args.shards, "bench-learner", period=args.period)
     try:
         loop = _ShardedLoop(learner, args.preset, args.sharded)
         for pair in range(bench.WARMUP_PAIRS):
@@ -508,7 +516,8 @@ def _worker_main() -> None:
     ap.add_argument("--sharded", action="store_true")
     ap.add_argument("--memory-syncs", type=int, required=True)
     args = ap.parse_args()
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    update: Callable[[str, Any], None] = jax.config.update  # (untyped in jax)
+    update("jax_cpu_collectives_implementation", "gloo")
     if args.processes > 1:
         jax.distributed.initialize(args.coordinator, args.processes, args.process_id)
     report = _worker(args)
