@@ -196,6 +196,8 @@ def main() -> None:
             time.sleep(args.sleep)
         if args.end == "save":
             while not settled(learner):  # nothing in flight: every vector is checkpointed
+                # a step trained like the others, so the counter still counts learner.steps
+                params, momentum = train_step(params, momentum, target)
                 params = learner.step(params, tokens=8, state=momentum)
                 time.sleep(args.sleep)
             learner.save(params, state=momentum)
