@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import grpc
 import numpy as np
-from syncer_helpers import REPO
+from syncer_helpers import REPO, free_port
 
 from atoll.wire import codec
 from atoll.wire.client import ShardClient
@@ -21,12 +20,6 @@ from atoll.wire.client import ShardClient
 HERE = pathlib.Path(__file__).parent
 WORKER = HERE / "sharded_pull_worker.py"
 FRAGMENTS = 2  # the worker's
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Learner:
@@ -42,7 +35,7 @@ class Learner:
             "XLA_FLAGS": "--xla_force_host_platform_device_count=2 "
             "--xla_cpu_multi_thread_eigen=false",
         }
-        port, self.procs = _free_port(), []
+        port, self.procs = free_port(), []
         for i in range(processes):
             cmd = [sys.executable, str(WORKER), "--shards", addresses]
             cmd += ["--out", str(tmp / f"{name}.{i}.json"), *flags]

@@ -8,13 +8,12 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 
 import grpc
 import pytest
-from syncer_helpers import REPO, syncer_processes
+from syncer_helpers import REPO, free_port, syncer_processes
 
 from atoll.wire.client import ShardClient
 from atoll.wire.records import read_jsonl
@@ -23,12 +22,6 @@ pytestmark = pytest.mark.e2e  # real processes: `make test-fast` skips it
 
 FLAGS = ["--preset", "tiny", "--batch-size", "8", "--eval-batches", "1", "--quiet"]
 SHARD = ["--quorum", "1", "--grace-factor", "1", "--lease-seconds", "5"]  # and its index, count
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _learner(
@@ -41,7 +34,7 @@ def _learner(
         "PYTHONPATH": str(REPO),
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false",
     }
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     logs = [tmp / f"{run}.{i}.log" for i in range(2)]
     for i in range(2):
         cmd = [sys.executable, "-m", "atoll.cli", "learner", "--learner-id", "slice"]
