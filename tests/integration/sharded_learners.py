@@ -1,25 +1,59 @@
-"""What the tests of learners sharded over JAX processes share: the worker
-(sharded_pull_worker.py) run as one learner of N processes, and the weights the shards
-publish."""
+"""What the tests of learners sharded over JAX processes share: fresh in-process shards,
+the worker (sharded_pull_worker.py) run as one learner of N processes, and the weights
+the shards publish."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
 from syncer_helpers import REPO, free_port
 
+from atoll.server.config import ShardConfig
+from atoll.server.service import SyncerServer
 from atoll.wire import codec
 from atoll.wire.client import ShardClient
 
 HERE = pathlib.Path(__file__).parent
 WORKER = HERE / "sharded_pull_worker.py"
 FRAGMENTS = 2  # the worker's
+
+
+@contextlib.contextmanager
+def shards(tmp: pathlib.Path, name: str, n: int) -> Iterator[list[SyncerServer]]:
+    """`n` fresh shards (quorum 1, a whole-period grace, 5 s leases), stopped at the end."""
+    servers = [
+        SyncerServer(
+            ShardConfig(
+                shard_index=i,
+                num_shards=n,
+                data_dir=tmp / f"{name}-shard{i}",
+                listen="127.0.0.1:0",
+                quorum=1,
+                grace_factor=1.0,
+                lease_seconds=5,
+            )
+        )
+        for i in range(n)
+    ]
+    for s in servers:
+        s.start()
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def addresses(servers: list[SyncerServer]) -> str:
+    return ",".join(f"127.0.0.1:{s.port}" for s in servers)
 
 
 class Learner:

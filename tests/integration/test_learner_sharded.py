@@ -12,15 +12,11 @@ import pathlib
 import subprocess
 import sys
 
-import grpc
 import numpy as np
 import pytest
+from sharded_learners import addresses as shards_at
+from sharded_learners import published, shards
 from syncer_helpers import REPO, free_port
-
-from atoll.server.config import ShardConfig
-from atoll.server.service import SyncerServer
-from atoll.wire import codec
-from atoll.wire.client import ShardClient
 
 pytestmark = pytest.mark.e2e  # real processes: `make test-fast` skips it
 
@@ -34,24 +30,8 @@ def _learn(
     """Runs the worker as one learner of `processes` processes against fresh shards
     (quorum 1); returns each process's report and the published weights, fragment after
     fragment (none where a process failed)."""
-    servers = [
-        SyncerServer(
-            ShardConfig(
-                shard_index=i,
-                num_shards=num_shards,
-                data_dir=tmp / f"{name}-shard{i}",
-                listen="127.0.0.1:0",
-                quorum=1,
-                grace_factor=1.0,
-                lease_seconds=5,
-            )
-        )
-        for i in range(num_shards)
-    ]
-    for s in servers:
-        s.start()
-    try:
-        addresses = ",".join(f"127.0.0.1:{s.port}" for s in servers)
+    with shards(tmp, name, num_shards) as servers:
+        addresses = shards_at(servers)
         env = {
             **os.environ,
             "PYTHONPATH": str(REPO),
@@ -78,23 +58,7 @@ def _learn(
         reports = [json.loads((tmp / f"{name}.{i}.json").read_text()) for i in range(processes)]
         if any("error" in r for r in reports):
             return reports, np.empty(0, np.float32)
-        return reports, np.concatenate([_published(servers, p) for p in range(FRAGMENTS)])
-    finally:
-        for s in servers:
-            s.stop()
-
-
-def _published(servers: list[SyncerServer], p: int) -> np.ndarray:
-    """Fragment p's published weights, from the shard that owns it."""
-    for server in servers:
-        client = ShardClient(f"127.0.0.1:{server.port}", "observer", deadline=10)
-        try:
-            return codec.decode(client.pull(p).frames[0][2])
-        except grpc.RpcError:
-            continue  # not this shard's
-        finally:
-            client.close()
-    raise AssertionError(f"no shard serves fragment {p}")
+        return reports, np.concatenate(published(addresses))
 
 
 # What each process of a sharded learner holds of every leaf (its shards' shapes) and its

@@ -6,19 +6,14 @@ Learner with other settings each get a clear error at join."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import pathlib
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from sharded_learner_worker import SHAPES, values
-from sharded_learners import FRAGMENTS, learn, published
+from sharded_learners import FRAGMENTS, addresses, learn, published, shards
 
 from atoll.learner.pytree import TreeLayout
-from atoll.server.config import ShardConfig
-from atoll.server.service import SyncerServer
 
 pytestmark = pytest.mark.e2e  # real processes: `make test-fast` skips it
 
@@ -26,35 +21,6 @@ pytestmark = pytest.mark.e2e  # real processes: `make test-fast` skips it
 # holds, so pulls: its rows of the split leaves, and "b" (replicated) on both; on fsdp-tp
 # "w1" is split by columns only, within each process, so both hold it whole.
 SHARES = {"fsdp": (512 + 256 + 64 + 64) / 1728, "fsdp-tp": (512 + 512 + 64 + 64) / 1728}
-
-
-@contextlib.contextmanager
-def _shards(tmp: pathlib.Path, name: str, n: int) -> Iterator[list[SyncerServer]]:
-    servers = [
-        SyncerServer(
-            ShardConfig(
-                shard_index=i,
-                num_shards=n,
-                data_dir=tmp / f"{name}-shard{i}",
-                listen="127.0.0.1:0",
-                quorum=1,
-                grace_factor=1.0,
-                lease_seconds=5,
-            )
-        )
-        for i in range(n)
-    ]
-    for s in servers:
-        s.start()
-    try:
-        yield servers
-    finally:
-        for s in servers:
-            s.stop()
-
-
-def _addresses(servers: list[SyncerServer]) -> str:
-    return ",".join(f"127.0.0.1:{s.port}" for s in servers)
 
 
 def _leaves(weights: list[np.ndarray]) -> dict[str, np.ndarray]:
@@ -74,21 +40,21 @@ def _box(leaf: np.ndarray, bounds: str) -> np.ndarray:
 
 
 def test_each_process_pulls_its_boxes_and_the_weights_are_a_replicated_learners(tmp_path):
-    with _shards(tmp_path, "replicated", 2) as servers:
+    with shards(tmp_path, "replicated", 2) as servers:
         replicated = learn(
-            tmp_path, "replicated", _addresses(servers), 1, ["--lockstep", "--replicated"]
+            tmp_path, "replicated", addresses(servers), 1, ["--lockstep", "--replicated"]
         )[0]
         assert "error" not in replicated, replicated
-        reference = published(_addresses(servers))
+        reference = published(addresses(servers))
     assert min(v for v, _ in replicated["versions"].values()) >= 3, replicated
     figures = {}
     for mesh, share in SHARES.items():
-        with _shards(tmp_path, mesh, 2) as servers:
-            sharded = learn(tmp_path, mesh, _addresses(servers), 2, ["--lockstep", "--mesh", mesh])
+        with shards(tmp_path, mesh, 2) as servers:
+            sharded = learn(tmp_path, mesh, addresses(servers), 2, ["--lockstep", "--mesh", mesh])
             for report in sharded:
                 assert "error" not in report, (mesh, report)
                 assert report["versions"] == replicated["versions"], (mesh, report, replicated)
-            weights = published(_addresses(servers))
+            weights = published(addresses(servers))
             # Bit for bit (the worker's model is elementwise, its boxes whole INT4 blocks):
             # what each process adopted from its boxes fed its next pushes, so a value
             # rebuilt wrong anywhere would show here.
@@ -96,7 +62,7 @@ def test_each_process_pulls_its_boxes_and_the_weights_are_a_replicated_learners(
                 assert weights[p].tobytes() == reference[p].tobytes(), (mesh, p)
             # A learner joining now pulls a snapshot of its boxes: exactly the published values.
             joiner = learn(
-                tmp_path, f"{mesh}-join", _addresses(servers), 2, ["--mesh", mesh, "--join-only"]
+                tmp_path, f"{mesh}-join", addresses(servers), 2, ["--mesh", mesh, "--join-only"]
             )
         leaves = _leaves(weights)
         for i, report in enumerate(joiner):
@@ -125,7 +91,7 @@ def test_each_process_pulls_its_boxes_and_the_weights_are_a_replicated_learners(
     ],
 )
 def test_processes_that_disagree_each_get_a_clear_error_at_join(tmp_path, fault, message):
-    with _shards(tmp_path, fault, 1) as servers:
-        reports = learn(tmp_path, fault, _addresses(servers), 2, ["--fault", fault])
+    with shards(tmp_path, fault, 1) as servers:
+        reports = learn(tmp_path, fault, addresses(servers), 2, ["--fault", fault])
     errors = [r.get("error", "") for r in reports]
     assert all("LearnerDisagreement" in e and message in e for e in errors), errors
