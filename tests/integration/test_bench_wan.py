@@ -161,12 +161,15 @@ def test_sigterm_during_the_data_parallel_run_ends_it_at_once(tmp_path):
         bench.terminate()
         stopped = time.monotonic()
         _, err = bench.communicate(timeout=60)
+        took = time.monotonic() - stopped
     finally:
         if bench.poll() is None:
             bench.kill()
             bench.wait()
     assert bench.returncode == 143, err[-3000:]
-    assert time.monotonic() - stopped < 30 and "stopped by SIGTERM" in err, err[-3000:]
+    # it stops in 1-2 s (workers, coordinator and regions torn down); 10 s still binds
+    # under a loaded CI host where a wait for the heartbeat timeout (minutes) would not pass
+    assert took < 10 and "stopped by SIGTERM" in err, (took, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
     assert _processes_naming(runs / "data-parallel") == [], "workers left running"
     assert _namespaces() <= before, _namespaces() - before
