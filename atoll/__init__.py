@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from atoll.export import load_export
     from atoll.learner import (
         CheckpointError,
+        Checkpointing,
         Codec,
         Learner,
         LearnerConfigError,
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
         ParamsError,
         PlanMismatch,
         Stopped,
+        SyncConfig,
         SyncError,
         TlsFiles,
     )
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Learner",
     "LearnerStateError",
+    "SyncConfig",
+    "Checkpointing",
     "CheckpointError",
     "LearnerConfigError",
     "ParamsError",

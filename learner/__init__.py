@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from atoll.learner.api import Learner, LearnerStateError
     from atoll.learner.checkpoint import CheckpointError
-    from atoll.learner.config import LearnerConfigError
+    from atoll.learner.config import Checkpointing, LearnerConfigError
+    from atoll.learner.defaults import SyncConfig
     from atoll.learner.pytree import ParamsError
     from atoll.learner.stopping import Stopped
     from atoll.learner.sync import PlanMismatch, SyncError
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 _HOMES = {
     "Learner": "atoll.learner.api",
     "LearnerStateError": "atoll.learner.api",
+    "SyncConfig": "atoll.learner.defaults",
+    "Checkpointing": "atoll.learner.config",
     "CheckpointError": "atoll.learner.checkpoint",
     "LearnerConfigError": "atoll.learner.config",
     "ParamsError": "atoll.learner.pytree",
@@ -37,6 +40,8 @@ _HOMES = {
 __all__ = [
     "Learner",
     "LearnerStateError",
+    "SyncConfig",
+    "Checkpointing",
     "CheckpointError",
     "LearnerConfigError",
     "ParamsError",

@@ -2,7 +2,7 @@
 training loop (docs/design.md §4). Three calls: `join` once, `step` after every inner
 step, `finish` at the end.
 
-    learner = atoll.Learner("127.0.0.1:7070", "learner-0", period=16, fragments=4)
+    learner = atoll.Learner("127.0.0.1:7070", "learner-0", sync=atoll.SyncConfig(period=16))
     params = learner.join(params)                 # the run's current global weights
     for batch in batches:
         params, opt_state = train_step(params, opt_state, batch)
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import pathlib
 import sys
 import threading
 import time
@@ -34,19 +32,18 @@ import jax
 import numpy as np
 
 from atoll.learner import arguments, checkpoint, distributed, standby, tenure
-from atoll.learner.config import LearnerConfig
+from atoll.learner.config import Checkpointing, LearnerConfig
+from atoll.learner.defaults import FRAGMENTS
 from atoll.learner.pytree import ParamsError, PyTree, TreeLayout
 from atoll.learner.stopping import Stopped
 from atoll.learner.sync import SyncConfig, SyncError, Synchronizer
 from atoll.learner.tenure import View
 from atoll.wire.client import TlsFiles
-from atoll.wire.codec import Codec
 from atoll.wire.plan import FragmentPlan
 
 __all__ = ["Learner", "LearnerStateError", "ParamsError"]
 
 log = logging.getLogger("atoll.learner")
-_SYNC = SyncConfig()  # the sync settings' defaults, declared once (learner/sync.py)
 _NEW, _JOINED, _FINISHED, _CLOSED = "new", "joined", "finished", "closed"
 
 
@@ -77,54 +74,33 @@ class Learner:
         adds later are then found by it).
       learner_id: this learner's stable name: the shards know it by it, across restarts.
       num_shards: how many shards a pattern names (only with a pattern).
-      period: H, inner steps between two syncs of one fragment, >= 1.
-      overlap: τ, steps trained while a sync is in flight before its result is adopted,
-        in [0, H).
       fragments: P, fragments the params are split into; at least the number of shards
         and at most the number of float leaves.
-      mix: α, share of the local fragment kept when adopting a global one, in [0, 1).
-      late_mix: α's cap for a sync adopted d steps after its push, d past τ: α is then
-        (d − τ)/H up to this, in [0, 1); 0 (the default) turns it off. For links whose
-        round trip spans many steps (docs/rounds.md, "Late adoption").
-      codec: the outer gradients' wire codec (`Codec.INT4`, `Codec.MXFP4`, `Codec.FP32`).
+      sync: how it syncs (`atoll.SyncConfig`): H, τ, α, the codec, patience and
+        timeouts, each with its default and check there.
+      checkpoint: where it keeps its id claim and checkpoint, how often it writes one,
+        and whether it waits as a standby (`atoll.Checkpointing`). None: no checkpoint;
+        a restart rejoins at the run's weights.
+      index: which data shard this learner reads, in [0, num_learners): recorded in its
+        claim so a standby that takes the id over reads it back as `learner.index`.
+      num_learners: learners in the run (standbys take only ids of the same run).
       token: this learner's bearer token, if the shards ask for one.
       tls: CA (and client certificate and key, for mutual TLS) of the shards' TLS.
       is_embedding: tensor name -> merged by plain average (default: names holding
         "embed"); every other tensor is merged by radial-directional averaging.
-      checkpoint_dir: a directory for this learner's id claim and Orbax checkpoint
-        (`<dir>/<id>/`): a restart resumes every leaf (out of the plan too), as `join`'s
-        dtypes and shardings, step, sync state (per process, same mesh only) and `step`'s
-        `state`, carrying local progress onto the global weights. None: it rejoins at them.
-      checkpoint_every: steps between background checkpoints (0: none).
-      standby: with `checkpoint_dir`, `join` waits until a learner of this run (one with
-        the same `num_learners`) fails and takes over its id, data shard and checkpoint.
-      index: which data shard this learner reads, in [0, num_learners): recorded in its
-        claim so a standby that takes the id over reads it back as `learner.index`.
-      num_learners: learners in the run (standbys take only ids of the same run).
-      deadline: seconds per call to a shard.
-      join_timeout: seconds `join` waits for the shards to answer, every call and retry
-        together (default 300): past it, SyncError names the shards.
-      patience: seconds (at least; 4 periods of steps if longer) to wait for a round.
-      wait_for_rounds: block on a round a whole period late (synchronous semantics).
-      on_push: called from a sync thread with one dict per answered push (fragment,
-        seq, shard, accepted, reason, versions, the steps and compute seconds it
-        carried): an audit log (`atoll learner --push-log`).
-      claim_id: with `checkpoint_dir`, `join` holds this id's claim there (one live
-        process per id; a standby takes a failed learner's). False: the caller holds
-        it (as `atoll learner` does, waiting as a standby itself when it is held).
-      run_info: settings a resume must share with the checkpoint it resumes (a data
-        order's seed, a batch size): recorded in each checkpoint, and `join` refuses a
-        checkpoint written with other values (CheckpointError, naming the setting).
 
     Raises:
-      LearnerConfigError (a ValueError) for a setting that cannot work, saying why.
+      LearnerConfigError (a ValueError) for a setting that cannot work, saying why;
+      TypeError for a `sync` or `checkpoint` that is not a SyncConfig or Checkpointing.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, atoll
       >>> params = {"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}
       >>> opt = optax.adamw(1e-2)
       >>> opt_state = opt.init(params)
-      >>> learner = atoll.Learner("127.0.0.1:7070", "learner-0", period=8, fragments=2)
+      >>> learner = atoll.Learner(
+      ...     "127.0.0.1:7070", "learner-0", fragments=2, sync=atoll.SyncConfig(period=8)
+      ... )
       >>> params = learner.join(params)
       >>> for x, y in my_batches():                       # your own data
       ...     grads = jax.grad(loss_fn)(params, x, y)
@@ -140,49 +116,35 @@ class Learner:
         learner_id: str,
         *,
         num_shards: int | None = None,
-        period: int = _SYNC.period,
-        overlap: int = _SYNC.overlap,
-        fragments: int = LearnerConfig.fragments,
-        mix: float = _SYNC.mix,
-        late_mix: float = _SYNC.late_mix,
-        codec: Codec | str = _SYNC.codec,
+        fragments: int = FRAGMENTS,
+        sync: SyncConfig | None = None,
+        checkpoint: Checkpointing | None = None,
+        index: int = 0,
+        num_learners: int = 1,
         token: str | None = None,
         tls: TlsFiles | None = None,
         is_embedding: Callable[[str], bool] | None = None,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int = LearnerConfig.checkpoint_every,
-        standby: bool = False,
-        index: int = 0,
-        num_learners: int = 1,
-        deadline: float = LearnerConfig.deadline,
-        patience: float = _SYNC.patience,
-        wait_for_rounds: bool = _SYNC.wait_for_rounds,
-        join_timeout: float = _SYNC.join_timeout,
-        on_push: Callable[[dict[str, Any]], None] | None = None,
-        claim_id: bool = True,
-        run_info: Mapping[str, Any] | None = None,
     ):
         self.pattern, self.addresses = arguments.addresses(shards, num_shards)
-        sync = (period, overlap, mix, late_mix, codec, patience, wait_for_rounds)
-        self.sync_config = arguments.sync_config(*sync, join_timeout)
+        self.sync_config, self.checkpointing = arguments.settings(sync, checkpoint)
         arguments.check(
             learner_id=learner_id,
             fragments=fragments,
             num_shards=len(self.addresses),
-            deadline=deadline,
-            checkpoint_every=checkpoint_every,
             num_learners=num_learners,
             index=index,
-            standby=standby,
-            checkpoint_dir=checkpoint_dir,
             tls=tls,
         )
-        self.checkpoint_dir = arguments.checkpoint_dir(checkpoint_dir)
         self.learner_id, self.index, self.num_learners = learner_id, index, num_learners
-        self.fragments, self.is_embedding = fragments, is_embedding
-        self.token, self.tls, self.deadline = token, tls, deadline
-        self.checkpoint_every, self.standby = checkpoint_every, standby
-        self.on_push, self.claim_id, self.run_info = on_push, claim_id, dict(run_info or {})
+        self.fragments, self.is_embedding, self.token, self.tls = (
+            fragments,
+            is_embedding,
+            token,
+            tls,
+        )
+        # what only `atoll learner`'s own loop sets (`from_config`)
+        self._on_push: Callable[[dict[str, Any]], None] | None = None
+        self._holds_claim, self._run_info = True, dict[str, Any]()
         # inner steps and tokens this learner id has trained (a resumed checkpoint's
         # too); what a checkpoint records as its data position: set them after `join`
         # if your loop resumed from a position of its own
@@ -223,16 +185,30 @@ class Learner:
     ) -> Learner:
         """A Learner with `atoll learner`'s settings (learner/config.py): its shards (or
         their pattern), id, data shard, fragments, sync settings (`cfg.sync_config()`),
-        token file, TLS, deadline and checkpoints.
+        token file, TLS and checkpoints (`cfg.checkpointing()`); and what only the
+        built-in loop (learner/trainer/loop.py) needs:
+
+        Args:
+          cfg: the settings.
+          on_push: called from a sync thread with one dict per answered push (fragment,
+            seq, shard, accepted, reason, versions, the steps and compute seconds it
+            carried): an audit log (`atoll learner --push-log`).
+          claim_id: with a checkpoint directory, `join` holds this id's claim there (one
+            live process per id; a standby takes a failed learner's). False: the caller
+            holds it (as `atoll learner` does, waiting as a standby itself when it is held).
+          run_info: settings a resume must share with the checkpoint it resumes (a data
+            order's seed, a batch size): recorded in each checkpoint, and `join` refuses
+            a checkpoint written with other values (CheckpointError, naming the setting).
 
         Example:
           >>> cfg = LearnerConfig(shards=("127.0.0.1:7070",), learner_id="learner-0")
           >>> learner = Learner.from_config(cfg)
         """
         shards, learner_id, keywords = arguments.of_config(cfg)
-        return cls(
-            shards, learner_id, on_push=on_push, claim_id=claim_id, run_info=run_info, **keywords
-        )
+        learner = cls(shards, learner_id, **keywords)
+        learner._on_push, learner._holds_claim = on_push, claim_id
+        learner._run_info = dict(run_info or {})
+        return learner
 
     # --- the three calls ---
 
@@ -242,8 +218,8 @@ class Learner:
 
         The first learner of a run seeds each fragment with its own values; later ones
         (and a restarted one) start from the run's current versions, so every learner of
-        a run should pass the same model, initialised alike or not. With
-        `checkpoint_dir`, a learner whose checkpoint is there resumes it: its step count,
+        a run should pass the same model, initialised alike or not. With a
+        `checkpoint`, a learner whose checkpoint is there resumes it: its step count,
         and each fragment's local progress since its last sync carried onto the current
         global weights (where no push since delivered it already).
 
@@ -315,7 +291,7 @@ class Learner:
             stop waiting for this learner.
           state: any pytree of arrays to checkpoint with this step (your optimiser state,
             your data position), read back after a restart with `restore_state`; only
-            with `checkpoint_dir`.
+            with a `checkpoint`.
 
         Returns:
           `params`, or a new tree with adopted fragments replaced.
@@ -364,7 +340,7 @@ class Learner:
         Args:
           params: the tree the last `step` returned.
           timeout: seconds to wait for the last rounds.
-          state: as for `step`: with `checkpoint_dir`, the final checkpoint holds it.
+          state: as for `step`: with a `checkpoint`, the final checkpoint holds it.
 
         Returns:
           `params` with the last rounds adopted.
@@ -396,11 +372,11 @@ class Learner:
 
     def save(self, params: PyTree, *, state: PyTree = None) -> bool:
         """Writes this learner's checkpoint now, and waits for it: what `step` does every
-        `checkpoint_every` steps, for a loop that leaves before `finish` (stopped), so a
+        `Checkpointing.every` steps, for a loop that leaves before `finish` (stopped), so a
         restart goes on from here. Call `close` after.
 
         Returns:
-          True if written; False where this learner keeps none (no `checkpoint_dir`).
+          True if written; False where this learner keeps none (no `checkpoint`).
           Every process of a multi-host learner calls it: each writes the shards it holds.
 
         Example:
@@ -601,8 +577,8 @@ class Learner:
             self._connect,
             part_wait=max(self.sync_config.join_timeout, self.sync_config.patience),
         )
-        if self.checkpoint_dir is not None:  # each process reads its own shards
-            self._resume(self.checkpoint_dir, layout, sharded_checkpoint.ProcessRows(island.boxes))
+        if self.checkpointing is not None:  # each process reads its own shards
+            self._resume(self.checkpointing, layout, sharded_checkpoint.ProcessRows(island.boxes))
             if self._ckpt is not None:
                 leaves = self._ckpt.params(view.leaves())
                 view = View(layout, layout.write(leaves, {}), "params given to join()")
@@ -621,10 +597,11 @@ class Learner:
         leaves = view.leaves()
         if multi and tenure.split(layout, leaves):
             return self._join_island(layout, view)
-        if self.checkpoint_dir is not None and not multi and self.claim_id:
-            self._claim_id(self.checkpoint_dir)
-        if self.checkpoint_dir is not None:
-            self._resume(self.checkpoint_dir, layout)
+        saving = self.checkpointing
+        if saving is not None and not multi and self._holds_claim:
+            self._claim_id(saving)
+        if saving is not None:
+            self._resume(saving, layout)
             if self._ckpt is not None:  # every leaf, synced or not, as the live one is
                 leaves = self._ckpt.params(leaves)
                 view = View(layout, layout.write(leaves, {}), "params given to join()")
@@ -637,34 +614,33 @@ class Learner:
         self._boundary = time.perf_counter()
         return layout.write(view.leaves(), dict(enumerate(vectors)))
 
-    def _claim_id(self, directory: pathlib.Path) -> None:
+    def _claim_id(self, ckpt: Checkpointing) -> None:
         """One live process per id: the claim, or (standby) the id of a failed learner."""
         self._claim = claim = tenure.claim(
-            directory,
+            ckpt.directory,
             self.learner_id,
             self.index,
             self.num_learners,
-            wait=self.standby,
+            wait=ckpt.standby,
             stop=self._stop,
         )
         if claim is None:
             raise LearnerStateError(
                 f"learner id {self.learner_id!r} is held by a live process "
-                f"({standby.holder(directory, self.learner_id)}): give another id, "
-                "or standby=True to wait for a failed learner's"
+                f"({standby.holder(ckpt.directory, self.learner_id)}): give another id, "
+                "or Checkpointing(standby=True) to wait for a failed learner's"
             )
-        if self.standby:  # this process is now the failed learner it took over
+        if ckpt.standby:  # this process is now the failed learner it took over
             self.learner_id, self.index = claim.learner_id, int(claim.info["learner_index"])
 
-    def _resume(self, directory: pathlib.Path, layout: TreeLayout, rows: Any = None) -> None:
+    def _resume(self, ckpt: Checkpointing, layout: TreeLayout, rows: Any = None) -> None:
         """Reads this id's checkpoint and makes the writer (tenure.resume); a resumed
         checkpoint's steps and tokens are this learner's."""
         ident = tenure.identity(
-            self.run_info, self.learner_id, self.index, self.num_learners, layout.plan
+            self._run_info, self.learner_id, self.index, self.num_learners, layout.plan
         )
-        every, multi = self.checkpoint_every, self._multi
         self._ckpt, self._trail, self._checkpointer = tenure.resume(
-            directory, layout, ident, self.run_info, every, multi=multi, rows=rows
+            ckpt.directory, layout, ident, self._run_info, ckpt.every, multi=self._multi, rows=rows
         )
         if self._ckpt is not None:
             self.steps, self.tokens = self._ckpt.step, int(self._ckpt.meta.get("tokens", 0))
@@ -673,12 +649,17 @@ class Learner:
     def _shards(self) -> tenure.Connection:
         """How this learner reaches the shards, under its id as it is now."""
         return tenure.Connection(
-            self.addresses, self.pattern, self.learner_id, self.token, self.tls, self.deadline
+            self.addresses,
+            self.pattern,
+            self.learner_id,
+            self.token,
+            self.tls,
+            self.sync_config.deadline,
         )
 
     def _connect(self, **engine: Any) -> Synchronizer:
         """The sync engine (tenure.connect), stopped at once if `stop` came first."""
-        sync = tenure.connect(self.sync_config, self.plan, self._shards, self.on_push, **engine)
+        sync = tenure.connect(self.sync_config, self.plan, self._shards, self._on_push, **engine)
         with self._lock:
             self._sync = sync
         if self._stop.is_set():

@@ -1,12 +1,14 @@
-"""The learner's defaults, declared once, and SyncConfig, the synchronizer's settings: LearnerConfig (`atoll learner`, learner/config.py
-re-exports them), SyncConfig (below), atoll.Learner (learner/api.py) and
-UpConfig (`atoll up`) read them, and tests/test_defaults.py holds every entry point to
-them. The built-in benches (`atoll bench quality`, `atoll chaos`) keep budgets of their own
+"""The learner's defaults, declared once, and SyncConfig, the synchronizer's settings:
+LearnerConfig (`atoll learner`, learner/config.py re-exports them), SyncConfig (below),
+Checkpointing (learner/config.py) and UpConfig (`atoll up`) read them, and
+tests/test_defaults.py holds every entry point to them. The built-in benches (`atoll
+bench quality`, `atoll chaos`) keep budgets of their own
 and say so where they set them."""
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from atoll.wire import codec
 from atoll.wire.codec import DEFAULT_CODEC
@@ -35,38 +37,83 @@ EVAL_BATCHES = 8  # held-out batches per evaluation
 SEED = 0  # model init seed and data order
 
 
+class LearnerConfigError(ValueError):
+    """A learner setting that cannot work; the message says how to fix it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
-    """A synchronizer's settings, checked at construction; the defaults are the
-    learner's (learner/defaults.py), declared once."""
+    """How a learner syncs with the shards (atoll.Learner's `sync=`): each setting's
+    default and check, declared once; a setting that cannot work raises
+    LearnerConfigError (a ValueError) naming it.
+
+    Example:
+      >>> learner = atoll.Learner(shards, "learner-0", sync=atoll.SyncConfig(period=64))
+    """
 
     period: int = PERIOD  # H: inner steps between two syncs of one fragment, >= 1
     overlap: int = OVERLAP  # τ: steps training continues before adopting a push's result, in [0, H)
     mix: float = MIX  # α: share of the local fragment kept when adopting, in [0, 1)
-    late_mix: float = LATE_MIX  # α up to this when adopted d > τ steps after the push: (d − τ)/H
-    codec: codec.Codec = CODEC  # outer-gradient codec on the wire
+    # α's cap for a sync adopted d steps after its push, d past τ: α is then (d − τ)/H up
+    # to this, in [0, 1); 0 turns it off (links whose round trip spans many steps)
+    late_mix: float = LATE_MIX
+    codec: codec.Codec = CODEC  # outer-gradient codec on the wire (a Codec, or its name)
     max_backoff: float = 5.0  # seconds, cap of the retry backoff (jittered), > 0
     patience: float = (
         SYNC_PATIENCE  # seconds (at least; 4 periods of steps if longer) to wait for a round
     )
     wait_for_rounds: bool = False  # synchronous semantics: block when a round is a period late
     join_timeout: float = JOIN_TIMEOUT  # seconds join waits for the shards, all retries, > 0
+    deadline: float = DEADLINE  # seconds per call to a shard, > 0
 
     def __post_init__(self) -> None:
+        check_types(self)
+        object.__setattr__(self, "codec", _codec(self.codec))
         if self.period < 1:
-            raise ValueError(f"period (H) must be at least 1, got {self.period}")
+            raise LearnerConfigError(f"period (H) must be at least 1, got {self.period}")
         if not 0 <= self.overlap < self.period:
-            raise ValueError(
+            raise LearnerConfigError(
                 f"overlap (τ) must be in [0, H={self.period}), got {self.overlap}: "
                 "a fragment must be adopted before its next sync"
             )
         if not 0 <= self.mix < 1:
-            raise ValueError(f"mix (α) must be in [0, 1), got {self.mix}")
+            raise LearnerConfigError(f"mix (α) must be in [0, 1), got {self.mix}")
         if not 0 <= self.late_mix < 1:
-            raise ValueError(f"late_mix must be in [0, 1), got {self.late_mix}")
+            raise LearnerConfigError(f"late_mix must be in [0, 1), got {self.late_mix}")
         if self.patience <= 0:
-            raise ValueError(f"patience must be > 0 seconds, got {self.patience}")
+            raise LearnerConfigError(f"patience must be > 0 seconds, got {self.patience}")
         if self.join_timeout <= 0:
-            raise ValueError(f"join_timeout must be > 0 seconds, got {self.join_timeout}")
+            raise LearnerConfigError(f"join_timeout must be > 0 seconds, got {self.join_timeout}")
+        if self.deadline <= 0:
+            raise LearnerConfigError(f"deadline must be > 0 seconds, got {self.deadline}")
         if self.max_backoff <= 0:
-            raise ValueError(f"max_backoff must be > 0, got {self.max_backoff}")
+            raise LearnerConfigError(f"max_backoff must be > 0, got {self.max_backoff}")
+
+
+def _codec(value: object) -> codec.Codec:
+    """SyncConfig's codec: a Codec, or its name in any case ('fp32')."""
+    if isinstance(value, codec.Codec):
+        return value
+    if isinstance(value, str) and value.upper() in codec.Codec.__members__:
+        return codec.Codec[value.upper()]
+    names = ", ".join(c.name.lower() for c in codec.Codec)
+    raise LearnerConfigError(f"codec {value!r}: want one of {names}")
+
+
+# a field's annotation -> what its value may be (numpy's numbers too)
+_KINDS = {"int": numbers.Integral, "float": numbers.Real, "bool": bool}
+
+
+def check_types(settings: object, prefix: str = "") -> None:
+    """Refuses a dataclass's int, float or bool field holding something else (a str, a
+    bool for a number): LearnerConfigError naming the field, not a TypeError from a
+    comparison further on."""
+    for field in dataclasses.fields(settings):  # type: ignore[arg-type]
+        value, kind = getattr(settings, field.name), _KINDS.get(str(field.type))
+        if kind is None:
+            continue
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            article = "an" if field.type == "int" else "a"
+            raise LearnerConfigError(
+                f"{prefix}{field.name} must be {article} {field.type}, got {value!r}"
+            )

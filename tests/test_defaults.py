@@ -18,7 +18,7 @@ import yaml
 from atoll import Learner, cli
 from atoll.commands import subparser
 from atoll.learner import config as home
-from atoll.learner.config import LearnerConfig
+from atoll.learner.config import Checkpointing, LearnerConfig
 from atoll.learner.sync import SyncConfig
 from atoll.learner.trainer import main as learner_main
 from atoll.local.config import UpConfig, learner_specs
@@ -125,16 +125,30 @@ def test_the_synchronizer_and_the_library_default_as_atoll_learner_does():
     sync = {RENAMED.get(f.name, f.name): f.default for f in dataclasses.fields(SyncConfig)}
     fields = {f.name: f.default for f in dataclasses.fields(LearnerConfig)}
     shared = set(sync) & set(fields)
-    assert shared >= {"period", "overlap", "mix", "codec", "sync_patience", "wait_for_rounds"}
+    assert shared >= {
+        "period",
+        "overlap",
+        "mix",
+        "codec",
+        "sync_patience",
+        "wait_for_rounds",
+        "join_timeout",
+        "deadline",
+    }
     assert {k: sync[k] for k in shared} == {k: fields[k] for k in shared}
+    ckpt = {f"checkpoint_{f.name}": f.default for f in dataclasses.fields(Checkpointing)}
+    assert ckpt["checkpoint_every"] == fields["checkpoint_every"]
+    assert fields["standby"] is ckpt["checkpoint_standby"] is False
     api = {
         RENAMED.get(name, name): p.default
         for name, p in inspect.signature(Learner.__init__).parameters.items()
         if p.default is not inspect.Parameter.empty
     }
     shared = set(api) & set(fields)
-    assert shared >= {"period", "overlap", "mix", "fragments", "codec", "deadline", "num_learners"}
+    assert shared >= {"fragments", "num_learners", "learner_index"}
     assert {k: api[k] for k in shared} == {k: fields[k] for k in shared}
+    # the rest are the config objects', not re-defaulted by the Learner
+    assert api["sync"] is None and api["checkpoint"] is None
 
 
 def test_atoll_up_runs_learners_at_the_learner_defaults():

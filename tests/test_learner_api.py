@@ -4,6 +4,7 @@ tests/integration/test_learner_api_shards.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -55,15 +56,7 @@ def test_every_error_join_promises_is_exported():
         (dict(shards=[b"h:1"], learner_id="a"), "list of 'host:port' str"),
         (dict(shards="h:1", learner_id=""), "learner_id"),
         (dict(shards="h:1,h:2,h:3", learner_id="a", fragments=2), "at least the number of shards"),
-        (dict(shards="h:1", learner_id="a", period=0), "period"),
-        (dict(shards="h:1", learner_id="a", period=4, overlap=4), "overlap"),
-        (dict(shards="h:1", learner_id="a", mix=1.0), "mix"),
-        (dict(shards="h:1", learner_id="a", codec="int8"), "codec 'int8': want one of"),
-        (dict(shards="h:1", learner_id="a", patience=0), "patience"),
-        (dict(shards="h:1", learner_id="a", deadline=0), "deadline"),
-        (dict(shards="h:1", learner_id="a", checkpoint_every=-1), "checkpoint_every"),
         (dict(shards="h:1", learner_id="a", index=2, num_learners=2), "index"),
-        (dict(shards="h:1", learner_id="a", standby=True), "standby=True needs checkpoint_dir"),
         (dict(shards="h:1", learner_id="a", tls="ca.pem"), "TlsFiles"),
     ],
 )
@@ -72,16 +65,112 @@ def test_a_setting_that_cannot_work_is_refused_at_construction(kwargs, match):
         atoll.Learner(**kwargs)
 
 
-def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(period=0), r"^period \(H\) must be at least 1, got 0$"),
+        (dict(period=4, overlap=4), r"^overlap \(τ\) must be in \[0, H=4\), got 4"),
+        (dict(mix=1.0), r"^mix \(α\) must be in \[0, 1\), got 1.0$"),
+        (dict(late_mix=-0.1), r"^late_mix must be in \[0, 1\)"),
+        (dict(codec="int8"), r"^codec 'int8': want one of fp32, mxfp4, int4$"),
+        (dict(patience=0), r"^patience must be > 0 seconds, got 0$"),
+        (dict(join_timeout=-1.0), r"^join_timeout must be > 0 seconds"),
+        (dict(deadline=0), r"^deadline must be > 0 seconds, got 0$"),
+        (dict(period="64"), r"^period must be an int, got '64'$"),
+        (dict(mix=True), r"^mix must be a float, got True$"),
+        (dict(wait_for_rounds="yes"), r"^wait_for_rounds must be a bool, got 'yes'$"),
+    ],
+)
+def test_sync_settings_that_cannot_work_are_refused_by_sync_config_naming_the_field(fields, match):
+    with pytest.raises(atoll.LearnerConfigError, match=match):
+        atoll.SyncConfig(**fields)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((7,), r"^Checkpointing.directory must be a path, got 7$"),
+        (("{tmp}/file",), r"^Checkpointing.directory .*/file: not a directory$"),
+        (("{tmp}/file/sub",), r"cannot be made: .*/file is not a directory$"),
+        (("{tmp}", -1), r"^Checkpointing.every must be >= 0 steps, got -1$"),
+        (("{tmp}", 2.5), r"^Checkpointing.every must be an int, got 2.5$"),
+        (("{tmp}", 10, "yes"), r"^Checkpointing.standby must be a bool, got 'yes'$"),
+    ],
+)
+def test_checkpoint_settings_that_cannot_work_are_refused_by_checkpointing(tmp_path, args, match):
     (tmp_path / "file").write_text("")
-    with pytest.raises(atoll.LearnerConfigError, match="not a directory"):
-        atoll.Learner("h:1", "a", checkpoint_dir=tmp_path / "file")
+    args = tuple(a.format(tmp=tmp_path) if isinstance(a, str) else a for a in args)
+    with pytest.raises(atoll.LearnerConfigError, match=match):
+        atoll.Checkpointing(*args)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(sync={"period": 64}), r"^sync must be an atoll.SyncConfig, got dict: e.g."),
+        (dict(sync=64), r"^sync must be an atoll.SyncConfig, got int"),
+        (dict(checkpoint="ckpt/"), r"^checkpoint must be an atoll.Checkpointing or None, got str"),
+        (dict(checkpoint=atoll.SyncConfig()), r"Checkpointing or None, got SyncConfig"),
+    ],
+)
+def test_sync_and_checkpoint_of_another_type_are_refused_saying_what_to_pass(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        atoll.Learner("h:1", "a", **kwargs)
+
+
+def test_the_short_form_takes_every_default_and_the_objects_as_given(tmp_path):
+    learner = atoll.Learner("h:1", "a")
+    assert learner.sync_config == atoll.SyncConfig() and learner.checkpointing is None
+    assert (learner.fragments, learner.index, learner.num_learners) == (4, 0, 1)
+    sync = atoll.SyncConfig(period=64, overlap=2, codec="fp32")
+    ckpt = atoll.Checkpointing(tmp_path / "ckpt", every=10, standby=True)
+    learner = atoll.Learner("h:1", "a", sync=sync, checkpoint=ckpt)
+    assert learner.sync_config is sync and sync.codec == atoll.Codec.FP32
+    assert learner.checkpointing is ckpt and ckpt.directory == tmp_path / "ckpt"
+    assert atoll.Checkpointing(str(tmp_path)).every == 50
+
+
+def test_only_the_built_in_loop_passes_its_hooks():
+    import inspect
+
+    public = set(inspect.signature(atoll.Learner).parameters)
+    assert not public & {"on_push", "claim_id", "run_info"}, public
+    assert len(public) <= 12, f"{len(public)} parameters: group new settings in a config"
+    hooks = set(inspect.signature(atoll.Learner.from_config).parameters)
+    assert {"on_push", "claim_id", "run_info"} <= hooks
+
+
+def test_from_config_gives_atoll_learners_settings_as_the_config_objects(tmp_path):
+    from atoll.learner.config import LearnerConfig
+
+    cfg = LearnerConfig(
+        shards=("h:1", "h:2"),
+        learner_id="a",
+        period=8,
+        overlap=2,
+        deadline=5.0,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=3,
+        standby=True,
+        learner_index=1,
+        num_learners=2,
+    )
+    learner = atoll.Learner.from_config(cfg)
+    assert learner.sync_config == cfg.sync_config()
+    assert (learner.sync_config.period, learner.sync_config.deadline) == (8, 5.0)
+    assert learner.checkpointing == atoll.Checkpointing(tmp_path, every=3, standby=True)
+    assert (learner.index, learner.num_learners, learner.fragments) == (1, 2, 4)
+    assert (
+        atoll.Learner.from_config(
+            dataclasses.replace(cfg, checkpoint_dir=None, standby=False)
+        ).checkpointing
+        is None
+    )
 
 
 def test_settings_by_name_and_pattern():
-    learner = atoll.Learner("h-{i}:7070", "a", num_shards=2, codec="fp32")
+    learner = atoll.Learner("h-{i}:7070", "a", num_shards=2)
     assert learner.addresses == ("h-0:7070", "h-1:7070") and learner.pattern == "h-{i}:7070"
-    assert learner.sync_config.codec == atoll.Codec.FP32
     assert atoll.Learner(["h:1", "h:2"], "a").addresses == ("h:1", "h:2")
 
 

@@ -60,7 +60,7 @@ def bench_learner(
     Raises ValueError for a setting that cannot work (before any process starts).
     """
     try:
-        SyncConfig(period=period)  # its checks, before a shard starts for nothing
+        sync = SyncConfig(period=period)  # its checks, before a shard starts for nothing
     except ValueError as e:
         raise ValueError(f"--period {period}: {e}") from None
     load_before = os.getloadavg()[0]
@@ -79,7 +79,7 @@ def bench_learner(
             ),
             root / "syncer.log",
         )
-        learner = Learner(f"127.0.0.1:{port}", "bench-learner", period=period)
+        learner = Learner(f"127.0.0.1:{port}", "bench-learner", sync=sync)
         loop = Loop(learner, preset)
         for pair in range(WARMUP_PAIRS):
             loop.pair(bare_first=pair % 2 == 0)

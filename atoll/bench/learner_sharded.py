@@ -471,7 +471,7 @@ def _stats(values: list[int]) -> dict[str, Any]:
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     """One process: the timed pairs, the memory phase, finish; its report."""
     load_before = os.getloadavg()[0]
-    learner = Learner(args.shards, "bench-learner", period=args.period)
+    learner = Learner(args.shards, "bench-learner", sync=SyncConfig(period=args.period))
     try:
         loop = _ShardedLoop(learner, args.preset, args.sharded)
         for pair in range(bench.WARMUP_PAIRS):
