@@ -10,6 +10,7 @@ import dataclasses
 import os
 import pathlib
 import re
+import socket
 import tempfile
 
 # the learner's defaults (learner/defaults.py), re-exported for whoever builds configs
@@ -30,15 +31,11 @@ from atoll.learner.defaults import (  # noqa: F401
     STEPS,
     SYNC_PATIENCE,
     SyncConfig,
-    check_types,
 )
-from atoll.learner.defaults import LearnerConfigError as LearnerConfigError
-from atoll.learner.distributed import (
-    DistributedConfig,
-)
+from atoll.learner.distributed import DistributedConfig, processes
 from atoll.wire import settings
 from atoll.wire.codec import Codec
-from atoll.wire.settings import flag, setting
+from atoll.wire.settings import flag, nested, setting
 
 
 def _need(ok: bool, message: str) -> None:
@@ -68,6 +65,10 @@ ENV_CHECKPOINT_DIR = "ATOLL_CHECKPOINT_DIR"  # default --checkpoint-dir (empty: 
 ENV_CHECKPOINT_EVERY = "ATOLL_CHECKPOINT_EVERY"  # default --checkpoint-every
 
 
+class LearnerConfigError(ValueError):
+    """A learner setting that cannot work; the message says how to fix it."""
+
+
 def devices(text: str) -> int:
     """--fsdp's value: a number of devices, 'all' being 0."""
     if text.strip().lower() == "all":
@@ -80,52 +81,104 @@ def devices(text: str) -> int:
         ) from None
 
 
+# help's groups of `atoll learner`'s flags (the identity and TLS flags stay ungrouped)
+_TRAINING, _SYNC, _FILES = "model and training", "sync", "files, state and standbys"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardList:
+    """--shards and --num-shards: together they give LearnerConfig's `shards` and
+    `shard_pattern`; a pattern needs its count, a list must match it."""
+
+    shards: str | None = setting(
+        None,
+        "shard addresses in index order, 'HOST:PORT,HOST:PORT', or a pattern such as "
+        "'atoll-syncer-{i}.atoll-syncer:7070' with --num-shards, the shards asked at join; "
+        "a pattern also reaches shards a reshard adds later",
+        env=ENV_SHARDS,
+    )
+    num_shards: int | None = setting(None, "shards, when --shards is a pattern")
+
+    def __post_init__(self) -> None:
+        self.addresses()  # a pattern without its count, a bad address: refused here
+
+    def addresses(self) -> tuple[str, ...]:
+        """The shards' addresses, in index order (none without --shards)."""
+        return () if self.shards is None else shard_addresses(self.shards, self.num_shards)
+
+    def fields(self) -> dict[str, object]:
+        """LearnerConfig's fields these flags give."""
+        pattern = self.shards if self.shards is not None and "{i}" in self.shards else None
+        return {"shards": self.addresses(), "shard_pattern": pattern}
+
+    @staticmethod
+    def of(cfg: LearnerConfig) -> ShardList:
+        """The flags that give `cfg`'s shards back."""
+        if cfg.shard_pattern is not None:
+            return ShardList(cfg.shard_pattern, len(cfg.shards))
+        return ShardList(",".join(cfg.shards) or None)
+
+
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
-    """A learner's settings; `atoll learner`'s flags are its fields' (wire/settings.py), but for
-    --shards/--num-shards and the multi-host flags, which `atoll.learner.trainer.main` adds."""
+    """A learner's settings; `atoll learner`'s flags are its fields' and their nested
+    configs' (wire/settings.py), each defaulting to the field's default or, where it names
+    one, to its ATOLL_* variable (what a cluster sets)."""
 
-    shards: tuple[str, ...]  # shard addresses in index order (empty only with baseline)
-    learner_id: str = dataclasses.field(  # stable across restarts: the shards know a learner by it
+    # shard addresses in index order (empty only with baseline): --shards, --num-shards
+    shards: tuple[str, ...] = dataclasses.field(
+        default=(), metadata=nested(ShardList, into=ShardList.fields, out_of=ShardList.of)
+    )
+    # stable across restarts: the shards know a learner by it
+    learner_id: str = dataclasses.field(
+        default_factory=socket.gethostname,
         metadata=flag(
-            "stable name of this learner (env ATOLL_LEARNER_ID)", default_text="the host name"
-        )
+            "stable name of this learner", env=ENV_LEARNER_ID, default_text="the host name"
+        ),
     )
     # --shards as a pattern ('host-{i}:port'): shards past `shards` that a reshard brings
     # in are reached by it (docs/resharding.md); None: only `shards` exist
     shard_pattern: str | None = None
     learner_index: int = setting(
-        0, "data shard of this learner in [0, num-learners) (env ATOLL_LEARNER_INDEX)"
+        0, "data shard of this learner in [0, num-learners)", env=ENV_LEARNER_INDEX
     )
     num_learners: int = setting(
         1, "M, learners in the run (data shards; baseline batch multiplier)"
     )
-    preset: str = setting(PRESET, "model size: tiny, small, base, large")
-    batch_size: int = setting(BATCH_SIZE, "sequences per inner step")
-    steps: int = setting(STEPS, "inner steps to run")
-    lr: float = setting(3e-3, "inner AdamW peak learning rate")
-    warmup: int = setting(20, "inner warm-up steps")
-    period: int = setting(PERIOD, "H: inner steps between syncs of a fragment")
-    overlap: int = setting(OVERLAP, "τ: steps trained while a sync is in flight")
-    mix: float = setting(MIX, "α: share of local weights kept when adopting")
+    preset: str = setting(PRESET, "model size: tiny, small, base, large", group=_TRAINING)
+    batch_size: int = setting(BATCH_SIZE, "sequences per inner step", group=_TRAINING)
+    steps: int = setting(STEPS, "inner steps to run", group=_TRAINING)
+    lr: float = setting(3e-3, "inner AdamW peak learning rate", group=_TRAINING)
+    warmup: int = setting(20, "inner warm-up steps", group=_TRAINING)
+    period: int = setting(PERIOD, "H: inner steps between syncs of a fragment", group=_SYNC)
+    overlap: int = setting(OVERLAP, "τ: steps trained while a sync is in flight", group=_SYNC)
+    mix: float = setting(MIX, "α: share of local weights kept when adopting", group=_SYNC)
     late_mix: float = setting(
         LATE_MIX,
         "α's cap for a sync adopted d steps after its push, past τ: α = (d − τ)/H up to "
         "this; helps on links whose round trip spans many steps; 0: off",
+        group=_SYNC,
     )
-    fragments: int = setting(FRAGMENTS, "P: fragments; all learners must agree")
-    codec: Codec = setting(CODEC, "outer-gradient codec", choices=("int4", "mxfp4", "fp32"))
-    seed: int = setting(SEED, "init and data-order seed")
+    fragments: int = setting(FRAGMENTS, "P: fragments; all learners must agree", group=_SYNC)
+    codec: Codec = setting(
+        CODEC, "outer-gradient codec", choices=("int4", "mxfp4", "fp32"), group=_SYNC
+    )
+    seed: int = setting(SEED, "init and data-order seed", group=_TRAINING)
     data: pathlib.Path | None = setting(
         None,
         "text file, directory of text files, or .npy token array "
         "(default: the Python stdlib's sources)",
+        group=_TRAINING,
     )
-    cache_dir: pathlib.Path | None = setting(None, "corpus cache (default ~/.cache/atoll)")
-    eval_every: int = setting(50, "steps between evaluations; 0: only at the end")
-    eval_batches: int = setting(EVAL_BATCHES, "held-out batches per evaluation")
-    slowdown: float = setting(1.0, "stretch each step X times, emulating an older accelerator")
-    baseline: bool = setting(False, "data-parallel reference: no syncer, M× batch")
+    cache_dir: pathlib.Path | None = setting(
+        None, "corpus cache (default ~/.cache/atoll)", group=_TRAINING
+    )
+    eval_every: int = setting(50, "steps between evaluations; 0: only at the end", group=_TRAINING)
+    eval_batches: int = setting(EVAL_BATCHES, "held-out batches per evaluation", group=_TRAINING)
+    slowdown: float = setting(
+        1.0, "stretch each step X times, emulating an older accelerator", group=_TRAINING
+    )
+    baseline: bool = setting(False, "data-parallel reference: no syncer, M× batch", group=_TRAINING)
     fsdp: int = setting(
         1,
         "split each param and its optimiser state N ways over the mesh axis 'fsdp' of "
@@ -134,9 +187,10 @@ class LearnerConfig:
         "all (or 0): every device of the slice; 1: replicated",
         parse=devices,
         metavar="N",
+        group=_TRAINING,
     )
     token_file: pathlib.Path | None = setting(
-        None, "file holding this learner's bearer token (env ATOLL_TOKEN_FILE)"
+        None, "file holding this learner's bearer token", env=ENV_TOKEN_FILE
     )
     tls_ca: pathlib.Path | None = setting(
         None, "PEM CA of the shards' certificates (enables TLS; the Secret's ca.crt)"
@@ -146,53 +200,73 @@ class LearnerConfig:
     )
     tls_key: pathlib.Path | None = setting(None, "PEM private key of --tls-cert")
     status_file: pathlib.Path | None = setting(
-        None, "append JSON progress records here ({id} stands for the learner id)"
+        None, "append JSON progress records here ({id} stands for the learner id)", group=_FILES
     )
     push_log: pathlib.Path | None = setting(
         None,
         "append one JSON line per answered push here (fragment, seq, accepted, versions; "
         "{id} stands for the learner id)",
+        group=_FILES,
     )
     sync_patience: float = setting(
         SYNC_PATIENCE,
         "seconds to wait on a round holding our push before training on without it "
         "(at least 4 periods of steps)",
+        group=_SYNC,
     )
     wait_for_rounds: bool = setting(
         False,
         "synchronous semantics, for baselines: when a fragment's round is still open a whole "
         "period after its push, stop training until it closes (by default a learner never waits)",
+        group=_SYNC,
     )
     compile_cache: pathlib.Path | None = setting(
         None,
-        "directory for compiled programs, so a restarted learner skips compiling "
-        "(env ATOLL_COMPILE_CACHE; off by default)",
+        "directory for compiled programs, so a restarted learner skips compiling (off by default)",
+        env=ENV_COMPILE_CACHE,
+        group=_FILES,
     )
-    metrics_port: int | None = setting(None, "Prometheus /metrics port (off by default)")
-    deadline: float = setting(DEADLINE, "seconds per call to a shard")
+    metrics_port: int | None = setting(
+        None, "Prometheus /metrics port (off by default)", group=_FILES
+    )
+    deadline: float = setting(DEADLINE, "seconds per call to a shard", group=_SYNC)
     join_timeout: float = setting(
-        JOIN_TIMEOUT, "seconds joining waits for the shards to answer, all retries together"
+        JOIN_TIMEOUT,
+        "seconds joining waits for the shards to answer, all retries together",
+        group=_SYNC,
     )
-    lease_exit_wait: float = setting(10.0, "seconds to wait at the end for syncs in flight")
-    progress: bool = setting(True, "no progress line", name="quiet")
-    distributed: DistributedConfig | None = (
-        None  # the slice's processes (learner/distributed.py); None: one
+    lease_exit_wait: float = setting(
+        10.0, "seconds to wait at the end for syncs in flight", group=_SYNC
+    )
+    progress: bool = setting(True, "no progress line", name="quiet", group=_FILES)
+    # the slice's processes (learner/distributed.py); None: one
+    distributed: DistributedConfig | None = dataclasses.field(
+        default=None,
+        metadata=nested(
+            DistributedConfig,
+            title="multi-host learners",
+            into=lambda given: {"distributed": processes(given)},
+        ),
     )
     checkpoint_dir: pathlib.Path | None = setting(
         None,
         "durable learner state: a checkpoint per learner id, written in the background, "
         "that a restart resumes from (same step, data position and optimiser state); "
-        "also where learners claim their ids for standbys (env ATOLL_CHECKPOINT_DIR; "
-        "off by default)",
+        "also where learners claim their ids for standbys (off by default)",
+        env=ENV_CHECKPOINT_DIR,
+        group=_FILES,
     )
     checkpoint_every: int = setting(
         CHECKPOINT_EVERY,
-        "steps between checkpoints; 0: only when stopped by a signal (env ATOLL_CHECKPOINT_EVERY)",
+        "steps between checkpoints; 0: only when stopped by a signal",
+        env=ENV_CHECKPOINT_EVERY,
+        group=_FILES,
     )
     standby: bool = setting(
         False,
         "load and compile, then wait to take over the id of a failed learner of "
         "--checkpoint-dir (its data shard, status file and checkpoint)",
+        group=_FILES,
     )
 
     def __post_init__(self) -> None:
@@ -230,6 +304,7 @@ class LearnerConfig:
             f"--fsdp must be 1 (replicated), a number of devices that divides the slice's, or "
             f"all (0); got {self.fsdp}",
         )
+        _need(self.deadline > 0, f"--deadline must be > 0 seconds, got {self.deadline}")
         _need(
             self.lease_exit_wait >= 0,
             f"--lease-exit-wait must be >= 0 seconds, got {self.lease_exit_wait}",
@@ -305,14 +380,7 @@ class LearnerConfig:
             patience=self.sync_patience,
             wait_for_rounds=self.wait_for_rounds,
             join_timeout=self.join_timeout,
-            deadline=self.deadline,
         )
-
-    def checkpointing(self) -> Checkpointing | None:
-        """This learner's checkpoint settings; None without --checkpoint-dir."""
-        if self.checkpoint_dir is None:
-            return None
-        return Checkpointing(self.checkpoint_dir, self.checkpoint_every, self.standby)
 
     def to_args(self) -> list[str]:
         """The `atoll learner` flags that give this config: what a launcher (`atoll up`,
@@ -324,17 +392,7 @@ class LearnerConfig:
         TPU slice's `DistributedConfig()`: the child reads those from its environment.
         """
         args = ["--learner-id", self.learner_id]  # first: `atoll up` logs a child's flags after it
-        if self.shard_pattern is not None:
-            args += ["--shards", self.shard_pattern, "--num-shards", str(len(self.shards))]
-        elif self.shards:
-            args += ["--shards", ",".join(self.shards)]
-        args += settings.to_args(self, skip=("learner_id",), every=True)
-        multi = self.distributed
-        if multi is not None and multi.coordinator is not None:
-            args += ["--coordinator", multi.coordinator]
-            args += ["--num-processes", str(multi.num_processes)]
-            args += ["--process-id", str(multi.process_id)]
-        return args
+        return args + settings.to_args(self, skip=("learner_id",), every=True)
 
     def as_learner(self, learner_id: str, learner_index: int) -> LearnerConfig:
         """This config for learner `learner_id` ({id} in the token, status and push-log paths
@@ -362,7 +420,6 @@ _SYNC_FLAGS = {
     "late_mix": "--late-mix",
     "patience": "--sync-patience",
     "join_timeout": "--join-timeout",
-    "deadline": "--deadline",
 }
 
 
@@ -371,43 +428,6 @@ def _as_flags(message: str) -> str:
     '--overlap must be in [0, --period=4)'."""
     message = re.sub(r"^(\w+)( \(.\))?", lambda m: _SYNC_FLAGS.get(m[1], m[0]), message)
     return message.replace("H=", "--period=")
-
-
-@dataclasses.dataclass(frozen=True)
-class Checkpointing:
-    """Where a learner keeps its checkpoint and id claim, how often it writes one, and
-    whether it waits as a standby (atoll.Learner's `checkpoint=`): each setting's default
-    and check, declared once; one that cannot work raises LearnerConfigError naming it.
-
-    A restart with the same directory and id resumes every leaf, as `join`'s dtypes and
-    shardings, the step, the sync state (same mesh only) and `step`'s `state`, carrying
-    local progress onto the global weights; one live process holds an id at a time.
-
-    Example:
-      >>> learner = atoll.Learner(shards, "learner-0", checkpoint=atoll.Checkpointing("ckpt/"))
-    """
-
-    # `<directory>/<learner id>/`: the id's claim and Orbax checkpoint (made if missing)
-    directory: pathlib.Path
-    # steps between background checkpoints, >= 0; 0: only at `save` and `finish`
-    every: int = CHECKPOINT_EVERY
-    # `join` waits until a learner of this run (same `num_learners`) fails, then takes
-    # over its id, data shard (`learner.index`) and checkpoint
-    standby: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.directory, (str, os.PathLike)):
-            raise LearnerConfigError(
-                f"Checkpointing.directory must be a path, got {self.directory!r}"
-            )
-        object.__setattr__(self, "directory", pathlib.Path(self.directory))
-        check_types(self, "Checkpointing.")
-        try:
-            problem = directory_problem(self.directory)
-        except OSError as e:  # e.g. a directory on the way that may not be searched
-            problem = e.strerror
-        _need(problem is None, f"Checkpointing.directory {self.directory}: {problem}")
-        _need(self.every >= 0, f"Checkpointing.every must be >= 0 steps, got {self.every}")
 
 
 def directory_problem(path: pathlib.Path) -> str | None:

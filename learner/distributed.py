@@ -12,10 +12,10 @@ split over its processes (FSDP, tensor parallel) instead has every process push 
 adopt its own shards, with process 0 deciding only the schedule (learner/sharded.py).
 
 How a process learns its place, first that applies:
-  * flags --coordinator HOST:PORT --num-processes N --process-id I;
-  * the JobSet's environment: ATOLL_COORDINATOR (e.g. the pod of job index 0 and a
-    port), ATOLL_NUM_PROCESSES, ATOLL_PROCESS_ID;
-  * a multi-host TPU slice (TPU_WORKER_HOSTNAMES lists more than one host):
+  * flags --coordinator HOST:PORT --num-processes N --process-id I, each defaulting to
+    the JobSet's environment: ATOLL_COORDINATOR (e.g. the pod of job index 0 and a
+    port), ATOLL_NUM_PROCESSES, ATOLL_PROCESS_ID (DistributedConfig's fields);
+  * with none of them, a multi-host TPU slice (TPU_WORKER_HOSTNAMES lists more than one host):
     `jax.distributed.initialize()` with no arguments, which reads the TPU metadata.
 Otherwise the learner is one process and nothing here runs.
 """
@@ -23,10 +23,13 @@ Otherwise the learner is one process and nothing here runs.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from atoll.wire.settings import setting
 
 ENV_COORDINATOR = "ATOLL_COORDINATOR"  # HOST:PORT of process 0's coordination service
 ENV_NUM_PROCESSES = "ATOLL_NUM_PROCESSES"  # processes (hosts) in this learner, >= 1
@@ -40,10 +43,24 @@ class DistributedConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-    coordinator: str | None = None  # HOST:PORT of process 0; None: from the TPU metadata
-    num_processes: int | None = None  # processes in the learner, >= 2; None: from the TPU metadata
-    process_id: int | None = (
-        None  # this process, in [0, num_processes); None: from the TPU metadata
+    """Where this process stands among its learner's processes: `atoll learner`'s
+    multi-host flags (wire/settings.py), each defaulting to its ATOLL_* variable."""
+
+    # HOST:PORT of process 0; None: from the TPU metadata
+    coordinator: str | None = setting(
+        None,
+        "HOST:PORT of process 0 of a multi-host learner (a multi-host TPU slice needs none)",
+        env=ENV_COORDINATOR,
+    )
+    # processes in the learner, >= 1; None: from the TPU metadata
+    num_processes: int | None = setting(
+        None, "processes (hosts) of a multi-host learner", env=ENV_NUM_PROCESSES
+    )
+    # this process, in [0, num_processes); None: from the TPU metadata
+    process_id: int | None = setting(
+        None,
+        "this process of a multi-host learner, 0 talks to the syncer",
+        env=ENV_PROCESS_ID,
     )
 
     def __post_init__(self) -> None:
@@ -70,30 +87,17 @@ class DistributedConfig:
                 )
 
 
-def config_from(
-    coordinator: str | None,
-    num_processes: int | None,
-    process_id: int | None,
-    env: Mapping[str, str],
+def processes(
+    given: DistributedConfig, env: Mapping[str, str] | None = None
 ) -> DistributedConfig | None:
-    """The learner's multi-process setting from flags, else the environment; None: one process."""
-
-    def env_int(name: str) -> int | None:
-        value = env.get(name, "").strip()
-        if not value:
-            return None
-        if not value.lstrip("-").isdigit():
-            raise DistributedConfigError(f"{name}={value!r} must be an integer")
-        return int(value)
-
-    if coordinator is None and num_processes is None and process_id is None:
-        coordinator = env.get(ENV_COORDINATOR) or None
-        num_processes, process_id = env_int(ENV_NUM_PROCESSES), env_int(ENV_PROCESS_ID)
-    if coordinator is not None or num_processes is not None or process_id is not None:
-        cfg = DistributedConfig(coordinator, num_processes, process_id)
-        return cfg if (cfg.num_processes or 0) > 1 else None
-    hosts = [h for h in env.get(ENV_TPU_HOSTS, "").split(",") if h.strip()]
-    return DistributedConfig() if len(hosts) > 1 else None
+    """The learner's processes, from what its flags (or ATOLL_* variables) `given` say:
+    None for one process; with nothing given, a multi-host TPU slice (`env`'s
+    TPU_WORKER_HOSTNAMES, default os.environ) is DistributedConfig(), which jax fills in
+    from the TPU metadata, and anything else one process."""
+    if given != DistributedConfig():
+        return given if (given.num_processes or 0) > 1 else None
+    hosts = (os.environ if env is None else env).get(ENV_TPU_HOSTS, "")
+    return DistributedConfig() if len([h for h in hosts.split(",") if h.strip()]) > 1 else None
 
 
 def initialize(cfg: DistributedConfig | None) -> None:

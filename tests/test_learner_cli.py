@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import os
 import pathlib
+import re
 
 import pytest
 
@@ -115,25 +116,39 @@ def test_bad_multi_process_flags_are_readable_errors(run, tmp_path, flags, wante
     assert not (tmp_path / "s.jsonl").exists(), "it stopped before doing anything"
 
 
-def test_multi_process_setting_from_flags_then_environment_then_tpu_slice():
-    from atoll.learner.distributed import DistributedConfig, DistributedConfigError, config_from
-
+def test_multi_process_setting_from_flags_then_environment_then_tpu_slice(parse, monkeypatch):
     env = {
         "ATOLL_COORDINATOR": "learner-0.atoll:8476",
         "ATOLL_NUM_PROCESSES": "4",
         "ATOLL_PROCESS_ID": "3",
     }
-    assert config_from(None, None, None, env) == DistributedConfig("learner-0.atoll:8476", 4, 3)
-    assert config_from("10.0.0.1:9", 2, 1, env) == DistributedConfig("10.0.0.1:9", 2, 1), (
+    flags = ["--coordinator", "10.0.0.1:9", "--num-processes", "2", "--process-id", "1"]
+    assert parse(["--baseline"]).distributed is None, "nothing given: one process"
+    one = ["--coordinator", "10.0.0.1:9", "--num-processes", "1", "--process-id", "0"]
+    assert parse(["--baseline", *one]).distributed is None, "one process: nothing to join"
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "slice-0-0.atoll")
+    assert parse(["--baseline"]).distributed is None
+    # A multi-host TPU slice: jax.distributed reads the TPU metadata (no flags needed).
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "h0,h1")
+    assert parse(["--baseline"]).distributed == DistributedConfig()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert parse(["--baseline"]).distributed == DistributedConfig("learner-0.atoll:8476", 4, 3)
+    assert parse(["--baseline", *flags]).distributed == DistributedConfig("10.0.0.1:9", 2, 1), (
         "flags win"
     )
-    assert config_from("10.0.0.1:9", 1, 0, {}) is None, "one process: nothing to join"
-    assert config_from(None, None, None, {}) is None
-    assert config_from(None, None, None, {"TPU_WORKER_HOSTNAMES": "slice-0-0.atoll"}) is None
-    # A multi-host TPU slice: jax.distributed reads the TPU metadata (no flags needed).
-    assert config_from(None, None, None, {"TPU_WORKER_HOSTNAMES": "h0,h1"}) == DistributedConfig()
-    with pytest.raises(DistributedConfigError, match="ATOLL_NUM_PROCESSES"):
-        config_from(None, None, None, {**env, "ATOLL_NUM_PROCESSES": "four"})
+
+
+def test_a_malformed_environment_variable_is_a_one_line_error(monkeypatch, capsys):
+    monkeypatch.setenv("ATOLL_NUM_PROCESSES", "four")
+    with pytest.raises(SystemExit) as exit:
+        main(["learner", "--baseline"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "Traceback" not in err
+    assert (
+        "argument --num-processes: environment variable ATOLL_NUM_PROCESSES='four': "
+        "not a valid int" in err
+    )
 
 
 def test_a_shard_pattern_is_kept_to_reach_shards_added_later():
@@ -256,10 +271,80 @@ def test_a_config_renders_the_command_line_that_gives_it_back(parse, tmp_path, n
 def test_every_learner_setting_has_a_flag_to_render():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    dests = {a.dest for a in parser._actions}
-    spelled_apart = {"shard_pattern": "shards", "distributed": "coordinator"}
+    dests = {a.dest.partition(".")[0] for a in parser._actions}  # nested: FIELD.NAME
+    spelled_apart = {"shard_pattern": "shards"}  # --shards with a pattern gives both
     for f in dataclasses.fields(LearnerConfig):
         assert spelled_apart.get(f.name, f.name) in dests, f"LearnerConfig.{f.name} has no flag"
+
+
+# `atoll learner --help` before its flags were generated: (flag, default shown, env)
+HELP = [
+    ("--shards", None, "ATOLL_SHARDS"),
+    ("--num-shards", None, None),
+    ("--learner-id", "the host name", "ATOLL_LEARNER_ID"),
+    ("--learner-index", "0", "ATOLL_LEARNER_INDEX"),
+    ("--num-learners", "1", None),
+    ("--token-file", None, "ATOLL_TOKEN_FILE"),
+    ("--tls-ca", None, None),
+    ("--tls-cert", None, None),
+    ("--tls-key", None, None),
+    ("--preset", "small", None),
+    ("--batch-size", "16", None),
+    ("--steps", "200", None),
+    ("--lr", "0.003", None),
+    ("--warmup", "20", None),
+    ("--seed", "0", None),
+    ("--data", None, None),
+    ("--cache-dir", "~/.cache/atoll", None),
+    ("--eval-every", "50", None),
+    ("--eval-batches", "8", None),
+    ("--slowdown", "1.0", None),
+    ("--baseline", None, None),
+    ("--fsdp", "1", None),
+    ("--period", "32", None),
+    ("--overlap", "1", None),
+    ("--mix", "0.0", None),
+    ("--late-mix", "0.0", None),
+    ("--fragments", "4", None),
+    ("--codec", "int4", None),
+    ("--sync-patience", "30.0", None),
+    ("--wait-for-rounds", None, None),
+    ("--deadline", "60.0", None),
+    ("--join-timeout", "300.0", None),
+    ("--lease-exit-wait", "10.0", None),
+    ("--status-file", None, None),
+    ("--push-log", None, None),
+    ("--compile-cache", None, "ATOLL_COMPILE_CACHE"),
+    ("--metrics-port", None, None),
+    ("--quiet", None, None),
+    ("--checkpoint-dir", None, "ATOLL_CHECKPOINT_DIR"),
+    ("--checkpoint-every", "50", "ATOLL_CHECKPOINT_EVERY"),
+    ("--standby", None, None),
+    ("--coordinator", None, "ATOLL_COORDINATOR"),
+    ("--num-processes", None, "ATOLL_NUM_PROCESSES"),
+    ("--process-id", None, "ATOLL_PROCESS_ID"),
+]
+
+
+def test_help_lists_the_flags_defaults_and_variables_it_always_did(monkeypatch, capsys):
+    """The flags, help's defaults and the ATOLL_* variables that scripts and the k8s
+    manifests rely on, as `atoll learner --help` gave them when they were written by hand."""
+    for name in list(os.environ):
+        if name.startswith(("ATOLL_", "TPU_")):
+            monkeypatch.delenv(name)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    listed = []
+    for action in parser._actions[1:]:  # after -h
+        shown = re.search(r"\(default ([^)]*)\)", action.help or "")
+        env = re.search(r"\(env (ATOLL_\w+)\)", action.help or "")
+        listed.append((action.option_strings[0], shown and shown[1], env and env[1]))
+    assert sorted(listed) == sorted(HELP)
+    with pytest.raises(SystemExit) as exit:
+        main(["learner", "--help"])
+    text = capsys.readouterr().out
+    assert exit.value.code == 0 and all(f"  {name} " in text for name, _, _ in HELP)
+    assert "multi-host learners:" in text and "sync:" in text
 
 
 def test_an_fsdp_the_devices_cannot_take_is_a_readable_error(run, tmp_path):
