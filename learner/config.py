@@ -31,7 +31,9 @@ from atoll.learner.defaults import (  # noqa: F401
     STEPS,
     SYNC_PATIENCE,
     SyncConfig,
+    check_types,
 )
+from atoll.learner.defaults import LearnerConfigError as LearnerConfigError
 from atoll.learner.distributed import DistributedConfig, processes
 from atoll.wire import settings
 from atoll.wire.codec import Codec
@@ -63,10 +65,6 @@ ENV_CHECKPOINT_DIR = "ATOLL_CHECKPOINT_DIR"  # default --checkpoint-dir (empty: 
 
 
 ENV_CHECKPOINT_EVERY = "ATOLL_CHECKPOINT_EVERY"  # default --checkpoint-every
-
-
-class LearnerConfigError(ValueError):
-    """A learner setting that cannot work; the message says how to fix it."""
 
 
 def devices(text: str) -> int:
@@ -304,7 +302,6 @@ class LearnerConfig:
             f"--fsdp must be 1 (replicated), a number of devices that divides the slice's, or "
             f"all (0); got {self.fsdp}",
         )
-        _need(self.deadline > 0, f"--deadline must be > 0 seconds, got {self.deadline}")
         _need(
             self.lease_exit_wait >= 0,
             f"--lease-exit-wait must be >= 0 seconds, got {self.lease_exit_wait}",
@@ -380,7 +377,14 @@ class LearnerConfig:
             patience=self.sync_patience,
             wait_for_rounds=self.wait_for_rounds,
             join_timeout=self.join_timeout,
+            deadline=self.deadline,
         )
+
+    def checkpointing(self) -> Checkpointing | None:
+        """This learner's checkpoint settings; None without --checkpoint-dir."""
+        if self.checkpoint_dir is None:
+            return None
+        return Checkpointing(self.checkpoint_dir, self.checkpoint_every, self.standby)
 
     def to_args(self) -> list[str]:
         """The `atoll learner` flags that give this config: what a launcher (`atoll up`,
@@ -420,6 +424,7 @@ _SYNC_FLAGS = {
     "late_mix": "--late-mix",
     "patience": "--sync-patience",
     "join_timeout": "--join-timeout",
+    "deadline": "--deadline",
 }
 
 
@@ -428,6 +433,43 @@ def _as_flags(message: str) -> str:
     '--overlap must be in [0, --period=4)'."""
     message = re.sub(r"^(\w+)( \(.\))?", lambda m: _SYNC_FLAGS.get(m[1], m[0]), message)
     return message.replace("H=", "--period=")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpointing:
+    """Where a learner keeps its checkpoint and id claim, how often it writes one, and
+    whether it waits as a standby (atoll.Learner's `checkpoint=`): each setting's default
+    and check, declared once; one that cannot work raises LearnerConfigError naming it.
+
+    A restart with the same directory and id resumes every leaf, as `join`'s dtypes and
+    shardings, the step, the sync state (same mesh only) and `step`'s `state`, carrying
+    local progress onto the global weights; one live process holds an id at a time.
+
+    Example:
+      >>> learner = atoll.Learner(shards, "learner-0", checkpoint=atoll.Checkpointing("ckpt/"))
+    """
+
+    # `<directory>/<learner id>/`: the id's claim and Orbax checkpoint (made if missing)
+    directory: pathlib.Path
+    # steps between background checkpoints, >= 0; 0: only at `save` and `finish`
+    every: int = CHECKPOINT_EVERY
+    # `join` waits until a learner of this run (same `num_learners`) fails, then takes
+    # over its id, data shard (`learner.index`) and checkpoint
+    standby: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.directory, (str, os.PathLike)):
+            raise LearnerConfigError(
+                f"Checkpointing.directory must be a path, got {self.directory!r}"
+            )
+        object.__setattr__(self, "directory", pathlib.Path(self.directory))
+        check_types(self, "Checkpointing.")
+        try:
+            problem = directory_problem(self.directory)
+        except OSError as e:  # e.g. a directory on the way that may not be searched
+            problem = e.strerror
+        _need(problem is None, f"Checkpointing.directory {self.directory}: {problem}")
+        _need(self.every >= 0, f"Checkpointing.every must be >= 0 steps, got {self.every}")
 
 
 def directory_problem(path: pathlib.Path) -> str | None:
