@@ -291,11 +291,12 @@ def from_args(cls: type[T], namespace: argparse.Namespace, prefix: str = "", **v
     fields = given(cls, namespace, prefix)
     for f, how in _fields(cls):
         if isinstance(how, Nested) and f.name not in values:
-            inner = from_args(how.cls, namespace, f"{prefix}{f.name}.")
+            inner: Any = from_args(how.cls, namespace, f"{prefix}{f.name}.")
             fields |= how.into(inner) if how.into else {f.name: inner}
     fields |= values
     for s in settings(cls):
-        no_default = s.field.default is s.field.default_factory is dataclasses.MISSING
+        missing = dataclasses.MISSING
+        no_default = s.field.default is missing and s.field.default_factory is missing
         if s.name not in fields and no_default:
             raise ValueError(f"{s.flag} is required")
     return cls(**fields)
