@@ -30,7 +30,7 @@ from syncer_helpers import (
 from atoll.server.config import ShardConfig
 from atoll.server.service import SyncerServer
 from atoll.server.shard import PushHeader, Shard
-from atoll.server.snapshots import SnapshotStore
+from atoll.server.snapshots import SnapshotStore, load_snapshot
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 
@@ -194,9 +194,10 @@ def test_sigkill_mid_push_stream_keeps_exactly_the_acknowledged_pushes(
     lock = threading.Lock()
     acked: list[tuple[Planned, pb.PushResponse]] = []  # in the order the acks arrived
     closes = {p: 0 for p in PUSHED}
-    stop = threading.Event()
     in_flight: dict[int, Planned] = {}  # fragment -> push that got no ack (the stream broke)
     cut: dict[str, object] = {}  # the push the killer was sending when it fired
+    settled = threading.Event()  # the other stream waits at a round's start
+    released = threading.Event()  # ... for its last push, on the wire as the kill fires
 
     victim = shard
 
@@ -208,53 +209,87 @@ def test_sigkill_mid_push_stream_keeps_exactly_the_acknowledged_pushes(
         cut["acks_at_kill"] = len(acked)
         os.kill(victim.pid, signal.SIGKILL)
 
+    def push(p: int, i: int) -> None:
+        planned = Planned(p, i)
+        ack = stub.Push(iter(planned.requests()), timeout=10)
+        assert ack.accepted, ack
+        closing = i % 2 == 1
+        assert ack.version == i // 2 + closing, (planned, ack)  # the round closed exactly at quorum
+        with lock:
+            acked.append((planned, ack))
+            closes[p] += closing
+
+    def snapshot_holds_every_close(timeout: float) -> bool:
+        """Whether the newest snapshot on disk, within `timeout`, holds every round closed
+        so far (its versions sum to the closes acked). Such a snapshot was captured after
+        the last close, so no other can be under way: one starts only at a close, and one
+        at a time. Read from the files alone, as the shard runs."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for path in sorted((data / "snapshots").glob("*.snap"), reverse=True)[:1]:
+                try:
+                    meta = load_snapshot(path).meta
+                except FileNotFoundError:  # a newer one replaced it meanwhile
+                    continue
+                held = sum(f["version"] for f in meta["fragments"].values())
+                if held == sum(closes.values()):
+                    return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+
+    def kill_from(p: int, i: int) -> None:
+        """The injector, on stream p at the start of its round i // 2, the other stream
+        settled: it closes rounds alone until a snapshot holds every close (one is due
+        every SETTINGS["snapshot_every"] closes, put off while the one before is written),
+        then has one more push acknowledged, logged after that snapshot while none can
+        start (none starts but at a close, and no round closes before the kill): recovery
+        must load a snapshot and replay a log tail. It lets the other stream's last push
+        go, and cuts its own next push mid-stream with SIGKILL."""
+        assert settled.wait(timeout=30), "the other stream never settled"
+        for _ in range(12):
+            if snapshot_holds_every_close(timeout=1.0):
+                break
+            push(p, i)
+            push(p, i + 1)
+            i += 2
+        else:
+            raise AssertionError("no snapshot came to hold every closed round")
+        push(p, i)  # the log tail: a round's first push, acked after the snapshot
+        released.set()
+        planned = cut["planned"] = Planned(p, i + 1)
+        try:
+            stub.Push(killer_requests(planned), timeout=10)
+            cut["answered"] = True  # must not happen: the shard died mid-stream
+        except grpc.RpcError as e:
+            cut["code"], cut["exit"] = e.code(), victim.kill()  # kill() waits: the exit status
+
     def stream(p: int) -> None:
         for i in range(400):
-            planned = Planned(p, i)
             with lock:
-                kill = cut.get("by") == p
-                if stop.is_set() and not kill:
-                    return
-            try:
-                if kill:
-                    cut["planned"] = planned
-                    stub.Push(killer_requests(planned), timeout=10)
-                    cut["answered"] = True  # must not happen: the shard died mid-stream
-                    return
-                ack = stub.Push(iter(planned.requests()), timeout=10)
-            except grpc.RpcError as e:
-                if kill:
-                    cut["code"], cut["exit"] = (
-                        e.code(),
-                        victim.kill(),
-                    )  # kill() waits: the exit status
-                else:
-                    in_flight[p] = planned
-                return
-            assert ack.accepted, ack
-            closing = i % 2 == 1
-            assert ack.version == i // 2 + closing, (
-                planned,
-                ack,
-            )  # the round closed exactly at quorum
-            with lock:
-                acked.append((planned, ack))
-                closes[p] += closing
-                total = sum(closes.values())
-                # The injector: once >= 12 acks and >= 2 rounds per fragment are in, at a
-                # close that leaves the shard-wide round count at 3k + 1 (k >= 1, so a
-                # snapshot exists and the close just acked sits in the log after it; the
-                # other stream may add at most one more close, never a third), stop the
-                # other stream and cut this stream's next push mid-stream with SIGKILL.
+                # Once >= 12 acks and >= 2 rounds per fragment are in, the first stream at
+                # a round's start becomes the killer; the other one finishes its round (at
+                # most one more close) and settles at the start of its next.
                 if (
-                    closing
-                    and "by" not in cut
+                    "by" not in cut
+                    and i % 2 == 0
                     and len(acked) >= 12
                     and min(closes.values()) >= 2
-                    and total % SETTINGS["snapshot_every"] == 1
                 ):
                     cut["by"] = p
-                    stop.set()
+                by = cut.get("by")
+            if by == p:
+                return kill_from(p, i)
+            if by is not None and i % 2 == 0:
+                settled.set()
+                assert released.wait(timeout=60), "the killer never let the last push go"
+            try:
+                push(p, i)
+            except grpc.RpcError:
+                in_flight[p] = Planned(p, i)
+                return
+            if by is not None and i % 2 == 0:
+                return  # its last push, answered before the kill cut the stream
         raise AssertionError("the kill never fired")
 
     failures: list[BaseException] = []
@@ -264,13 +299,14 @@ def test_sigkill_mid_push_stream_keeps_exactly_the_acknowledged_pushes(
             stream(p)
         except BaseException as e:  # reported below, from the test's own thread
             failures.append(e)
-            stop.set()
+            settled.set()
+            released.set()
 
     threads = [threading.Thread(target=run, args=(p,)) for p in PUSHED]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
+        t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "push streams hung"
     assert not failures, failures
     channel.close()
