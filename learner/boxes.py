@@ -22,7 +22,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
+from atoll.wire.client import Pulled
+from atoll.wire.parts import BoxLayout
 
 Bounds = tuple[tuple[int, int], ...]  # [start, stop) along every dimension
 
@@ -100,6 +103,20 @@ class FragmentBoxes:
             return np.empty(0, np.float32)
         return np.concatenate([local[b.offset : b.end] for b in self.sent_boxes])
 
+    def sent_difference(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """`sent(a) - sent(b)`, bit for bit, as one fresh vector and no other: what a push
+        of the part encodes (a sync's host memory is counted against the process's part)."""
+        if len(self.sent_boxes) == len(self.boxes):
+            return np.subtract(a, b)
+        out = np.empty(self.sent_size, np.float32)
+        at = 0
+        for box in self.sent_boxes:
+            np.subtract(
+                a[box.offset : box.end], b[box.offset : box.end], out=out[at : at + box.size]
+            )
+            at += box.size
+        return out
+
     def read(self, leaves: Sequence[Any]) -> np.ndarray:
         """The local vector of the fragment from the caller's leaves: each held box read
         from one addressable shard holding it (the only device-to-host copy)."""
@@ -147,9 +164,11 @@ class ProcessBoxes:
                 by_leaf.setdefault(b.leaf, {})[b.bounds] = local[b.offset : b.end].reshape(b.shape)
             for i, pieces in by_leaf.items():
                 leaf = leaves[i]
+                # no host copy of a float32 piece: device_put copies it to the device
                 arrays = [
                     jax.device_put(
-                        pieces[bounds_of(s.index, leaf.shape)].astype(leaf.dtype), s.device
+                        pieces[bounds_of(s.index, leaf.shape)].astype(leaf.dtype, copy=False),
+                        s.device,
                     )
                     for s in leaf.addressable_shards
                 ]
@@ -185,3 +204,38 @@ def process_boxes(
     shapes = tuple(tuple(np.shape(x)) for x in leaves)
     offsets = tuple(tuple(start for _, start, _ in tensors) for tensors in slots)
     return ProcessBoxes(tuple(fragments), shapes, offsets)
+
+
+def in_fragment_order(layout: BoxLayout, block: int) -> bool:
+    """Whether the values of a pull by `layout`'s boxes, in local vector order, are the
+    values of its delta frames of `block`-value blocks, in frame order: every run starts
+    at a block and ends at one (or at the fragment's end), after the one before it. Then
+    a delta decodes straight onto the local vector (an FSDP shard of rows of whole
+    blocks is one such run)."""
+    starts, ends = layout.starts, layout.starts + layout.lengths
+    whole = (ends % block == 0) | (ends == layout.fragment_size)
+    return bool((starts % block == 0).all() and whole.all() and (starts[1:] >= ends[:-1]).all())
+
+
+def apply_in_place(pulled: Pulled, layout: BoxLayout, held: np.ndarray) -> bool:
+    """Adds a pull's deltas by `layout`'s boxes onto `held` (their values at the version
+    pulled from) in place, as `wire.client.apply_boxes` does and bit for bit, with no
+    vector of the part's size beside it: False (nothing done) where the boxes are not in
+    fragment order (`in_fragment_order`), for apply_boxes to do it. Every frame is read
+    (and checked) before any is added, so a bad one changes nothing (CodecError)."""
+    n = layout.size
+    codes = []
+    for _, frame_codec, frame in pulled.frames:
+        if bytes(frame[:4]) == codec.GATHERED_MAGIC:  # a 4-bit delta: codes of our values
+            if not in_fragment_order(layout, codec.BLOCK):
+                return False
+            wanted = np.zeros(-(-n // codec.BLOCK) * codec.BLOCK, bool)
+            wanted[:n] = True
+            codes.append((frame_codec, codec.read_gathered(frame, n, wanted)))
+        else:  # an FP32 delta of our values alone
+            if not in_fragment_order(layout, 1):
+                return False
+            codes.append((frame_codec, codec.read_codes(frame, num_values=n)))
+    for frame_codec, c in codes:
+        codec.decode_into(c, held, 1.0, codec=frame_codec)
+    return True

@@ -138,7 +138,12 @@ class FragmentSync:
         self.task = None
         if outcome.correction is not None:
             keep = np.float32(1.0 - self.mix_at(step))
-            vector: np.ndarray = theta_now() + keep * outcome.correction
+            # θ_now + keep·correction, bit for bit, written over the correction (the
+            # outcome's own vector): no other vector of the fragment's size is made
+            theta = theta_now()
+            vector: np.ndarray = outcome.correction
+            np.multiply(vector, keep, out=vector)
+            np.add(vector, theta, out=vector)
         else:
             assert outcome.values is not None
             vector = outcome.values

@@ -40,7 +40,7 @@ import grpc
 import numpy as np
 
 from atoll.learner import schedule
-from atoll.learner.boxes import FragmentBoxes, ProcessBoxes, process_boxes
+from atoll.learner.boxes import FragmentBoxes, ProcessBoxes, apply_in_place, process_boxes
 from atoll.learner.fragment_sync import FragmentSync, Link, Outcome
 from atoll.learner.island_rows import (
     FINISH,
@@ -136,7 +136,9 @@ class PartSync(FragmentSync):
     ) -> None:
         self.last_sync_step = self.task_step = step
         self.compute = 0.0
-        self.task = pool.submit(self.sync_part, theta.copy(), fields)
+        # θ is this call's own vector (read from the leaves, or adopted in this call) and
+        # nobody writes into it: the task takes it as it is, no copy
+        self.task = pool.submit(self.sync_part, theta, fields)
 
     def adopt(self, step: int, theta_now: Callable[[], np.ndarray]) -> np.ndarray:
         self.shared.adopted.add(self.p)
@@ -191,6 +193,8 @@ class PartSync(FragmentSync):
     def _values(self, pulled: Pulled, held: np.ndarray | None) -> np.ndarray:
         if not self.held:  # nothing of this fragment here (the pull was whole): no values
             return np.zeros(0, np.float32)
+        if held is not None and apply_in_place(pulled, self.layout, held):
+            return held
         values = apply_boxes(pulled, self.layout, held)
         return values if values.flags.writeable else values.copy()
 
@@ -308,7 +312,7 @@ class PartSync(FragmentSync):
     def _push_part(self, theta: np.ndarray, fields: dict[str, Any], part: int) -> pb.PushResponse:
         link, p = self.link, self.p
         origin = self.base if self.origin is None else self.origin
-        frame = self.ef.encode(self.frag.sent(origin) - self.frag.sent(theta))
+        frame = self.ef.encode(self.frag.sent_difference(origin, theta))
         header = pb.PushHeader(
             fragment=p,
             base_version=self.version,
