@@ -4,11 +4,12 @@ replicated leaves mixed in): every process syncs its own addressable data (issue
 Each process runs a `Synchronizer` of its own over its own connections, with a
 `PartSync` per fragment whose vectors are the process's local ones (learner/boxes.py:
 the boxes it holds). Process 0 alone runs the schedule; after every step the processes
-exchange one small row each (learner/island_rows.py: which call, which step, stop and
-failure, and per fragment whether to adopt and whether to push, with the push's agreed
-header fields: seq, steps, tokens, last, step_seconds) and the others do what process 0
-did. Processes that joined with another plan, sharding or settings, or that call
-another method or are at another step, each raise LearnerDisagreement at that call.
+exchange one small row each through the JAX coordination service's key-value store
+(learner/island_rows.py: which call, which step, stop and failure, and per fragment
+whether to adopt and whether to push, with the push's agreed header fields: seq, steps,
+tokens, last, step_seconds) and the others do what process 0 did. Processes that
+joined with another plan, sharding or settings, or that call another method or are at
+another step, each raise LearnerDisagreement at that call.
 
 A push goes out as parts, one per process that sends boxes of the fragment, directly to
 the shard that owns it; error feedback stays per element, on the process that sends
@@ -47,6 +48,7 @@ from atoll.learner.island_rows import (
     STEP,
     Board,
     LearnerDisagreement,
+    Rows,
     allgather,
     any_pushed,
     check_agreement,
@@ -413,6 +415,7 @@ class Island:
         # a nonce of process 0's: two learners of one id in one JAX program never share keys
         board = Board(f"atoll/{learner_id}/{int(sent[0, 0])}")
         self.shared = Shared(self.boxes, self.roles, board, part_wait)
+        self.rows = Rows(board, sent.shape[0], self.me)  # every step's rows, all processes'
         self.sync = connect(
             fragment_sync=lambda p, size, link: PartSync(
                 p, self.boxes.fragments[p], link, self.shared
@@ -489,7 +492,9 @@ class Island:
                 self.error = e
                 stopped = isinstance(e, Stopped)
         failed = self.error is not None and not isinstance(self.error, Stopped)
-        row, rows = exchange(STEP, step, stopped, failed, shared, sync.plan.num_fragments)
+        row, rows = exchange(
+            STEP, step, stopped, failed, shared, sync.plan.num_fragments, self.rows
+        )
         stopped, failed = bool(rows[:, 2].any()), bool(rows[:, 3].any())
         if not self.leader and not (stopped or failed):
             try:
@@ -531,7 +536,7 @@ class Island:
                     log.info("finish stopped before the last pushes were adopted: %s", e)
                     pending = []
             more = bool(pending) and deadline > sync.clock()
-            row, _ = exchange(FINISH, step, more, False, shared, sync.plan.num_fragments)
+            row, _ = exchange(FINISH, step, more, False, shared, sync.plan.num_fragments, self.rows)
             if not self.leader and self.error is None:
                 try:
                     follow(sync, row, step, lambda p: self._read(view, p), updates)
