@@ -79,8 +79,9 @@ def main() -> None:
 
     x_test, labels_test = next(iter(Batches(-1, 1024)))
     print(f"{args.learner_id}: loss at start {float(loss_fn(params, x_test, labels_test)):.4f}")
+    sync = atoll.SyncConfig(period=args.period)  # atoll: H; τ, α, codec at their defaults
     learner = atoll.Learner(
-        args.shards, args.learner_id, period=args.period, fragments=args.fragments
+        args.shards, args.learner_id, fragments=args.fragments, sync=sync
     )  # atoll
     params = learner.join(params)  # atoll: the run's current global weights
     opt_state = optimizer.init(params)

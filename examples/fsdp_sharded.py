@@ -151,9 +151,8 @@ def main() -> None:
     learner = atoll.Learner(
         args.shards,
         args.learner_id,
-        period=args.period,
         fragments=args.fragments,
-        wait_for_rounds=args.wait_for_rounds,
+        sync=atoll.SyncConfig(period=args.period, wait_for_rounds=args.wait_for_rounds),
     )  # atoll
     params = learner.join(params)  # atoll: the global weights, as the shardings of `params`
     opt_state = optimizer.init(params)  # sharded as the params are

@@ -1,5 +1,5 @@
 """A plain-pytree model (a dict of jnp arrays) and an optax optimizer, trained by several
-learners that sync through atoll's shards. The five lines marked `# atoll` are all that
+learners that sync through atoll's shards. The six lines marked `# atoll` are all that
 atoll adds to an ordinary optax loop.
 
 Start a shard, then two learners (each in its own shell):
@@ -74,8 +74,9 @@ def main() -> None:
     x_test, y_test = next(batches(-1, 1024))
     params = init_params(jax.random.key(0), args.hidden)
     print(f"{args.learner_id}: loss at start {float(loss_fn(params, x_test, y_test)):.4f}")
+    sync = atoll.SyncConfig(period=args.period)  # atoll: H; τ, α, codec at their defaults
     learner = atoll.Learner(
-        args.shards, args.learner_id, period=args.period, fragments=args.fragments
+        args.shards, args.learner_id, fragments=args.fragments, sync=sync
     )  # atoll
     params = learner.join(params)  # atoll: the run's current global weights
     opt_state = optimizer.init(params)

@@ -142,15 +142,15 @@ def main() -> None:
     specs = {k: P("fsdp") if k in SPLIT and not args.replicated else P() for k in SHAPES}
     specs["count"] = P()
     out: dict[str, Any] = {"process": args.process_id}
+    saving = None  # --checkpoint-dir: atoll.Checkpointing
+    if args.checkpoint_dir:
+        saving = atoll.Checkpointing(args.checkpoint_dir, every=args.checkpoint_every)
     learner = atoll.Learner(
         args.shards,
         args.learner_id,
-        period=4,
-        overlap=1,
         fragments=2,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        patience=5.0,
+        sync=atoll.SyncConfig(period=4, overlap=1, patience=5.0),
+        checkpoint=saving,
     )
     try:
         params = learner.join(model(0, specs, mesh))

@@ -81,11 +81,8 @@ def main() -> None:
         learner = atoll.Learner(
             args.shards,
             "island",
-            period=4,
-            overlap=1,
             fragments=3 if args.fault == "plan" and args.process_id == 1 else 2,
-            codec=args.codec,
-            wait_for_rounds=True,
+            sync=atoll.SyncConfig(period=4, overlap=1, codec=args.codec, wait_for_rounds=True),
         )
         params = learner.join(place(values(0, shapes), specs, mesh))
         joined = dict(learner.stats)

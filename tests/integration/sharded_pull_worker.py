@@ -101,11 +101,13 @@ def main() -> None:
         learner = atoll.Learner(
             args.shards,
             "other" if args.fault == "id" and odd else "island",
-            period=4,
-            overlap=1,
             fragments=2,
-            codec="FP32" if args.fault == "codec" and odd else "INT4",
-            wait_for_rounds=True,
+            sync=atoll.SyncConfig(
+                period=4,
+                overlap=1,
+                codec="FP32" if args.fault == "codec" and odd else "INT4",
+                wait_for_rounds=True,
+            ),
         )
         params = learner.join(place(values(0, SHAPES), specs, mesh))
         joined = dict(learner.stats)

@@ -57,7 +57,7 @@ def _structure(p):
 )
 def test_a_tree_changed_after_join_fails_at_the_next_step(one_shard, change, match):
     # H = 64: no fragment is read or written for dozens of steps, yet the change is caught
-    with atoll.Learner(one_shard, "a", period=64, fragments=2) as learner:
+    with atoll.Learner(one_shard, "a", fragments=2, sync=atoll.SyncConfig(period=64)) as learner:
         params = learner.join(init())
         for _ in range(3):
             params = learner.step(params)
@@ -79,7 +79,7 @@ def silent_port():
 @pytest.mark.parametrize("listening", [False, True], ids=["nothing-listens", "never-answers"])
 def test_a_join_against_shards_that_never_answer_ends_at_join_timeout(listening, silent_port):
     address = f"127.0.0.1:{silent_port if listening else 1}"  # nothing listens on port 1
-    learner = atoll.Learner(address, "a", deadline=30.0, join_timeout=2.0)
+    learner = atoll.Learner(address, "a", sync=atoll.SyncConfig(deadline=30.0, join_timeout=2.0))
     started = time.monotonic()
     with pytest.raises(
         atoll.SyncError, match=rf"shards at {address} did not all answer within join_timeout=2 s"
@@ -92,12 +92,12 @@ def test_a_join_against_shards_that_never_answer_ends_at_join_timeout(listening,
 
 def test_join_timeout_is_checked_where_it_is_declared():
     with pytest.raises(atoll.LearnerConfigError, match="join_timeout must be > 0"):
-        atoll.Learner("127.0.0.1:1", "a", join_timeout=0)
+        atoll.SyncConfig(join_timeout=0)
 
 
 SCRIPT = """
 import sys, jax.numpy as jnp, atoll
-learner = atoll.Learner(sys.argv[1], "a", deadline=60.0, fragments=1)
+learner = atoll.Learner(sys.argv[1], "a", fragments=1, sync=atoll.SyncConfig(deadline=60.0))
 print("joining", flush=True)
 learner.join({"w": jnp.zeros((4, 2))})
 """

@@ -42,6 +42,7 @@ def loss_fn(params, x_BxF, y_Bx1):
 
 
 OPTIMIZER = optax.adam(1e-2)
+H4, H8 = atoll.SyncConfig(period=4), atoll.SyncConfig(period=8, overlap=1)
 
 
 @jax.jit
@@ -130,7 +131,7 @@ def test_two_learners_train_a_pytree_through_the_shards_and_the_global_loss_fall
     def learner(i):
         rng = np.random.default_rng(i)
         quiet_steps = 0
-        with atoll.Learner(two_shards, f"l{i}", period=8, overlap=1, fragments=4) as learner:
+        with atoll.Learner(two_shards, f"l{i}", fragments=4, sync=H8) as learner:
             params = learner.join(init(seed=i))  # the second learner starts from the first's
             reads.count = 0
             opt_state = OPTIMIZER.init(params)
@@ -173,12 +174,12 @@ def test_two_learners_train_a_pytree_through_the_shards_and_the_global_loss_fall
 
 
 def test_a_restarted_learner_rejoins_at_the_current_versions(one_shard):
-    with atoll.Learner(one_shard, "a", period=4, fragments=2) as first:
+    with atoll.Learner(one_shard, "a", fragments=2, sync=H4) as first:
         params, _ = train(first, first.join(init()), 24, seed=0)
         trained = first.finish(params)
         versions = first.versions
     assert all(v >= 2 for v, _ in versions.values()), versions
-    again = atoll.Learner(one_shard, "a", period=4, fragments=2)
+    again = atoll.Learner(one_shard, "a", fragments=2, sync=H4)
     rejoined = again.join(jax.tree.map(jnp.zeros_like, init()))
     assert again.versions == versions, (again.versions, versions)
     # the global weights the first one adopted last (θ + (Θ − θ): to float rounding)
@@ -206,7 +207,9 @@ def test_a_tree_unlike_the_runs_plan_is_refused_at_join_naming_the_tensor(one_sh
 
 
 def test_a_tree_that_changes_after_join_is_refused_when_a_fragment_is_read(one_shard):
-    with atoll.Learner(one_shard, "a", period=2, overlap=0, fragments=2) as learner:
+    with atoll.Learner(
+        one_shard, "a", fragments=2, sync=atoll.SyncConfig(period=2, overlap=0)
+    ) as learner:
         params = learner.join(init())
         params["layer0"]["w"] = params["layer0"]["w"].astype(jnp.bfloat16)
         with pytest.raises(atoll.ParamsError, match=r"leaf 'layer0/w' is bfloat16\(8, 16\)"):
@@ -215,7 +218,7 @@ def test_a_tree_that_changes_after_join_is_refused_when_a_fragment_is_read(one_s
 
 
 def test_calls_out_of_order_after_join_are_refused(one_shard):
-    learner = atoll.Learner(one_shard, "a", period=4, fragments=2)
+    learner = atoll.Learner(one_shard, "a", fragments=2, sync=H4)
     params = learner.join(init())
     with pytest.raises(atoll.LearnerStateError, match=r"join\(\) after join\(\)"):
         learner.join(params)
@@ -227,7 +230,9 @@ def test_calls_out_of_order_after_join_are_refused(one_shard):
 
 
 def test_stop_ends_a_join_that_waits_on_a_shard_that_does_not_answer():
-    learner = atoll.Learner("127.0.0.1:1", "a", deadline=30.0)  # nothing listens on port 1
+    learner = atoll.Learner(
+        "127.0.0.1:1", "a", sync=atoll.SyncConfig(deadline=30.0)
+    )  # nothing listens on port 1
     threading.Timer(0.5, learner.stop).start()
     started = time.monotonic()
     with pytest.raises(atoll.Stopped):
@@ -237,12 +242,11 @@ def test_stop_ends_a_join_that_waits_on_a_shard_that_does_not_answer():
 
 def test_a_checkpointed_learner_resumes_its_steps_and_state_and_holds_its_id(one_shard, tmp_path):
     ckpt = tmp_path / "ckpt"
-    first = atoll.Learner(
-        one_shard, "a", period=4, fragments=2, checkpoint_dir=ckpt, checkpoint_every=5
-    )
+    saving = atoll.Checkpointing(ckpt, every=5)
+    first = atoll.Learner(one_shard, "a", fragments=2, sync=H4, checkpoint=saving)
     params = first.join(init())
     with pytest.raises(atoll.LearnerStateError, match="held by a live process"):
-        atoll.Learner(one_shard, "a", fragments=2, checkpoint_dir=ckpt).join(init())
+        atoll.Learner(one_shard, "a", fragments=2, checkpoint=saving).join(init())
     # the step-5 write on disk before step 10 is due (a write still running then would
     # skip it: learner/checkpoint.py, guarantee 3)
     params, opt_state = train(first, params, 5, seed=0, sleep=0.03)
@@ -254,7 +258,9 @@ def test_a_checkpointed_learner_resumes_its_steps_and_state_and_holds_its_id(one
     first.close()  # a crash, as far as the id is concerned: not finished; the write ends
     assert checkpoint.progress(path) == (10, 10 * 32)
 
-    again = atoll.Learner(one_shard, "a", period=4, fragments=2, checkpoint_dir=ckpt)
+    again = atoll.Learner(
+        one_shard, "a", fragments=2, sync=H4, checkpoint=atoll.Checkpointing(ckpt)
+    )
     resumed = again.join(init(seed=5))
     assert again.steps == 10
     state = again.restore_state(OPTIMIZER.init(resumed))
@@ -272,15 +278,13 @@ def test_a_standby_takes_over_a_failed_learners_id(one_shard, tmp_path):
         one_shard,
         "a",
         fragments=2,
-        checkpoint_dir=ckpt,
-        checkpoint_every=4,
+        checkpoint=atoll.Checkpointing(ckpt, every=4),
         index=1,
         num_learners=2,
     )
     params, _ = train(failed, failed.join(init()), 4, seed=0)
-    spare = atoll.Learner(
-        one_shard, "spare", fragments=2, checkpoint_dir=ckpt, standby=True, num_learners=2
-    )
+    standby = atoll.Checkpointing(ckpt, standby=True)
+    spare = atoll.Learner(one_shard, "spare", fragments=2, checkpoint=standby, num_learners=2)
     taking = concurrent.futures.ThreadPoolExecutor(1).submit(spare.join, init())
     time.sleep(0.5)
     assert not taking.done()  # the id is held: the standby waits
@@ -306,7 +310,9 @@ server.start()
 mesh = Mesh(np.array(jax.devices()), ("x",))
 split, whole = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
 params = {{"w": jax.device_put(jnp.ones((8, 4)), split), "b": jax.device_put(jnp.ones(4), whole)}}
-learner = atoll.Learner(f"127.0.0.1:{{server.port}}", "a", period=2, overlap=0, fragments=2)
+learner = atoll.Learner(
+    f"127.0.0.1:{{server.port}}", "a", fragments=2, sync=atoll.SyncConfig(period=2, overlap=0)
+)
 params = learner.join(params)
 step = jax.jit(lambda p: jax.tree.map(lambda x: x * 0.9, p))
 for _ in range(12):
@@ -349,7 +355,7 @@ def replicated(x):
 start = np.random.default_rng(process).standard_normal((3, 8, 4)).astype(np.float32)
 params = {"w": replicated(start[0]), "v": replicated(start[1]), "b": replicated(start[2, 0])}
 step = jax.jit(lambda p: jax.tree.map(lambda x: x * 0.95 + 0.01, p), out_shardings=whole)
-learner = atoll.Learner(shard, "mh", period=4, overlap=1, fragments=2)
+learner = atoll.Learner(shard, "mh", fragments=2, sync=atoll.SyncConfig(period=4, overlap=1))
 params = learner.join(params)
 for _ in range(16):
     params = step(params)

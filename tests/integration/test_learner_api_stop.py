@@ -11,6 +11,7 @@ from test_learner_api_shards import OPTIMIZER, batch, init, start_shards, train_
 
 import atoll
 from atoll.learner.checkpoint import CheckpointError
+from atoll.learner.config import LearnerConfig
 
 
 @pytest.fixture
@@ -21,12 +22,19 @@ def shard(tmp_path):
         s.stop()
 
 
+def _with_run_info(shard, ckpt, run, **settings):
+    """Learner "a" checkpointing in `ckpt` with `run_info`: the built-in loop's
+    setting, given through its path (Learner.from_config)."""
+    cfg = LearnerConfig(
+        shards=(shard,), learner_id="a", fragments=2, checkpoint_dir=ckpt, **settings
+    )
+    return atoll.Learner.from_config(cfg, run_info=run)
+
+
 def test_a_stopped_learner_raises_at_its_next_step_and_saves_where_it_is(shard, tmp_path):
     ckpt = tmp_path / "ckpt"
     run = {"seed": 0, "batch_size": 32}
-    learner = atoll.Learner(
-        shard, "a", period=4, fragments=2, checkpoint_dir=ckpt, checkpoint_every=0, run_info=run
-    )
+    learner = _with_run_info(shard, ckpt, run, period=4, checkpoint_every=0)
     params = learner.join(init())
     opt_state, rng, pushed = OPTIMIZER.init(params), np.random.default_rng(0), []
     for _ in range(8):
@@ -44,8 +52,8 @@ def test_a_stopped_learner_raises_at_its_next_step_and_saves_where_it_is(shard, 
 
     other = {**run, "seed": 1}
     with pytest.raises(CheckpointError, match="written with seed=0, this learner runs seed=1"):
-        atoll.Learner(shard, "a", fragments=2, checkpoint_dir=ckpt, run_info=other).join(init())
-    again = atoll.Learner(shard, "a", fragments=2, checkpoint_dir=ckpt, run_info=run)
+        _with_run_info(shard, ckpt, other).join(init())
+    again = _with_run_info(shard, ckpt, run)
     again.join(init(seed=3))
     assert again.resumed and (again.steps, again.tokens) == (9, 9 * 32)
     state = again.restore_state(OPTIMIZER.init(params))

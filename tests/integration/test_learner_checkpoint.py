@@ -161,8 +161,8 @@ OWN_LOOP = textwrap.dedent("""
               "count": jnp.int32(0)}
     opt = optax.adam(1e-2)
     floats = lambda p: {"w": p["w"], "b": p["b"]}
-    learner = atoll.Learner(shard, "bf", period=4, fragments=2, checkpoint_dir=ckpt_dir,
-                            checkpoint_every=5)
+    learner = atoll.Learner(shard, "bf", fragments=2, sync=atoll.SyncConfig(period=4),
+                            checkpoint=atoll.Checkpointing(ckpt_dir, every=5))
     params = learner.join(params)
     opt_state = learner.restore_state(opt.init(floats(params)))
     print(json.dumps({"resumed": learner.resumed, "steps": learner.steps,

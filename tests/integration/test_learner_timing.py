@@ -13,6 +13,7 @@ import pytest
 from test_learner_api_shards import init, start_shards
 
 import atoll
+from atoll.learner.config import LearnerConfig
 
 H = 4
 STEPS = 16  # four periods
@@ -25,6 +26,13 @@ def shard(tmp_path):
     yield f"127.0.0.1:{servers[0].port}"
     for s in servers:
         s.stop()
+
+
+def logged(shard: str, name: str, on_push, **settings) -> atoll.Learner:
+    """Learner `name` at H with `on_push`: the built-in loop's push log, given through
+    its path (Learner.from_config)."""
+    cfg = LearnerConfig(shards=(shard,), learner_id=name, period=H, fragments=2, **settings)
+    return atoll.Learner.from_config(cfg, on_push=on_push)
 
 
 def run(learner: atoll.Learner, steps: int, step_sleep: float = 0.0, paused_sleep: float = 0.0):
@@ -49,7 +57,7 @@ def compute_by_fragment(pushes: list[dict]) -> dict[int, float]:
 
 def test_time_inside_paused_is_not_step_time(shard):
     pushes: list[dict] = []
-    learner = atoll.Learner(shard, "a", period=H, fragments=2, on_push=pushes.append)
+    learner = logged(shard, "a", pushes.append)
     run(learner, STEPS, paused_sleep=SLOW)
     assert pushes, "no push answered"
     for p, seconds in compute_by_fragment(pushes).items():
@@ -61,7 +69,7 @@ def test_time_inside_paused_is_not_step_time(shard):
 def test_time_outside_paused_is_step_time(shard):
     """The control for the test above: the same sleep outside `paused()` is counted."""
     pushes: list[dict] = []
-    learner = atoll.Learner(shard, "a", period=H, fragments=2, on_push=pushes.append)
+    learner = logged(shard, "a", pushes.append)
     run(learner, STEPS, step_sleep=SLOW)
     totals = compute_by_fragment(pushes)
     assert set(totals) == {0, 1}, pushes
@@ -77,15 +85,7 @@ def test_seconds_blocked_on_a_round_are_not_step_time(tmp_path):
     address = f"127.0.0.1:{servers[0].port}"
     pushes: dict[str, list[dict]] = {"fast": [], "slow": []}
     learners = {
-        name: atoll.Learner(
-            address,
-            name,
-            period=H,
-            fragments=2,
-            wait_for_rounds=True,
-            on_push=pushes[name].append,
-        )
-        for name in pushes
+        name: logged(address, name, pushes[name].append, wait_for_rounds=True) for name in pushes
     }
     errors: list[BaseException] = []
 
@@ -120,7 +120,7 @@ def test_seconds_blocked_on_a_round_are_not_step_time(tmp_path):
 
 def test_on_push_is_called_once_per_answered_push_with_what_was_pushed(shard):
     pushes: list[dict] = []
-    learner = atoll.Learner(shard, "a", period=H, fragments=2, on_push=pushes.append)
+    learner = logged(shard, "a", pushes.append)
     run(learner, STEPS)
     assert len(pushes) == learner.stats["pushes"], (pushes, learner.stats)
     assert {x["fragment"] for x in pushes} == {0, 1}
@@ -141,7 +141,7 @@ def test_on_push_is_called_once_per_answered_push_with_what_was_pushed(shard):
 def test_standing_gives_the_oldest_version_adopted_and_the_worst_lag(shard):
     """A learner that stops stepping falls behind the rounds another one closes: its
     standing is the version it adopted and how far the newest it hears of is ahead."""
-    behind = atoll.Learner(shard, "behind", period=H, fragments=2)
+    behind = atoll.Learner(shard, "behind", fragments=2, sync=atoll.SyncConfig(period=H))
     assert behind.standing() == (0, 0)  # before join
     params = behind.join(init())
     for _ in range(10 * H):  # until each fragment adopted a round (a push answered)
@@ -151,7 +151,7 @@ def test_standing_gives_the_oldest_version_adopted_and_the_worst_lag(shard):
         time.sleep(0.02)
     adopted = {p: v for p, (v, _) in behind.versions.items()}
     assert set(adopted) == {0, 1} and min(adopted.values()) >= 1, behind.versions
-    ahead = atoll.Learner(shard, "ahead", period=H, fragments=2)
+    ahead = atoll.Learner(shard, "ahead", fragments=2, sync=atoll.SyncConfig(period=H))
     run(ahead, 3 * H)
     newest = {p: v for p, (v, _) in ahead.versions.items()}
     deadline = time.monotonic() + 10
