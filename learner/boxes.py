@@ -107,7 +107,8 @@ class FragmentBoxes:
         """`sent(a) - sent(b)`, bit for bit, as one fresh vector and no other: what a push
         of the part encodes (a sync's host memory is counted against the process's part)."""
         if len(self.sent_boxes) == len(self.boxes):
-            return np.subtract(a, b)
+            whole: np.ndarray = a - b
+            return whole
         out = np.empty(self.sent_size, np.float32)
         at = 0
         for box in self.sent_boxes:
