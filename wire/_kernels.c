@@ -488,22 +488,24 @@ HOT static void decode_chunk(const chunk_t *c, float *out, float w, int acc) {
     }
 }
 
+/* block_sq's pairwise tree over 32 float32 values, four lanes at a time: the same sums. */
+INLINE double tree_sq(const float *v) {
+    f64x4 q[8];
+    for (int k = 0; k < 8; k++) {
+        f32x4 x;
+        memcpy(&x, v + 4 * k, sizeof x);
+        f64x4 d = __builtin_convertvector(x, f64x4);
+        q[k] = d * d;
+    }
+    for (int k = 0; k < 4; k++) q[k] = q[k] + q[k + 4]; /* sq[j] + sq[j + 16] */
+    for (int k = 0; k < 2; k++) q[k] = q[k] + q[k + 2]; /* sq[j] + sq[j + 8] */
+    f64x4 t = q[0] + q[1];                              /* sq[j] + sq[j + 4] */
+    return (t[0] + t[2]) + (t[1] + t[3]);
+}
+
 /* Sum of squares of the 32 values of full block b, as block_sq(c, b, 0, 32). */
 INLINE double full_block_sq(const chunk_t *c, Py_ssize_t b) {
-    if (c->fmt == FMT_FP32) { /* block_sq's pairwise tree, four lanes at a time: the same sums */
-        const float *v = (const float *)c->codes + b * BLOCK;
-        f64x4 q[8];
-        for (int k = 0; k < 8; k++) {
-            f32x4 x;
-            memcpy(&x, v + 4 * k, sizeof x);
-            f64x4 d = __builtin_convertvector(x, f64x4);
-            q[k] = d * d;
-        }
-        for (int k = 0; k < 4; k++) q[k] = q[k] + q[k + 4]; /* sq[j] + sq[j + 16] */
-        for (int k = 0; k < 2; k++) q[k] = q[k] + q[k + 2]; /* sq[j] + sq[j + 8] */
-        f64x4 t = q[0] + q[1];                              /* sq[j] + sq[j + 4] */
-        return (t[0] + t[2]) + (t[1] + t[3]);
-    }
+    if (c->fmt == FMT_FP32) return tree_sq((const float *)c->codes + b * BLOCK);
     u32x8 n[4];
     i32x8 sum = {0};
     nibbles8(c->codes + b * HALF, n);
@@ -526,15 +528,22 @@ INLINE double full_block_sq(const chunk_t *c, Py_ssize_t b) {
 
 /* sq[r] = sum over the blocks of range r in this chunk, in block order from 0.0, of
  * block_sq; max_abs[r] = the largest |value| there (exact = 0: a bound from the scales).
- * Ranges are [offsets[r] - start, ends[r] - start) clipped to the chunk. */
+ * Ranges are [offsets[r] - start, ends[r] - start) clipped to the chunk. known (or NULL):
+ * per block of the whole vector (start is a multiple of BLOCK), the sum of squares of a
+ * full block where it is already known (>= 0; decode_runs leaves it), taken as it is. */
 HOT static void range_stats(const chunk_t *c, Py_ssize_t start, const int64_t *offsets, const int64_t *ends,
-                            Py_ssize_t nr, double *sq, double *max_abs, int exact) {
+                            Py_ssize_t nr, double *sq, double *max_abs, int exact, const double *known) {
     for (Py_ssize_t r = 0; r < nr; r++) {
         Py_ssize_t a = smax(offsets[r] - start, 0), b = smin(ends[r] - start, c->count);
         double total = 0.0, m = 0.0;
         for (Py_ssize_t blk = a / BLOCK; a < b && blk * BLOCK < b; blk++) {
             int lo = (int)smax(a - blk * BLOCK, 0), hi = (int)smin(b - blk * BLOCK, BLOCK);
-            if (sq) total += lo == 0 && hi == BLOCK ? full_block_sq(c, blk) : block_sq(c, blk, lo, hi);
+            if (sq && lo == 0 && hi == BLOCK) {
+                double k = known ? known[start / BLOCK + blk] : -1.0;
+                total += k >= 0.0 ? k : full_block_sq(c, blk);
+            } else if (sq) {
+                total += block_sq(c, blk, lo, hi);
+            }
             if (max_abs) { double x = block_max_abs(c, blk, lo, hi, exact); m = x > m ? x : m; }
         }
         if (sq) sq[r] = total;
@@ -589,6 +598,35 @@ HOT static Py_ssize_t accumulate_ranges(const chunk_t *c, Py_ssize_t start, cons
         }
     }
     return -1;
+}
+
+/* Run r of a part: values [src[r], src[r] + len[r]) of the part's vector go to
+ * [dst[r], dst[r] + len[r]) of out. Writes the values of this chunk (part values
+ * [start, start + count)) that the runs hold into their places in out: the bits
+ * decode_chunk writes (w = 1), with no copy of the part between. known (or NULL): where a
+ * whole block of the chunk lands on a whole block of out, that block's sum of squares
+ * (block_sq's pairwise tree over the values just written) goes to known[its block of
+ * out], so range_stats over out need not read it again. */
+HOT static void decode_runs(const chunk_t *c, Py_ssize_t start, const int64_t *src, const int64_t *dst,
+                            const int64_t *len, Py_ssize_t nr, float *out, double *known) {
+    float v[BLOCK];
+    for (Py_ssize_t r = 0; r < nr; r++) {
+        Py_ssize_t a = smax(src[r] - start, 0), b = smin(src[r] + len[r] - start, c->count);
+        Py_ssize_t shift = dst[r] - src[r] + start; /* out index of chunk value i: i + shift */
+        for (Py_ssize_t blk = a / BLOCK; a < b && blk * BLOCK < b; blk++) {
+            int lo = (int)smax(a - blk * BLOCK, 0), hi = (int)smin(b - blk * BLOCK, BLOCK);
+            Py_ssize_t at = blk * BLOCK + shift + lo; /* out index of lane lo */
+            if (lo == 0 && hi == BLOCK) { /* the bulk: whole blocks as vectors */
+                blk_t t;
+                chunk_blk(c, blk, &t);
+                store_blk(&t, 1.0f, 0, out + at);
+                if (known && at % BLOCK == 0) known[at / BLOCK] = tree_sq(out + at); /* in L1 */
+                continue;
+            }
+            block_values(c, blk, v);
+            memcpy(out + at, v + lo, (size_t)(hi - lo) * sizeof(float));
+        }
+    }
 }
 
 /* ---- Python bindings ---- */
@@ -725,21 +763,23 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(range_stats_doc,
-"range_stats(fmt, scales, codes, count, start, offsets, ends, sq, max_abs, exact) -> None\n\n"
+"range_stats(fmt, scales, codes, count, start, offsets, ends, sq, max_abs, exact, known=None) -> None\n\n"
 "For the chunk holding values [start, start + count) of a vector and int64 ranges\n"
 "[offsets[r], ends[r]) of that vector: sq[r] (float64, or None) = the range's sum of\n"
 "squares within the chunk, in block order; max_abs[r] (float64, or None) = the largest\n"
-"|value| there (exact=False: for 4-bit, 7 or 6 times the largest scale, a bound).");
+"|value| there (exact=False: for 4-bit, 7 or 6 times the largest scale, a bound).\n"
+"known (float64 per block of the vector, or None): full blocks' sums of squares where\n"
+"already known (>= 0), taken instead of reading their values.");
 
 static PyObject *py_range_stats(PyObject *self, PyObject *args) {
     int code, exact;
     Py_ssize_t count, start;
-    Py_buffer scales, codes, offsets, ends, sq = {0}, mx = {0};
-    PyObject *sq_obj, *mx_obj;
-    if (!PyArg_ParseTuple(args, "iy*y*nny*y*OOp", &code, &scales, &codes, &count, &start, &offsets, &ends,
-                          &sq_obj, &mx_obj, &exact)) return NULL;
+    Py_buffer scales, codes, offsets, ends, sq = {0}, mx = {0}, kn = {0};
+    PyObject *sq_obj, *mx_obj, *kn_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "iy*y*nny*y*OOp|O", &code, &scales, &codes, &count, &start, &offsets, &ends,
+                          &sq_obj, &mx_obj, &exact, &kn_obj)) return NULL;
     PyObject *result = NULL;
-    int have_sq = 0, have_mx = 0;
+    int have_sq = 0, have_mx = 0, have_kn = 0;
     chunk_t c;
     Py_ssize_t nr;
     if (get_chunk(code, &scales, &codes, count, &c) < 0) goto done;
@@ -747,14 +787,25 @@ static PyObject *py_range_stats(PyObject *self, PyObject *args) {
     if (mx_obj != Py_None) { if (PyObject_GetBuffer(mx_obj, &mx, PyBUF_WRITABLE) < 0) goto done; have_mx = 1; }
     if (get_ranges(&offsets, &ends, have_sq ? &sq : &mx, 8, &nr) < 0) goto done;
     if (have_sq && have_mx && mx.len != sq.len) { PyErr_SetString(PyExc_ValueError, "sq and max_abs differ"); goto done; }
+    if (kn_obj != Py_None) {
+        if (PyObject_GetBuffer(kn_obj, &kn, PyBUF_SIMPLE) < 0) goto done;
+        have_kn = 1;
+        if (kn.len % 8 || (uintptr_t)kn.buf % 8 || start % BLOCK || start < 0 ||
+            kn.len / 8 < (start + count + BLOCK - 1) / BLOCK) {
+            PyErr_SetString(PyExc_ValueError, "known must be aligned float64, one per block of the vector");
+            goto done;
+        }
+    }
     Py_BEGIN_ALLOW_THREADS
-    range_stats(&c, start, offsets.buf, ends.buf, nr, have_sq ? sq.buf : NULL, have_mx ? mx.buf : NULL, exact);
+    range_stats(&c, start, offsets.buf, ends.buf, nr, have_sq ? sq.buf : NULL, have_mx ? mx.buf : NULL, exact,
+                have_kn ? kn.buf : NULL);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&scales); PyBuffer_Release(&codes); PyBuffer_Release(&offsets); PyBuffer_Release(&ends);
     if (have_sq) PyBuffer_Release(&sq);
     if (have_mx) PyBuffer_Release(&mx);
+    if (have_kn) PyBuffer_Release(&kn);
     return result;
 }
 
@@ -789,6 +840,56 @@ static PyObject *py_accumulate(PyObject *self, PyObject *args) {
 done:
     PyBuffer_Release(&scales); PyBuffer_Release(&codes); PyBuffer_Release(&offsets); PyBuffer_Release(&ends);
     PyBuffer_Release(&ws); PyBuffer_Release(&out);
+    return result;
+}
+
+PyDoc_STRVAR(decode_runs_doc,
+"decode_runs(fmt, scales, codes, count, start, src, dst, lengths, out, known=None) -> None\n\n"
+"For the chunk holding values [start, start + count) of a part and int64 runs (values\n"
+"[src[r], src[r] + lengths[r]) of the part belong at [dst[r], dst[r] + lengths[r]) of\n"
+"float32 out): writes every value of the chunk that a run holds into its place in out,\n"
+"the bits decode writes. Runs must lie within out. known (float64, one per block of out,\n"
+"or None) gets the sum of squares of each whole block of out that one whole block of the\n"
+"chunk fills (range_stats' known).");
+
+static PyObject *py_decode_runs(PyObject *self, PyObject *args) {
+    int code;
+    Py_ssize_t count, start, nr;
+    Py_buffer scales, codes, src, dst, lens, out, kn = {0};
+    PyObject *kn_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "iy*y*nny*y*y*w*|O", &code, &scales, &codes, &count, &start, &src, &dst, &lens,
+                          &out, &kn_obj)) return NULL;
+    PyObject *result = NULL;
+    int have_kn = 0;
+    chunk_t c;
+    if (get_chunk(code, &scales, &codes, count, &c) < 0 || get_ranges(&src, &dst, &lens, 8, &nr) < 0) goto done;
+    if (out.len % 4 || (uintptr_t)out.buf % 4) {
+        PyErr_SetString(PyExc_ValueError, "out is not an aligned float32 vector");
+        goto done;
+    }
+    if (kn_obj != Py_None) {
+        if (PyObject_GetBuffer(kn_obj, &kn, PyBUF_WRITABLE) < 0) goto done;
+        have_kn = 1;
+        if (kn.len % 8 || (uintptr_t)kn.buf % 8 || kn.len / 8 < (out.len / 4 + BLOCK - 1) / BLOCK) {
+            PyErr_SetString(PyExc_ValueError, "known must be aligned float64, one per block of out");
+            goto done;
+        }
+    }
+    const int64_t *s = src.buf, *d = dst.buf, *n = lens.buf;
+    for (Py_ssize_t r = 0; r < nr; r++)
+        if (s[r] < 0 || n[r] < 0 || d[r] < 0 || d[r] > out.len / 4 - n[r]) {
+            PyErr_Format(PyExc_ValueError, "run %zd ([%lld, +%lld) to %lld) lies outside out", r, (long long)s[r],
+                         (long long)n[r], (long long)d[r]);
+            goto done;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    decode_runs(&c, start, s, d, n, nr, out.buf, have_kn ? kn.buf : NULL);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&scales); PyBuffer_Release(&codes); PyBuffer_Release(&src); PyBuffer_Release(&dst);
+    PyBuffer_Release(&lens); PyBuffer_Release(&out);
+    if (have_kn) PyBuffer_Release(&kn);
     return result;
 }
 
@@ -877,6 +978,7 @@ static PyMethodDef methods[] = {
     {"decode", py_decode, METH_VARARGS, decode_doc},
     {"range_stats", py_range_stats, METH_VARARGS, range_stats_doc},
     {"accumulate", py_accumulate, METH_VARARGS, accumulate_doc},
+    {"decode_runs", py_decode_runs, METH_VARARGS, decode_runs_doc},
     {"outer_step", py_outer_step, METH_VARARGS, outer_step_doc},
     {NULL, NULL, 0, NULL},
 };

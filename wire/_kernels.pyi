@@ -34,6 +34,7 @@ def range_stats(
     sq: _Buffer | None,
     max_abs: _Buffer | None,
     exact: bool,
+    known: _Buffer | None = None,
     /,
 ) -> None: ...
 def accumulate(
@@ -50,6 +51,19 @@ def accumulate(
     add: bool = True,
     /,
 ) -> int: ...
+def decode_runs(
+    fmt: int,
+    scales: _Buffer,
+    codes: _Buffer,
+    count: int,
+    start: int,
+    src: _Buffer,
+    dst: _Buffer,
+    lengths: _Buffer,
+    out: _Buffer,
+    known: _Buffer | None = None,
+    /,
+) -> None: ...
 def outer_step(
     params: _Buffer,
     grad: _Buffer,

@@ -14,6 +14,7 @@ from atoll.wire.frames import (
     _HEADER,
     _KERNEL_FORMAT,
     _SAFE_PRODUCT,
+    BLOCK,
     HEADER_BYTES,
     Codec,
     CodecError,
@@ -55,25 +56,98 @@ class Codes:
         # a shard checks a push's norms, then merges it with them (and the bounds). FP32
         # keeps no bounds: they would cost a scan of every value, not a read of the scales
         self._sq_norms: tuple[bytes, bytes, np.ndarray, np.ndarray | None] | None = None
+        # bounds on max |value| over ranges that the maker of these codes vouched for
+        # (`of_values(max_abs=...)`): accumulate_ranges over those ranges needs no scan
+        self._vouched: tuple[bytes, bytes, np.ndarray] | None = None
+        # per block of the values, a whole block's sum of squares where already known (>= 0)
+        self._known: np.ndarray | None = None
 
     @property
     def num_values(self) -> int:
         return self.info.num_values
 
     @classmethod
-    def of_values(cls, values: np.ndarray, *, finite: bool = False) -> Codes:
+    def of_values(
+        cls,
+        values: np.ndarray,
+        *,
+        finite: bool = False,
+        max_abs: tuple[npt.ArrayLike, npt.ArrayLike, npt.ArrayLike] | None = None,
+        block_sq: np.ndarray | None = None,
+    ) -> Codes:
         """The float32 vector `values` (not copied: do not change it while this is in use).
 
         Checked finite (CodecError otherwise), unless the caller vouches that it is
-        (`finite=True`: a sum the merge kernels already refused to overflow), which
-        saves a pass over the values."""
+        (`finite=True`: a sum the merge kernels already refused to overflow, or values
+        decoded from checked codes), which saves a pass over the values. `max_abs`:
+        (offsets, ends, bounds) the caller vouches for, bounds[r] >= max |value| over
+        [offsets[r], ends[r]) (a push assembled from parts knows them from its parts'
+        scales): `accumulate_ranges` over those ranges then skips its scan for them.
+        `block_sq`: float64, one per 32-value block, each whole block's sum of squares
+        where the caller knows it (>= 0; `decode_runs` leaves them), the bits
+        `range_sq_norms` would sum from the values, which it then takes instead."""
         flat = _as_f32(values, "values")
         info = FrameInfo(Codec.FP32, flat.size, 1)
         chunks = [_split_body(Codec.FP32, a, b - a, flat[a:b]) for a, b in _chunk_spans(flat.size)]
         codes = cls(info, chunks)
         if not finite:
             codes._check()
+        if max_abs is not None:
+            o, e, _ = codes._ranges(max_abs[0], max_abs[1])
+            bounds = np.array(max_abs[2], np.float64).reshape(-1)
+            if bounds.shape != o.shape:
+                raise CodecError(f"{bounds.size} bounds for {o.size} ranges")
+            codes._vouched = (o.tobytes(), e.tobytes(), bounds)
+        if block_sq is not None:
+            if block_sq.dtype != np.float64 or block_sq.shape != (-(-flat.size // BLOCK),):
+                raise CodecError(f"block_sq {block_sq.dtype}{block_sq.shape}: one float64 a block")
+            codes._known = block_sq
         return codes
+
+    def decode_runs(
+        self,
+        out: np.ndarray,
+        src: npt.ArrayLike,
+        dst: npt.ArrayLike,
+        lengths: npt.ArrayLike,
+        known: np.ndarray | None = None,
+    ) -> None:
+        """out[dst[r] + i] = value[src[r] + i] for i < lengths[r], for every run r: the
+        values written in their places in `out` (float32, C-contiguous), the bits
+        `decode_into` writes, with no copy between. Runs ascend by src and do not overlap.
+
+        `known` (float64, one per 32-value block of out): each block of out that one whole
+        block of these values fills gets its sum of squares, taken while the block is in
+        registers (`of_values(block_sq=known)` then sums the norms without reading it)."""
+        if (
+            not isinstance(out, np.ndarray)
+            or out.dtype != np.float32
+            or not out.flags.c_contiguous
+            or not out.flags.writeable
+        ):
+            raise CodecError("out must be a writeable C-contiguous float32 numpy array")
+        s, d, n = (np.ascontiguousarray(a, np.int64).reshape(-1) for a in (src, dst, lengths))
+        if not s.shape == d.shape == n.shape:
+            raise CodecError(f"runs: src {s.shape}, dst {d.shape}, lengths {n.shape} differ")
+        if s.size and (np.any(n < 0) or np.any(s[1:] < s[:-1] + n[:-1]) or s[0] < 0):
+            raise CodecError("runs must ascend by src without overlapping")
+        if s.size and s[-1] + n[-1] > self.num_values:
+            raise CodecError(f"runs reach past the {self.num_values} values")
+        flat = out.reshape(-1)
+        starts = np.array([c.start for c in self._chunks], np.int64)
+        stops = starts + np.array([c.count for c in self._chunks], np.int64)
+        r0 = np.searchsorted(s + n, starts, side="right")  # first run ending after the chunk starts
+        r1 = np.maximum(np.searchsorted(s, stops, side="left"), r0)
+
+        def run(i: int) -> None:
+            c, a, b = self._chunks[i], int(r0[i]), int(r1[i])
+            if b > a:
+                _kernels.decode_runs(
+                    self._format, c.scales, c.codes, c.count, c.start, s[a:b], d[a:b], n[a:b],
+                    flat, known,
+                )  # fmt: skip
+
+        parallel(run, len(self._chunks))
 
     def _check(self) -> None:
         parallel(lambda i: _check_chunk(self.info.codec, self._chunks[i]), len(self._chunks))
@@ -134,6 +208,7 @@ class Codes:
                     sq,
                     m if bounds else None,
                     False,
+                    self._known,
                 )
             return sq, m
 
@@ -179,12 +254,11 @@ class Codes:
             raise CodecError(f"scale {s64[bad]!r} of range {bad} is not finite in float32")
         flat = out.reshape(-1)
         cached = self._sq_norms
-        if (
-            cached is not None
-            and cached[3] is not None
-            and cached[:2] == (o.tobytes(), e.tobytes())
-        ):
+        key = (o.tobytes(), e.tobytes())
+        if cached is not None and cached[3] is not None and cached[:2] == key:
             peaks = cached[3]  # taken with the norms, in the same pass
+        elif self._vouched is not None and self._vouched[:2] == key:
+            peaks = self._vouched[2]  # known to the maker of these codes
         else:
             peaks = self._max_abs(o, e, meets, exact=False)
         risky = peaks * np.abs(w.astype(np.float64)) >= _SAFE_PRODUCT
@@ -234,8 +308,12 @@ class Codes:
 
         return parallel(one, len(self._chunks))
 
-    def range_max_abs(self, offsets: npt.ArrayLike, ends: npt.ArrayLike) -> np.ndarray:
-        """max |value| over each range [offsets[r], ends[r]) (0 for an empty one), float64.
+    def range_max_abs(
+        self, offsets: npt.ArrayLike, ends: npt.ArrayLike, *, exact: bool = True
+    ) -> np.ndarray:
+        """max |value| over each range [offsets[r], ends[r]) (0 for an empty one), float64;
+        exact=False: for 4-bit codes a bound read from the scales alone (7 or 6 times the
+        largest), the exact maximum for FP32.
 
         Example:
           >>> from atoll.wire.codec import encode
@@ -244,7 +322,7 @@ class Codes:
           [3.0, 2.0]
         """
         o, e, meets = self._ranges(offsets, ends)
-        return self._max_abs(o, e, meets, exact=True)
+        return self._max_abs(o, e, meets, exact=exact)
 
     def _max_abs(
         self, o: np.ndarray, e: np.ndarray, meets: list[tuple[int, int]], exact: bool
