@@ -171,18 +171,14 @@ class Fragment:
         fixed order), however the tensors were split between parts."""
         held = self.part_sets.pop(learner)
         assert len(held.frames) == held.parts, "a push in parts merged before all were in"
-        largest = max(parts.part_size(b, self.shapes) for b in held.boxes.values())
         pool = self.round.pool  # buffers a close gave back: their pages are in already
-        delta, scratch = (
-            np.empty(n, np.float32) if pool is None else pool.take(n) for n in (self.size, largest)
-        )
+        delta = np.empty(self.size, np.float32) if pool is None else pool.take(self.size)
         try:
-            parts.assemble_all(held, delta, self.segments.offsets.tolist(), self.shapes, scratch)
-            # decoded from checked codes, every element written once: finite, no pass to check it
-            self.contribute(learner, codec.Codes.of_values(delta, finite=True), answer, now)
+            seg = self.segments
+            assembled = parts.assembled_codes(held, delta, self.shapes, seg.offsets, seg.ends)
+            self.contribute(learner, assembled, answer, now)
         finally:
-            if pool is not None:  # the round holds none of them: it summed delta into its own
-                pool.give(scratch)
+            if pool is not None:  # the round holds none of it: it summed delta into its own
                 pool.give(delta)
 
     def parts_state(self) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:

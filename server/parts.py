@@ -23,8 +23,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from atoll.wire import codec
+from atoll.wire import parts as wire_parts
 
 MAX_PARTS = 1 << 12  # parts one push may come in (processes of one learner)
 MAX_BOXES = 1 << 16  # boxes one part may carry
@@ -279,24 +281,42 @@ def part_size(boxes: Sequence[Box], shapes: Sequence[Sequence[int]]) -> int:
     return sum(b.size(shapes[b.tensor]) for b in boxes)
 
 
-def assemble_all(
+def assembled_codes(
     held: PartSet,
     out: np.ndarray,
-    offsets: Sequence[int],
     shapes: Sequence[Sequence[int]],
-    scratch: np.ndarray,
-) -> None:
-    """Decodes every part of a complete push into the fragment vector `out`, each through
-    `scratch` (float32, at least its largest part's size; reused: no fresh pages per part)."""
+    offsets: npt.ArrayLike,
+    ends: npt.ArrayLike,
+) -> codec.Codes:
+    """Decodes every part of a complete push straight into its places in the fragment
+    vector `out` (float32; tensor t is [offsets[t], ends[t])) and returns it as Codes
+    that the merge reads as it reads a whole push's.
+
+    Each part's values are written run by run where its boxes lie (`BoxLayout`), with no
+    copy between, and every element once: `out` is finite (decoded from checked codes)
+    with no pass to check it. Where a block of a part fills a block of `out` (boxes that
+    start on a block: FSDP rows of 32·k values), its sum of squares is taken as it is
+    decoded, so the per-tensor norms read only the other blocks again: the same sums in
+    the same order, bit for bit. The parts' scales bound each tensor's largest |value|
+    (the bound a whole push's scales give), so the merge needs no scan for its overflow
+    check.
+    """
+    peaks = np.zeros(len(shapes), np.float64)
+    known = np.full(-(-out.size // codec.BLOCK), -1.0)  # blocks' sums of squares, as decoded
     for part in sorted(held.frames):
         boxes = held.boxes[part]
-        n = part_size(boxes, shapes)
+        sizes = np.array([b.size(shapes[b.tensor]) for b in boxes], np.int64)
         codes = held.codes.get(part)
         if codes is None:
-            codes = codec.read_codes(held.frames[part], num_values=n)
-        values = scratch[:n]
-        codes.decode_into(values, accumulate=False)
-        assemble(out, offsets, shapes, boxes, values)
+            codes = codec.read_codes(held.frames[part], num_values=int(sizes.sum()))
+        layout = wire_parts.BoxLayout.of(shapes, [(b.tensor, b.start, b.stop) for b in boxes])
+        codes.decode_runs(
+            out, np.cumsum(layout.lengths) - layout.lengths, layout.starts, layout.lengths, known
+        )
+        box_ends = np.cumsum(sizes)
+        box_peaks = codes.range_max_abs(box_ends - sizes, box_ends, exact=False)
+        np.maximum.at(peaks, [b.tensor for b in boxes], box_peaks)
+    return codec.Codes.of_values(out, finite=True, max_abs=(offsets, ends, peaks), block_sq=known)
 
 
 def assemble(
@@ -307,7 +327,8 @@ def assemble(
     values: np.ndarray,
 ) -> None:
     """Writes a part's `values` (its boxes' elements, box after box, C order) into the
-    fragment vector `out` whose tensor t starts at offsets[t]."""
+    fragment vector `out` whose tensor t starts at offsets[t]: the plain numpy statement
+    of where `assembled_codes` decodes each part."""
     at = 0
     for box in boxes:
         shape = tuple(shapes[box.tensor])
