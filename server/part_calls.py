@@ -7,7 +7,6 @@ round timer after `ShardConfig.part_wait_leases`."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,10 +98,11 @@ class PartCalls(ShardState):
         except codec.CodecError as e:  # NaN/Inf, or a frame of another size than its boxes
             raise ShardError(Why.MALFORMED, f"push part {h.part} frame: {e}") from None
         # the whole push's check (server/state.py): a logged part is one the merge can
-        # apply, whatever the other parts hold. Its norm bounds every element, so only a
-        # part whose norm passes the bound needs the exact per-element check
-        norm = math.sqrt(float(codes.range_sq_norms([0], [n])[0]))
-        if norm > MAX_ABS_VALUE and float(codes.range_max_abs([0], [n])[0]) > MAX_ABS_VALUE:
+        # apply, whatever the other parts hold. Its scales bound every element (a read of
+        # the scales alone, where a norm would read every code), so only a part whose
+        # bound passes the limit needs the exact per-element check
+        bound = float(codes.range_max_abs([0], [n], exact=False)[0])
+        if bound > MAX_ABS_VALUE and float(codes.range_max_abs([0], [n])[0]) > MAX_ABS_VALUE:
             raise ShardError(
                 Why.MALFORMED,
                 f"push part {h.part} frame: values beyond ±{MAX_ABS_VALUE:g}: a diverged "
