@@ -162,10 +162,7 @@ class Learner:
         self._lock = threading.Lock()  # guards _phase and _sync against stop() from other threads
         self._layout: TreeLayout | None = None
         self._sync: Synchronizer | None = None
-        self._claim: standby.Claim | None = None
-        self._checkpointer: checkpoint.Checkpointer | None = None
-        self._trail: checkpoint.PushTrail | None = None
-        self._ckpt: checkpoint.Checkpoint | None = None
+        self._keeping = tenure.Keeping(self.checkpointing)
         self._local = 0  # steps since join: the Synchronizer's step count
         self._boundary = 0.0  # perf_counter at the last step boundary
         self._excluded = 0.0  # seconds since it not of the caller's step (waits, `paused`)
@@ -273,7 +270,7 @@ class Learner:
         and hands them to a background push; when a sync's round comes back it returns a
         new tree whose fragment tensors are the new global ones plus the steps trained
         meanwhile (your optimiser state is kept as it is, as in DiLoCo). It blocks only
-        when a fragment's previous round is very late (see `wait_for_rounds`).
+        when a fragment's previous round is very late (see `SyncConfig.wait_for_rounds`).
 
         In a multi-host program every process calls it. With params replicated on every
         process, process 0 syncs and the others take what it adopted; with params split
@@ -319,11 +316,10 @@ class Learner:
         if updates:
             params = self._write(view, updates)
             view = View(layout, params, "params given to step()")
-        if self._checkpointer is not None:  # every process writes its own shards
-            if self._sync is not None:
-                assert self._trail is not None  # made with the checkpointer
-                self._trail.after_step(self._sync, self.plan, seq_before, self._local, view)
-            if self._checkpointer.due(self.steps):
+        keeping = self._keeping
+        if keeping.writer is not None:  # every process writes its own shards
+            keeping.after_step(self._sync, seq_before, self._local, view)
+            if keeping.writer.due(self.steps):
                 self._save(view, state)
         return params
 
@@ -361,7 +357,7 @@ class Learner:
             updates, _ = distributed.broadcast_step(updates, (), self.plan.fragment_sizes)
         if updates:
             params = self._write(view, updates)
-        if self._checkpointer is not None and self._local:
+        if self._keeping.writer is not None and self._local:
             self._save(View(layout, params, "params given to finish()"), state, wait=True)
         with self._lock:
             self._phase = _FINISHED
@@ -386,7 +382,7 @@ class Learner:
           ...     learner.save(params, state=opt_state)
         """
         self._expect(_JOINED, "save")
-        if self._checkpointer is None:
+        if self._keeping.writer is None:
             return False
         self._save(View(self._joined(), params, "params given to save()"), state, wait=True)
         return True
@@ -419,7 +415,8 @@ class Learner:
         """
         if self._phase == _NEW:
             raise LearnerStateError("call join(params) before restore_state()")
-        return template if self._ckpt is None else tenure.restored_state(self._ckpt, template)
+        ckpt = self._keeping.resumed
+        return template if ckpt is None else tenure.restored_state(ckpt, template)
 
     def stop(self) -> None:
         """Ends every wait on the shards at once, from any thread (a signal handler's
@@ -461,7 +458,7 @@ class Learner:
     def resumed(self) -> bool:
         """Whether `join` resumed this id's checkpoint (then `steps`, `tokens` and
         `restore_state` give where it was)."""
-        return self._ckpt is not None
+        return self._keeping.resumed is not None
 
     @property
     def pushed(self) -> bool:
@@ -577,15 +574,17 @@ class Learner:
             self._connect,
             part_wait=max(self.sync_config.join_timeout, self.sync_config.patience),
         )
+        ckpt = None
         if self.checkpointing is not None:  # each process reads its own shards
-            self._resume(self.checkpointing, layout, sharded_checkpoint.ProcessRows(island.boxes))
-            if self._ckpt is not None:
-                leaves = self._ckpt.params(view.leaves())
+            ckpt = self._resume(layout, sharded_checkpoint.ProcessRows(island.boxes))
+            if ckpt is not None:
+                leaves = ckpt.params(view.leaves())
                 view = View(layout, layout.write(leaves, {}), "params given to join()")
         vectors = island.join(view)
-        if self._ckpt is not None:
-            assert self._trail is not None  # made by _resume
-            vectors.update(sharded_checkpoint.resume(self._ckpt, island, leaves, self._trail))
+        if ckpt is not None:
+            trail = self._keeping.trail
+            assert trail is not None  # made by _resume
+            vectors.update(sharded_checkpoint.resume(ckpt, island, leaves, trail))
         self._boundary = time.perf_counter()
         return self._write(view, vectors)
 
@@ -597,18 +596,18 @@ class Learner:
         leaves = view.leaves()
         if multi and tenure.split(layout, leaves):
             return self._join_island(layout, view)
-        saving = self.checkpointing
-        if saving is not None and not multi and self._holds_claim:
-            self._claim_id(saving)
-        if saving is not None:
-            self._resume(saving, layout)
-            if self._ckpt is not None:  # every leaf, synced or not, as the live one is
-                leaves = self._ckpt.params(leaves)
+        ckpt = None
+        if self.checkpointing is not None and not multi and self._holds_claim:
+            self._claim_id(self.checkpointing)
+        if self.checkpointing is not None:
+            ckpt = self._resume(layout)
+            if ckpt is not None:  # every leaf, synced or not, as the live one is
+                leaves = ckpt.params(leaves)
                 view = View(layout, layout.write(leaves, {}), "params given to join()")
         vectors = [np.zeros(size, np.float32) for size in layout.plan.fragment_sizes]
         if leader:  # connects, joins, resumes the checkpoint's sync state
-            sync, ckpt = self._connect(), self._ckpt
-            vectors = tenure.join_shards(sync, view, ckpt, self._trail, self._shards)
+            sync, trail = self._connect(), self._keeping.trail
+            vectors = tenure.join_shards(sync, view, ckpt, trail, self._shards)
         if multi:
             vectors = distributed.broadcast(vectors)
         self._boundary = time.perf_counter()
@@ -616,14 +615,7 @@ class Learner:
 
     def _claim_id(self, ckpt: Checkpointing) -> None:
         """One live process per id: the claim, or (standby) the id of a failed learner."""
-        self._claim = claim = tenure.claim(
-            ckpt.directory,
-            self.learner_id,
-            self.index,
-            self.num_learners,
-            wait=ckpt.standby,
-            stop=self._stop,
-        )
+        claim = self._keeping.hold(self.learner_id, self.index, self.num_learners, self._stop)
         if claim is None:
             raise LearnerStateError(
                 f"learner id {self.learner_id!r} is held by a live process "
@@ -633,17 +625,15 @@ class Learner:
         if ckpt.standby:  # this process is now the failed learner it took over
             self.learner_id, self.index = claim.learner_id, int(claim.info["learner_index"])
 
-    def _resume(self, ckpt: Checkpointing, layout: TreeLayout, rows: Any = None) -> None:
-        """Reads this id's checkpoint and makes the writer (tenure.resume); a resumed
-        checkpoint's steps and tokens are this learner's."""
-        ident = tenure.identity(
-            self._run_info, self.learner_id, self.index, self.num_learners, layout.plan
-        )
-        self._ckpt, self._trail, self._checkpointer = tenure.resume(
-            ckpt.directory, layout, ident, self._run_info, ckpt.every, multi=self._multi, rows=rows
-        )
-        if self._ckpt is not None:
-            self.steps, self.tokens = self._ckpt.step, int(self._ckpt.meta.get("tokens", 0))
+    def _resume(self, layout: TreeLayout, rows: Any = None) -> checkpoint.Checkpoint | None:
+        """This id's checkpoint, if any (its steps and tokens are this learner's), and
+        the writer of the next ones (tenure.resume)."""
+        who = (self.learner_id, self.index, self.num_learners)
+        ident = tenure.identity(self._run_info, *who, layout.plan)
+        ckpt = self._keeping.resume(layout, ident, self._run_info, multi=self._multi, rows=rows)
+        if ckpt is not None:
+            self.steps, self.tokens = ckpt.step, int(ckpt.meta.get("tokens", 0))
+        return ckpt
 
     @property
     def _shards(self) -> tenure.Connection:
@@ -667,10 +657,10 @@ class Learner:
         return sync
 
     def _save(self, view: View, state: PyTree, wait: bool = False) -> None:
-        assert self._checkpointer is not None
-        opt_state = () if state is None else state
-        progress = tenure.Progress(self.steps, self.tokens, opt_state=opt_state)
-        tenure.save(self._checkpointer, view, progress, self._sync, self._trail, wait=wait)
+        progress = tenure.Progress(
+            self.steps, self.tokens, opt_state=() if state is None else state
+        )
+        self._keeping.save(view, progress, self._sync, wait=wait)
 
     def _release(self, done: bool) -> None:
         with self._lock:
@@ -678,4 +668,4 @@ class Learner:
         if sync is not None:
             sync.close()
             self._stats, self._versions = dict(sync.stats), sync.versions()
-        tenure.release(self._checkpointer, self._claim, done)
+        self._keeping.release(done)

@@ -1,5 +1,7 @@
-"""`atoll.Learner`'s arguments, checked (learner/api.py): a setting that cannot work
-raises LearnerConfigError (a ValueError) saying why, before anything connects."""
+"""`atoll.Learner`'s own arguments, checked (learner/api.py): those no config dataclass
+holds (shards, id, fragments, data shard, TLS) raise LearnerConfigError (a ValueError)
+saying why, before anything connects; `sync` and `checkpoint` must be the configs that
+checked theirs (SyncConfig, Checkpointing). `of_config`: a Learner's of a LearnerConfig."""
 
 from __future__ import annotations
 

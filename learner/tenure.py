@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from atoll.learner import checkpoint, distributed, standby
+from atoll.learner.config import Checkpointing
 from atoll.learner.pytree import ParamsError, PyTree, TreeLayout
 from atoll.learner.stopping import Stopped
 from atoll.learner.sync import SyncConfig, Synchronizer
@@ -246,6 +247,62 @@ def release(
         checkpointer.close()
     if claim is not None:
         claim.release(done=done)
+
+
+class Keeping:
+    """A learner id's checkpoints, from `join` to the end (empty without a
+    `Checkpointing`): the id's claim, the checkpoint it resumed, the writer of its next
+    ones and the push trail they record; the Learner keeps one and asks it."""
+
+    def __init__(self, settings: Checkpointing | None):
+        self.settings = settings
+        self.claim: standby.Claim | None = None
+        self.resumed: checkpoint.Checkpoint | None = None  # what `join` resumed, if any
+        self.trail: checkpoint.PushTrail | None = None
+        self.writer: checkpoint.Checkpointer | None = None  # None: nothing is kept
+
+    def hold(
+        self, learner_id: str, index: int, num_learners: int, stop: threading.Event
+    ) -> standby.Claim | None:
+        """The id's claim (`claim`): None where a live process holds it."""
+        assert self.settings is not None
+        where, wait = self.settings.directory, self.settings.standby
+        self.claim = claim(where, learner_id, index, num_learners, wait=wait, stop=stop)
+        return self.claim
+
+    def resume(
+        self,
+        layout: TreeLayout,
+        ident: dict[str, Any],
+        run_info: Mapping[str, Any],
+        *,
+        multi: bool,
+        rows: Any = None,
+    ) -> checkpoint.Checkpoint | None:
+        """Reads the id's checkpoint, if any, and makes the writer (`resume`)."""
+        assert self.settings is not None
+        where, every = self.settings.directory, self.settings.every
+        self.resumed, self.trail, self.writer = resume(
+            where, layout, ident, run_info, every, multi=multi, rows=rows
+        )
+        return self.resumed
+
+    def after_step(
+        self, sync: Synchronizer | None, seq_before: int, local: int, view: View
+    ) -> None:
+        """Records the step's pushes in the trail (process 0 of a replicated learner)."""
+        if sync is not None and self.trail is not None:
+            self.trail.after_step(sync, view.layout.plan, seq_before, local, view)
+
+    def save(
+        self, view: View, progress: Progress, sync: Synchronizer | None, wait: bool = False
+    ) -> None:
+        """Writes a checkpoint (`save`), in the background unless `wait`."""
+        assert self.writer is not None
+        save(self.writer, view, progress, sync, self.trail, wait=wait)
+
+    def release(self, done: bool) -> None:
+        release(self.writer, self.claim, done)
 
 
 def split(layout: TreeLayout, leaves: Sequence[Any]) -> bool:
