@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from atoll.wire import codec
+from atoll.wire import assembled, codec
 from atoll.wire import parts as wire_parts
 
 MAX_PARTS = 1 << 12  # parts one push may come in (processes of one learner)
@@ -288,21 +288,20 @@ def assembled_codes(
     offsets: npt.ArrayLike,
     ends: npt.ArrayLike,
 ) -> codec.Codes:
-    """Decodes every part of a complete push straight into its places in the fragment
-    vector `out` (float32; tensor t is [offsets[t], ends[t])) and returns it as Codes
-    that the merge reads as it reads a whole push's.
+    """A complete push's parts as Codes of the fragment vector they assemble, which the
+    merge reads as it reads a whole push's (`wire.assembled.Assembled`): `out` (float32,
+    the fragment's size; tensor t is [offsets[t], ends[t])) is its buffer.
 
-    Each part's values are written run by run where its boxes lie (`BoxLayout`), with no
-    copy between, and every element once: `out` is finite (decoded from checked codes)
-    with no pass to check it. Where a block of a part fills a block of `out` (boxes that
-    start on a block: FSDP rows of 32·k values), its sum of squares is taken as it is
-    decoded, so the per-tensor norms read only the other blocks again: the same sums in
-    the same order, bit for bit. The parts' scales bound each tensor's largest |value|
-    (the bound a whole push's scales give), so the merge needs no scan for its overflow
-    check.
+    The norms are taken from the parts as they are read, where a part's block fills a
+    fragment block (and from the values written to `out` elsewhere), and the merge adds
+    each part's values from its codes where its boxes lie (`BoxLayout`): the same sums
+    in the same order as the values pushed whole, with no float32 copy of the push. The
+    parts' scales bound each tensor's largest |value| (the bound a whole push's scales
+    give), so the merge needs no scan for its overflow check.
     """
+    o = np.asarray(offsets, np.int64)
     peaks = np.zeros(len(shapes), np.float64)
-    known = np.full(-(-out.size // codec.BLOCK), -1.0)  # blocks' sums of squares, as decoded
+    runs = []
     for part in sorted(held.frames):
         boxes = held.boxes[part]
         sizes = np.array([b.size(shapes[b.tensor]) for b in boxes], np.int64)
@@ -310,13 +309,11 @@ def assembled_codes(
         if codes is None:
             codes = codec.read_codes(held.frames[part], num_values=int(sizes.sum()))
         layout = wire_parts.BoxLayout.of(shapes, [(b.tensor, b.start, b.stop) for b in boxes])
-        codes.decode_runs(
-            out, np.cumsum(layout.lengths) - layout.lengths, layout.starts, layout.lengths, known
-        )
+        runs.append(assembled.part_runs(codes, layout.starts, layout.lengths, o))
         box_ends = np.cumsum(sizes)
         box_peaks = codes.range_max_abs(box_ends - sizes, box_ends, exact=False)
         np.maximum.at(peaks, [b.tensor for b in boxes], box_peaks)
-    return codec.Codes.of_values(out, finite=True, max_abs=(offsets, ends, peaks), block_sq=known)
+    return assembled.Assembled(out, runs, o, ends, peaks)
 
 
 def assemble(

@@ -58,7 +58,6 @@ def test_parts_decoded_in_place_merge_to_the_bits_of_the_values_assembled_by_num
     want = _reference(held)
     out = np.full(SIZE, np.nan, np.float32)
     got = parts.assembled_codes(held, out, SHAPES, OFFSETS[:-1], OFFSETS[1:])
-    assert out.tobytes() == want.tobytes()
     ref = codec.Codes.of_values(want)
     o, e = OFFSETS[:-1], OFFSETS[1:]
     assert got.range_sq_norms(o, e).tobytes() == ref.range_sq_norms(o, e).tobytes()
@@ -67,8 +66,16 @@ def test_parts_decoded_in_place_merge_to_the_bits_of_the_values_assembled_by_num
     got.accumulate_ranges(acc_got, o, e, scales)
     ref.accumulate_ranges(acc_ref, o, e, scales)
     assert acc_got.tobytes() == acc_ref.tobytes()
+    got.accumulate_ranges(acc_got, o, e, scales, add=False)  # a round's first push
+    ref.accumulate_ranges(acc_ref, o, e, scales, add=False)
+    assert acc_got.tobytes() == acc_ref.tobytes()
     # the bounds it carries bound every tensor's values, as a whole push's scales would
     assert np.all(got._vouched[2] >= ref.range_max_abs(o, e))
+    assert not got._filled  # norms and sums read the parts' codes, not `out`
+    # any other read has every value written first: the values numpy assembles
+    values = np.empty(SIZE, np.float32)
+    got.decode_into(values, accumulate=False)
+    assert values.tobytes() == want.tobytes() == out.tobytes()
 
 
 def test_vouched_bounds_still_refuse_a_merge_that_would_overflow_and_write_nothing():
@@ -76,6 +83,7 @@ def test_vouched_bounds_still_refuse_a_merge_that_would_overflow_and_write_nothi
     held = _held(delta * np.float32(1e37), codec.Codec.INT4)
     got = parts.assembled_codes(held, np.empty(SIZE, np.float32), SHAPES, OFFSETS[:-1], OFFSETS[1:])
     acc = np.full(SIZE, 3e38, np.float32)
+    assert not got._filled
     with pytest.raises(codec.CodecError, match="overflow"):
         got.accumulate_ranges(acc, OFFSETS[:-1], OFFSETS[1:], [1.0, 1.0, 1.0])
     assert np.all(acc == np.float32(3e38))
@@ -123,11 +131,11 @@ def test_rows_that_start_on_a_block_have_their_sums_taken_as_decoded_with_the_sa
         )
         held.boxes[k], held.frames[k] = boxes, codec.encode(values, codec.Codec.INT4)
         parts.assemble(want, offsets[:-1].tolist(), shapes, boxes, codec.decode(held.frames[k]))
-    out = np.empty_like(delta)
+    out = np.full_like(delta, np.nan)
     got = parts.assembled_codes(held, out, shapes, offsets[:-1], offsets[1:])
     assert np.all(got._known >= 0)  # every block filled by one block of a part
+    assert np.isnan(out).all()  # none written: the merge reads the parts' codes
     o, e = offsets[:-1], offsets[1:]
-    assert out.tobytes() == want.tobytes()
     assert (
         got.range_sq_norms(o, e).tobytes()
         == codec.Codes.of_values(want).range_sq_norms(o, e).tobytes()

@@ -606,9 +606,10 @@ HOT static Py_ssize_t accumulate_ranges(const chunk_t *c, Py_ssize_t start, cons
  * decode_chunk writes (w = 1), with no copy of the part between. known (or NULL): where a
  * whole block of the chunk lands on a whole block of out, that block's sum of squares
  * (block_sq's pairwise tree over the values just written) goes to known[its block of
- * out], so range_stats over out need not read it again. */
+ * out], so range_stats over out need not read it again; with skip_known such a block is
+ * not written at all (only its sum is wanted: accumulate_runs reads the codes). */
 HOT static void decode_runs(const chunk_t *c, Py_ssize_t start, const int64_t *src, const int64_t *dst,
-                            const int64_t *len, Py_ssize_t nr, float *out, double *known) {
+                            const int64_t *len, Py_ssize_t nr, float *out, double *known, int skip_known) {
     float v[BLOCK];
     for (Py_ssize_t r = 0; r < nr; r++) {
         Py_ssize_t a = smax(src[r] - start, 0), b = smin(src[r] + len[r] - start, c->count);
@@ -619,12 +620,53 @@ HOT static void decode_runs(const chunk_t *c, Py_ssize_t start, const int64_t *s
             if (lo == 0 && hi == BLOCK) { /* the bulk: whole blocks as vectors */
                 blk_t t;
                 chunk_blk(c, blk, &t);
+                if (known && skip_known && at % BLOCK == 0) {
+                    float w[BLOCK];
+                    memcpy(w, &t, sizeof w);
+                    known[at / BLOCK] = tree_sq(w);
+                    continue;
+                }
                 store_blk(&t, 1.0f, 0, out + at);
                 if (known && at % BLOCK == 0) known[at / BLOCK] = tree_sq(out + at); /* in L1 */
                 continue;
             }
             block_values(c, blk, v);
             memcpy(out + at, v + lo, (size_t)(hi - lo) * sizeof(float));
+        }
+    }
+}
+
+/* accumulate_ranges over a part's runs (see decode_runs): out[dst[r] + j] += ws[r] *
+ * value[src[r] + j] for the values of this chunk (add = 0: 0 + ws[r] * value, zeros where
+ * ws[r] is 0, without reading out). The same operations on the same values as
+ * accumulate_ranges over the vector the runs assemble: the same bits. No check: the
+ * caller has bounded every sum (or uses accumulate_ranges' check). */
+HOT static void accumulate_runs(const chunk_t *c, Py_ssize_t start, const int64_t *src, const int64_t *dst,
+                                const int64_t *len, const float *ws, Py_ssize_t nr, float *out, int add) {
+    float v[BLOCK];
+    for (Py_ssize_t r = 0; r < nr; r++) {
+        float w = ws[r];
+        Py_ssize_t a = smax(src[r] - start, 0), b = smin(src[r] + len[r] - start, c->count);
+        Py_ssize_t shift = dst[r] - src[r] + start; /* out index of chunk value i: i + shift */
+        if (a >= b) continue;
+        if (w == 0.0f) {
+            if (!add) memset(out + (a + shift), 0, (size_t)(b - a) * sizeof(float));
+            continue;
+        }
+        for (Py_ssize_t blk = a / BLOCK; blk * BLOCK < b; blk++) {
+            int lo = (int)smax(a - blk * BLOCK, 0), hi = (int)smin(b - blk * BLOCK, BLOCK);
+            float *o = out + (blk * BLOCK + shift + lo); /* lane lo's place */
+            if (lo == 0 && hi == BLOCK) { /* the bulk: whole blocks as vectors */
+                blk_t t;
+                chunk_blk(c, blk, &t);
+                store_blk(&t, w, add ? 1 : 2, o);
+                continue;
+            }
+            block_values(c, blk, v);
+            for (int i = lo; i < hi; i++) {
+                float p = w * v[i]; /* multiply, then add: never fused */
+                o[i - lo] = (add ? o[i - lo] : 0.0f) + p;
+            }
         }
     }
 }
@@ -844,21 +886,23 @@ done:
 }
 
 PyDoc_STRVAR(decode_runs_doc,
-"decode_runs(fmt, scales, codes, count, start, src, dst, lengths, out, known=None) -> None\n\n"
+"decode_runs(fmt, scales, codes, count, start, src, dst, lengths, out, known=None,\n"
+"            skip_known=False) -> None\n\n"
 "For the chunk holding values [start, start + count) of a part and int64 runs (values\n"
 "[src[r], src[r] + lengths[r]) of the part belong at [dst[r], dst[r] + lengths[r]) of\n"
 "float32 out): writes every value of the chunk that a run holds into its place in out,\n"
 "the bits decode writes. Runs must lie within out. known (float64, one per block of out,\n"
 "or None) gets the sum of squares of each whole block of out that one whole block of the\n"
-"chunk fills (range_stats' known).");
+"chunk fills (range_stats' known); skip_known=True leaves such blocks unwritten.");
 
 static PyObject *py_decode_runs(PyObject *self, PyObject *args) {
     int code;
     Py_ssize_t count, start, nr;
     Py_buffer scales, codes, src, dst, lens, out, kn = {0};
     PyObject *kn_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "iy*y*nny*y*y*w*|O", &code, &scales, &codes, &count, &start, &src, &dst, &lens,
-                          &out, &kn_obj)) return NULL;
+    int skip = 0;
+    if (!PyArg_ParseTuple(args, "iy*y*nny*y*y*w*|Op", &code, &scales, &codes, &count, &start, &src, &dst, &lens,
+                          &out, &kn_obj, &skip)) return NULL;
     PyObject *result = NULL;
     int have_kn = 0;
     chunk_t c;
@@ -883,13 +927,50 @@ static PyObject *py_decode_runs(PyObject *self, PyObject *args) {
             goto done;
         }
     Py_BEGIN_ALLOW_THREADS
-    decode_runs(&c, start, s, d, n, nr, out.buf, have_kn ? kn.buf : NULL);
+    decode_runs(&c, start, s, d, n, nr, out.buf, have_kn ? kn.buf : NULL, skip);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&scales); PyBuffer_Release(&codes); PyBuffer_Release(&src); PyBuffer_Release(&dst);
     PyBuffer_Release(&lens); PyBuffer_Release(&out);
     if (have_kn) PyBuffer_Release(&kn);
+    return result;
+}
+
+PyDoc_STRVAR(accumulate_runs_doc,
+"accumulate_runs(fmt, scales, codes, count, start, src, dst, lengths, weights, out, add) -> None\n\n"
+"accumulate's sums over a part's runs (see decode_runs): out[dst[r] + j] += float32\n"
+"weights[r] * value[src[r] + j] for the chunk's values (add=False: 0 + weights[r] * value,\n"
+"zeros where the weight is 0, without reading out). No overflow check. Runs must lie\n"
+"within out.");
+
+static PyObject *py_accumulate_runs(PyObject *self, PyObject *args) {
+    int code, add;
+    Py_ssize_t count, start, nr;
+    Py_buffer scales, codes, src, dst, lens, ws, out;
+    if (!PyArg_ParseTuple(args, "iy*y*nny*y*y*y*w*p", &code, &scales, &codes, &count, &start, &src, &dst, &lens,
+                          &ws, &out, &add)) return NULL;
+    PyObject *result = NULL;
+    chunk_t c;
+    if (get_chunk(code, &scales, &codes, count, &c) < 0 || get_ranges(&src, &dst, &lens, 8, &nr) < 0) goto done;
+    if (ws.len != nr * 4 || (uintptr_t)ws.buf % 4 || out.len % 4 || (uintptr_t)out.buf % 4) {
+        PyErr_SetString(PyExc_ValueError, "want aligned float32 weights, one per run, and float32 out");
+        goto done;
+    }
+    const int64_t *s = src.buf, *d = dst.buf, *n = lens.buf;
+    for (Py_ssize_t r = 0; r < nr; r++)
+        if (s[r] < 0 || n[r] < 0 || d[r] < 0 || d[r] > out.len / 4 - n[r]) {
+            PyErr_Format(PyExc_ValueError, "run %zd ([%lld, +%lld) to %lld) lies outside out", r, (long long)s[r],
+                         (long long)n[r], (long long)d[r]);
+            goto done;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    accumulate_runs(&c, start, s, d, n, ws.buf, nr, out.buf, add);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&scales); PyBuffer_Release(&codes); PyBuffer_Release(&src); PyBuffer_Release(&dst);
+    PyBuffer_Release(&lens); PyBuffer_Release(&ws); PyBuffer_Release(&out);
     return result;
 }
 
@@ -979,6 +1060,7 @@ static PyMethodDef methods[] = {
     {"range_stats", py_range_stats, METH_VARARGS, range_stats_doc},
     {"accumulate", py_accumulate, METH_VARARGS, accumulate_doc},
     {"decode_runs", py_decode_runs, METH_VARARGS, decode_runs_doc},
+    {"accumulate_runs", py_accumulate_runs, METH_VARARGS, accumulate_runs_doc},
     {"outer_step", py_outer_step, METH_VARARGS, outer_step_doc},
     {NULL, NULL, 0, NULL},
 };

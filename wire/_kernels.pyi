@@ -62,6 +62,21 @@ def decode_runs(
     lengths: _Buffer,
     out: _Buffer,
     known: _Buffer | None = None,
+    skip_known: bool = False,
+    /,
+) -> None: ...
+def accumulate_runs(
+    fmt: int,
+    scales: _Buffer,
+    codes: _Buffer,
+    count: int,
+    start: int,
+    src: _Buffer,
+    dst: _Buffer,
+    lengths: _Buffer,
+    weights: _Buffer,
+    out: _Buffer,
+    add: bool,
     /,
 ) -> None: ...
 def outer_step(

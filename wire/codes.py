@@ -111,6 +111,8 @@ class Codes:
         dst: npt.ArrayLike,
         lengths: npt.ArrayLike,
         known: np.ndarray | None = None,
+        *,
+        skip_known: bool = False,
     ) -> None:
         """out[dst[r] + i] = value[src[r] + i] for i < lengths[r], for every run r: the
         values written in their places in `out` (float32, C-contiguous), the bits
@@ -118,7 +120,9 @@ class Codes:
 
         `known` (float64, one per 32-value block of out): each block of out that one whole
         block of these values fills gets its sum of squares, taken while the block is in
-        registers (`of_values(block_sq=known)` then sums the norms without reading it)."""
+        registers (`of_values(block_sq=known)` then sums the norms without reading it);
+        `skip_known`: such blocks are not written (a caller that reads the values from
+        these codes again, not from `out`)."""
         if (
             not isinstance(out, np.ndarray)
             or out.dtype != np.float32
@@ -144,7 +148,7 @@ class Codes:
             if b > a:
                 _kernels.decode_runs(
                     self._format, c.scales, c.codes, c.count, c.start, s[a:b], d[a:b], n[a:b],
-                    flat, known,
+                    flat, known, skip_known,
                 )  # fmt: skip
 
         parallel(run, len(self._chunks))
