@@ -260,7 +260,7 @@ class Shard(Recovery, MoveCalls, PartCalls):
         meta = {
             "fragment": h.fragment,
             "learner": h.learner_id,
-            "answer": dataclasses.asdict(answer),
+            "answer": answer.to_json(),
         }
         # an older push in parts of this learner's will never finish: a newer push replaced it
         dropped = self._dropped_parts(frag, h.learner_id, "superseded")
