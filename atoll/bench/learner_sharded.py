@@ -434,7 +434,17 @@ def _memory_phase(loop: _ShardedLoop, addressable: list[int], windows: int) -> d
         "fragment_of_window": [s[3] for s in syncs],
         "ratios": [round(r, 4) for r in ratios],
         "ratio_max": round(max(ratios), 4) if ratios else None,
+        # each measure alone over the fragment's addressable bytes: which one binds
+        "ratio_rss_max": _ratio_max([s[0] for s in syncs], syncs, addressable),
+        "ratio_tracemalloc_max": _ratio_max([s[1] for s in syncs], syncs, addressable),
     }
+
+
+def _ratio_max(
+    added: list[int], syncs: list[tuple[int, int, float, int]], addressable: list[int]
+) -> float | None:
+    ratios = [a / addressable[s[3]] for a, s in zip(added, syncs)]
+    return round(max(ratios), 4) if ratios else None
 
 
 def _window(loop: _ShardedLoop) -> str:
