@@ -165,10 +165,11 @@ class Fragment:
     def contribute_parts(self, learner: str, answer: Answer, now: float) -> None:
         """Folds `learner`'s complete push in parts into the open round as one contribution.
 
-        The parts are decoded into one float32 vector of the fragment and added as that
-        vector: `RoundAccumulator.add` of it gives the bits `add_frame` gives a whole frame
-        decoding to the same values (per-tensor norms over the whole tensor, in the codec's
-        fixed order), however the tensors were split between parts."""
+        The parts are read as the fragment vector they assemble (`parts.assembled_codes`):
+        its per-tensor norms over whole tensors in the codec's fixed order, and its sums
+        added from each part's codes where its boxes lie, so `add_frame` of it gives the bits
+        a whole frame decoding to the same values gives, however the tensors were split
+        between parts. `delta` is its buffer (blocks no part fills whole are written there)."""
         held = self.part_sets.pop(learner)
         assert len(held.frames) == held.parts, "a push in parts merged before all were in"
         pool = self.round.pool  # buffers a close gave back: their pages are in already
