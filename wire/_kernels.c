@@ -1,6 +1,7 @@
 /* Kernels for wire/codec.py: blockwise 4-bit encode with error feedback, and, over the
  * checked codes of one frame chunk, decode, per-range sums of squares, and per-range
- * scaled accumulation, with no float32 copy of the decoded values.
+ * scaled accumulation, with no float32 copy of the decoded values; decode and
+ * accumulation also by runs (a part of a push placed in its fragment, wire/assembled.py).
  *
  * A chunk's body (before zstd), for n values in nb = ceil(n/32) blocks: nb scales
  * (int4: uint16 bfloat16 bits; mxfp4: uint8 E8M0), then nb*16 bytes of codes, 16 per
