@@ -174,6 +174,9 @@ class _Pusher:
         self.watch: Any = None  # the Watch call (a grpc stream, untyped), once following
         self.joined = 0  # ingest rounds so far; also this learner's push sequence number
         self.pool = futures.ThreadPoolExecutor(connections)
+        # a push's parts go at once, one stream each, as the processes of a sharded
+        # learner send theirs (each waits for its own part's ack, not for the others')
+        self.part_pool = futures.ThreadPoolExecutor(connections * parts) if parts > 1 else None
 
     def follow(self) -> None:
         """Watches every fragment until it has seen each one's first version."""
@@ -208,13 +211,10 @@ class _Pusher:
             # the round this learner joined last time must have closed: base = its version
             base = 0 if phase == "raw" else self.versions.wait_for(p, self.joined - 1)
             t0 = time.monotonic()
-            for k, (_, frame) in enumerate(self.messages[p]):
-                chunks = _chunked(self.header(p, base, k), frame, CHUNK_BYTES)
-                out["bytes"] += len(frame)
-                if phase == "raw":
-                    self.drains[c](chunks, timeout=120)
+            out["bytes"] += sum(len(frame) for _, frame in self.messages[p])
+            for ack in self._send(phase, c, p, base):
+                if ack is None:  # drained by the no-op server
                     continue
-                ack = self.pushes[c](chunks, timeout=120)
                 self.versions.saw(p, ack.version)
                 if ack.reason == pb.PUSH_REASON_PART_HELD:
                     continue
@@ -226,6 +226,21 @@ class _Pusher:
                     out["refused"][name] = out["refused"].get(name, 0) + 1
             out["latency"].append(time.monotonic() - t0)  # the whole push, every part
         return out
+
+    def _send(self, phase: str, c: int, p: int, base: int) -> list[Any]:
+        """Every part of fragment p's push on connection c, all at once: their acks (None
+        for the no-op server's drains)."""
+
+        def one(k: int) -> Any:
+            chunks = _chunked(self.header(p, base, k), self.messages[p][k][1], CHUNK_BYTES)
+            if phase == "raw":
+                self.drains[c](chunks, timeout=120)
+                return None
+            return self.pushes[c](chunks, timeout=120)
+
+        if self.part_pool is None:
+            return [one(0)]
+        return list(self.part_pool.map(one, range(len(self.messages[p]))))
 
     def rounds(self, phase: str, rounds: int) -> dict[str, Any]:
         """`rounds` rounds of `phase` ("raw" or "ingest") over every connection at once."""
@@ -248,6 +263,8 @@ class _Pusher:
         if self.watch is not None:
             self.watch.cancel()
         self.pool.shutdown()
+        if self.part_pool is not None:
+            self.part_pool.shutdown()
         self.shard.close()
         for c, r in self.channels:
             c.close()
