@@ -10,6 +10,18 @@ import pytest
 NO_SKIPS = "ATOLL_NO_SKIPS"  # "1": every skip is a failure that names the skip's reason
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _jax_compile_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The child processes that run JAX (learners, benches, the examples) share one
+    persistent compilation cache for the session: the same tiny models compile once, not
+    in every process (an `atoll learner --preset tiny` of 20 steps: 4.9 s of CPU cold,
+    1.6 s warm). Compiled programs are the same programs, so nothing a test checks moves;
+    a variable already set (a developer's own cache) is kept."""
+    cache = tmp_path_factory.getbasetemp() / "jax-compile-cache"
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
 def _no_skips() -> bool:
     return os.environ.get(NO_SKIPS, "") not in ("", "0")
 
