@@ -22,10 +22,11 @@ def bearer_token(metadata: Iterable[tuple[str, str]] | None) -> str | None:
     return value[7:] if value.startswith("Bearer ") else None
 
 
-def check_learner_id(learner_id: str) -> None:
-    """A caller's learner id obeys server/learner_ids.py (empty: an anonymous reader,
-    which Init and Push refuse on their own); INVALID_ARGUMENT otherwise."""
-    problem = learner_id_problem(learner_id) if learner_id else None
+def check_learner_id(learner_id: str, *, named: bool = False) -> None:
+    """A caller's learner id obeys server/learner_ids.py; INVALID_ARGUMENT otherwise.
+    Empty is an anonymous reader (Pull, Watch) unless the call must be `named` (Init and
+    Push: what they write is a learner's)."""
+    problem = learner_id_problem(learner_id) if learner_id or named else None
     if problem is not None:
         raise ShardError(Why.MALFORMED, problem)
 

@@ -10,7 +10,8 @@ polls through the first loop it meets), so tests and `atoll syncer` start and st
 servers from plain synchronous code.
 
 Limits, each checked before the bytes it guards are buffered:
-  1. A learner id is at most 128 of [A-Za-z0-9._:-] (empty: an anonymous reader).
+  1. A learner id is at most 128 of [A-Za-z0-9._:-] (empty on Pull and Watch: an anonymous
+     reader; Init and Push need one).
   2. A frame's declared size is at most the shard's frame limit (RESOURCE_EXHAUSTED)
      and at most what its fragment can need in its codec (INVALID_ARGUMENT).
   3. Declared frame bytes are held against a per-connection and a shard-wide
@@ -162,10 +163,12 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         await context.abort(code, str(e), trailing_metadata=e.metadata)
         raise AssertionError("context.abort returned")  # it always raises
 
-    def _check_caller(self, context: grpc.aio.ServicerContext, learner_id: str) -> None:
-        """The id is well formed, and a token bound to a learner acts only as that learner
-        (the interceptor checked the token itself)."""
-        check_learner_id(learner_id)
+    def _check_caller(
+        self, context: grpc.aio.ServicerContext, learner_id: str, named: bool = False
+    ) -> None:
+        """The id is well formed (and given, for a `named` call), and a token bound to a
+        learner acts only as that learner (the interceptor checked the token itself)."""
+        check_learner_id(learner_id, named=named)
         if self.tokens is None:
             return
         bound = self.tokens.get(bearer_token(context.invocation_metadata()) or "")
@@ -188,7 +191,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         if first.WhichOneof("kind") != "header":
             raise ShardError(Why.MALFORMED, "the first message must be the header")
         header = first.header
-        self._check_caller(context, header.learner_id)
+        self._check_caller(context, header.learner_id, named=True)  # Init and Push write
         declared, limit = header.frame_bytes, self.cfg.max_frame_bytes
         if declared > limit:
             raise ShardError(

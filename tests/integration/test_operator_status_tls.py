@@ -93,7 +93,9 @@ def run(tmp_path):
         ]
         files = TlsFiles(ca, None, None)
         for p in range(PLAN.num_fragments):
-            client = ShardClient(f"{names[p % 2]}:{ports[p % 2]}", "", token=OPERATOR, tls=files)
+            client = ShardClient(
+                f"{names[p % 2]}:{ports[p % 2]}", "seed", token=OPERATOR, tls=files
+            )
             try:
                 values = np.zeros(PLAN.fragment_sizes[p], np.float32)
                 client.init(PLAN, p, codec.encode(values, codec.Codec.FP32), codec.Codec.FP32)

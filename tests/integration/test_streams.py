@@ -300,6 +300,21 @@ def test_learner_ids_out_of_shape_are_refused_on_every_call(serve, learner):
     channel.close()
 
 
+def test_init_and_push_need_a_learner_id_which_pull_and_watch_may_leave_empty(serve):
+    server = serve()
+    channel, stub = connect(server.port)
+    values = np.zeros(SIZE, np.float32)
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    assert status_of(lambda: init(stub, PLAN, 0, values, learner="")) == invalid
+    assert not describe(stub).fragments  # the refused Init brought no plan, seeded nothing
+    init(stub, PLAN, 0, values)
+    assert status_of(lambda: push(stub, PLAN, 0, "", 1, 0, values)) == invalid
+    header, _ = pull(stub, 0, learner="")  # an anonymous reader is answered
+    assert header.version == 0
+    assert describe(stub).live_learners == ["a"]
+    channel.close()
+
+
 def test_a_failing_round_timer_turns_health_not_serving_until_it_recovers(
     serve, monkeypatch, caplog
 ):
