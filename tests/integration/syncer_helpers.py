@@ -418,12 +418,15 @@ class SyncerProcess:
 
 @contextlib.contextmanager
 def syncer_processes(tmp_path: pathlib.Path) -> Iterator[Callable[..., SyncerProcess]]:
-    """Yields start(data_dir, *flags) -> a started SyncerProcess; kills them all at the end."""
+    """Yields start(data_dir, *flags) -> a started SyncerProcess; kills them all at the end.
+    Threads may call start at once (shards that start side by side)."""
     started: list[SyncerProcess] = []
+    lock = threading.Lock()  # each process its own log
 
     def start(data_dir: pathlib.Path, *flags) -> SyncerProcess:
-        proc = SyncerProcess(data_dir, flags, tmp_path / f"syncer-{len(started)}.log")
-        started.append(proc)
+        with lock:
+            proc = SyncerProcess(data_dir, flags, tmp_path / f"syncer-{len(started)}.log")
+            started.append(proc)
         proc.start()
         return proc
 

@@ -13,6 +13,7 @@ import random
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -273,7 +274,8 @@ def _four_shards(tmp_path: pathlib.Path):
             listen = pattern.replace("{i}", str(i))
             return start(tmp_path / f"s{i}", "--shard-index", str(i), "--listen", listen, *FLAGS)
 
-        procs = [shard(i) for i in range(SHARDS)]
+        with ThreadPoolExecutor(SHARDS) as pool:  # side by side: each start waits on imports
+            procs = list(pool.map(shard, range(SHARDS)))
         clients = [
             ShardClient(pattern.replace("{i}", str(i)), "l0", deadline=30.0) for i in range(SHARDS)
         ]
