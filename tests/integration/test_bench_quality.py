@@ -17,9 +17,15 @@ from atoll.learner.schedule import offsets
 pytestmark = pytest.mark.e2e  # a whole run: `make test-fast` skips it
 
 INIT_LOSS = math.log(256)  # ln 256 ≈ 5.55 nats, uniform over the bytes: above it, diverged
-STEPS, LEARNERS, H = 40, 2, 8
+# H = 16: 3-4 outer steps per fragment. At H = 8 (5-6) the synchronous run's global model
+# ends anywhere from 3.23 to 4.87 nats (6 runs; 5.73 once before), its learners at 3.14-3.19:
+# replaying its shards' logs, every fragment one step before its last is at 3.16-3.44,
+# and the last steps, finish's tail rounds (2-6 low-lr steps each, no inner step after),
+# carry Nesterov momentum built over 5 rounds past the minimum. H = 12 (4-5): 3.22-4.59.
+# H = 16: 3.14-3.18 over 10 runs, atoll's 3.15-3.71 and mixed's 3.06-3.73 over 5.
+STEPS, LEARNERS, H = 40, 2, 16
 FRAGMENTS = 4  # the bench's default (each run's config.json says so below)
-MARGIN = 0.5  # eval loss over the baseline's that counts as diverged at this budget
+MARGIN = 0.5  # eval loss over the baseline's (3.45 at this budget) that counts as diverged
 
 
 def test_quality_bench_measures_the_frontier_at_equal_tokens(tmp_path):
@@ -60,11 +66,9 @@ def test_quality_bench_measures_the_frontier_at_equal_tokens(tmp_path):
         report = json.loads((pathlib.Path(run["run_dir"]) / "report.json").read_text())
         assert report["complete"]
         assert run["eval_loss"] == report["global"]["eval_loss"]
-        # not diverged: finite and near uniform at worst. At this toy budget (5 rounds) the
-        # synchronous run's Nesterov-every-round outer steps can overshoot just above
-        # uniform (5.73 once in ~7 runs; 3.45-4.00 otherwise); atoll's and mixed's are held to
-        # the baseline below, the synchronous run's learners to learning
-        assert 0 < run["eval_loss"] < INIT_LOSS + MARGIN, (method, run["eval_loss"])
+        # every global model learned, about as well as data-parallel: a diverged outer step
+        # or a run that never learns (INIT_LOSS) fails this
+        assert 0 < run["eval_loss"] < baseline + MARGIN, (method, run["eval_loss"], baseline)
         assert run["gap_pct"] == pytest.approx(100 * (run["eval_loss"] / baseline - 1), abs=1e-3)
         learners = report["learners"].values()
         sent = sum(l["bytes_sent"] for l in learners)
@@ -84,12 +88,14 @@ def test_quality_bench_measures_the_frontier_at_equal_tokens(tmp_path):
     assert sync["fragments"] == FRAGMENTS
     # its exact outer steps: fragment p syncs at t_p, t_p + H, ... up to STEPS (both
     # learners in each round), then `finish` pushes the tail when steps are left after
-    # the last of those: [6, 6, 6, 5] here (t_p = 2, 4, 6, 8; fragment 3's last round
+    # the last of those: [4, 3, 3, 3] here (t_p = 4, 8, 12, 16; fragment 1's last round
     # is at step 40 itself, so it has no tail)
     rounds = [len(range(t, STEPS + 1, H)) + ((STEPS - t) % H > 0) for t in offsets(FRAGMENTS, H)]
+    assert rounds == [4, 3, 3, 3]
     assert runs["sync"]["0"]["outer_steps_per_fragment"] == rounds
-    # its learners learned (measured 5.52 -> 3.34 and 5.53 -> 3.40): the global model's
-    # loss alone is held only near uniform above, as Nesterov-every-round can overshoot
+    # its global model learned, 2 nats under uniform (measured 3.14-3.18), and so did its
+    # learners (measured 5.52 -> 3.40-3.60)
+    assert runs["sync"]["0"]["eval_loss"] < INIT_LOSS - 2.0, runs["sync"]["0"]
     for name, learner in json.loads(
         (pathlib.Path(runs["sync"]["0"]["run_dir"]) / "report.json").read_text()
     )["learners"].items():
@@ -99,11 +105,6 @@ def test_quality_bench_measures_the_frontier_at_equal_tokens(tmp_path):
     mixed = json.loads((pathlib.Path(runs["mixed"]["0"]["run_dir"]) / "config.json").read_text())
     assert mixed["slowdown"] == r["budget"]["mixed_slowdown"] == [1.0, 2.0]
     gaps = {m: runs[m]["0"]["gap_pct"] for m in runs}
-    # atoll's 4-bit runs train about as well as data-parallel: a diverged outer step
-    # fails this (measured at this budget: within -0.45 to 0 of fp32, which is within
-    # 0.2 of the baseline)
-    assert runs["atoll"]["0"]["eval_loss"] < baseline + MARGIN
-    assert runs["mixed"]["0"]["eval_loss"] < baseline + MARGIN
     assert r["async_minus_sync_pct"][str(H)]["mean"] == pytest.approx(
         gaps["atoll"] - gaps["sync"], abs=2e-3
     )
