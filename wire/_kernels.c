@@ -619,14 +619,12 @@ HOT static void decode_runs(const chunk_t *c, Py_ssize_t start, const int64_t *s
             int lo = (int)smax(a - blk * BLOCK, 0), hi = (int)smin(b - blk * BLOCK, BLOCK);
             Py_ssize_t at = blk * BLOCK + shift + lo; /* out index of lane lo */
             if (lo == 0 && hi == BLOCK) { /* the bulk: whole blocks as vectors */
-                blk_t t;
-                chunk_blk(c, blk, &t);
-                if (known && skip_known && at % BLOCK == 0) {
-                    float w[BLOCK];
-                    memcpy(w, &t, sizeof w);
-                    known[at / BLOCK] = tree_sq(w);
+                if (known && skip_known && at % BLOCK == 0) { /* from the codes: block_sq's value */
+                    known[at / BLOCK] = full_block_sq(c, blk);
                     continue;
                 }
+                blk_t t;
+                chunk_blk(c, blk, &t);
                 store_blk(&t, 1.0f, 0, out + at);
                 if (known && at % BLOCK == 0) known[at / BLOCK] = tree_sq(out + at); /* in L1 */
                 continue;
