@@ -145,7 +145,7 @@ class Fragment:
         header: dict[str, Any],
         part: int,
         boxes: tuple[parts.Box, ...],
-        frame: bytes,
+        frame: bytes | tuple[bytes, ...],
         now: float,
         codes: codec.Codes | None = None,
     ) -> None:
@@ -196,7 +196,8 @@ class Fragment:
                 }
             )
             for k, frame in held.frames.items():
-                arrays[f"parts.{i}.{k}"] = np.frombuffer(frame, np.uint8)
+                whole = frame if isinstance(frame, bytes) else b"".join(frame)
+                arrays[f"parts.{i}.{k}"] = np.frombuffer(whole, np.uint8)
         return meta, arrays
 
     def restore_parts(

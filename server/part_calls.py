@@ -84,15 +84,17 @@ class PartCalls(ShardState):
 
     def _checked_part(
         self, h: PushHeader, frame: bytes | Sequence[bytes]
-    ) -> tuple[Fragment, bytes, codec.Codes]:
-        """(fragment, the part's frame joined, its checked codes) of a part whose header,
-        boxes and frame pass every check made before a lock is taken; ShardError otherwise."""
+    ) -> tuple[Fragment, bytes | tuple[bytes, ...], codec.Codes]:
+        """(fragment, the part's frame as it arrived, its checked codes) of a part whose
+        header, boxes and frame pass every check made before a lock is taken; ShardError
+        otherwise. The frame stays in the pieces it came in (no joined copy: logged and
+        read as they are)."""
         frag = self._checked_header(h)
         problem = parts.boxes_problem(h.boxes, frag.shapes)
         if problem is not None:
             raise ShardError(Why.MALFORMED, f"fragment {h.fragment} part {h.part}: {problem}")
         n = parts.part_size(h.boxes, frag.shapes)
-        joined = frame if isinstance(frame, bytes) else b"".join(frame)
+        joined = frame if isinstance(frame, bytes) else tuple(frame)
         try:
             codes = codec.read_codes(joined, codec=codec.Codec(h.codec), num_values=n)
         except codec.CodecError as e:  # NaN/Inf, or a frame of another size than its boxes
@@ -118,7 +120,12 @@ class PartCalls(ShardState):
         return Answer(h.seq, accepted, str(reason), detail, frag.version, staleness, 0.0)
 
     def _judged_part(
-        self, h: PushHeader, frag: Fragment, frame: bytes, codes: codec.Codes, now: float
+        self,
+        h: PushHeader,
+        frag: Fragment,
+        frame: bytes | tuple[bytes, ...],
+        codes: codec.Codes,
+        now: float,
     ) -> tuple[Answer, int | None]:
         """(answer, the LSN to make durable first; None: nothing logged) of one part, under
         its fragment's lock. The push's first part is judged as a whole push would be (a
@@ -177,7 +184,7 @@ class PartCalls(ShardState):
         self,
         h: PushHeader,
         frag: Fragment,
-        part: tuple[bytes, codec.Codes],
+        part: tuple[bytes | tuple[bytes, ...], codec.Codes],
         records: list[storage.Record],
         meta: dict[str, Any],
         now: float,

@@ -183,7 +183,9 @@ class PartSet:
     seq: int
     header: dict[str, Any]
     boxes: dict[int, tuple[Box, ...]]  # part index -> its boxes
-    frames: dict[int, bytes]  # part index -> its frame, as logged
+    # part index -> its frame as logged: the pieces it arrived in (a stream's chunks,
+    # never joined into one copy) or, after a replay or a snapshot, one bytes
+    frames: dict[int, bytes | tuple[bytes, ...]]
     started: float  # the shard's clock when its first part came (after a restart: then)
     # part index -> its frame's codes as the live check read them, so the merge does not
     # decompress the frame again (none after a replay or a snapshot: read from the frame)
