@@ -608,7 +608,8 @@ HOT static Py_ssize_t accumulate_ranges(const chunk_t *c, Py_ssize_t start, cons
  * whole block of the chunk lands on a whole block of out, that block's sum of squares
  * (block_sq's pairwise tree over the values just written) goes to known[its block of
  * out], so range_stats over out need not read it again; with skip_known such a block is
- * not written at all (only its sum is wanted: accumulate_runs reads the codes). */
+ * not written at all, its sum taken from the codes (full_block_sq: the same value, exact
+ * for 4-bit codes), and accumulate_runs reads the codes again for its sums. */
 HOT static void decode_runs(const chunk_t *c, Py_ssize_t start, const int64_t *src, const int64_t *dst,
                             const int64_t *len, Py_ssize_t nr, float *out, double *known, int skip_known) {
     float v[BLOCK];
