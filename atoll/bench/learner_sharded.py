@@ -283,6 +283,7 @@ def _compare(whole: dict[str, Any], parts: list[dict[str, Any]], n: int) -> dict
 _TIMING = (
     "syncs",
     "bare_step_ms",
+    "learner_step_no_sync_ms",  # inside learner.step where no sync was due: the rows
     "overhead_ratio",
     "overhead_ratio_ci95",
     "sync_pause_ms",
