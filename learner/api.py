@@ -125,23 +125,27 @@ class Learner:
         tls: TlsFiles | None = None,
         is_embedding: Callable[[str], bool] | None = None,
     ):
-        self.pattern, self.addresses = arguments.addresses(shards, num_shards)
-        self.sync_config, self.checkpointing = arguments.settings(sync, checkpoint)
-        arguments.check(
-            learner_id=learner_id,
+        given = arguments.checked(
+            shards,
+            learner_id,
+            num_shards=num_shards,
             fragments=fragments,
-            num_shards=len(self.addresses),
-            num_learners=num_learners,
+            sync=sync,
+            checkpoint=checkpoint,
             index=index,
+            num_learners=num_learners,
+            token=token,
             tls=tls,
         )
-        self.learner_id, self.index, self.num_learners = learner_id, index, num_learners
-        self.fragments, self.is_embedding, self.token, self.tls = (
-            fragments,
-            is_embedding,
-            token,
-            tls,
-        )
+        self._take(given, is_embedding)
+
+    def _take(self, given: arguments.Arguments, is_embedding: Callable[[str], bool] | None) -> None:
+        """Keeps the settings `given` (checked) and sets the state before `join`."""
+        self.pattern, self.addresses = given.pattern, given.addresses
+        self.sync_config, self.checkpointing = given.sync, given.checkpoint
+        self.learner_id, self.index = given.learner_id, given.index
+        self.num_learners, self.fragments = given.num_learners, given.fragments
+        self.is_embedding, self.token, self.tls = is_embedding, given.token, given.tls
         # what only `atoll learner`'s own loop sets (`from_config`)
         self._on_push: Callable[[dict[str, Any]], None] | None = None
         self._holds_claim, self._run_info = True, dict[str, Any]()
@@ -181,9 +185,9 @@ class Learner:
         run_info: Mapping[str, Any] | None = None,
     ) -> Learner:
         """A Learner with `atoll learner`'s settings (learner/config.py): its shards (or
-        their pattern), id, data shard, fragments, sync settings (`cfg.sync_config()`),
-        token file, TLS and checkpoints (`cfg.checkpointing()`); and what only the
-        built-in loop (learner/trainer/loop.py) needs:
+        their pattern), id, data shard, fragments, sync settings (`cfg.sync`), token
+        file, TLS and checkpoints (`cfg.checkpoint`), as the config checked them (not
+        checked again); and what only the built-in loop (learner/trainer/loop.py) needs:
 
         Args:
           cfg: the settings.
@@ -201,8 +205,8 @@ class Learner:
           >>> cfg = LearnerConfig(shards=("127.0.0.1:7070",), learner_id="learner-0")
           >>> learner = Learner.from_config(cfg)
         """
-        shards, learner_id, keywords = arguments.of_config(cfg)
-        learner = cls(shards, learner_id, **keywords)
+        learner = cls.__new__(cls)
+        learner._take(arguments.of_config(cfg), is_embedding=None)
         learner._on_push, learner._holds_claim = on_push, claim_id
         learner._run_info = dict(run_info or {})
         return learner
@@ -459,6 +463,12 @@ class Learner:
         """Whether `join` resumed this id's checkpoint (then `steps`, `tokens` and
         `restore_state` give where it was)."""
         return self._keeping.resumed is not None
+
+    @property
+    def resumed_checkpoint(self) -> checkpoint.Checkpoint | None:
+        """The checkpoint `join` resumed (its step, sync vectors, and params read on
+        demand), or None: no checkpoint, or none of this id yet."""
+        return self._keeping.resumed
 
     @property
     def pushed(self) -> bool:

@@ -1,12 +1,13 @@
-"""`atoll.Learner`'s own arguments, checked (learner/api.py): those no config dataclass
-holds (shards, id, fragments, data shard, TLS) raise LearnerConfigError (a ValueError)
-saying why, before anything connects; `sync` and `checkpoint` must be the configs that
-checked theirs (SyncConfig, Checkpointing). `of_config`: a Learner's of a LearnerConfig."""
+"""`atoll.Learner`'s settings (`Arguments`), each checked once: `checked` checks the
+constructor's own arguments (those no config dataclass holds: shards, id, fragments, data
+shard, TLS), raising LearnerConfigError (a ValueError) saying why before anything
+connects; `sync` and `checkpoint` must be the configs that checked theirs (SyncConfig,
+Checkpointing). `of_config` takes a LearnerConfig's as they are: it checked them."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from atoll.learner.config import (
     Checkpointing,
@@ -16,6 +17,22 @@ from atoll.learner.config import (
 )
 from atoll.learner.defaults import SyncConfig
 from atoll.wire.client import TlsFiles
+
+
+@dataclasses.dataclass(frozen=True)
+class Arguments:
+    """A Learner's settings, checked: by `checked` or by the LearnerConfig they come of."""
+
+    pattern: str | None  # the shards' pattern ("host-{i}:port"), or None
+    addresses: tuple[str, ...]  # the shards', in index order
+    learner_id: str
+    fragments: int
+    sync: SyncConfig
+    checkpoint: Checkpointing | None
+    index: int
+    num_learners: int
+    token: str | None
+    tls: TlsFiles | None
 
 
 def need(ok: bool, message: str) -> None:
@@ -82,22 +99,53 @@ def check(
     need(tls is None or isinstance(tls, TlsFiles), "tls must be an atoll.TlsFiles(ca, cert, key)")
 
 
-def of_config(cfg: LearnerConfig) -> tuple[str | list[str], str, dict[str, Any]]:
-    """(shards, learner_id, keyword arguments) of a Learner with `atoll learner`'s
-    settings (`Learner.from_config`)."""
+def checked(
+    shards: str | Sequence[str],
+    learner_id: str,
+    *,
+    num_shards: int | None,
+    fragments: int,
+    sync: SyncConfig | None,
+    checkpoint: Checkpointing | None,
+    index: int,
+    num_learners: int,
+    token: str | None,
+    tls: TlsFiles | None,
+) -> Arguments:
+    """`atoll.Learner`'s arguments, each checked here once."""
+    pattern, found = addresses(shards, num_shards)
+    sync, checkpoint = settings(sync, checkpoint)
+    check(
+        learner_id=learner_id,
+        fragments=fragments,
+        num_shards=len(found),
+        num_learners=num_learners,
+        index=index,
+        tls=tls,
+    )
+    return Arguments(
+        pattern, found, learner_id, fragments, sync, checkpoint, index, num_learners, token, tls
+    )
+
+
+def of_config(cfg: LearnerConfig) -> Arguments:
+    """A Learner's settings with `atoll learner`'s (`Learner.from_config`): the ones
+    LearnerConfig made and checked (its shards, id, data shard, `sync`, `checkpoint`),
+    not checked again, and the token its file holds."""
+    need(len(cfg.shards) >= 1, "--shards names no shard (a --baseline trains alone)")
     try:
         token = cfg.token_file.read_text().strip() if cfg.token_file else None
     except OSError as e:  # a standby took an id whose token the Secret does not hold
         raise LearnerConfigError(f"--token-file {cfg.token_file}: {e.strerror}") from None
-    keywords = dict(
-        num_shards=len(cfg.shards) if cfg.shard_pattern is not None else None,
+    return Arguments(
+        pattern=cfg.shard_pattern,
+        addresses=cfg.shards,
+        learner_id=cfg.learner_id,
         fragments=cfg.fragments,
-        sync=cfg.sync_config(),
-        checkpoint=cfg.checkpointing(),
+        sync=cfg.sync,
+        checkpoint=cfg.checkpoint,
         index=cfg.learner_index,
         num_learners=cfg.num_learners,
         token=token,
         tls=TlsFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None,
     )
-    shards = cfg.shard_pattern if cfg.shard_pattern is not None else list(cfg.shards)
-    return shards, cfg.learner_id, keywords

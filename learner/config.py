@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import pathlib
 import re
 import socket
 import tempfile
+from collections.abc import Callable
 
 # the learner's defaults (learner/defaults.py), re-exported for whoever builds configs
 from atoll.learner.defaults import (  # noqa: F401
@@ -291,10 +293,7 @@ class LearnerConfig:
             f"--fragments ({self.fragments}) must be at least the number of shards ({len(self.shards)})",
         )
         # H, τ, α and the patience are the synchronizer's settings: SyncConfig checks them
-        try:
-            self.sync_config()
-        except ValueError as e:
-            raise LearnerConfigError(_as_flags(str(e))) from None
+        _in_flags(lambda: self.sync)
         _need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         _need(self.slowdown >= 1, f"--slowdown must be >= 1 (1 = full speed), got {self.slowdown}")
         _need(
@@ -310,10 +309,8 @@ class LearnerConfig:
 
     def _check_modes(self) -> None:
         """Checkpoints, standby, multi-process, metrics and TLS settings that go together."""
-        _need(
-            self.checkpoint_every >= 0,
-            f"--checkpoint-every must be >= 0 steps, got {self.checkpoint_every}",
-        )
+        # the directory and the steps between checkpoints: Checkpointing checks them
+        _in_flags(lambda: self.checkpoint)
         _need(
             not self.standby or self.checkpoint_dir is not None,
             "--standby needs --checkpoint-dir: the directory where learners claim their ids",
@@ -355,7 +352,6 @@ class LearnerConfig:
             _need(path is None or pathlib.Path(path).is_file(), f"{option} {path}: no such file")
         # paths the learner writes: refused here, not once it has loaded
         for option, path, check in (
-            ("--checkpoint-dir", self.checkpoint_dir, directory_problem),
             ("--compile-cache", self.compile_cache, directory_problem),
             ("--status-file", self.status_file, file_problem),
             ("--push-log", self.push_log, file_problem),
@@ -366,8 +362,10 @@ class LearnerConfig:
                 problem = e.strerror
             _need(problem is None, f"{option} {path}: {problem}")
 
-    def sync_config(self) -> SyncConfig:
-        """The synchronizer's settings of this learner."""
+    @functools.cached_property
+    def sync(self) -> SyncConfig:
+        """The synchronizer's settings of this learner (atoll.Learner's `sync=`): made and
+        checked once, by __post_init__; `Learner.from_config` passes this one on."""
         return SyncConfig(
             period=self.period,
             overlap=self.overlap,
@@ -380,9 +378,13 @@ class LearnerConfig:
             deadline=self.deadline,
         )
 
-    def checkpointing(self) -> Checkpointing | None:
-        """This learner's checkpoint settings; None without --checkpoint-dir."""
+    @functools.cached_property
+    def checkpoint(self) -> Checkpointing | None:
+        """This learner's checkpoint settings (atoll.Learner's `checkpoint=`), made and
+        checked once, by __post_init__; None without --checkpoint-dir, where
+        --checkpoint-every is still refused if Checkpointing would refuse it."""
         if self.checkpoint_dir is None:
+            Checkpointing.check_every(self.checkpoint_every)
             return None
         return Checkpointing(self.checkpoint_dir, self.checkpoint_every, self.standby)
 
@@ -416,8 +418,11 @@ class LearnerConfig:
         )
 
 
-# SyncConfig names its settings as atoll.Learner's arguments; `atoll learner` takes them as flags
-_SYNC_FLAGS = {
+# SyncConfig and Checkpointing name their settings as atoll.Learner's arguments; `atoll
+# learner` takes them as flags
+_FLAGS = {
+    "Checkpointing.directory": "--checkpoint-dir",
+    "Checkpointing.every": "--checkpoint-every",
     "period": "--period",
     "overlap": "--overlap",
     "mix": "--mix",
@@ -429,10 +434,18 @@ _SYNC_FLAGS = {
 
 
 def _as_flags(message: str) -> str:
-    """A SyncConfig error in `atoll learner`'s words: 'overlap (τ) must be in [0, H=4)' ->
-    '--overlap must be in [0, --period=4)'."""
-    message = re.sub(r"^(\w+)( \(.\))?", lambda m: _SYNC_FLAGS.get(m[1], m[0]), message)
+    """A SyncConfig or Checkpointing error in `atoll learner`'s words: 'overlap (τ) must
+    be in [0, H=4)' -> '--overlap must be in [0, --period=4)'."""
+    message = re.sub(r"^([\w.]+)( \(.\))?", lambda m: _FLAGS.get(m[1], m[0]), message)
     return message.replace("H=", "--period=")
+
+
+def _in_flags(make: Callable[[], object]) -> None:
+    """Makes one of LearnerConfig's settings objects (`make`), its refusal in flags' words."""
+    try:
+        make()
+    except ValueError as e:  # LearnerConfigError
+        raise LearnerConfigError(_as_flags(str(e))) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -469,7 +482,13 @@ class Checkpointing:
         except OSError as e:  # e.g. a directory on the way that may not be searched
             problem = e.strerror
         _need(problem is None, f"Checkpointing.directory {self.directory}: {problem}")
-        _need(self.every >= 0, f"Checkpointing.every must be >= 0 steps, got {self.every}")
+        self.check_every(self.every)
+
+    @staticmethod
+    def check_every(every: int) -> None:
+        """Refuses steps between checkpoints below 0 (LearnerConfig asks too, with no
+        --checkpoint-dir)."""
+        _need(every >= 0, f"Checkpointing.every must be >= 0 steps, got {every}")
 
 
 def directory_problem(path: pathlib.Path) -> str | None:

@@ -156,7 +156,7 @@ def test_from_config_gives_atoll_learners_settings_as_the_config_objects(tmp_pat
         num_learners=2,
     )
     learner = atoll.Learner.from_config(cfg)
-    assert learner.sync_config == cfg.sync_config()
+    assert learner.sync_config is cfg.sync and learner.checkpointing is cfg.checkpoint
     assert (learner.sync_config.period, learner.sync_config.deadline) == (8, 5.0)
     assert learner.checkpointing == atoll.Checkpointing(tmp_path, every=3, standby=True)
     assert (learner.index, learner.num_learners, learner.fragments) == (1, 2, 4)
@@ -166,6 +166,33 @@ def test_from_config_gives_atoll_learners_settings_as_the_config_objects(tmp_pat
         ).checkpointing
         is None
     )
+
+
+def test_from_config_checks_each_setting_once(tmp_path, monkeypatch):
+    """H (SyncConfig), the steps between checkpoints (Checkpointing), the data shard and
+    the learner count (LearnerConfig): each checked when the config is made, and the
+    Learner made of it takes them as they are."""
+    from atoll.learner import arguments
+    from atoll.learner.config import Checkpointing, LearnerConfig
+    from atoll.learner.defaults import SyncConfig
+
+    checks: list[str] = []
+    for cls in (SyncConfig, Checkpointing):
+        made = cls.__post_init__
+        monkeypatch.setattr(
+            cls,
+            "__post_init__",
+            lambda self, made=made: (checks.append(type(self).__name__), made(self))[1],
+        )
+    monkeypatch.setattr(arguments, "check", lambda **_: checks.append("Learner"))
+    cfg = LearnerConfig(
+        shards=("h:1",), learner_id="a", checkpoint_dir=tmp_path, learner_index=1, num_learners=2
+    )
+    assert checks == ["SyncConfig", "Checkpointing"]
+    learner = atoll.Learner.from_config(cfg)
+    assert checks == ["SyncConfig", "Checkpointing"], "checked again"
+    assert (learner.index, learner.num_learners, learner.addresses) == (1, 2, ("h:1",))
+    assert learner.resumed_checkpoint is None and not learner.resumed
 
 
 def test_settings_by_name_and_pattern():

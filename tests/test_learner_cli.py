@@ -11,7 +11,7 @@ import re
 import pytest
 
 from atoll.cli import main
-from atoll.learner.config import LearnerConfig, LearnerConfigError
+from atoll.learner.config import Checkpointing, LearnerConfig, LearnerConfigError
 from atoll.learner.distributed import DistributedConfig
 from atoll.learner.trainer.main import add_arguments, config_from_args
 from atoll.wire.codec import Codec
@@ -378,10 +378,23 @@ def test_to_args_spells_out_defaults_the_environment_could_change(parse, monkeyp
 
 def test_a_sync_setting_is_checked_once_by_the_synchronizer():
     cfg = LearnerConfig(shards=("127.0.0.1:7070",), learner_id="a", period=8, overlap=3)
-    sync = cfg.sync_config()
+    sync = cfg.sync
     assert (sync.period, sync.overlap, sync.patience) == (8, 3, cfg.sync_patience)
     with pytest.raises(LearnerConfigError, match=r"--overlap must be in \[0, --period=8\), got 8"):
         dataclasses.replace(cfg, overlap=8)
+
+
+def test_checkpoint_settings_are_checked_by_checkpointing_in_flags_words(tmp_path):
+    cfg = LearnerConfig(shards=("127.0.0.1:7070",), learner_id="a", checkpoint_dir=tmp_path)
+    assert cfg.checkpoint == Checkpointing(tmp_path, every=cfg.checkpoint_every)
+    refused = r"--checkpoint-every must be >= 0 steps, got -1"
+    with pytest.raises(LearnerConfigError, match=refused):
+        dataclasses.replace(cfg, checkpoint_every=-1)
+    with pytest.raises(LearnerConfigError, match=refused):  # refused with no directory too
+        dataclasses.replace(cfg, checkpoint_dir=None, checkpoint_every=-1)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(LearnerConfigError, match=r"--checkpoint-dir \S+/file: not a directory"):
+        dataclasses.replace(cfg, checkpoint_dir=tmp_path / "file")
 
 
 @pytest.mark.parametrize(

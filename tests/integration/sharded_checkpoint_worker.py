@@ -174,7 +174,7 @@ def main() -> None:
                 for k, v in momentum.items()
                 for s in v.addressable_shards
             )
-            ckpt = learner._keeping.resumed  # the checkpoint join resumed
+            ckpt = learner.resumed_checkpoint  # the checkpoint join resumed
             out["joined"]["origins"] = {str(p): digest(v) for p, v in ckpt.origins.items()}
             restored = ckpt.params(jax.tree.leaves(model(1, specs, mesh)))
             names = sorted(params)  # a dict's leaves are in key order
