@@ -30,7 +30,7 @@ from atoll.commands import (
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire.client import ShardClient, TlsFiles
 
-DRAIN_POLL_SECONDS = 1.0
+DRAIN_POLL_SECONDS = 1.0  # between a leaving shard's rounds (`atoll drain --poll`)
 # A drain's calls give up after this: the last move started before its --timeout still
 # ends inside the pod's grace period
 DRAIN_CALL_SECONDS = 15.0
@@ -125,6 +125,7 @@ def drain(
     clock: Callable[[], float] = time.monotonic,
     ordered: bool = False,
     shards: str = "HOST-{i}:PORT",
+    poll: float | None = None,
 ) -> dict[str, Any]:
     """Shard `index` is stopping; `replicas()` says how many pods its StatefulSet keeps
     (asked again each round: a second scale-down may come), `connect(i)` makes shard i's
@@ -138,7 +139,7 @@ def drain(
     highest first, while the rest still run, so each plans in its turn. Every leaving
     shard, the planner too, returns only once it owns no fragment and moves none; until
     `timeout` it asks again after anything transient (a shard restarting, a move another
-    planner began: the rerun finishes it).
+    planner began: the rerun finishes it), `poll` s apart (default DRAIN_POLL_SECONDS).
 
     A shard that stays but restarts meanwhile (a rolling update) is waited for: no
     fragment is frozen for it until it answers SERVING (`reshard`), and one whose target
@@ -191,7 +192,7 @@ def drain(
                 say(f"{e}; asking again")
             if clock() >= deadline:
                 raise _left_behind(index, kept, left, frozen, waiting, timeout, shards)
-            time.sleep(DRAIN_POLL_SECONDS)
+            time.sleep(DRAIN_POLL_SECONDS if poll is None else poll)
     finally:
         dialled.close()
 
@@ -303,6 +304,13 @@ def add_drain_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds a leaving shard waits for its fragments to move (keep under the pod's "
         "terminationGracePeriodSeconds)",
     )
+    p.add_argument(
+        "--poll",
+        type=float,
+        default=DRAIN_POLL_SECONDS,
+        help="seconds between a leaving shard's rounds: planning, then asking whether it "
+        "still holds a fragment (default %(default)g)",
+    )
 
 
 def drain_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -325,8 +333,9 @@ def drain_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             setattr(args, flag, pathlib.Path(env[flag]))
     check_tls_pairs(args, parser)  # the files are read only if this shard leaves
     token_file = args.token_file or (pathlib.Path(env["token_file"]) if env["token_file"] else None)
-    if not args.timeout > 0:
-        parser.error("--timeout must be above 0")
+    for flag in ("timeout", "poll"):
+        if not getattr(args, flag) > 0:
+            parser.error(f"--{flag} must be above 0")
     tls = (args.tls_ca, args.tls_cert, args.tls_key)
     return drain_main(
         spec,
@@ -337,6 +346,7 @@ def drain_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         token_file,
         tls,
         args.timeout,
+        args.poll,
     )
 
 
@@ -349,6 +359,7 @@ def drain_main(
     token_file: pathlib.Path | None,
     tls_files: tuple[pathlib.Path | None, pathlib.Path | None, pathlib.Path | None],
     timeout: float,
+    poll: float = DRAIN_POLL_SECONDS,
 ) -> int:
     """Drains shard `index` if a scale-down takes it away. `tls_files` is (CA, client
     certificate, key), each None or a path: read only once the shard is known to leave, so a
@@ -400,7 +411,7 @@ def drain_main(
             address = spec.replace("{i}", str(i))
             return ShardClient(address, "", token=token, tls=tls, deadline=DRAIN_CALL_SECONDS)
 
-        result = drain(index, kept, connect, timeout, say, ordered=ordered, shards=spec)
+        result = drain(index, kept, connect, timeout, say, ordered=ordered, shards=spec, poll=poll)
     except (DrainError, KubeError, ConfigError, OSError) as e:
         say(str(e))
         return 2

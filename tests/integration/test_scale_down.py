@@ -25,6 +25,9 @@ from atoll.wire.client import ShardClient
 
 FLAGS = ("--num-shards", "2", "--quorum", "1", "--grace-factor", "0", "--snapshot-every", "2")
 SHARDS = 4
+# A leaving shard's rounds 0.1 s apart (`atoll drain --poll`; 1 s in a pod): a drain ends
+# (or runs out of time) as it would, sooner after the round that finds it done
+POLL = ("--poll", "0.1")
 
 
 def consecutive_ports(n: int) -> int:
@@ -145,7 +148,16 @@ def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, a
         # the StatefulSet went from 4 to 2: pods 2 and 3 run their preStop hooks at once
         leaving = [
             spawn(
-                ["drain", "--shards", pattern, "--shard-index", str(i), "--namespace", "atoll"],
+                [
+                    "drain",
+                    "--shards",
+                    pattern,
+                    "--shard-index",
+                    str(i),
+                    "--namespace",
+                    "atoll",
+                    *POLL,
+                ],
                 api,
             )
             for i in (3, 2)
@@ -183,13 +195,13 @@ def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, a
         assert up.returncode == 0, up.stdout + up.stderr
         ordered = {"--namespace": "ordered"}
         first = run_atoll(
-            "drain", "--shards", pattern, "--shard-index", "3", *_flat(ordered), env=api
+            "drain", "--shards", pattern, "--shard-index", "3", *_flat(ordered), *POLL, env=api
         )
         assert first.returncode == 0, first.stdout + first.stderr
         assert len(json.loads(first.stdout[first.stdout.index("\n{") :])["moves"]) == 2
         procs[3].kill()
         second = run_atoll(
-            "drain", "--shards", pattern, "--shard-index", "2", *_flat(ordered), env=api
+            "drain", "--shards", pattern, "--shard-index", "2", *_flat(ordered), *POLL, env=api
         )
         assert second.returncode == 0, second.stdout + second.stderr
         assert json.loads(second.stdout[second.stdout.index("\n{") :])["moves"] == []
@@ -237,6 +249,7 @@ def test_drain_says_what_it_cannot_do(tmp_path, api):
     for bad, says in [
         (["--shards", "h:1,h:2"], "pattern"),
         (["--shards", pattern, "--shard-index", "0", "--timeout", "0"], "--timeout"),
+        (["--shards", pattern, "--shard-index", "0", "--poll", "0"], "--poll"),
         (["--shards", pattern], "--shard-index"),
     ]:
         out = run_atoll("drain", *bad, env={"ATOLL_POD_NAME": "", "ATOLL_SHARD_INDEX": ""})
@@ -320,6 +333,7 @@ def test_a_drain_waits_for_a_target_that_restarts(tmp_path, api, spawn):
                     "atoll",
                     "--timeout",
                     "45",
+                    *POLL,
                 ],
                 api,
             )  # fmt: skip
@@ -353,14 +367,18 @@ def test_a_drain_whose_target_never_returns_leaves_nothing_frozen(tmp_path, api)
     # shard 0, the target of fragment 3, is gone for longer than the drain's --timeout
     with _four_shards(tmp_path) as (pattern, shard, procs, clients, acked):
         procs[0].kill()
+        # 6 s: the first round must move fragment 2 to shard 1 (and skip fragment 3) before
+        # the timeout, as none starts after it: on 2 loaded cores that round took over 3 s
+        # once (at --timeout 3 the drain ran out before moving fragment 2); the rest are
+        # rounds at --poll 0.1 that find shard 0 still down
         out = run_atoll(
             "drain", "--shards", pattern, "--shard-index", "2", "--namespace", "atoll",
-            "--timeout", "10", env=api,
+            "--timeout", "6", *POLL, env=api,
         )  # fmt: skip
         assert out.returncode == 2, out.stdout + out.stderr
         assert "Traceback" not in out.stdout + out.stderr
         message = out.stdout.strip().splitlines()[-1]
-        assert "shard 2 still holds fragments [3] after 10 s (shards [0] did not serve)" in message
+        assert "shard 2 still holds fragments [3] after 6 s (shards [0] did not serve)" in message
         assert "none frozen" in message and f"atoll reshard --shards '{pattern}' --to 2" in message
         # every fragment but shard 0's own takes pushes where it is; none is frozen
         live = {i: clients[i] for i in (1, 2, 3)}
