@@ -29,13 +29,15 @@ pytestmark = pytest.mark.e2e  # real processes: `make test-fast` skips it
 EXAMPLE = REPO / "examples" / "fsdp_sharded.py"
 SEEDS = (0, 1, 2)
 HIDDEN, FRAGMENTS = 64, 2  # the example's defaults
-FLAGS = ["--steps", "200", "--period", "8", "--batch-size", "32", "--wait-for-rounds"]
+FLAGS = ["--steps", "150", "--period", "8", "--batch-size", "32", "--wait-for-rounds"]
 LEARNED = 0.4  # every run's global loss is below this share of its untrained loss
 # The spread: the mixed runs' mean global loss lies within the baseline's range over the
 # seeds, widened by TOLERANCE of the baseline's mean on each side; and seed by seed, the
 # mixed run is within TOLERANCE of the baseline run of the same seed and data. Measured
 # (2 loaded cores): seed by seed within 0.5 %; a baseline rerun varies by up to 4.5 %
 # (when each round closes, and so what the overlapped steps add, is the run's timing).
+# 150 steps: every run's global loss at most 0.34 of its untrained one, seed by seed
+# within 0.6 % (measured once over the 3 seeds); 100 steps is too few (0.43 on seed 1).
 TOLERANCE = 0.1
 
 
