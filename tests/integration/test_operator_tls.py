@@ -52,7 +52,7 @@ def shards(tmp_path, pki):
             )
         files = TlsFiles(pki.ca, pki.client_cert, pki.client_key)
         clients = [
-            ShardClient(pattern.replace("{i}", str(i)), "", token=OPERATOR, tls=files)
+            ShardClient(pattern.replace("{i}", str(i)), "seed", token=OPERATOR, tls=files)
             for i in (0, 1)
         ]
         for p in range(PLAN.num_fragments):
