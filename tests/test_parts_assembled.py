@@ -140,3 +140,17 @@ def test_rows_that_start_on_a_block_have_their_sums_taken_as_decoded_with_the_sa
         got.range_sq_norms(o, e).tobytes()
         == codec.Codes.of_values(want).range_sq_norms(o, e).tobytes()
     )
+
+
+@pytest.mark.parametrize("kernel", ["decode_runs", "accumulate_runs"])
+def test_a_run_outside_the_fragment_vector_is_refused_and_writes_nothing(kernel):
+    from atoll.wire import _kernels
+
+    values = np.arange(4, dtype=np.float32)
+    out = np.full(8, 7.0, np.float32)
+    i64 = lambda *a: np.array(a, np.int64)  # noqa: E731
+    runs = (i64(0), i64(6), i64(4))  # 4 values at 6: past out's 8
+    extra = (np.ones(1, np.float32), out, True) if kernel == "accumulate_runs" else (out,)
+    with pytest.raises(ValueError, match=r"run 0 \(\[0, \+4\) to 6\) lies outside out"):
+        getattr(_kernels, kernel)(_kernels.FP32, b"", values.tobytes(), 4, 0, *runs, *extra)
+    assert (out == 7.0).all()

@@ -703,6 +703,18 @@ static int get_chunk(int code, Py_buffer *scales, Py_buffer *codes, Py_ssize_t c
     return 0;
 }
 
+/* Checks that nr runs (a part's src[r], its place dst[r] and length n[r]) each lie within
+   an output of out_n values; sets ValueError naming the first that does not. */
+static int runs_within(const int64_t *s, const int64_t *d, const int64_t *n, Py_ssize_t nr, Py_ssize_t out_n) {
+    for (Py_ssize_t r = 0; r < nr; r++)
+        if (s[r] < 0 || n[r] < 0 || d[r] < 0 || d[r] > out_n - n[r]) {
+            PyErr_Format(PyExc_ValueError, "run %zd ([%lld, +%lld) to %lld) lies outside out", r, (long long)s[r],
+                         (long long)n[r], (long long)d[r]);
+            return -1;
+        }
+    return 0;
+}
+
 /* Checks a ranges triple: int64 offsets and ends of nr ranges, and an output of nr items. */
 static int get_ranges(Py_buffer *offsets, Py_buffer *ends, Py_buffer *per_range, Py_ssize_t item, Py_ssize_t *nr) {
     *nr = offsets->len / 8;
@@ -920,12 +932,7 @@ static PyObject *py_decode_runs(PyObject *self, PyObject *args) {
         }
     }
     const int64_t *s = src.buf, *d = dst.buf, *n = lens.buf;
-    for (Py_ssize_t r = 0; r < nr; r++)
-        if (s[r] < 0 || n[r] < 0 || d[r] < 0 || d[r] > out.len / 4 - n[r]) {
-            PyErr_Format(PyExc_ValueError, "run %zd ([%lld, +%lld) to %lld) lies outside out", r, (long long)s[r],
-                         (long long)n[r], (long long)d[r]);
-            goto done;
-        }
+    if (runs_within(s, d, n, nr, out.len / 4) < 0) goto done;
     Py_BEGIN_ALLOW_THREADS
     decode_runs(&c, start, s, d, n, nr, out.buf, have_kn ? kn.buf : NULL, skip);
     Py_END_ALLOW_THREADS
@@ -958,12 +965,7 @@ static PyObject *py_accumulate_runs(PyObject *self, PyObject *args) {
         goto done;
     }
     const int64_t *s = src.buf, *d = dst.buf, *n = lens.buf;
-    for (Py_ssize_t r = 0; r < nr; r++)
-        if (s[r] < 0 || n[r] < 0 || d[r] < 0 || d[r] > out.len / 4 - n[r]) {
-            PyErr_Format(PyExc_ValueError, "run %zd ([%lld, +%lld) to %lld) lies outside out", r, (long long)s[r],
-                         (long long)n[r], (long long)d[r]);
-            goto done;
-        }
+    if (runs_within(s, d, n, nr, out.len / 4) < 0) goto done;
     Py_BEGIN_ALLOW_THREADS
     accumulate_runs(&c, start, s, d, n, ws.buf, nr, out.buf, add);
     Py_END_ALLOW_THREADS
