@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from atoll.cluster.reshard import PROBE_SECONDS, NoPlanError, operator_token, reshard
+from atoll.cluster.reshard import PROBE_SECONDS, NoPlanError, answers, operator_token, reshard
 from atoll.commands import (
     Terminated,
     add_tls_arguments,
@@ -54,10 +54,11 @@ TRANSIENT = (  # what a drain waits out: shards restarting, moves another planne
 
 
 class _Dialled:
-    """Shard clients made on first use, by index; `answers(i)`: whether shard i is up."""
+    """Shard clients made on first use, by index; `answers(i)`: whether shard i is up (by
+    `probe`, reshard.answers unless a test gives another)."""
 
-    def __init__(self, connect: Callable[[int], ShardClient]):
-        self.connect = connect
+    def __init__(self, connect: Callable[[int], ShardClient], probe: Callable[[ShardClient], bool]):
+        self.connect, self.probe = connect, probe
         self.made: dict[int, ShardClient] = {}
 
     def client(self, i: int) -> ShardClient:
@@ -66,11 +67,10 @@ class _Dialled:
         return self.made[i]
 
     def answers(self, i: int) -> bool:
-        try:
-            self.client(i).describe(timeout=PROBE_SECONDS)
+        if self.probe(self.client(i)):
             return True
-        except grpc.RpcError:
-            return False
+        self.forget(i)  # down or restarting: the next use dials afresh
+        return False
 
     def forget(self, i: int) -> None:
         """Closes shard i's client: the next use dials afresh (a channel that failed while
@@ -126,10 +126,11 @@ def drain(
     ordered: bool = False,
     shards: str = "HOST-{i}:PORT",
     poll: float | None = None,
+    probe: Callable[[ShardClient], bool] = answers,
 ) -> dict[str, Any]:
     """Shard `index` is stopping; `replicas()` says how many pods its StatefulSet keeps
     (asked again each round: a second scale-down may come), `connect(i)` makes shard i's
-    client.
+    client and `probe(client)` says whether that shard is up (`reshard.answers`).
 
     A shard that stays (index < replicas) keeps its fragments: it restarts on its volume.
     Of the shards a scale-down takes away, one plans and makes every move (`reshard` to
@@ -148,7 +149,7 @@ def drain(
     shard still holds, which shards did not serve, and the `atoll reshard` (over the
     `shards` pattern) that finishes."""
     deadline = clock() + timeout
-    dialled = _Dialled(connect)
+    dialled = _Dialled(connect, probe)
     client, answers = dialled.client, dialled.answers
     moves: list[dict[str, Any]] = []
     planned: dict[str, Any] = {}  # the map the last plan left: map_version, owners
