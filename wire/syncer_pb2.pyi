@@ -179,7 +179,7 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "detail", "version", "staleness", "weight", "cadence_seconds", "next_due_seconds")
+    __slots__ = ("accepted", "reason", "detail", "version", "staleness", "weight", "cadence_seconds", "next_due_seconds", "fragment", "seq", "part")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,9 @@ class PushResponse(_message.Message):
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     CADENCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_DUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: PushReason
     detail: str
@@ -196,7 +199,10 @@ class PushResponse(_message.Message):
     weight: float
     cadence_seconds: float
     next_due_seconds: float
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[PushReason, str]] = ..., detail: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., cadence_seconds: _Optional[float] = ..., next_due_seconds: _Optional[float] = ...) -> None: ...
+    fragment: int
+    seq: int
+    part: int
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[PushReason, str]] = ..., detail: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., cadence_seconds: _Optional[float] = ..., next_due_seconds: _Optional[float] = ..., fragment: _Optional[int] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("fragment", "have_version", "learner_id", "boxes")

@@ -46,6 +46,11 @@ class SyncerStub:
                 request_serializer=atoll_dot_v1_dot_syncer__pb2.PushRequest.SerializeToString,
                 response_deserializer=atoll_dot_v1_dot_syncer__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.PushStream = channel.stream_stream(
+                '/atoll.v1.Syncer/PushStream',
+                request_serializer=atoll_dot_v1_dot_syncer__pb2.PushRequest.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_syncer__pb2.PushResponse.FromString,
+                _registered_method=True)
         self.Pull = channel.unary_stream(
                 '/atoll.v1.Syncer/Pull',
                 request_serializer=atoll_dot_v1_dot_syncer__pb2.PullRequest.SerializeToString,
@@ -103,6 +108,19 @@ class SyncerServicer:
     def Push(self, request_iterator, context):
         """Contributes one outer gradient to a fragment's open round: a header, then
         the encoded frame in chunks. Answered only once the contribution is durable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushStream(self, request_iterator, context):
+        """Push's calls on one long-lived stream: a learner keeps one open per shard and sends
+        each push as Push would (a header, then its frame in chunks), one at a time; each is
+        answered, in order and only once durable, by the PushResponse Push would give, its
+        fragment, seq and part echoed. Retries dedupe by seq as Push's do. A push the shard
+        refuses ends the stream with the gRPC status (and trailing metadata) Push would end
+        with; the learner opens a new stream for its next push. Between pushes a stream may
+        stay silent as long as the learner likes; within one, chunks come without pausing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -181,6 +199,11 @@ def add_SyncerServicer_to_server(servicer, server):
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
+                    request_deserializer=atoll_dot_v1_dot_syncer__pb2.PushRequest.FromString,
+                    response_serializer=atoll_dot_v1_dot_syncer__pb2.PushResponse.SerializeToString,
+            ),
+            'PushStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushStream,
                     request_deserializer=atoll_dot_v1_dot_syncer__pb2.PushRequest.FromString,
                     response_serializer=atoll_dot_v1_dot_syncer__pb2.PushResponse.SerializeToString,
             ),
@@ -278,6 +301,33 @@ class Syncer:
             request_iterator,
             target,
             '/atoll.v1.Syncer/Push',
+            atoll_dot_v1_dot_syncer__pb2.PushRequest.SerializeToString,
+            atoll_dot_v1_dot_syncer__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/atoll.v1.Syncer/PushStream',
             atoll_dot_v1_dot_syncer__pb2.PushRequest.SerializeToString,
             atoll_dot_v1_dot_syncer__pb2.PushResponse.FromString,
             options,
