@@ -6,12 +6,13 @@ over real sockets; certificates made per run (pki.py)."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from pki import pki  # noqa: F401 (a fixture)
 from syncer_helpers import PLAN, run_atoll, syncer_processes
-from test_scale_down import consecutive_ports
+from test_scale_down import consecutive_ports, drain_args
 
 from atoll.wire import codec
 from atoll.wire.client import ShardClient, TlsFiles
@@ -31,8 +32,9 @@ def shards(tmp_path, pki):
     tls = ("--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert))
     tls += ("--tls-key", str(pki.client_key))
     with syncer_processes(tmp_path) as start:
-        for i in (0, 1):
-            start(
+
+        def shard(i: int):
+            return start(
                 tmp_path / f"shard{i}",
                 *FLAGS,
                 "--shard-index",
@@ -50,6 +52,9 @@ def shards(tmp_path, pki):
                 "--health-port",
                 "0",
             )
+
+        with ThreadPoolExecutor(2) as pool:  # side by side: each start waits on imports
+            list(pool.map(shard, (0, 1)))
         files = TlsFiles(pki.ca, pki.client_cert, pki.client_key)
         clients = [
             ShardClient(pattern.replace("{i}", str(i)), "seed", token=OPERATOR, tls=files)
@@ -68,11 +73,13 @@ def test_status_reshard_and_drain_reach_shards_over_mutual_tls(shards, pki):
     pattern, clients, operator = shards
     addresses = ",".join(pattern.replace("{i}", str(i)) for i in (0, 1))
 
-    plain = run_atoll("status", "--shards", addresses, "--deadline", "3", "--json")
+    # a status that cannot reach a shard waits out its --deadline (its Describe waits for
+    # the channel): 1 s, where a shard that can be reached answers in milliseconds
+    plain = run_atoll("status", "--shards", addresses, "--deadline", "1", "--json")
     assert plain.returncode == 1, plain.stderr  # plaintext reaches no shard
     assert all("error" in s for s in json.loads(plain.stdout)["shards"])
     no_cert = run_atoll(
-        "status", "--shards", addresses, "--deadline", "3", "--json", "--tls-ca", str(pki.ca)
+        "status", "--shards", addresses, "--deadline", "1", "--json", "--tls-ca", str(pki.ca)
     )
     assert no_cert.returncode == 1  # mutual TLS: the CA alone is not enough
 
@@ -92,9 +99,7 @@ def test_status_reshard_and_drain_reach_shards_over_mutual_tls(shards, pki):
     assert len(clients[1].describe().fragments) == 2
 
     # Shard 1 leaves (1 replica stays): its preStop hook hands its fragments to shard 0.
-    drained = run_atoll(
-        "drain", "--shards", pattern, "--shard-index", "1", "--replicas", "1", *operator
-    )
+    drained = run_atoll(*drain_args(pattern, 1, "--replicas", "1", *operator))
     assert drained.returncode == 0, drained.stdout + drained.stderr
     assert json.loads(drained.stdout.splitlines()[-1])["drained"] is True
     assert clients[1].describe().fragments == []

@@ -59,8 +59,9 @@ def consecutive_ports(n: int) -> int:
     raise RuntimeError("no run of free ports")
 
 
-def _flat(flags: dict) -> list[str]:
-    return [x for kv in flags.items() for x in kv]
+def drain_args(pattern: str, index: int, *flags: str) -> list[str]:
+    """`atoll drain`'s arguments: shard `index` of the shards at `pattern` leaves."""
+    return ["drain", "--shards", pattern, "--shard-index", str(index), *flags]
 
 
 def _statefulset(namespace: str, replicas: int, policy: str | None) -> dict:
@@ -152,25 +153,12 @@ def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, a
     with _four_shards(tmp_path) as (pattern, shard, procs, clients, acked):
         owners = dict(LAYOUT)
         # a shard that stays keeps its fragments (a restart, an eviction)
-        stays = run_atoll("drain", "--shards", pattern, "--shard-index", "1", env=api)
+        stays = run_atoll(*drain_args(pattern, 1), env=api)
         assert stays.returncode == 0, stays.stdout + stays.stderr
         assert "stays (2 replicas)" in stays.stdout
         # the StatefulSet went from 4 to 2: pods 2 and 3 run their preStop hooks at once
         leaving = [
-            spawn(
-                [
-                    "drain",
-                    "--shards",
-                    pattern,
-                    "--shard-index",
-                    str(i),
-                    "--namespace",
-                    "atoll",
-                    *POLL,
-                ],
-                api,
-            )
-            for i in (3, 2)
+            spawn(drain_args(pattern, i, "--namespace", "atoll", *POLL), api) for i in (3, 2)
         ]
         outs = [p.communicate(timeout=180)[0] for p in leaving]
         assert [p.returncode for p in leaving] == [0, 0], outs
@@ -203,16 +191,12 @@ def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, a
             procs[i] = shard(i)
         up = run_atoll("reshard", "--shards", pattern, "--to", "4")
         assert up.returncode == 0, up.stdout + up.stderr
-        ordered = {"--namespace": "ordered"}
-        first = run_atoll(
-            "drain", "--shards", pattern, "--shard-index", "3", *_flat(ordered), *POLL, env=api
-        )
+        ordered = ("--namespace", "ordered", *POLL)
+        first = run_atoll(*drain_args(pattern, 3, *ordered), env=api)
         assert first.returncode == 0, first.stdout + first.stderr
         assert len(json.loads(first.stdout[first.stdout.index("\n{") :])["moves"]) == 2
         procs[3].kill()
-        second = run_atoll(
-            "drain", "--shards", pattern, "--shard-index", "2", *_flat(ordered), *POLL, env=api
-        )
+        second = run_atoll(*drain_args(pattern, 2, *ordered), env=api)
         assert second.returncode == 0, second.stdout + second.stderr
         assert json.loads(second.stdout[second.stdout.index("\n{") :])["moves"] == []
         assert sorted(i for i, _ in _owned(clients[:3]).values()) == [0, 0, 1, 1]
@@ -220,39 +204,29 @@ def test_a_scale_down_drains_the_leaving_shards_into_those_that_stay(tmp_path, a
 
 def test_drain_says_what_it_cannot_do(tmp_path, api):
     pattern = "127.0.0.1:1{i}"  # nothing listens on ports 10-13
-    gone = run_atoll(
-        "drain", "--shards", pattern, "--shard-index", "3", "--namespace", "elsewhere", env=api
-    )
+    gone = run_atoll(*drain_args(pattern, 3, "--namespace", "elsewhere"), env=api)
     assert gone.returncode == 0 and "is gone" in gone.stdout, gone.stdout + gone.stderr
-    zero = run_atoll("drain", "--shards", pattern, "--shard-index", "0", "--replicas", "0")
+    zero = run_atoll(*drain_args(pattern, 0, "--replicas", "0"))
     assert zero.returncode == 2 and "scales to 0" in zero.stdout
     dead_api = tmp_path / "kubeconfig-down"
     config = json.loads(pathlib.Path(api["KUBECONFIG"]).read_text())
     config["clusters"][0]["cluster"]["server"] = "http://127.0.0.1:1"  # nothing listens
     dead_api.write_text(json.dumps(config))
-    down = run_atoll(
-        "drain", "--shards", pattern, "--shard-index", "3", env={**api, "KUBECONFIG": str(dead_api)}
-    )
+    down = run_atoll(*drain_args(pattern, 3), env={**api, "KUBECONFIG": str(dead_api)})
     assert down.returncode == 2 and "cannot reach the Kubernetes API" in down.stdout, (
         down.stdout + down.stderr
     )
-    no_ca = run_atoll(
-        "drain", "--shards", pattern, "--shard-index", "3", "--replicas", "1",
-        "--tls-ca", str(tmp_path / "ca.crt"),
-    )  # fmt: skip
+    leaves = drain_args(pattern, 3, "--replicas", "1")  # shard 3 of 4 leaves, 1 stays
+    no_ca = run_atoll(*leaves, "--tls-ca", str(tmp_path / "ca.crt"))
     assert no_ca.returncode == 2 and "no such file" in no_ca.stdout, no_ca.stdout + no_ca.stderr
     # the preStop hook gives no flags: the TLS files come from the pod's environment
-    env_ca = run_atoll(
-        "drain", "--shards", pattern, "--shard-index", "3", "--replicas", "1",
-        env={"ATOLL_DRAIN_TLS_CA": str(tmp_path / "ca.crt")},
-    )  # fmt: skip
+    env_ca = run_atoll(*leaves, env={"ATOLL_DRAIN_TLS_CA": str(tmp_path / "ca.crt")})
     assert (
         env_ca.returncode == 2 and "--tls-ca" in env_ca.stdout and "no such file" in env_ca.stdout
     )
     env_cert = run_atoll(
-        "drain", "--shards", pattern, "--shard-index", "3", "--replicas", "1",
-        env={"ATOLL_DRAIN_TLS_CA": "ca.crt", "ATOLL_DRAIN_TLS_CERT": "tls.crt"},
-    )  # fmt: skip
+        *leaves, env={"ATOLL_DRAIN_TLS_CA": "ca.crt", "ATOLL_DRAIN_TLS_CERT": "tls.crt"}
+    )
     assert env_cert.returncode == 2 and "go together" in env_cert.stderr, env_cert.stderr
     for out in (down, no_ca, env_ca, env_cert):
         assert "Traceback" not in out.stdout + out.stderr
@@ -266,17 +240,11 @@ def test_drain_says_what_it_cannot_do(tmp_path, api):
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr
     token = tmp_path / "token"
     token.write_text("learner-a " + "x" * 40 + "\n")
-    bound = run_atoll(
-        "drain", "--shards", pattern, "--shard-index", "3", "--replicas", "1",
-        "--token-file", str(token),
-    )  # fmt: skip
+    bound = run_atoll(*leaves, "--token-file", str(token))
     assert bound.returncode == 2 and "bound to a learner" in bound.stdout
     assert "Traceback" not in bound.stdout + bound.stderr
     # a shard that stays needs no operator token: a restart never fails on it
-    stays = run_atoll(
-        "drain", "--shards", pattern, "--shard-index", "0", "--replicas", "1",
-        "--token-file", str(token),
-    )  # fmt: skip
+    stays = run_atoll(*drain_args(pattern, 0, "--replicas", "1", "--token-file", str(token)))
     assert stays.returncode == 0 and "stays" in stays.stdout
 
 
@@ -331,24 +299,8 @@ def test_a_drain_waits_for_a_target_that_restarts(tmp_path, api, spawn):
     # 2 from shard 3 to shard 1, and fragment 3 waits on shard 2, serving, for shard 0
     with _four_shards(tmp_path) as (pattern, shard, procs, clients, acked):
         procs[0].kill()  # SIGKILL: it comes back on its volume
-        leaving = {
-            i: spawn(
-                [
-                    "drain",
-                    "--shards",
-                    pattern,
-                    "--shard-index",
-                    str(i),
-                    "--namespace",
-                    "atoll",
-                    "--timeout",
-                    "45",
-                    *POLL,
-                ],
-                api,
-            )  # fmt: skip
-            for i in (3, 2)
-        }
+        flags = ("--namespace", "atoll", "--timeout", "45", *POLL)
+        leaving = {i: spawn(drain_args(pattern, i, *flags), api) for i in (3, 2)}
         out3 = leaving[3].communicate(timeout=40)[0]
         assert leaving[3].returncode == 0, out3  # its fragment is on shard 1
         assert [f.fragment for f in clients[1].describe().fragments] == [1, 2]
@@ -377,18 +329,17 @@ def test_a_drain_whose_target_never_returns_leaves_nothing_frozen(tmp_path, api)
     # shard 0, the target of fragment 3, is gone for longer than the drain's --timeout
     with _four_shards(tmp_path) as (pattern, shard, procs, clients, acked):
         procs[0].kill()
-        # 6 s: the first round must move fragment 2 to shard 1 (and skip fragment 3) before
-        # the timeout, as none starts after it: on 2 loaded cores that round took over 3 s
-        # once (at --timeout 3 the drain ran out before moving fragment 2); the rest are
-        # rounds at --poll 0.1 that find shard 0 still down
-        out = run_atoll(
-            "drain", "--shards", pattern, "--shard-index", "2", "--namespace", "atoll",
-            "--timeout", "6", *POLL, env=api,
-        )  # fmt: skip
+        # 3 s: the first round must move fragment 2 to shard 1 (and skip fragment 3) before
+        # the timeout, as none starts after it: a round is a few calls, well under 1 s on 2
+        # loaded cores since a probe where nothing listens ends at once (it took over 3 s
+        # when the probe of shard 4 waited 5 s); the rest are rounds at --poll 0.1 that find
+        # shard 0 still down
+        flags = ("--namespace", "atoll", "--timeout", "3", *POLL)
+        out = run_atoll(*drain_args(pattern, 2, *flags), env=api)
         assert out.returncode == 2, out.stdout + out.stderr
         assert "Traceback" not in out.stdout + out.stderr
         message = out.stdout.strip().splitlines()[-1]
-        assert "shard 2 still holds fragments [3] after 6 s (shards [0] did not serve)" in message
+        assert "shard 2 still holds fragments [3] after 3 s (shards [0] did not serve)" in message
         assert "none frozen" in message and f"atoll reshard --shards '{pattern}' --to 2" in message
         # every fragment but shard 0's own takes pushes where it is; none is frozen
         live = {i: clients[i] for i in (1, 2, 3)}
