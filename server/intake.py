@@ -1,6 +1,6 @@
 """What the servicer reads and writes beside its calls: a stream's messages (each within
-the idle limit, none malformed), a push's header, a header's most frame bytes, the chunks
-after a header, and the Describe answer."""
+the idle limit, none malformed), a push's header and its answer, a header's most frame
+bytes, the chunks after a header, and the Describe answer."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import grpc
 
+from atoll.server.fragment import Answer
 from atoll.server.guards import Malformed
 from atoll.server.parts import Box
 from atoll.server.refusal import ShardError, Why
@@ -20,8 +21,11 @@ from atoll.wire import syncer_pb2 as pb
 from atoll.wire.plan import FragmentPlan
 
 
-async def read_message(context: grpc.aio.ServicerContext, kind: str, idle_seconds: float) -> Any:
-    """The stream's next message, or EOF; a stream silent too long is aborted."""
+async def read_message(
+    context: grpc.aio.ServicerContext, kind: str, idle_seconds: float | None
+) -> Any:
+    """The stream's next message, or EOF; a stream silent too long is aborted (None: a
+    PushStream between pushes, which may wait as long as its learner likes)."""
     try:
         async with asyncio.timeout(idle_seconds):
             message = await context.read()
@@ -48,6 +52,34 @@ def push_header(header: pb.PushHeader) -> PushHeader:
     return PushHeader(**fields)
 
 
+REASONS = {
+    "fresh": pb.PUSH_REASON_FRESH,
+    "stale_discounted": pb.PUSH_REASON_STALE_DISCOUNTED,
+    "duplicate": pb.PUSH_REASON_DUPLICATE,
+    "too_stale": pb.PUSH_REASON_TOO_STALE,
+    "already_in_round": pb.PUSH_REASON_ALREADY_IN_ROUND,
+    "part_held": pb.PUSH_REASON_PART_HELD,
+    "parts_dropped": pb.PUSH_REASON_PARTS_DROPPED,
+}
+
+
+def push_response(shard: Shard, h: PushHeader, a: Answer) -> pb.PushResponse:
+    """A push's answer (Push's and PushStream's), naming the push it answers."""
+    return pb.PushResponse(
+        accepted=a.accepted,
+        reason=REASONS[a.reason],
+        detail=a.detail,
+        version=a.version,
+        staleness=max(0, a.staleness),
+        weight=a.weight,
+        cadence_seconds=shard.cadence_seconds or 0.0,
+        next_due_seconds=shard.due_in(h.fragment, h.learner_id),
+        fragment=h.fragment,
+        seq=h.seq,
+        part=h.part,
+    )
+
+
 def boxes(messages: Sequence[pb.TensorBox]) -> tuple[Box, ...]:
     """The shard's Boxes of a push part's or a pull's TensorBoxes."""
     return tuple(Box(b.tensor, tuple(b.start), tuple(b.stop)) for b in messages)
@@ -70,15 +102,24 @@ def frame_need(header: pb.InitHeader | pb.PushHeader, plan: FragmentPlan | None)
 
 
 async def read_chunks(
-    context: grpc.aio.ServicerContext, kind: str, declared: int, field: str, idle_seconds: float
+    context: grpc.aio.ServicerContext,
+    kind: str,
+    declared: int,
+    field: str,
+    idle_seconds: float,
+    until_declared: bool = False,
 ) -> list[bytes]:
     """The chunks that follow a stream's header, as they arrived: exactly the `declared`
-    bytes its header's `field` announced (the caller holds them against the budgets). Not
+    bytes its header's `field` announced (the caller holds them against the budgets), up
+    to the stream's end, or `until_declared` are in (a PushStream's next push follows). Not
     joined: a push's frame is checked, logged and merged in its pieces (a joined frame
     above the allocator's mmap threshold faulted in fresh zeroed pages on every push)."""
     parts: list[bytes] = []
     received = 0
-    while (request := await read_message(context, kind, idle_seconds)) is not grpc.aio.EOF:
+    while (
+        not (until_declared and received == declared)
+        and (request := await read_message(context, kind, idle_seconds)) is not grpc.aio.EOF
+    ):
         if request.WhichOneof("kind") != "chunk":
             raise ShardError(Why.MALFORMED, "only chunks may follow the header")
         chunk = request.chunk  # each read of the field is a fresh copy of its bytes

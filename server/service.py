@@ -17,7 +17,12 @@ Limits, each checked before the bytes it guards are buffered:
   3. Declared frame bytes are held against a per-connection and a shard-wide
      in-flight budget until the call ends (RESOURCE_EXHAUSTED when either is spent).
   4. A Push or Init stream that sends nothing for stream_idle_seconds is aborted
-     (DEADLINE_EXCEEDED), and its budget given back.
+     (DEADLINE_EXCEEDED), and its budget given back; a PushStream likewise within a push
+     (between pushes it may wait as long as its learner likes).
+
+A PushStream takes a learner's pushes one after another on one call, each read, checked,
+held against the budgets and answered exactly as a Push (one call per push costs the
+shard more CPU than the push's own work); a refusal ends it with Push's status.
 """
 
 from __future__ import annotations
@@ -49,7 +54,13 @@ from atoll.server.guards import (
     check_learner_id,
 )
 from atoll.server.health_log import health_changed, tick_failed
-from atoll.server.intake import describe_response, frame_need, read_chunks, read_message
+from atoll.server.intake import (
+    describe_response,
+    frame_need,
+    push_response,
+    read_chunks,
+    read_message,
+)
 from atoll.server.refusal import ShardError, Why
 from atoll.server.serving import (
     OWN_PORT,
@@ -88,15 +99,6 @@ __all__ = [
     "keepalive_policy",
 ]
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-_REASONS = {
-    "fresh": pb.PUSH_REASON_FRESH,
-    "stale_discounted": pb.PUSH_REASON_STALE_DISCOUNTED,
-    "duplicate": pb.PUSH_REASON_DUPLICATE,
-    "too_stale": pb.PUSH_REASON_TOO_STALE,
-    "already_in_round": pb.PUSH_REASON_ALREADY_IN_ROUND,
-    "part_held": pb.PUSH_REASON_PART_HELD,
-    "parts_dropped": pb.PUSH_REASON_PARTS_DROPPED,
-}
 # The one place a refusal's reason becomes a gRPC status code.
 STATUS = {
     Why.MALFORMED: grpc.StatusCode.INVALID_ARGUMENT,
@@ -180,12 +182,14 @@ class SyncerServicer(pb_grpc.SyncerServicer):
 
     @contextlib.asynccontextmanager
     async def _intake(
-        self, kind: str, context: grpc.aio.ServicerContext
+        self, kind: str, context: grpc.aio.ServicerContext, first: Any = None
     ) -> AsyncIterator[tuple[Any, list[bytes]]]:
-        """Reads a header then chunks; yields (header, frame in its chunks) with its bytes held
-        against the budgets until the block ends. Raises ShardError for a stream out of
-        shape, oversize, stalled, or from a caller that may not send it."""
-        first = await read_message(context, kind, self.cfg.stream_idle_seconds)
+        """Reads a header (or takes `first`, a PushStream's) then chunks; yields (header,
+        frame in its chunks) with its bytes held against the budgets until the block ends.
+        Raises ShardError for a stream out of shape, oversize, stalled, or from a caller
+        that may not send it."""
+        if first is None:
+            first = await read_message(context, kind, self.cfg.stream_idle_seconds)
         if first is grpc.aio.EOF:
             raise ShardError(Why.MALFORMED, f"empty {kind} stream: no header")
         if first.WhichOneof("kind") != "header":
@@ -206,9 +210,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 f"in codec {header.codec} ({need} bytes)",
             )
         with self.budget.hold(context.peer(), declared):
-            frame = await read_chunks(
-                context, kind, declared, "frame_bytes", self.cfg.stream_idle_seconds
-            )
+            idle, streamed = self.cfg.stream_idle_seconds, kind == "PushStream"
+            frame = await read_chunks(context, kind, declared, "frame_bytes", idle, streamed)
             self.shard.metrics.bytes_in.inc(declared)
             yield header, frame
 
@@ -257,16 +260,20 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                     a = await self._call(self._push, h, frame)
             except ShardError as e:
                 await self._refuse(context, "Push", e)
-            return pb.PushResponse(
-                accepted=a.accepted,
-                reason=_REASONS[a.reason],
-                detail=a.detail,
-                version=a.version,
-                staleness=max(0, a.staleness),
-                weight=a.weight,
-                cadence_seconds=self.shard.cadence_seconds or 0.0,
-                next_due_seconds=self.shard.due_in(h.fragment, h.learner_id),
-            )
+            return push_response(self.shard, h, a)
+
+    async def PushStream(
+        self, request_iterator: AsyncIterator[pb.PushRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PushResponse]:
+        with self._open("PushStream"):
+            while (first := await read_message(context, "PushStream", None)) is not grpc.aio.EOF:
+                try:
+                    async with self._intake("PushStream", context, first) as (header, frame):
+                        h = intake.push_header(header)
+                        a = await self._call(self._push, h, frame)
+                except ShardError as e:
+                    await self._refuse(context, "PushStream", e)
+                yield push_response(self.shard, h, a)
 
     def _push(self, h: PushHeader, frame: list[bytes]) -> Answer:
         with self.shard.metrics.push_seconds.time():

@@ -24,6 +24,7 @@ from atoll.wire import syncer_pb2 as pb
 from atoll.wire import syncer_pb2_grpc as pb_grpc
 from atoll.wire.parts import BoxLayout
 from atoll.wire.plan import FragmentMap, FragmentPlan
+from atoll.wire.push_stream import PushStreams
 
 CHUNK_BYTES = 1 << 20  # payload bytes per stream message
 MAX_MESSAGE_BYTES = 8 << 20  # must not exceed the shard's --max-message-bytes
@@ -109,7 +110,10 @@ class ShardClient:
         tls: TlsFiles | None = None,
         deadline: float = 60.0,
         chunk_bytes: int = CHUNK_BYTES,
+        push_stream: bool = True,
     ):
+        """`push_stream`: pushes go on one PushStream kept open (wire/push_stream.py), or,
+        False, each on a Push call of its own."""
         self.address, self.learner_id, self.deadline = address, learner_id, deadline
         self.chunk_bytes = chunk_bytes
         options = [
@@ -127,6 +131,13 @@ class ShardClient:
         )
         self.stub = pb_grpc.SyncerStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.streams = PushStreams(
+            lambda messages: self.stub.PushStream(
+                messages, metadata=self.metadata, wait_for_ready=True
+            ),
+            deadline,
+        )
+        self.streams.offered = push_stream
 
     def _chunks(
         self, header_message: pb.InitRequest | pb.PushRequest, frame: bytes
@@ -233,10 +244,15 @@ class ShardClient:
         return response
 
     def push(self, header: pb.PushHeader, frame: bytes) -> pb.PushResponse:
-        """Streams one outer gradient; the ack comes once the shard has it on disk."""
+        """Streams one outer gradient; the ack comes once the shard has it on disk. Sent
+        on the push stream where the shard offers one and it is free, else as a Push."""
         header.learner_id, header.frame_bytes = self.learner_id, len(frame)
+        messages = list(self._chunks(pb.PushRequest(header=header), frame))
+        streamed = self.streams.push(messages)
+        if streamed is not None:
+            return streamed
         response: pb.PushResponse = self.stub.Push(
-            self._chunks(pb.PushRequest(header=header), frame),
+            iter(messages),
             timeout=self.deadline,
             metadata=self.metadata,
             wait_for_ready=True,
@@ -289,6 +305,7 @@ class ShardClient:
         )
 
     def close(self) -> None:
+        self.streams.close()
         self.channel.close()
 
 

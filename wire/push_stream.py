@@ -1,0 +1,140 @@
+"""A learner's pushes to one shard on one long-lived PushStream call.
+
+One gRPC call per push costs a Python shard about as much CPU as the push's own work
+(call setup, an HTTP/2 stream, metadata, a dozen context switches); on a stream kept open
+a push is two messages and its answer one. Pushes go one at a time (a second push while
+one is in flight takes a Push call of its own), so the answer read next is the push's;
+its echoed fragment, seq and part say so.
+
+A stream found ended before a push, or that ends UNAVAILABLE with one in flight after it
+carried others (the shard restarted, a link dropped), is reopened and the push sent there,
+once (pushes dedupe by seq); any other failure raises the push's RpcError, as a Push call
+would, for the caller to branch on or retry. A refusal ends the stream on the shard's side;
+the next push opens another. A shard that does not offer PushStream (UNIMPLEMENTED: an older shard) is not asked
+again: `push` returns None and the caller uses Push.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from atoll.wire import syncer_pb2 as pb
+
+_END = None  # put on a stream's request queue: the learner closes its side
+
+
+class StreamTimeout(grpc.RpcError):  # type: ignore[misc]  # grpc ships no types
+    """A push on a stream not answered within the deadline (the stream is cancelled):
+    DEADLINE_EXCEEDED, as a Push call past its deadline raises."""
+
+    def __init__(self, seconds: float):
+        super().__init__(f"no answer on the push stream within {seconds:g} s")
+        self.seconds = seconds
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return str(self)
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+
+class _Call:
+    """One open PushStream: its request queue, and its answers read on a thread."""
+
+    def __init__(self, open_call: Callable[[Iterator[pb.PushRequest]], Any]):
+        self.requests: queue.SimpleQueue[Sequence[pb.PushRequest] | None] = queue.SimpleQueue()
+        self.answers: queue.SimpleQueue[pb.PushResponse | grpc.RpcError] = queue.SimpleQueue()
+        self.call = open_call(self._messages())
+        self.used = False  # a push was answered on it
+        threading.Thread(target=self._read, name="push-stream", daemon=True).start()
+
+    def _messages(self) -> Iterator[pb.PushRequest]:
+        while (push := self.requests.get()) is not _END:
+            yield from push
+
+    def _read(self) -> None:
+        try:
+            for answer in self.call:
+                self.answers.put(answer)
+        except grpc.RpcError as e:
+            self.answers.put(e)
+        finally:
+            self.requests.put(_END)  # grpc's thread sending requests ends too
+
+    def ended(self) -> bool:
+        return bool(self.call.done())
+
+    def close(self) -> None:
+        self.requests.put(_END)
+        self.call.cancel()
+
+
+class PushStreams:
+    """The push stream of one ShardClient (thread-safe)."""
+
+    def __init__(self, open_call: Callable[[Iterator[pb.PushRequest]], Any], deadline: float):
+        self.open_call, self.deadline = open_call, deadline
+        self.offered = True  # False once the shard answered UNIMPLEMENTED
+        self._lock = threading.Lock()
+        self._call: _Call | None = None
+
+    def push(self, messages: Sequence[pb.PushRequest]) -> pb.PushResponse | None:
+        """The push's answer; None when this stream is busy with another push or the shard
+        does not offer streams (send it as a Push call). Raises grpc.RpcError as Push does."""
+        if not self.offered or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            call = self._call
+            if call is None or call.ended():  # never opened, or ended while idle: reopen
+                call = self._call = _Call(self.open_call)
+            answer = self._send(call, messages)
+            if answer is None and call.used:  # a stale stream: its shard went away since
+                call = self._call = _Call(self.open_call)
+                answer = self._send(call, messages)
+            if answer is None:
+                self.offered = False  # an older shard: Push from now on
+            return answer
+        finally:
+            self._lock.release()
+
+    def _send(self, call: _Call, messages: Sequence[pb.PushRequest]) -> pb.PushResponse | None:
+        """The answer on `call`; None where the call is stale or unimplemented (see push)."""
+        call.requests.put(messages)
+        try:
+            answer = call.answers.get(timeout=self.deadline)
+        except queue.Empty:
+            call.close()
+            self._call = None
+            raise StreamTimeout(self.deadline) from None
+        if isinstance(answer, grpc.RpcError):
+            self._call = None
+            code = answer.code()
+            if code == grpc.StatusCode.UNIMPLEMENTED or (
+                call.used and code == grpc.StatusCode.UNAVAILABLE
+            ):
+                return None
+            raise answer
+        header = messages[0].header
+        if (answer.fragment, answer.seq, answer.part) != (header.fragment, header.seq, header.part):
+            call.close()
+            self._call = None
+            raise RuntimeError(
+                f"push stream answered fragment {answer.fragment} seq {answer.seq} part "
+                f"{answer.part}, not the push sent (fragment {header.fragment} seq {header.seq})"
+            )
+        call.used = True
+        return answer
+
+    def close(self) -> None:
+        with self._lock:
+            if self._call is not None:
+                self._call.close()
+                self._call = None
