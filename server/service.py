@@ -17,12 +17,9 @@ Limits, each checked before the bytes it guards are buffered:
   3. Declared frame bytes are held against a per-connection and a shard-wide
      in-flight budget until the call ends (RESOURCE_EXHAUSTED when either is spent).
   4. A Push or Init stream that sends nothing for stream_idle_seconds is aborted
-     (DEADLINE_EXCEEDED), and its budget given back; a PushStream likewise within a push
-     (between pushes it may wait as long as its learner likes).
-
-A PushStream takes a learner's pushes one after another on one call, each read, checked,
-held against the budgets and answered exactly as a Push (one call per push costs the
-shard more CPU than the push's own work); a refusal ends it with Push's status.
+     (DEADLINE_EXCEEDED), and its budget given back; a PushStream within a push likewise.
+A PushStream's pushes are each read, checked and answered as a Push (a call per push costs
+the shard more CPU than the push's work); a refusal ends it with Push's status.
 """
 
 from __future__ import annotations
@@ -266,8 +263,11 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         self, request_iterator: AsyncIterator[pb.PushRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PushResponse]:
         with self._open("PushStream"):
-            while (first := await read_message(context, "PushStream", None)) is not grpc.aio.EOF:
-                try:
+            while True:
+                try:  # between pushes, no idle limit: a learner pushes once a period
+                    first = await read_message(context, "PushStream", None)
+                    if first is grpc.aio.EOF:
+                        return
                     async with self._intake("PushStream", context, first) as (header, frame):
                         h = intake.push_header(header)
                         a = await self._call(self._push, h, frame)

@@ -28,6 +28,7 @@ def test_stubs_import_and_name_the_service():
     assert {m.name for m in service.methods} == {
         "Init",
         "Push",
+        "PushStream",
         "Pull",
         "Watch",
         "Describe",
@@ -41,6 +42,8 @@ def test_stubs_import_and_name_the_service():
     assert adopt.client_streaming and export.server_streaming
     push = service.methods_by_name["Push"]
     assert push.client_streaming and not push.server_streaming
+    stream = service.methods_by_name["PushStream"]
+    assert stream.client_streaming and stream.server_streaming
     pull = service.methods_by_name["Pull"]
     assert pull.server_streaming and not pull.client_streaming
     assert hasattr(syncer_pb2_grpc, "add_SyncerServicer_to_server")

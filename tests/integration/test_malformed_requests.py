@@ -27,6 +27,7 @@ GARBAGE = b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff"
 METHODS = {  # method -> (request streaming, response streaming)
     "Init": (True, False),
     "Push": (True, False),
+    "PushStream": (True, True),
     "Pull": (False, True),
     "Watch": (False, True),
     "Describe": (False, False),
@@ -58,7 +59,9 @@ def test_bytes_that_do_not_parse_are_invalid_argument(shard, method):
     path = f"/{SERVICE}/{method}"
     streaming_in, streaming_out = METHODS[method]
     with pytest.raises(grpc.RpcError) as e:
-        if streaming_in:
+        if streaming_in and streaming_out:
+            list(channel.stream_stream(path)(iter([GARBAGE]), timeout=DEADLINE))
+        elif streaming_in:
             channel.stream_unary(path)(iter([GARBAGE]), timeout=DEADLINE)
         elif streaming_out:
             list(channel.unary_stream(path)(GARBAGE, timeout=DEADLINE))
@@ -70,17 +73,19 @@ def test_bytes_that_do_not_parse_are_invalid_argument(shard, method):
     assert health_status(channel) == 1  # SERVING
 
 
-@pytest.mark.parametrize("method", ["Init", "Push", "Adopt"])
+@pytest.mark.parametrize("method", ["Init", "Push", "PushStream", "Adopt"])
 def test_a_chunk_past_the_message_limit_is_resource_exhausted_naming_it(shard, method):
     server, channel, stub = shard
     big = b"x" * (12 << 20)
     make = {
         "Init": lambda: pb.InitRequest(chunk=big),
         "Push": lambda: pb.PushRequest(chunk=big),
+        "PushStream": lambda: pb.PushRequest(chunk=big),
         "Adopt": lambda: pb.FragmentState(chunk=big),
     }[method]
     with pytest.raises(grpc.RpcError) as e:
-        getattr(stub, method)(iter([make()]), timeout=DEADLINE)
+        answer = getattr(stub, method)(iter([make()]), timeout=DEADLINE)
+        list(answer) if method == "PushStream" else None
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert str(server.cfg.max_message_bytes) in e.value.details()
     assert describe(stub).fragments[0].initialized
