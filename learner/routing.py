@@ -312,13 +312,8 @@ class Router:
         for i, client in enumerate(list(self.clients)):
             if i == before:
                 continue
-            try:
-                mine = self._plan_map(
-                    self.call_shard(functools.partial(client.describe, timeout=PROBE_SECONDS))
-                )
-            except grpc.RpcError:
-                continue
-            if mine is not None:
+            d = self._ask(client)
+            if d is not None and (mine := self._plan_map(d)) is not None:
                 maps.append(mine)
         maps += self._probe()
         if maps:
@@ -344,15 +339,14 @@ class Router:
                 # past the first layout, a shard a reshard may use, perhaps not started yet;
                 # in a run with a map, one a scale-down may have taken away (the maps of the
                 # shards moves took fragments from say where they went)
-                try:
-                    d = self.call_shard(functools.partial(client.describe, timeout=PROBE_SECONDS))
-                except grpc.RpcError:
+                if (asked := self._ask(client)) is None:
                     log.info(
                         "shard %d at %s is not up: the shards' maps say what it owns",
                         i,
                         client.address,
                     )
                     continue
+                d = asked
             else:
                 d = self.retry(client.describe, f"describe shard {i}")
             self._check_described(i, client, d)
@@ -452,15 +446,23 @@ class Router:
         with self.lock:
             self._probe_client = client
         try:
-            return self.call_shard(lambda: client.describe(timeout=PROBE_SECONDS))
-        except grpc.RpcError:
-            return None
+            return self._ask(client)
         except Stopped:
             client.close()
             raise
         finally:
             with self.lock:
                 self._probe_client = None
+
+    def _ask(self, client: ShardClient) -> pb.DescribeResponse | None:
+        """The Describe of a shard that may not be up; None if it does not answer: at once
+        where nothing listens at its address, after PROBE_SECONDS where it is silent."""
+        if not self.call_shard(functools.partial(client.listening, PROBE_SECONDS)):
+            return None
+        try:
+            return self.call_shard(functools.partial(client.describe, timeout=PROBE_SECONDS))
+        except grpc.RpcError:
+            return None
 
     def _keep(self, i: int, client: ShardClient) -> None:
         """Keeps a probed shard as shard i's client, unless one was made meanwhile."""

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
@@ -26,6 +27,7 @@ from atoll.wire.parts import BoxLayout
 from atoll.wire.plan import FragmentMap, FragmentPlan
 from atoll.wire.push_stream import PushStreams
 
+SYNCER_SERVICE = pb.DESCRIPTOR.services_by_name["Syncer"].full_name  # as its health names it
 CHUNK_BYTES = 1 << 20  # payload bytes per stream message
 MAX_MESSAGE_BYTES = 8 << 20  # must not exceed the shard's --max-message-bytes
 # Trailing metadata of a shard's FAILED_PRECONDITION for a fragment it does not own: the
@@ -221,6 +223,21 @@ class ShardClient:
             wait_for_ready=True,
         )
         return response
+
+    def listening(self, timeout: float | None = None) -> bool:
+        """Whether anything answers at this address, before asking a shard that may not be
+        up (one past the last, or not started yet) to describe itself: False at once where
+        the connection is refused, and after `timeout` s of silence. A health check asks,
+        which fails on a refused connection where a Describe waits for the channel."""
+        request = health_pb2.HealthCheckRequest(service=SYNCER_SERVICE)
+        try:
+            health_pb2_grpc.HealthStub(self.channel).Check(
+                request, timeout=timeout or self.deadline
+            )
+        except grpc.RpcError as e:  # any other answer (NOT_SERVING, a refusal) is an answer
+            unanswered = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            return e.code() not in unanswered
+        return True
 
     def init(
         self, plan: FragmentPlan, fragment: int, frame: bytes, frame_codec: codec.Codec

@@ -19,7 +19,8 @@ from typing import Any
 
 import grpc
 
-from atoll.cluster.reshard import PROBE_SECONDS, NoPlanError, answers, operator_token, reshard
+from atoll.cluster.reshard import PROBE_SECONDS, NoPlanError, operator_token, reshard
+from atoll.cluster.reshard import answers as shard_is_up
 from atoll.commands import (
     Terminated,
     add_tls_arguments,
@@ -54,11 +55,10 @@ TRANSIENT = (  # what a drain waits out: shards restarting, moves another planne
 
 
 class _Dialled:
-    """Shard clients made on first use, by index; `answers(i)`: whether shard i is up (by
-    `probe`, reshard.answers unless a test gives another)."""
+    """Shard clients made on first use, by index; `answers(i)`: whether shard i is up."""
 
-    def __init__(self, connect: Callable[[int], ShardClient], probe: Callable[[ShardClient], bool]):
-        self.connect, self.probe = connect, probe
+    def __init__(self, connect: Callable[[int], ShardClient]):
+        self.connect = connect
         self.made: dict[int, ShardClient] = {}
 
     def client(self, i: int) -> ShardClient:
@@ -67,7 +67,7 @@ class _Dialled:
         return self.made[i]
 
     def answers(self, i: int) -> bool:
-        if self.probe(self.client(i)):
+        if shard_is_up(self.client(i)):
             return True
         self.forget(i)  # down or restarting: the next use dials afresh
         return False
@@ -126,11 +126,10 @@ def drain(
     ordered: bool = False,
     shards: str = "HOST-{i}:PORT",
     poll: float | None = None,
-    probe: Callable[[ShardClient], bool] = answers,
 ) -> dict[str, Any]:
     """Shard `index` is stopping; `replicas()` says how many pods its StatefulSet keeps
     (asked again each round: a second scale-down may come), `connect(i)` makes shard i's
-    client and `probe(client)` says whether that shard is up (`reshard.answers`).
+    client.
 
     A shard that stays (index < replicas) keeps its fragments: it restarts on its volume.
     Of the shards a scale-down takes away, one plans and makes every move (`reshard` to
@@ -149,7 +148,7 @@ def drain(
     shard still holds, which shards did not serve, and the `atoll reshard` (over the
     `shards` pattern) that finishes."""
     deadline = clock() + timeout
-    dialled = _Dialled(connect, probe)
+    dialled = _Dialled(connect)
     client, answers = dialled.client, dialled.answers
     moves: list[dict[str, Any]] = []
     planned: dict[str, Any] = {}  # the map the last plan left: map_version, owners

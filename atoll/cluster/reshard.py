@@ -34,13 +34,12 @@ from atoll.commands import (
     tls_from_args,
 )
 from atoll.wire import syncer_pb2 as pb
-from atoll.wire.client import ShardClient, TlsFiles, described_map
+from atoll.wire.client import SYNCER_SERVICE, ShardClient, TlsFiles, described_map
 from atoll.wire.plan import FragmentMap
 
 # a shard past those that must answer that is silent this long is not up (one where
 # nothing listens is known at once: `answers`)
 PROBE_SECONDS = 5.0
-SYNCER_SERVICE = pb.DESCRIPTOR.services_by_name["Syncer"].full_name  # as its health names it
 # An Adopt refused with these was checked and refused before the target logged anything
 # (docs/resharding.md, "What a shard checks"): its source may take the fragment back.
 REFUSED_UNLOGGED = (
@@ -119,16 +118,10 @@ def serving(client: ShardClient) -> bool:
 def answers(client: ShardClient, timeout: float = PROBE_SECONDS) -> bool:
     """Whether a shard is up at `client`'s address: it answers a Describe within `timeout`
     s. An address where nothing listens (no shard there, or one not started yet) is known
-    at once: a health check, which fails on a refused connection rather than waiting for
-    the channel as a Describe does, asks first, so probing past the last shard costs no
-    timeout."""
-    request = health_pb2.HealthCheckRequest(service=SYNCER_SERVICE)
+    at once (`ShardClient.listening`), so probing past the last shard costs no timeout."""
+    if not client.listening(timeout):
+        return False
     try:
-        health_pb2_grpc.HealthStub(client.channel).Check(request, timeout=timeout)
-    except grpc.RpcError as e:
-        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            return False
-    try:  # any answer, NOT_SERVING or a refusal, says something listens: the Describe decides
         client.describe(timeout=timeout)
     except grpc.RpcError:
         return False

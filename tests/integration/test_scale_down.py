@@ -13,23 +13,13 @@ import random
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from syncer_helpers import (
-    PLAN,
-    REPO,
-    client_push,
-    free_port,
-    run_atoll,
-    serving_shard,
-    syncer_processes,
-)
+from syncer_helpers import PLAN, REPO, client_push, run_atoll, syncer_processes
 from test_kube import Emulator, serve_namespace
 
-from atoll.cluster import reshard
 from atoll.wire import codec
 from atoll.wire.client import ShardClient
 
@@ -356,27 +346,3 @@ def test_a_drain_whose_target_never_returns_leaves_nothing_frozen(tmp_path, api)
         after = _owned(clients)
         assert sorted(i for i, _ in after.values()) == [0, 0, 1, 1]
         assert {p: v for p, (_, v) in after.items()} == acked
-
-
-def test_a_probe_past_the_last_shard_ends_at_once_where_nothing_listens(tmp_path):
-    """`atoll reshard` and `atoll drain` look for shards past those they must reach (a
-    scale-down's leaving ones): an address where nothing listens is not up at once, one
-    that is silent after the probe's timeout, one that answers Describe is up."""
-    with serving_shard(tmp_path) as server, socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()  # takes connections, never answers
-        clients = [
-            ShardClient(f"127.0.0.1:{port}", "")
-            for port in (server.port, free_port(), silent.getsockname()[1])
-        ]
-        try:
-            assert reshard.answers(clients[0])
-            start = time.monotonic()
-            assert not reshard.answers(clients[1])  # refused: no wait for the channel
-            assert time.monotonic() - start < 1.0  # it waited PROBE_SECONDS (5 s) before
-            start = time.monotonic()
-            assert not reshard.answers(clients[2], timeout=0.5)
-            assert 0.5 <= time.monotonic() - start < 3.0  # silent: its timeout, once
-        finally:
-            for c in clients:
-                c.close()
