@@ -134,7 +134,9 @@ class PushStreams:
         return answer
 
     def close(self) -> None:
-        with self._lock:
-            if self._call is not None:
-                self._call.close()
-                self._call = None
+        """Cancels the stream, a push in flight on it too (it raises CANCELLED at once, as a
+        Push call does when its channel closes); later pushes are not streamed."""
+        self.offered = False
+        call, self._call = self._call, None
+        if call is not None:
+            call.close()
