@@ -235,6 +235,8 @@ def describe_shard(
 
     shard = ShardClient(address, "", token=token, tls=tls, deadline=deadline)
     try:
+        if not shard.listening():  # a refused connection answers at once, not at the deadline
+            return {"error": "unreachable (UNAVAILABLE: nothing answers at this address)"}
         d = shard.describe()
     except grpc.RpcError as e:
         return {"error": f"unreachable ({e.code().name}: {e.details()})"}
