@@ -15,7 +15,11 @@ each N in {10, 100, 1,000, 10,000} (`--learners`), each N on a fresh shard, in t
   is short (`--churn-lease`): the bench then waits until the shard has forgotten them
   all (PRUNE_AFTER_LEASES leases) and reads what they left in its RSS.
 
-The same number of pushes are in flight at every N (`--inflight`), so latency compares
+Each push is a Push call of its own (`--transport call`) or, as the learner's client sends
+them, a header and a chunk on a PushStream its learner keeps open (`stream`, the default;
+atoll/bench/learners_stream.py); `--transport stream,call` measures both, one after the
+other, each on a fresh shard. The same number of pushes are in flight at every N
+(`--inflight`), so latency compares
 what a push costs with more learners remembered, not a longer queue. Read from outside
 the shard: CPU time (user + system, /proc/<pid>/stat) over the measured pushes, RSS
 (/proc/<pid>/status), versions (Describe, anonymous: no lease). Push latency is each
@@ -46,6 +50,7 @@ import grpc
 import numpy as np
 
 from atoll.bench.ingest import _cpu_seconds, _proc_status, _recv
+from atoll.bench.learners_stream import StreamPushes
 from atoll.bench.shard import start_shard
 from atoll.commands import positive_int
 from atoll.local.processes import _die_with_parent
@@ -57,6 +62,7 @@ from atoll.wire.client import ShardClient
 from atoll.wire.plan import FragmentPlan, TensorSpec
 
 COUNTS = (10, 100, 1000, 10_000)
+TRANSPORTS = ("stream", "call")  # a PushStream per learner, or a Push call per push
 SPECS = [TensorSpec("w0", (64, 16)), TensorSpec("w1", (64, 16))]  # 2 fragments of 1 Ki params
 QUORUM = 2  # as the issue measured: a round needs two learners, closes once all live are in
 STEADY_STEP_SECONDS, STEADY_PERIOD = 1.0, 1000  # a cadence far past any wave: no grace closes
@@ -85,8 +91,10 @@ class _Pushes:
         self.seq: Counter[str] = Counter()
         self.pool = concurrent.futures.ThreadPoolExecutor(threads)
 
-    def push(self, learner: str, p: int, base: int, last: bool, steady: bool) -> dict[str, Any]:
-        """One push; {ms, accepted, reason, version} or {failed: status name}."""
+    def requests(
+        self, learner: str, p: int, base: int, last: bool, steady: bool
+    ) -> list[pb.PushRequest]:
+        """The learner's next push of fragment p: a header and one chunk."""
         self.seq[learner] += 1
         header = pb.PushHeader(
             learner_id=learner,
@@ -104,7 +112,11 @@ class _Pushes:
             period_steps=STEADY_PERIOD if steady else 0,
             last=last,
         )
-        requests = [pb.PushRequest(header=header), pb.PushRequest(chunk=self.frames[p])]
+        return [pb.PushRequest(header=header), pb.PushRequest(chunk=self.frames[p])]
+
+    def push(self, learner: str, p: int, base: int, last: bool, steady: bool) -> dict[str, Any]:
+        """One push; {ms, accepted, reason, version} or {failed: status name}."""
+        requests = self.requests(learner, p, base, last, steady)
         started = time.perf_counter()
         try:
             ack = self.stub.Push(iter(requests), timeout=PUSH_DEADLINE)
@@ -155,20 +167,23 @@ class _Pushes:
         return [r for job in [self.pool.submit(visit, m) for m in learners] for r in job.result()]
 
 
-def _client(conn: Connection, address: str, plan_json: str, threads: int) -> None:
+def _client(conn: Connection, address: str, plan_json: str, threads: int, transport: str) -> None:
     """A client process: runs each ("join" | "wave" | "churn", learners, versions, pushes) it is
     sent and answers with the pushes' results; None ends it."""
     _die_with_parent()
     pushes = _Pushes(address, FragmentPlan.from_json(plan_json), threads)
+    streams = StreamPushes(address, pushes.requests, threads, PUSH_DEADLINE)
+    sender: _Pushes | StreamPushes = streams if transport == "stream" else pushes
     conn.send("ready")
     while (job := conn.recv()) is not None:
         kind, learners, versions, n = job
         if kind == "join":
             conn.send(pushes.join(learners, versions))
         elif kind == "wave":
-            conn.send(pushes.wave(learners, versions))
+            conn.send(sender.wave(learners, versions))
         else:
-            conn.send(pushes.churn(learners, versions, n))
+            conn.send(sender.churn(learners, versions, n))
+    streams.close()
     pushes.pool.shutdown()
     pushes.channel.close()
 
@@ -179,7 +194,9 @@ def _client(conn: Connection, address: str, plan_json: str, threads: int) -> Non
 class _Run:
     """A shard process and its client processes, for one N and one mode."""
 
-    def __init__(self, root: pathlib.Path, cfg: ShardConfig, processes: int, inflight: int):
+    def __init__(
+        self, root: pathlib.Path, cfg: ShardConfig, processes: int, inflight: int, transport: str
+    ):
         self.plan = FragmentPlan.build(SPECS, len(SPECS))
         root.mkdir(parents=True)
         self.shard, port, _ = start_shard(cfg, root / "syncer.log")
@@ -192,7 +209,7 @@ class _Run:
             proc = ctx.Process(
                 target=_client,
                 name=f"learners-{i}",
-                args=(child, self.address, self.plan.to_json(), threads),
+                args=(child, self.address, self.plan.to_json(), threads, transport),
                 daemon=True,
             )
             proc.start()
@@ -278,7 +295,7 @@ def _summary(
 
 
 def _steady(
-    root: pathlib.Path, n: int, waves: int, processes: int, inflight: int
+    root: pathlib.Path, n: int, waves: int, processes: int, inflight: int, transport: str
 ) -> dict[str, Any]:
     """N learners, one round per fragment per wave; RSS per learner after the waves (at
     small N mostly the first rounds' one-off allocations)."""
@@ -288,7 +305,7 @@ def _steady(
         0, 1, root / "data", listen="127.0.0.1:0", quorum=QUORUM, lease_seconds=lease,
         metrics_port=0,
     )  # fmt: skip
-    run = _Run(root, cfg, min(processes, n), inflight)
+    run = _Run(root, cfg, min(processes, n), inflight, transport)
     try:
         learners = [f"steady-{i}" for i in range(n)]
         run.init(learners[0])
@@ -323,7 +340,13 @@ def _steady(
 
 
 def _churn(
-    root: pathlib.Path, n: int, pushes: int, lease: float, processes: int, inflight: int
+    root: pathlib.Path,
+    n: int,
+    pushes: int,
+    lease: float,
+    processes: int,
+    inflight: int,
+    transport: str,
 ) -> dict[str, Any]:
     """N learners that each push a few times and leave; RSS per departed learner once the
     shard has forgotten them."""
@@ -331,7 +354,7 @@ def _churn(
         0, 1, root / "data", listen="127.0.0.1:0", quorum=QUORUM, lease_seconds=lease,
         max_staleness=1 << 30, metrics_port=0,
     )  # fmt: skip
-    run = _Run(root, cfg, min(processes, n), inflight)
+    run = _Run(root, cfg, min(processes, n), inflight, transport)
     try:
         run.init("churn-init")
         run.run("churn", [f"warm-{i}" for i in range(min(n, 50))], pushes)  # one-off costs
@@ -385,9 +408,12 @@ def bench_learners(
     processes: int = 4,
     inflight: int = 8,
     modes: tuple[str, ...] = ("steady", "churn"),
+    transports: tuple[str, ...] = ("stream",),
 ) -> dict[str, Any]:
     """Shard CPU per push, push latency, rounds per second and RSS per learner (steady)
-    and per departed learner (churn) at each N in `counts`; one JSON-able dict.
+    and per departed learner (churn) at each N in `counts`, for the first of `transports`
+    (the others' in `other_transports`, each N run with each transport in turn); one
+    JSON-able dict.
 
     Raises ValueError for counts or settings that cannot work.
     """
@@ -399,32 +425,55 @@ def bench_learners(
         raise ValueError("--churn-lease must be > 0, --processes and --inflight >= 1")
     if not modes or not set(modes) <= {"steady", "churn"}:
         raise ValueError(f"--modes {','.join(modes)}: want steady, churn or both")
+    if (
+        not transports
+        or not set(transports) <= set(TRANSPORTS)
+        or len(set(transports)) < len(transports)
+    ):
+        raise ValueError(f"--transport {','.join(transports)}: want stream, call or both")
     root = pathlib.Path(tempfile.mkdtemp(prefix="atoll-bench-learners-"))
     started = time.monotonic()
-    steady, churn = {}, {}
+    runs: dict[str, dict[str, dict[int, dict[str, Any]]]] = {
+        t: {"steady": {}, "churn": {}} for t in transports
+    }
     try:
         for n in sorted(set(counts)):
             n_waves = max(waves, -(-min_pushes // (n * len(SPECS))))  # enough pushes to time
-            if "steady" in modes:
-                steady[n] = _steady(root / f"steady-{n}", n, n_waves, processes, inflight)
-            if "churn" in modes:
-                churn[n] = _churn(
-                    root / f"churn-{n}", n, churn_pushes, churn_lease, processes, inflight
-                )
+            for t in transports:
+                here = root / f"{t}-{n}"
+                if "steady" in modes:
+                    runs[t]["steady"][n] = _steady(
+                        here / "steady", n, n_waves, processes, inflight, t
+                    )
+                if "churn" in modes:
+                    runs[t]["churn"][n] = _churn(
+                        here / "churn", n, churn_pushes, churn_lease, processes, inflight, t
+                    )
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    targets = _targets(steady) if steady else {}
+    first, *others = transports
     return {
         "learners": sorted(set(counts)),
         "fragments": len(SPECS),
         "quorum": QUORUM,
         "inflight_pushes": inflight,
         "client_processes": processes,
+        "transport": first,
+        **_report(runs[first]),
+        "other_transports": {t: _report(runs[t]) for t in others},
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+def _report(run: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """One transport's figures by mode and N, its CPU ratio and its targets."""
+    steady, churn = run["steady"], run["churn"]
+    targets = _targets(steady) if steady else {}
+    return {
         "steady": {str(k): v for k, v in steady.items()},  # "waves" measured at each N
         "churn": {str(k): v for k, v in churn.items()},
         "cpu_per_push_ratio": targets["cpu_per_push_ratio"]["got"] if steady else None,
         "targets": targets,
-        "seconds": round(time.monotonic() - started, 1),
     }
 
 
@@ -488,6 +537,13 @@ def _add_modes(p: argparse.ArgumentParser) -> None:
         default="steady,churn",
         help="steady, churn or both, comma-separated (default %(default)s)",
     )
+    p.add_argument(
+        "--transport",
+        default="stream",
+        help="how pushes travel: stream (a PushStream per learner, as the learner's client "
+        "sends them), call (a Push call per push), or both, comma-separated, the first "
+        "reported as the result (default %(default)s)",
+    )
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -501,6 +557,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             args.processes,
             args.inflight,
             tuple(m for m in args.modes.split(",") if m),
+            tuple(t for t in args.transport.split(",") if t),
         )
     except ValueError as e:
         parser.error(str(e))

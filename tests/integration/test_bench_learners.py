@@ -39,6 +39,7 @@ def test_tiny_run_reports_every_figure():
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(run.stdout)
     assert r["learners"] == [10, 50] and r["fragments"] == FRAGMENTS and r["quorum"] == 2
+    assert r["transport"] == "stream" and r["other_transports"] == {}
     for n in (10, 50):
         steady, churn = r["steady"][str(n)], r["churn"][str(n)]
         _sane(steady)
@@ -61,6 +62,21 @@ def test_tiny_run_reports_every_figure():
     assert target["want"] == 1.5 and target["met"] == (target["got"] <= 1.5)
 
 
+@pytest.mark.timeout(300)
+def test_both_transports_in_one_run():
+    run = _bench(
+        "--learners", "10", "--modes", "steady", "--waves", "1", "--min-pushes", "20",
+        "--processes", "1", "--inflight", "2", "--transport", "call,stream",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(run.stdout)
+    assert r["transport"] == "call" and set(r["other_transports"]) == {"stream"}
+    for steady in (r["steady"]["10"], r["other_transports"]["stream"]["steady"]["10"]):
+        _sane(steady)
+        assert steady["outcomes"] == {"fresh": steady["pushes"]} and steady["pushes"] == 20
+        assert steady["every_wave_closed_its_rounds"]
+
+
 def test_bad_flags_get_readable_errors():
     for flags, says in [
         (("--learners", "1,10"), "each count must be >= 2"),
@@ -68,6 +84,8 @@ def test_bad_flags_get_readable_errors():
         (("--churn-lease", "0"), "--churn-lease must be > 0"),
         (("--waves", "0"), "--waves"),
         (("--modes", "fast"), "want steady, churn or both"),
+        (("--transport", "udp"), "want stream, call or both"),
+        (("--transport", "call,call"), "want stream, call or both"),
     ]:
         run = _bench(*flags, timeout=60)
         assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, flags
