@@ -18,6 +18,7 @@ from syncer_helpers import (
     client_push,
     connect,
     describe,
+    free_port,
     init,
     push_requests,
     serving_shard,
@@ -197,4 +198,25 @@ def test_sigkill_mid_stream_keeps_exactly_the_answered_pushes(tmp_path):
         reasons = [a.reason for a in retried]
         assert reasons == [pb.PUSH_REASON_DUPLICATE] * 3 + [pb.PUSH_REASON_FRESH]
         assert round_sizes(stub) == [1, 1, 1, 1]
+        channel.close()
+
+
+def test_a_learner_s_stream_follows_its_shard_through_a_restart(tmp_path):
+    port = free_port()
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SETTINGS.items()]
+    flags.append(f"--listen=127.0.0.1:{port}")  # the same address after the restart
+    with syncer_processes(tmp_path) as start:
+        shard = start(tmp_path / "data", *flags)
+        channel, stub = connect(port)
+        seed(stub)
+        client = ShardClient(f"127.0.0.1:{port}", "a", deadline=DEADLINE)
+        assert client_push(client, 0, seq=1, base=0).accepted
+        before = client.streams._call
+        assert shard.stop() == 0  # SIGTERM: the idle stream ends with the shard
+        start(tmp_path / "data", *flags)
+        assert client_push(client, 1, seq=2, base=0).accepted  # on a new stream
+        assert client_push(client, 0, seq=1, base=0).reason == pb.PUSH_REASON_DUPLICATE
+        assert client.streams._call is not before and client.streams.offered
+        client.close()
+        assert round_sizes(stub) == [1, 1, 0, 0]
         channel.close()
