@@ -84,18 +84,15 @@ def check(
     index: int,
     tls: TlsFiles | None,
 ) -> None:
-    """The Learner's own settings (no config dataclass holds them), each checked once."""
+    """The Learner's own settings, each checked once: those no config dataclass holds here,
+    the data shard and learner count by LearnerConfig's check, as `atoll learner`'s are."""
     need(isinstance(learner_id, str) and learner_id != "", "learner_id must be a nonempty str")
     need(
         isinstance(fragments, int) and fragments >= num_shards,
         f"fragments ({fragments!r}) must be an int, at least the number of shards "
         f"({num_shards}): each shard owns one fragment or more",
     )
-    need(num_learners >= 1, f"num_learners must be >= 1, got {num_learners}")
-    need(
-        0 <= index < num_learners,
-        f"index must be in [0, num_learners={num_learners}), got {index}",
-    )
+    LearnerConfig.check_data_shard(index, num_learners)
     need(tls is None or isinstance(tls, TlsFiles), "tls must be an atoll.TlsFiles(ca, cert, key)")
 
 

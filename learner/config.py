@@ -14,6 +14,7 @@ import re
 import socket
 import tempfile
 from collections.abc import Callable
+from typing import TypeVar
 
 # the learner's defaults (learner/defaults.py), re-exported for whoever builds configs
 from atoll.learner.defaults import (  # noqa: F401
@@ -38,8 +39,9 @@ from atoll.learner.defaults import (  # noqa: F401
 from atoll.learner.defaults import LearnerConfigError as LearnerConfigError
 from atoll.learner.distributed import DistributedConfig, processes
 from atoll.wire import settings
-from atoll.wire.codec import Codec
 from atoll.wire.settings import flag, nested, setting
+
+T = TypeVar("T")
 
 
 def _need(ok: bool, message: str) -> None:
@@ -150,19 +152,12 @@ class LearnerConfig:
     steps: int = setting(STEPS, "inner steps to run", group=_TRAINING)
     lr: float = setting(3e-3, "inner AdamW peak learning rate", group=_TRAINING)
     warmup: int = setting(20, "inner warm-up steps", group=_TRAINING)
-    period: int = setting(PERIOD, "H: inner steps between syncs of a fragment", group=_SYNC)
-    overlap: int = setting(OVERLAP, "τ: steps trained while a sync is in flight", group=_SYNC)
-    mix: float = setting(MIX, "α: share of local weights kept when adopting", group=_SYNC)
-    late_mix: float = setting(
-        LATE_MIX,
-        "α's cap for a sync adopted d steps after its push, past τ: α = (d − τ)/H up to "
-        "this; helps on links whose round trip spans many steps; 0: off",
-        group=_SYNC,
+    # H, τ, α, the codec, the patience and the calls' limits: SyncConfig's own settings,
+    # defaults and checks; their flags are its fields' (--period, --sync-patience, ...)
+    sync: SyncConfig = dataclasses.field(
+        default_factory=SyncConfig, metadata=nested(SyncConfig, title=_SYNC)
     )
     fragments: int = setting(FRAGMENTS, "P: fragments; all learners must agree", group=_SYNC)
-    codec: Codec = setting(
-        CODEC, "outer-gradient codec", choices=("int4", "mxfp4", "fp32"), group=_SYNC
-    )
     seed: int = setting(SEED, "init and data-order seed", group=_TRAINING)
     data: pathlib.Path | None = setting(
         None,
@@ -208,18 +203,6 @@ class LearnerConfig:
         "{id} stands for the learner id)",
         group=_FILES,
     )
-    sync_patience: float = setting(
-        SYNC_PATIENCE,
-        "seconds to wait on a round holding our push before training on without it "
-        "(at least 4 periods of steps)",
-        group=_SYNC,
-    )
-    wait_for_rounds: bool = setting(
-        False,
-        "synchronous semantics, for baselines: when a fragment's round is still open a whole "
-        "period after its push, stop training until it closes (by default a learner never waits)",
-        group=_SYNC,
-    )
     compile_cache: pathlib.Path | None = setting(
         None,
         "directory for compiled programs, so a restarted learner skips compiling (off by default)",
@@ -228,12 +211,6 @@ class LearnerConfig:
     )
     metrics_port: int | None = setting(
         None, "Prometheus /metrics port (off by default)", group=_FILES
-    )
-    deadline: float = setting(DEADLINE, "seconds per call to a shard", group=_SYNC)
-    join_timeout: float = setting(
-        JOIN_TIMEOUT,
-        "seconds joining waits for the shards to answer, all retries together",
-        group=_SYNC,
     )
     lease_exit_wait: float = setting(
         10.0, "seconds to wait at the end for syncs in flight", group=_SYNC
@@ -281,19 +258,17 @@ class LearnerConfig:
             "--shards is required (HOST:PORT,... in shard index order), or use --baseline",
         )
         _need(bool(self.learner_id), "--learner-id must not be empty")
-        _need(self.num_learners >= 1, f"--num-learners must be >= 1, got {self.num_learners}")
-        _need(
-            0 <= self.learner_index < self.num_learners,
-            f"--learner-index must be in [0, {self.num_learners}), got {self.learner_index}",
-        )
+        in_flags(lambda: self.check_data_shard(self.learner_index, self.num_learners))
         _need(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
         _need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         _need(
             self.baseline or self.fragments >= len(self.shards),
             f"--fragments ({self.fragments}) must be at least the number of shards ({len(self.shards)})",
         )
-        # H, τ, α and the patience are the synchronizer's settings: SyncConfig checks them
-        _in_flags(lambda: self.sync)
+        _need(
+            isinstance(self.sync, SyncConfig),
+            f"sync must be a SyncConfig, got {type(self.sync).__name__}",
+        )
         _need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         _need(self.slowdown >= 1, f"--slowdown must be >= 1 (1 = full speed), got {self.slowdown}")
         _need(
@@ -310,7 +285,7 @@ class LearnerConfig:
     def _check_modes(self) -> None:
         """Checkpoints, standby, multi-process, metrics and TLS settings that go together."""
         # the directory and the steps between checkpoints: Checkpointing checks them
-        _in_flags(lambda: self.checkpoint)
+        in_flags(lambda: self.checkpoint)
         _need(
             not self.standby or self.checkpoint_dir is not None,
             "--standby needs --checkpoint-dir: the directory where learners claim their ids",
@@ -363,22 +338,6 @@ class LearnerConfig:
             _need(problem is None, f"{option} {path}: {problem}")
 
     @functools.cached_property
-    def sync(self) -> SyncConfig:
-        """The synchronizer's settings of this learner (atoll.Learner's `sync=`): made and
-        checked once, by __post_init__; `Learner.from_config` passes this one on."""
-        return SyncConfig(
-            period=self.period,
-            overlap=self.overlap,
-            mix=self.mix,
-            late_mix=self.late_mix,
-            codec=self.codec,
-            patience=self.sync_patience,
-            wait_for_rounds=self.wait_for_rounds,
-            join_timeout=self.join_timeout,
-            deadline=self.deadline,
-        )
-
-    @functools.cached_property
     def checkpoint(self) -> Checkpointing | None:
         """This learner's checkpoint settings (atoll.Learner's `checkpoint=`), made and
         checked once, by __post_init__; None without --checkpoint-dir, where
@@ -387,6 +346,16 @@ class LearnerConfig:
             Checkpointing.check_every(self.checkpoint_every)
             return None
         return Checkpointing(self.checkpoint_dir, self.checkpoint_every, self.standby)
+
+    @staticmethod
+    def check_data_shard(index: int, num_learners: int) -> None:
+        """Refuses a learner count below 1 or a data shard outside [0, num_learners)
+        (atoll.Learner's `index` and `num_learners` are checked here too)."""
+        _need(num_learners >= 1, f"num_learners must be >= 1, got {num_learners}")
+        _need(
+            0 <= index < num_learners,
+            f"index (the data shard) must be in [0, num_learners={num_learners}), got {index}",
+        )
 
     def to_args(self) -> list[str]:
         """The `atoll learner` flags that give this config: what a launcher (`atoll up`,
@@ -418,34 +387,31 @@ class LearnerConfig:
         )
 
 
-# SyncConfig and Checkpointing name their settings as atoll.Learner's arguments; `atoll
-# learner` takes them as flags
+# SyncConfig, Checkpointing and the data shard's check name their settings as
+# atoll.Learner's arguments; `atoll learner` takes them as flags (SyncConfig's: the flags
+# its fields' metadata gives)
 _FLAGS = {
     "Checkpointing.directory": "--checkpoint-dir",
     "Checkpointing.every": "--checkpoint-every",
-    "period": "--period",
-    "overlap": "--overlap",
-    "mix": "--mix",
-    "late_mix": "--late-mix",
-    "patience": "--sync-patience",
-    "join_timeout": "--join-timeout",
-    "deadline": "--deadline",
-}
+    "index": "--learner-index",
+    "num_learners": "--num-learners",
+} | {s.name: s.flag for s in settings.settings(SyncConfig)}
 
 
-def _as_flags(message: str) -> str:
-    """A SyncConfig or Checkpointing error in `atoll learner`'s words: 'overlap (τ) must
-    be in [0, H=4)' -> '--overlap must be in [0, --period=4)'."""
-    message = re.sub(r"^([\w.]+)( \(.\))?", lambda m: _FLAGS.get(m[1], m[0]), message)
-    return message.replace("H=", "--period=")
+def as_flags(message: str) -> str:
+    """A SyncConfig, Checkpointing or data shard error in `atoll learner`'s words:
+    'overlap (τ) must be in [0, H=4)' -> '--overlap must be in [0, --period=4)'."""
+    message = re.sub(r"^([\w.]+)( \([^)]*\))?", lambda m: _FLAGS.get(m[1], m[0]), message)
+    return message.replace("H=", "--period=").replace("num_learners=", "--num-learners=")
 
 
-def _in_flags(make: Callable[[], object]) -> None:
-    """Makes one of LearnerConfig's settings objects (`make`), its refusal in flags' words."""
+def in_flags(make: Callable[[], T]) -> T:
+    """What `make` makes (a LearnerConfig from flags, or one of its settings objects), its
+    refusal in flags' words."""
     try:
-        make()
-    except ValueError as e:  # LearnerConfigError
-        raise LearnerConfigError(_as_flags(str(e))) from None
+        return make()
+    except LearnerConfigError as e:
+        raise LearnerConfigError(as_flags(str(e))) from None
 
 
 @dataclasses.dataclass(frozen=True)

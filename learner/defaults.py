@@ -12,6 +12,7 @@ import numbers
 
 from atoll.wire import codec
 from atoll.wire.codec import DEFAULT_CODEC
+from atoll.wire.settings import setting
 
 # H = 32: on `atoll bench quality`'s budget the gap to data-parallel training grows with H
 # and so does the bandwidth saved: 1.49 / 0.36 / -0.15 % over seeds 0-2 at H = 32 with a
@@ -51,20 +52,41 @@ class SyncConfig:
       >>> learner = atoll.Learner(shards, "learner-0", sync=atoll.SyncConfig(period=64))
     """
 
-    period: int = PERIOD  # H: inner steps between two syncs of one fragment, >= 1
-    overlap: int = OVERLAP  # τ: steps training continues before adopting a push's result, in [0, H)
-    mix: float = MIX  # α: share of the local fragment kept when adopting, in [0, 1)
+    # `atoll learner`'s flags are these fields' (wire/settings.py: LearnerConfig nests
+    # SyncConfig); max_backoff has none
+    period: int = setting(PERIOD, "H: inner steps between syncs of a fragment")  # >= 1
+    # τ: steps training continues before adopting a push's result, in [0, H)
+    overlap: int = setting(OVERLAP, "τ: steps trained while a sync is in flight")
+    # α: share of the local fragment kept when adopting, in [0, 1)
+    mix: float = setting(MIX, "α: share of local weights kept when adopting")
     # α's cap for a sync adopted d steps after its push, d past τ: α is then (d − τ)/H up
     # to this, in [0, 1); 0 turns it off (links whose round trip spans many steps)
-    late_mix: float = LATE_MIX
-    codec: codec.Codec = CODEC  # outer-gradient codec on the wire (a Codec, or its name)
-    max_backoff: float = 5.0  # seconds, cap of the retry backoff (jittered), > 0
-    patience: float = (
-        SYNC_PATIENCE  # seconds (at least; 4 periods of steps if longer) to wait for a round
+    late_mix: float = setting(
+        LATE_MIX,
+        "α's cap for a sync adopted d steps after its push, past τ: α = (d − τ)/H up to "
+        "this; helps on links whose round trip spans many steps; 0: off",
     )
-    wait_for_rounds: bool = False  # synchronous semantics: block when a round is a period late
-    join_timeout: float = JOIN_TIMEOUT  # seconds join waits for the shards, all retries, > 0
-    deadline: float = DEADLINE  # seconds per call to a shard, > 0
+    # outer-gradient codec on the wire (a Codec, or its name)
+    codec: codec.Codec = setting(CODEC, "outer-gradient codec", choices=("int4", "mxfp4", "fp32"))
+    max_backoff: float = 5.0  # seconds, cap of the retry backoff (jittered), > 0
+    # seconds (at least; 4 periods of steps if longer) to wait for a round, > 0
+    patience: float = setting(
+        SYNC_PATIENCE,
+        "seconds to wait on a round holding our push before training on without it "
+        "(at least 4 periods of steps)",
+        name="sync-patience",
+    )
+    # synchronous semantics: block when a round is a period late
+    wait_for_rounds: bool = setting(
+        False,
+        "synchronous semantics, for baselines: when a fragment's round is still open a whole "
+        "period after its push, stop training until it closes (by default a learner never waits)",
+    )
+    # seconds join waits for the shards, all retries, > 0
+    join_timeout: float = setting(
+        JOIN_TIMEOUT, "seconds joining waits for the shards to answer, all retries together"
+    )
+    deadline: float = setting(DEADLINE, "seconds per call to a shard")  # > 0
 
     def __post_init__(self) -> None:
         check_types(self)

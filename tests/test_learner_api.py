@@ -146,9 +146,7 @@ def test_from_config_gives_atoll_learners_settings_as_the_config_objects(tmp_pat
     cfg = LearnerConfig(
         shards=("h:1", "h:2"),
         learner_id="a",
-        period=8,
-        overlap=2,
-        deadline=5.0,
+        sync=atoll.SyncConfig(period=8, overlap=2, deadline=5.0),
         checkpoint_dir=tmp_path,
         checkpoint_every=3,
         standby=True,

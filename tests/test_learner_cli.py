@@ -11,7 +11,7 @@ import re
 import pytest
 
 from atoll.cli import main
-from atoll.learner.config import Checkpointing, LearnerConfig, LearnerConfigError
+from atoll.learner.config import Checkpointing, LearnerConfig, LearnerConfigError, SyncConfig
 from atoll.learner.distributed import DistributedConfig
 from atoll.learner.trainer.main import add_arguments, config_from_args
 from atoll.wire.codec import Codec
@@ -58,7 +58,7 @@ def run(capsys):
         ),
         (
             ("--baseline", "--learner-index", "4", "--num-learners", "4"),
-            "--learner-index must be in [0, 4)",
+            "--learner-index must be in [0, --num-learners=4), got 4",
         ),
         (("--baseline", "--slowdown", "0.5"), "--slowdown must be >= 1"),
         (("--baseline", "--fsdp", "-2"), "--fsdp must be 1 (replicated), a number of devices"),
@@ -200,20 +200,22 @@ def _configs(tmp: pathlib.Path) -> dict[str, LearnerConfig]:
             steps=7,
             lr=1e-4,
             warmup=3,
-            period=5,
-            overlap=0,
-            mix=0.25,
+            sync=SyncConfig(
+                period=5,
+                overlap=0,
+                mix=0.25,
+                codec=Codec.FP32,
+                patience=1e9,
+                wait_for_rounds=True,
+                deadline=0.5,
+            ),
             fragments=6,
-            codec=Codec.FP32,
             seed=11,
             eval_every=0,
             eval_batches=3,
             slowdown=2.5,
             fsdp=0,
-            sync_patience=1e9,
-            wait_for_rounds=True,
             metrics_port=0,
-            deadline=0.5,
             lease_exit_wait=0.0,
             progress=False,
             checkpoint_every=0,
@@ -376,12 +378,18 @@ def test_to_args_spells_out_defaults_the_environment_could_change(parse, monkeyp
     assert (read.checkpoint_every, read.learner_index, read.shards) == (7, 3, ("127.0.0.1:9999",))
 
 
-def test_a_sync_setting_is_checked_once_by_the_synchronizer():
-    cfg = LearnerConfig(shards=("127.0.0.1:7070",), learner_id="a", period=8, overlap=3)
-    sync = cfg.sync
-    assert (sync.period, sync.overlap, sync.patience) == (8, 3, cfg.sync_patience)
+def test_a_sync_setting_is_checked_once_by_the_synchronizer(monkeypatch):
+    made: list[SyncConfig] = []
+    check = SyncConfig.__post_init__
+    monkeypatch.setattr(SyncConfig, "__post_init__", lambda s: (made.append(s), check(s))[1])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(
+        parser.parse_args(["--shards", "h:1", "--period", "8", "--overlap", "3"])
+    )
+    assert made == [cfg.sync] and (cfg.sync.period, cfg.sync.overlap) == (8, 3)
     with pytest.raises(LearnerConfigError, match=r"--overlap must be in \[0, --period=8\), got 8"):
-        dataclasses.replace(cfg, overlap=8)
+        config_from_args(parser.parse_args(["--shards", "h:1", "--period", "8", "--overlap", "8"]))
 
 
 def test_checkpoint_settings_are_checked_by_checkpointing_in_flags_words(tmp_path):

@@ -92,7 +92,12 @@ def test_each_learner_runs_the_command_line_of_its_config(tmp_path, monkeypatch)
         2,
         tuple(addresses),
     )
-    assert (c.period, c.codec.name, c.wait_for_rounds, c.steps) == (8, "FP32", True, 100)
+    assert (c.sync.period, c.sync.codec.name, c.sync.wait_for_rounds, c.steps) == (
+        8,
+        "FP32",
+        True,
+        100,
+    )
     assert (c.status_file, c.push_log) == (learner.status.path, learner.push_log)
     assert (c.checkpoint_dir, c.compile_cache) == (run / "checkpoints", run / "compile-cache")
     for name in [n for n in os.environ if n.startswith(("ATOLL_", "TPU_"))]:
@@ -101,7 +106,7 @@ def test_each_learner_runs_the_command_line_of_its_config(tmp_path, monkeypatch)
     add_arguments(parser)
     assert config_from_args(parser.parse_args(c.to_args())) == c
     baseline = LearnerProcess(baseline_spec(cfg), cfg, run, []).config
-    assert baseline.baseline and baseline.shards == () and not baseline.wait_for_rounds
+    assert baseline.baseline and baseline.shards == () and not baseline.sync.wait_for_rounds
     assert baseline.push_log is None and baseline.checkpoint_dir is None
     # the variable that defaults --checkpoint-dir does not reach the children: the
     # baseline, asked for none, would be refused, and a learner given none would keep them

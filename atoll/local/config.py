@@ -15,7 +15,7 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-from atoll.learner.config import LearnerConfig, LearnerConfigError
+from atoll.learner.config import LearnerConfig, LearnerConfigError, as_flags
 from atoll.learner.defaults import (
     BATCH_SIZE,
     CHECKPOINT_EVERY,
@@ -29,6 +29,7 @@ from atoll.learner.defaults import (
     SEED,
     STEPS,
     SYNC_PATIENCE,
+    SyncConfig,
 )
 from atoll.server.config import (
     GRACE_FACTOR,
@@ -180,8 +181,10 @@ class UpConfig:
             self.shard_config(0, pathlib.Path("shards/0"), 0)
             for spec in learner_specs(self):
                 self.learner_config(spec, [f"127.0.0.1:{i + 1}" for i in range(self.shards)])
-        except (ConfigError, LearnerConfigError) as e:
+        except ConfigError as e:
             raise UpConfigError(str(e)) from None
+        except LearnerConfigError as e:  # SyncConfig's words, as `atoll learner` says them
+            raise UpConfigError(as_flags(str(e))) from None
 
     def shard_config(self, index: int, data_dir: pathlib.Path, port: int) -> ShardConfig:
         """Shard `index`'s settings in this run; `ShardConfig.to_args()` is its command line."""
@@ -215,18 +218,20 @@ class UpConfig:
             preset=self.preset,
             batch_size=spec.batch_size,
             steps=spec.steps,
-            period=self.period,
-            overlap=self.overlap,
-            late_mix=self.late_mix,
+            sync=SyncConfig(
+                period=self.period,
+                overlap=self.overlap,
+                late_mix=self.late_mix,
+                codec=Codec[self.codec.upper()],
+                patience=self.sync_patience,
+                wait_for_rounds=self.wait_for_rounds and not baseline,
+            ),
             fragments=self.fragments,
-            codec=Codec[self.codec.upper()],
             seed=self.seed,
             eval_every=spec.eval_every,
             eval_batches=spec.eval_batches,
             slowdown=spec.slowdown,
             baseline=baseline,
-            sync_patience=self.sync_patience,
-            wait_for_rounds=self.wait_for_rounds and not baseline,
             checkpoint_every=self.checkpoint_every,
         )
 

@@ -16,7 +16,7 @@ import argparse
 import logging
 import sys
 
-from atoll.learner.config import LearnerConfig, LearnerConfigError
+from atoll.learner.config import LearnerConfig, LearnerConfigError, in_flags
 from atoll.learner.distributed import DistributedConfigError, initialize
 from atoll.wire.settings import add_flags, from_args
 
@@ -31,8 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(a: argparse.Namespace) -> LearnerConfig:
-    """The LearnerConfig the parsed flags give; its own checks run here."""
-    return from_args(LearnerConfig, a)
+    """The LearnerConfig the parsed flags give; its own checks (and its SyncConfig's) run
+    here, a refusal in flags' words."""
+    return in_flags(lambda: from_args(LearnerConfig, a))
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
