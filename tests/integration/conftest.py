@@ -31,6 +31,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(MARKER)
 
 
+@pytest.fixture
+def one_shard(tmp_path: pathlib.Path):
+    """One shard (quorum 1) serving in this process, for an atoll.Learner: its address."""
+    # imported here: the module brings JAX, which only the learner tests need
+    from test_learner_api_shards import start_shards
+
+    servers = start_shards(tmp_path, 1, quorum=1)
+    yield f"127.0.0.1:{servers[0].port}"
+    for s in servers:
+        s.stop()
+
+
 # --- the tests test_commands.COVERAGE names run the commands it names them for ---------
 # Every `atoll` command run during the session (in a child process or in-process) appends
 # a line naming itself and the test that ran it (atoll.commands: ATOLL_COMMAND_LOG and

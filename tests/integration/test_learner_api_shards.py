@@ -88,14 +88,6 @@ def two_shards(tmp_path):
         s.stop()
 
 
-@pytest.fixture
-def one_shard(tmp_path):
-    servers = start_shards(tmp_path, 1, quorum=1)
-    yield f"127.0.0.1:{servers[0].port}"
-    for s in servers:
-        s.stop()
-
-
 def train(learner: atoll.Learner, params, steps: int, seed: int, state=None, sleep: float = 0.004):
     """`steps` inner steps of the user's loop with `learner.step` after each."""
     rng = np.random.default_rng(seed)

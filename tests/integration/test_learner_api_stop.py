@@ -7,19 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_learner_api_shards import OPTIMIZER, batch, init, start_shards, train_step
+from test_learner_api_shards import OPTIMIZER, batch, init, train_step
 
 import atoll
 from atoll.learner.checkpoint import CheckpointError
 from atoll.learner.config import LearnerConfig
-
-
-@pytest.fixture
-def shard(tmp_path):
-    servers = start_shards(tmp_path, 1, quorum=1)
-    yield f"127.0.0.1:{servers[0].port}"
-    for s in servers:
-        s.stop()
 
 
 def _with_run_info(shard, ckpt, run, **settings):
@@ -31,10 +23,12 @@ def _with_run_info(shard, ckpt, run, **settings):
     return atoll.Learner.from_config(cfg, run_info=run)
 
 
-def test_a_stopped_learner_raises_at_its_next_step_and_saves_where_it_is(shard, tmp_path):
+def test_a_stopped_learner_raises_at_its_next_step_and_saves_where_it_is(one_shard, tmp_path):
     ckpt = tmp_path / "ckpt"
     run = {"seed": 0, "batch_size": 32}
-    learner = _with_run_info(shard, ckpt, run, period=4, checkpoint_every=0)
+    learner = _with_run_info(
+        one_shard, ckpt, run, sync=atoll.SyncConfig(period=4), checkpoint_every=0
+    )
     params = learner.join(init())
     opt_state, rng, pushed = OPTIMIZER.init(params), np.random.default_rng(0), []
     for _ in range(8):
@@ -52,8 +46,8 @@ def test_a_stopped_learner_raises_at_its_next_step_and_saves_where_it_is(shard, 
 
     other = {**run, "seed": 1}
     with pytest.raises(CheckpointError, match="written with seed=0, this learner runs seed=1"):
-        _with_run_info(shard, ckpt, other).join(init())
-    again = _with_run_info(shard, ckpt, run)
+        _with_run_info(one_shard, ckpt, other).join(init())
+    again = _with_run_info(one_shard, ckpt, run)
     again.join(init(seed=3))
     assert again.resumed and (again.steps, again.tokens) == (9, 9 * 32)
     state = again.restore_state(OPTIMIZER.init(params))
@@ -61,8 +55,8 @@ def test_a_stopped_learner_raises_at_its_next_step_and_saves_where_it_is(shard, 
     again.close()
 
 
-def test_save_without_a_checkpoint_dir_writes_nothing_and_save_before_join_is_refused(shard):
-    learner = atoll.Learner(shard, "b", fragments=2)
+def test_save_without_a_checkpoint_dir_writes_nothing_and_save_before_join_is_refused(one_shard):
+    learner = atoll.Learner(one_shard, "b", fragments=2)
     with pytest.raises(atoll.LearnerStateError, match="before join"):
         learner.save(init())
     params = learner.join(init())

@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 from test_learner_api_shards import init, start_shards
 
 import atoll
@@ -20,18 +19,11 @@ STEPS = 16  # four periods
 SLOW = 0.1  # seconds of a slow step (a sleep: one a learner would count as its own)
 
 
-@pytest.fixture
-def shard(tmp_path):
-    servers = start_shards(tmp_path, 1, quorum=1)
-    yield f"127.0.0.1:{servers[0].port}"
-    for s in servers:
-        s.stop()
-
-
 def logged(shard: str, name: str, on_push, **settings) -> atoll.Learner:
     """Learner `name` at H with `on_push`: the built-in loop's push log, given through
     its path (Learner.from_config)."""
-    cfg = LearnerConfig(shards=(shard,), learner_id=name, period=H, fragments=2, **settings)
+    sync = atoll.SyncConfig(period=H, **settings)
+    cfg = LearnerConfig(shards=(shard,), learner_id=name, sync=sync, fragments=2)
     return atoll.Learner.from_config(cfg, on_push=on_push)
 
 
@@ -55,9 +47,9 @@ def compute_by_fragment(pushes: list[dict]) -> dict[int, float]:
     return totals
 
 
-def test_time_inside_paused_is_not_step_time(shard):
+def test_time_inside_paused_is_not_step_time(one_shard):
     pushes: list[dict] = []
-    learner = logged(shard, "a", pushes.append)
+    learner = logged(one_shard, "a", pushes.append)
     run(learner, STEPS, paused_sleep=SLOW)
     assert pushes, "no push answered"
     for p, seconds in compute_by_fragment(pushes).items():
@@ -66,10 +58,10 @@ def test_time_inside_paused_is_not_step_time(shard):
         assert seconds < 0.25 * (STEPS // 2) * SLOW, (p, seconds, pushes)
 
 
-def test_time_outside_paused_is_step_time(shard):
+def test_time_outside_paused_is_step_time(one_shard):
     """The control for the test above: the same sleep outside `paused()` is counted."""
     pushes: list[dict] = []
-    learner = logged(shard, "a", pushes.append)
+    learner = logged(one_shard, "a", pushes.append)
     run(learner, STEPS, step_sleep=SLOW)
     totals = compute_by_fragment(pushes)
     assert set(totals) == {0, 1}, pushes
@@ -118,9 +110,9 @@ def test_seconds_blocked_on_a_round_are_not_step_time(tmp_path):
     assert slow_compute >= 0.5 * STEPS * SLOW, (slow_compute, pushes["slow"])
 
 
-def test_on_push_is_called_once_per_answered_push_with_what_was_pushed(shard):
+def test_on_push_is_called_once_per_answered_push_with_what_was_pushed(one_shard):
     pushes: list[dict] = []
-    learner = logged(shard, "a", pushes.append)
+    learner = logged(one_shard, "a", pushes.append)
     run(learner, STEPS)
     assert len(pushes) == learner.stats["pushes"], (pushes, learner.stats)
     assert {x["fragment"] for x in pushes} == {0, 1}
@@ -138,10 +130,10 @@ def test_on_push_is_called_once_per_answered_push_with_what_was_pushed(shard):
     assert len(set(seqs)) == len(seqs), seqs  # no push described twice
 
 
-def test_standing_gives_the_oldest_version_adopted_and_the_worst_lag(shard):
+def test_standing_gives_the_oldest_version_adopted_and_the_worst_lag(one_shard):
     """A learner that stops stepping falls behind the rounds another one closes: its
     standing is the version it adopted and how far the newest it hears of is ahead."""
-    behind = atoll.Learner(shard, "behind", fragments=2, sync=atoll.SyncConfig(period=H))
+    behind = atoll.Learner(one_shard, "behind", fragments=2, sync=atoll.SyncConfig(period=H))
     assert behind.standing() == (0, 0)  # before join
     params = behind.join(init())
     for _ in range(10 * H):  # until each fragment adopted a round (a push answered)
@@ -151,7 +143,7 @@ def test_standing_gives_the_oldest_version_adopted_and_the_worst_lag(shard):
         time.sleep(0.02)
     adopted = {p: v for p, (v, _) in behind.versions.items()}
     assert set(adopted) == {0, 1} and min(adopted.values()) >= 1, behind.versions
-    ahead = atoll.Learner(shard, "ahead", fragments=2, sync=atoll.SyncConfig(period=H))
+    ahead = atoll.Learner(one_shard, "ahead", fragments=2, sync=atoll.SyncConfig(period=H))
     run(ahead, 3 * H)
     newest = {p: v for p, (v, _) in ahead.versions.items()}
     deadline = time.monotonic() + 10
