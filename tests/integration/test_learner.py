@@ -118,6 +118,14 @@ SHARD_FLAGS = [
 ]
 
 
+# Steps of each run. Their steps last 8x their measured time (--slowdown 8), so a loaded
+# host stretches them 8x too; the faults come at step 20 (fragments 1 and 3 close their
+# first rounds by step ~10: offsets 4 and 8 at H = 8), which leaves a revived shard or a
+# rejoined learner 80 steps (~10 rounds a fragment) where the tests wait for 2.
+KILL_STEPS = 100
+REJOIN_STEPS = 100
+
+
 def _versions(port: int) -> dict[int, int]:
     """{fragment: version} of the fragments the shard on `port` serves."""
     client = ShardClient(f"127.0.0.1:{port}", "")
@@ -156,8 +164,8 @@ def _two_shards_two_learners(start, tmp_path, learners, steps):
 
 def test_learners_train_through_a_shard_kill(tmp_path, learners):
     with syncer_processes(tmp_path) as start:
-        shards, ports = _two_shards_two_learners(start, tmp_path, learners, 160)
-        learners[0].wait_for_step(50)
+        shards, ports = _two_shards_two_learners(start, tmp_path, learners, KILL_STEPS)
+        learners[0].wait_for_step(20)
         # the injected fault: kill -9 shard 1 mid-run, once each of its fragments has closed
         # a round (so there is something to recover), then bring it back on the same port
         at_kill = _wait_for_versions(ports[1], {1: 1, 3: 1}, learners)
@@ -187,7 +195,7 @@ def test_learners_train_through_a_shard_kill(tmp_path, learners):
     for learner in learners:
         records = learner.records()
         final = records[-1]
-        assert final["state"] == "done" and final["step"] == 160
+        assert final["state"] == "done" and final["step"] == KILL_STEPS
         first_loss = next(r["loss"] for r in records if "loss" in r)
         assert final["eval_loss"] < first_loss - 1.0, (first_loss, final["eval_loss"])  # it learned
         assert final["version"] > before
@@ -201,13 +209,13 @@ def test_learners_train_through_a_shard_kill(tmp_path, learners):
 
 def test_a_killed_learner_rejoins_at_the_current_version(tmp_path, learners):
     with syncer_processes(tmp_path) as start:
-        shards, ports = _two_shards_two_learners(start, tmp_path, learners, 140)
-        learners[1].wait_for_step(40)
+        shards, ports = _two_shards_two_learners(start, tmp_path, learners, REJOIN_STEPS)
+        learners[1].wait_for_step(20)
         learners[1].kill()  # kill -9: no goodbye
         killed_at = learners[1].records()[-1]["step"]
         # the survivor goes on alone once the dead learner's lease lapses
         survivor_then = learners[0].wait_for_step(learners[0].records()[-1]["step"] + 24)
-        rejoined = Learner(tmp_path, "l1", 1, ports, 140, "--slowdown", "8").start()
+        rejoined = Learner(tmp_path, "l1", 1, ports, REJOIN_STEPS, "--slowdown", "8").start()
         learners.append(rejoined)
         assert learners[0].wait() == 0 and rejoined.wait() == 0
 
@@ -217,4 +225,4 @@ def test_a_killed_learner_rejoins_at_the_current_version(tmp_path, learners):
     # it resumed its data position and joined at a version at least as new as the survivor's then
     assert first_after["step"] == killed_at + 1
     assert first_after["version"] >= survivor_then["version"] > 0
-    assert records[-1]["state"] == "done" and records[-1]["step"] == 140
+    assert records[-1]["state"] == "done" and records[-1]["step"] == REJOIN_STEPS
