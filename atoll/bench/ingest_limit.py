@@ -22,6 +22,7 @@ import numpy as np
 
 from atoll.local.processes import _die_with_parent
 from atoll.wire import codec
+from atoll.wire.client import CHUNK_BYTES
 from atoll.wire.plan import FragmentPlan, Slot
 
 DELTA_STD = 1e-3  # scale of the synthetic outer gradients
@@ -60,8 +61,11 @@ def _slices(frame: bytes, k: int) -> list[memoryview]:
 
 
 def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        data = data[os.write(fd, data) :]
+    """Writes `data` in pieces of at most CHUNK_BYTES: a push's messages, as the log does."""
+    for start in range(0, len(data), CHUNK_BYTES):
+        piece = data[start : start + CHUNK_BYTES]
+        while piece:
+            piece = piece[os.write(fd, piece) :]
 
 
 def measure(
