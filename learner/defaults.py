@@ -75,6 +75,7 @@ class SyncConfig:
         "seconds to wait on a round holding our push before training on without it "
         "(at least 4 periods of steps)",
         name="sync-patience",
+        metavar="SYNC_PATIENCE",
     )
     # synchronous semantics: block when a round is a period late
     wait_for_rounds: bool = setting(
