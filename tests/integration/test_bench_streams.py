@@ -28,7 +28,7 @@ def test_tiny_crowd_reports_every_figure():
         "--stalled",
         "20",
         "--seconds",
-        "1.5",
+        "1",  # per phase: 3.5 phases, each >= 2 pushes at the interval below (1 in the half)
         "--push-interval",
         "0.5",
         "--crowd-processes",
