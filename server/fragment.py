@@ -172,7 +172,10 @@ class Fragment:
         between parts. `delta` is its buffer (blocks no part fills whole are written there)."""
         held = self.part_sets.pop(learner)
         assert len(held.frames) == held.parts, "a push in parts merged before all were in"
-        pool = self.round.pool  # buffers a close gave back: their pages are in already
+        # a buffer a close gave back (its pages in already) goes to the round's accumulator
+        # first: delta is written only where a part's block does not fill a fragment block
+        # (none, for rows of 32·k values), so its fresh pages are mostly never touched
+        pool = self.round.pool if self.round.count else None
         delta = np.empty(self.size, np.float32) if pool is None else pool.take(self.size)
         try:
             seg = self.segments
