@@ -46,12 +46,17 @@ class PartCalls(ShardState):
     def _push_part(self, h: PushHeader, frame: bytes | Sequence[bytes]) -> Answer:
         """Judges, logs and holds one part of a push in parts; the part that completes the
         push has the push judged, logged and merged as one contribution. Answered once its
-        record is durable, like a whole push."""
-        frag, joined, codes = self._checked_part(h, frame)
-        with self._lock_of(h.fragment, frag):
-            now = self._arrived(h)  # every part renews the one lease of its learner
-            answer, durable_at = self._judged_part(h, frag, joined, codes, now)
+        record is durable, like a whole push, by an fsync it shares with the push's other
+        parts that arrived with it (`server/part_commit.py`)."""
+        push = (h.fragment, h.learner_id, h.seq)
+        with self.part_commit.arriving(push):
+            frag, joined, codes = self._checked_part(h, frame)
+            with self._lock_of(h.fragment, frag):
+                now = self._arrived(h)  # every part renews the one lease of its learner
+                answer, durable_at = self._judged_part(h, frag, joined, codes, now)
         if durable_at is not None:
+            # group commit: the push's other parts in hand are logged first, one fsync for all
+            self.part_commit.await_siblings(push)
             self._sync(durable_at)  # fsync before ack: the ack is a promise
         return answer
 

@@ -26,6 +26,7 @@ from atoll.server import log_damage, merge, rules, storage
 from atoll.server.config import ShardConfig
 from atoll.server.fragment import Fragment
 from atoll.server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
+from atoll.server.part_commit import PartCommit
 from atoll.server.refusal import ShardError, Why
 from atoll.server.roster import Roster
 from atoll.server.snapshots import SnapshotStorage, SnapshotStore
@@ -136,6 +137,7 @@ class ShardState:
         self.changed = threading.Condition(self.lock)
         self.snapshot_lock = threading.Lock()  # one snapshot written at a time
         self.pool = merge.AccumulatorPool()  # its own lock, taken under a fragment's (last)
+        self.part_commit = PartCommit()  # parts of one push share an fsync; its own lock
         self._snapshotting = False  # a background snapshot is under way (under lock)
         self._snapshot_thread: threading.Thread | None = None
         self.listeners: list[
