@@ -32,9 +32,11 @@ def _sane(phase: dict) -> None:
 
 @pytest.mark.timeout(600)
 def test_tiny_run_reports_every_figure():
+    # each churn run waits twice for its crowd to be forgotten, 11 leases + 1 s each time:
+    # at a 0.1 s lease that is 4 x 2.1 s of the run (4 x 4.3 s at 0.3 s)
     run = _bench(
         "--learners", "10,50", "--waves", "1", "--min-pushes", "200", "--churn-pushes", "2",
-        "--churn-lease", "0.3", "--processes", "2", "--inflight", "4",
+        "--churn-lease", "0.1", "--processes", "2", "--inflight", "4",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(run.stdout)
