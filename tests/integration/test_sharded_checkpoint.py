@@ -32,6 +32,12 @@ ENV = {
     "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false",
 }
 
+# seconds each step of the stopped-slice test's workers waits after its sync call (the
+# worker's default is 0.2): each run there ends once nothing is in flight (--end save
+# settles it) and checks what was saved and resumed, never how far a clock got. The
+# mid-push kill keeps 0.2 (at 0.1 its checkpoint case, 1 run in 3, had no checkpoint yet)
+STEP_SLEEP = "0.1"
+
 
 @pytest.fixture
 def shard(tmp_path, request):
@@ -98,13 +104,14 @@ def _checkpoint_flags(directory: pathlib.Path) -> list[str]:
 @pytest.mark.timeout(600)
 def test_a_stopped_slice_resumes_its_step_params_and_sync_state(tmp_path, shard):
     ckpt = tmp_path / "ckpt"
-    flags = [*_checkpoint_flags(ckpt), "--steps", "9", "--end", "save"]
+    saves = [*_checkpoint_flags(ckpt), "--sleep", STEP_SLEEP]
+    flags = [*saves, "--steps", "9", "--end", "save"]
     saved = [
         r["saved"] for r in _finish(tmp_path, "first", _start(tmp_path, shard, "first", 2, flags))
     ]
     assert saved[0]["steps"] >= 9 and saved[0]["count"] == saved[0]["steps"], saved
 
-    flags = [*_checkpoint_flags(ckpt), "--steps", "5", "--end", "save"]
+    flags = [*saves, "--steps", "5", "--end", "save"]
     again = _finish(tmp_path, "again", _start(tmp_path, shard, "again", 2, flags))
     for j, (before, report) in enumerate(zip(saved, again)):
         after = report["joined"]
@@ -128,7 +135,7 @@ def test_a_stopped_slice_resumes_its_step_params_and_sync_state(tmp_path, shard)
         assert report["pushes"] > 0, report
 
     # another mesh: one process, every leaf replicated over its 2 devices
-    one = _finish(tmp_path, "one", _start(tmp_path, shard, "one", 1, _checkpoint_flags(ckpt)))
+    one = _finish(tmp_path, "one", _start(tmp_path, shard, "one", 1, saves))
     after, last = one[0]["joined"], [r["saved"] for r in again]
     assert after["resumed"] and after["steps"] == last[0]["steps"], (after, last)
     assert after["count"] == last[0]["count"]
@@ -141,7 +148,7 @@ def test_a_stopped_slice_resumes_its_step_params_and_sync_state(tmp_path, shard)
     assert "sync vectors" in log and "are per process" in log, log[-2000:]
 
     # and back: the one process's whole vectors carry onto the 2-process slice's boxes
-    flags = [*_checkpoint_flags(ckpt), "--steps", "3"]
+    flags = [*saves, "--steps", "3"]
     back = _finish(tmp_path, "back", _start(tmp_path, shard, "back", 2, flags))
     for report in back:
         after = report["joined"]
