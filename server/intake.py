@@ -10,11 +10,13 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import grpc
+import numpy as np
 
 from atoll.server.fragment import Answer
 from atoll.server.guards import Malformed
 from atoll.server.parts import Box
 from atoll.server.refusal import ShardError, Why
+from atoll.server.seed_parts import SeedPart
 from atoll.server.shard import PushHeader, Shard
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
@@ -83,6 +85,13 @@ def push_response(shard: Shard, h: PushHeader, a: Answer) -> pb.PushResponse:
 def boxes(messages: Sequence[pb.TensorBox]) -> tuple[Box, ...]:
     """The shard's Boxes of a push part's or a pull's TensorBoxes."""
     return tuple(Box(b.tensor, tuple(b.start), tuple(b.stop)) for b in messages)
+
+
+def seed_part(header: pb.InitHeader) -> SeedPart | None:
+    """The seed part an Init header names (values to come from its frame), or None."""
+    if header.parts == 0:
+        return None
+    return SeedPart(header.run_id, header.part, header.parts, boxes(header.boxes), np.zeros(0))
 
 
 def frame_need(header: pb.InitHeader | pb.PushHeader, plan: FragmentPlan | None) -> int:

@@ -20,6 +20,8 @@ LOG_FREEZE, LOG_UNFREEZE, LOG_ADOPT, LOG_MOVED = 5, 6, 7, 8
 # a push in parts (server/parts.py): one part held (its frame the payload); the push's
 # parts merged as one contribution (with its answer); its parts dropped, none merged
 LOG_PART, LOG_ASSEMBLED, LOG_PARTS_DROPPED = 9, 10, 11
+# a seed in parts (server/seed_parts.py): one part held; the seed itself is a LOG_INIT
+LOG_INIT_PART = 12
 _LOG_HEADER = struct.Struct("<BI")
 
 

@@ -18,6 +18,7 @@ from atoll.server.log_records import (
     LOG_CLOSE,
     LOG_FREEZE,
     LOG_INIT,
+    LOG_INIT_PART,
     LOG_MOVED,
     LOG_PART,
     LOG_PARTS_DROPPED,
@@ -27,6 +28,7 @@ from atoll.server.log_records import (
     parse_log_record,
 )
 from atoll.server.refusal import ShardError
+from atoll.server.seed_parts import SeedPart
 from atoll.server.snapshots import Snapshot
 from atoll.server.state import (
     MAX_ABS_VALUE,
@@ -215,6 +217,17 @@ class Recovery(ShardState):
             values = np.empty(frag.size, np.float32)
             codes.decode_into(values, accumulate=False)
             frag.initialize(values)
+            self.seeds.drop(meta["fragment"])
+        elif kind == LOG_INIT_PART:  # values as float32, judged before they were logged
+            boxes = tuple(parts.Box.from_json(b) for b in meta["boxes"])
+            part = SeedPart(
+                meta["run"],
+                meta["part"],
+                meta["parts"],
+                boxes,
+                np.frombuffer(payload, np.float32).copy(),
+            )
+            self.seeds.hold(meta["fragment"], part)
         elif kind == LOG_PUSH:
             frag = self.fragments[meta["fragment"]]
             codes = self._checked(codec.read_codes(payload, num_values=frag.size), frag, live)
@@ -293,7 +306,8 @@ class Recovery(ShardState):
                     with self.frag_locks[p]:
                         fmeta, farrays = self.fragments[p].state()
                         fmeta["parts"], parts_arrays = self.fragments[p].parts_state()
-                        farrays = {**farrays, **parts_arrays}
+                        fmeta["seed_parts"], seed_arrays = self.seeds.state(p)
+                        farrays = {**farrays, **parts_arrays, **seed_arrays}
                         meta["fragment_lsns"][str(p)] = self.wal.written_lsn
                         self.fragments[p].lend()
                         lent.append(p)
@@ -356,6 +370,7 @@ class Recovery(ShardState):
             self.fragments[int(key)].restore(fmeta, farrays, self.clock())
             # pushes in parts still missing some (older snapshots: none)
             self.fragments[int(key)].restore_parts(fmeta.get("parts", []), farrays, self.clock())
+            self.seeds.restore(int(key), fmeta.get("seed_parts", []), farrays)  # seeds in parts
         for p in [p for p in self.fragments if str(p) not in meta["fragments"]]:
             self._drop_fragment(p)  # moved away before the snapshot
         self.frozen = {int(p): FragmentMap.from_json(m) for p, m in meta.get("frozen", {}).items()}

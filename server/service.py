@@ -229,14 +229,14 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         with self._open("Init"):
             try:
                 async with self._intake("Init", context) as (header, frame):
-                    created, version = await self._call(self._init, header, b"".join(frame))
+                    created, version, held = await self._call(self._init, header, b"".join(frame))
             except ShardError as e:
                 await self._refuse(context, "Init", e)
-            return pb.InitResponse(created=created, version=version)
+            return pb.InitResponse(created=created, version=version, held=held)
 
-    def _init(self, header: pb.InitHeader, frame: bytes) -> tuple[bool, int]:
+    def _init(self, header: pb.InitHeader, frame: bytes) -> tuple[bool, int, bool]:
         self.shard.touch(header.learner_id)
-        created: tuple[bool, int] = self.shard.init(
+        created: tuple[bool, int, bool] = self.shard.init_part(
             header.learner_id,
             header.fragment,
             header.plan_fingerprint,
@@ -244,6 +244,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             frame,
             header.codec,
             header.num_params,
+            intake.seed_part(header),
         )
         return created
 

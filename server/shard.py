@@ -28,6 +28,7 @@ from atoll.server.fragment import Answer, Fragment
 from atoll.server.log_records import (
     LOG_CLOSE,
     LOG_INIT,
+    LOG_INIT_PART,
     LOG_PLAN,
     LOG_PUSH,
     log_record,
@@ -40,6 +41,7 @@ from atoll.server.push_header import PushHeader
 from atoll.server.recovery import Recovery
 from atoll.server.refusal import ShardError, Why
 from atoll.server.roster import Timing
+from atoll.server.seed_parts import SeedPart
 from atoll.server.state import (
     MAX_ABS_VALUE,
     PeriodCount,
@@ -114,11 +116,30 @@ class Shard(Recovery, MoveCalls, PartCalls):
         frame_codec: int,
         num_params: int,
     ) -> tuple[bool, int]:
-        """Seeds fragment p from frame unless it exists; returns (created, version).
+        """Seeds fragment p from a whole frame unless it exists; returns (created, version)."""
+        created, version, _ = self.init_part(
+            learner, p, fingerprint, plan_json, frame, frame_codec, num_params, None
+        )
+        return created, version
+
+    def init_part(
+        self,
+        learner: str,
+        p: int,
+        fingerprint: str,
+        plan_json: str,
+        frame: bytes,
+        frame_codec: int,
+        num_params: int,
+        part: SeedPart | None,
+    ) -> tuple[bool, int, bool]:
+        """Seeds fragment p from frame unless it exists; returns (created, version, held).
 
         The first Init also brings the plan; it is logged only with a valid first
-        fragment, so a refused Init leaves the shard as it was. Inits run one at a time
-        (they are rare); the fragment is seeded once its record is durable."""
+        fragment (or seed part), so a refused Init leaves the shard as it was. Inits run
+        one at a time (they are rare); the fragment is seeded once its record is durable.
+        With `part` (frame: the part's values in FP32) the part is held, durable, until
+        the seed's parts cover the fragment (server/seed_parts.py); held: it was."""
         self._require_ready()
         if frame_codec not in ACCEPTED_CODECS:
             raise ShardError(Why.MALFORMED, f"codec {frame_codec} is not accepted")
@@ -126,45 +147,100 @@ class Shard(Recovery, MoveCalls, PartCalls):
             plan = self.plan or self._parse_plan(plan_json, fingerprint)
             self._check_fragment(plan, p, fingerprint)
             if self.plan is not None and self.fragments[p].initialized:
-                return False, self.fragments[p].version
+                return False, self.fragments[p].version, False
             size = plan.fragment_sizes[p]
             if num_params != size:
                 raise ShardError(
                     Why.MALFORMED,
                     f"fragment {p} holds {size} params, init says {num_params}",
                 )
-            try:
-                codes = codec.read_codes(frame, codec=codec.Codec(frame_codec), num_values=size)
-            except codec.CodecError as e:
-                raise ShardError(Why.MALFORMED, f"init frame: {e}") from None
-            too_big = _magnitude_problem(codes, merge.Segments.from_plan(plan, p))
-            if too_big is not None:
-                raise ShardError(Why.MALFORMED, f"init frame: {too_big}")
-            values = np.empty(size, np.float32)
-            codes.decode_into(values, accumulate=False)
-            if self.plan is None:  # the plan, its map and first fragment: durable together
-                first = FragmentMap.modulo(plan.num_fragments, self.cfg.num_shards)
-                self._sync(
-                    self._write(
-                        [
-                            # the map is durable from here: a restart with another
-                            # --num-shards never changes who owns what; only moves do
-                            log_record(LOG_PLAN, {"plan": plan_json, "map": first.to_json()}),
-                            log_record(LOG_INIT, {"fragment": p}, frame),
-                        ]
-                    )
-                )
-                self._adopt_plan(plan, first)
-                self.fragments[p].initialize(values)
+            first = [] if self.plan is not None else [self._plan_record(plan, plan_json)]
+            if part is not None:
+                part = self._seed_part(plan, p, part, frame, frame_codec)
+                if part is None:  # a retry of a part held: nothing changes
+                    return False, 0, True
+                if not self.seeds.complete(plan, p, part):
+                    self._hold_seed_part(plan, p, part, first)
+                    return False, 0, True
+                frame = codec.encode(self.seeds.assemble(plan, p, part), codec.Codec.FP32)
+                frame_codec = codec.Codec.FP32
+            values = self._seed_values(plan, p, frame, frame_codec)
+            record = log_record(LOG_INIT, {"fragment": p}, frame)
+            if first:  # the plan, its map and first fragment: durable together
+                self._sync(self._write([*first, record]))
+                self._adopt_plan(plan, self._first_map(plan))
+                self._seeded(p, values)
             else:
-                with self.frag_locks[
-                    p
-                ]:  # a snapshot sees the fragment seeded with its record, or neither
-                    self._sync(self._write([log_record(LOG_INIT, {"fragment": p}, frame)]))
-                    self.fragments[p].initialize(values)
+                with self.frag_locks[p]:  # a snapshot sees it seeded with its record, or neither
+                    self._sync(self._write([record]))
+                    self._seeded(p, values)
             with self.lock:
                 self._version_changed()
-            return True, self.fragments[p].version
+            return True, self.fragments[p].version, False
+
+    def _hold_seed_part(
+        self, plan: FragmentPlan, p: int, part: SeedPart, first: list[bytes]
+    ) -> None:
+        """Logs a seed part, durable, then holds it; a snapshot sees both or neither."""
+        record = log_record(LOG_INIT_PART, part.meta(p), part.values.tobytes())
+        if first:  # no snapshot holds fragments before the plan
+            self._sync(self._write([*first, record]))
+            self._adopt_plan(plan, self._first_map(plan))
+            self.seeds.hold(p, part)
+            return
+        with self.frag_locks[p]:
+            self._sync(self._write([record]))
+            self.seeds.hold(p, part)
+
+    def _seeded(self, p: int, values: np.ndarray) -> None:
+        self.fragments[p].initialize(values)
+        self.seeds.drop(p)
+
+    def _first_map(self, plan: FragmentPlan) -> FragmentMap:
+        return FragmentMap.modulo(plan.num_fragments, self.cfg.num_shards)
+
+    def _plan_record(self, plan: FragmentPlan, plan_json: str) -> bytes:
+        # the map is durable from here: a restart with another --num-shards never
+        # changes who owns what; only moves do
+        return log_record(LOG_PLAN, {"plan": plan_json, "map": self._first_map(plan).to_json()})
+
+    def _seed_values(
+        self, plan: FragmentPlan, p: int, frame: bytes, frame_codec: int
+    ) -> np.ndarray:
+        """A whole seed's checked values."""
+        size = plan.fragment_sizes[p]
+        try:
+            codes = codec.read_codes(frame, codec=codec.Codec(frame_codec), num_values=size)
+        except codec.CodecError as e:
+            raise ShardError(Why.MALFORMED, f"init frame: {e}") from None
+        too_big = _magnitude_problem(codes, merge.Segments.from_plan(plan, p))
+        if too_big is not None:
+            raise ShardError(Why.MALFORMED, f"init frame: {too_big}")
+        values = np.empty(size, np.float32)
+        codes.decode_into(values, accumulate=False)
+        return values
+
+    def _seed_part(
+        self, plan: FragmentPlan, p: int, part: SeedPart, frame: bytes, frame_codec: int
+    ) -> SeedPart | None:
+        """`part` with its frame's values, judged; None: a duplicate of a part held."""
+        if frame_codec != codec.Codec.FP32:
+            raise ShardError(Why.MALFORMED, "a seed part's frame must be FP32")
+        shapes = [tuple(t.spec.shape) for t in plan.tensors_of(p)]
+        problem = boxes_problem(part.boxes, shapes)
+        if problem is not None:
+            raise ShardError(Why.MALFORMED, f"seed part {part.part} of fragment {p}: {problem}")
+        n = sum(b.size(shapes[b.tensor]) for b in part.boxes)
+        try:
+            codes = codec.read_codes(frame, codec=codec.Codec.FP32, num_values=n)
+        except codec.CodecError as e:
+            raise ShardError(Why.MALFORMED, f"seed part {part.part} frame: {e}") from None
+        values = np.empty(n, np.float32)
+        codes.decode_into(values, accumulate=False)
+        if n and float(np.abs(values).max()) > MAX_ABS_VALUE:
+            raise ShardError(Why.MALFORMED, f"seed part {part.part}: a value past {MAX_ABS_VALUE}")
+        part = dataclasses.replace(part, values=values)
+        return part if self.seeds.judge(plan, p, part) else None
 
     def push(self, h: PushHeader, frame: bytes | Sequence[bytes]) -> Answer:
         """Judges, logs and merges one outer gradient; returns its acknowledgement once

@@ -29,6 +29,7 @@ from atoll.server.metrics import FragmentGauges, ScrapeGauges, ShardMetrics
 from atoll.server.part_commit import PartCommit
 from atoll.server.refusal import ShardError, Why
 from atoll.server.roster import Roster
+from atoll.server.seed_parts import SeedParts
 from atoll.server.snapshots import SnapshotStorage, SnapshotStore
 from atoll.wire import codec
 from atoll.wire.client import FRAGMENT_KEY, MAP_VERSION_KEY, OWNER_KEY
@@ -131,6 +132,7 @@ class ShardState:
         )
         # Locks, always taken in this order: init_lock, a fragment's lock, lock.
         self.init_lock = threading.Lock()  # Init calls, one at a time (the first adopts the plan)
+        self.seeds = SeedParts()  # seeds in parts in progress, under init_lock
         self.lock = (
             threading.Lock()
         )  # shard-wide state (leases, timings, cadence); never held over I/O or a merge

@@ -89,7 +89,7 @@ class TensorInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., embedding: _Optional[bool] = ...) -> None: ...
 
 class InitHeader(_message.Message):
-    __slots__ = ("learner_id", "fragment", "plan_fingerprint", "plan_json", "codec", "num_params", "frame_bytes")
+    __slots__ = ("learner_id", "fragment", "plan_fingerprint", "plan_json", "codec", "num_params", "frame_bytes", "parts", "part", "boxes", "run_id")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,10 @@ class InitHeader(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
     FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    BOXES_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment: int
     plan_fingerprint: str
@@ -104,7 +108,11 @@ class InitHeader(_message.Message):
     codec: Codec
     num_params: int
     frame_bytes: int
-    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., plan_json: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., num_params: _Optional[int] = ..., frame_bytes: _Optional[int] = ...) -> None: ...
+    parts: int
+    part: int
+    boxes: _containers.RepeatedCompositeFieldContainer[TensorBox]
+    run_id: str
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., plan_json: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., num_params: _Optional[int] = ..., frame_bytes: _Optional[int] = ..., parts: _Optional[int] = ..., part: _Optional[int] = ..., boxes: _Optional[_Iterable[_Union[TensorBox, _Mapping]]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class InitRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -115,12 +123,14 @@ class InitRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[InitHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class InitResponse(_message.Message):
-    __slots__ = ("created", "version")
+    __slots__ = ("created", "version", "held")
     CREATED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     created: bool
     version: int
-    def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+    held: bool
+    def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("learner_id", "fragment", "base_version", "seq", "inner_steps", "tokens", "codec", "num_params", "plan_fingerprint", "frame_bytes", "step_seconds", "overlap_steps", "period_steps", "last", "parts", "part", "boxes")
