@@ -24,9 +24,12 @@ adopts and resyncs from the published values of the boxes it holds only, which
 `apply_boxes` rebuilds bit for bit as a whole pull would (a replicated leaf is pulled by
 every process holding it; it is pushed once). No process decodes a whole fragment.
 
-Seeding is the one gather left: `InitFragment` takes a whole fragment from one caller,
-so a fragment nobody has seeded yet is gathered leaf by leaf (a collective every process
-takes part in) and process 0 alone assembles and sends it, once in the run's life.
+A fragment nobody has seeded yet is seeded by parts too: each process that pushes boxes
+of it sends their values (FP32) in an `InitFragment` part (proto `InitHeader.parts`,
+`part`, `boxes`, and `run_id`, this learner run's own, so parts of two runs never mix);
+the shard holds each part durable and seeds the fragment once the parts cover it
+(server/seed_parts.py), with the values a whole seed of the same vector gives. No
+process gathers a leaf or a fragment, even once.
 """
 
 from __future__ import annotations
@@ -414,6 +417,7 @@ class Island:
         self.roles = Roles(sent[:, 1:], self.me)
         # a nonce of process 0's: two learners of one id in one JAX program never share keys
         board = Board(f"atoll/{learner_id}/{int(sent[0, 0])}")
+        self.run_id = f"{learner_id}/{int(sent[0, 0]):08x}"  # names this run's seed parts
         self.shared = Shared(self.boxes, self.roles, board, part_wait)
         self.rows = Rows(board, sent.shape[0], self.me)  # every step's rows, all processes'
         self.sync = connect(
@@ -436,16 +440,26 @@ class Island:
         return self.boxes.write(leaves, updates)
 
     def join(self, view: Any) -> dict[int, np.ndarray]:
-        """Seeds what nobody has (gathered to process 0, once), joins every fragment on
+        """Seeds what nobody has (each process its own part), joins every fragment on
         every process by its boxes, and brings them all to the same versions; local
         vectors."""
         plan = self.sync.plan
         seeded = self.sync.router.check_shards() if self.leader else set()
         flags = allgather(np.asarray([int(p in seeded) for p in range(plan.num_fragments)]))[0]
+        error: BaseException | None = None
         for p in range(plan.num_fragments):
-            if not flags[p]:
-                self._seed(view, p)
-        allgather(np.zeros(1))  # process 0 has seeded: nobody else finds a fragment to seed
+            if not flags[p] and error is None:
+                try:
+                    self._seed(view, p)
+                except (Stopped, SyncError) as e:
+                    error = e  # raised on every process, after they all have sent
+        # every part is in (or one failed): the fragments are seeded for everyone
+        failed = allgather(np.asarray([int(error is not None)]))[:, 0]
+        if error is not None:
+            raise error
+        if failed.any():
+            bad = int(np.argmax(failed))
+            raise SyncError(f"process {bad} of this learner failed to seed: its log says why")
         vectors = self.sync.join_fragments(view)
         versions = allgather(np.asarray([f.version for f in self.sync.frags]))
         for frag in self.sync.frags:
@@ -456,27 +470,34 @@ class Island:
         return dict(enumerate(vectors))
 
     def _seed(self, view: Any, p: int) -> None:
-        """Seeds fragment p with this learner's values. `InitFragment` takes a whole
-        fragment from one caller, so this is the one gather of a sharded learner: each
-        leaf of p in turn (a collective all processes join), assembled by process 0 alone,
-        once in a run's life (no other learner seeded p before)."""
-        from jax.experimental import multihost_utils
-
-        leaves = view.leaves()
-        full = np.empty(self.layout.plan.fragment_sizes[p], np.float32) if self.leader else None
-        for i, start, end in self.layout.slots[p]:
-            value = multihost_utils.process_allgather(leaves[i], tiled=True)
-            if full is not None:
-                full[start:end] = np.asarray(value, np.float32).reshape(-1)
-            del value  # one leaf at a time on the others
-        if full is not None:
-            frame = codec.encode(full, codec.Codec.FP32)
-            router = self.sync.router
-            router.retry(
-                lambda: router.client_of(p).init(self.layout.plan, p, frame, codec.Codec.FP32),
-                f"init fragment {p}",
-                fragment=p,
-            )
+        """Seeds fragment p with this learner's values by parts: this process sends the
+        boxes it pushes (its `Roles` part), read from its own addressable shards, in one
+        `InitFragment` part of the run `run_id`; the shard seeds p once every part is in.
+        No process gathers a leaf or the fragment."""
+        part = self.roles.part(p)
+        if part is None:
+            return
+        frag = self.boxes.fragments[p]
+        values = frag.sent(frag.read(view.leaves()))
+        frame = codec.encode(values, codec.Codec.FP32)
+        header = pb.InitHeader(
+            parts=len(self.roles.senders[p]),
+            part=part,
+            boxes=frag.wire_boxes(),
+            run_id=self.run_id,
+        )
+        del values
+        router = self.sync.router
+        answer = router.retry(
+            lambda: router.client_of(p).init(
+                self.layout.plan, p, frame, codec.Codec.FP32, part=header
+            ),
+            f"init fragment {p} (part {part})",
+            fragment=p,
+        )
+        self.sync._count("bytes_sent", len(frame))
+        if answer.created:
+            log.info("seeded fragment %d: its last part, %d, is in", p, part)
 
     def step(
         self, step: int, view: Any, seconds: float, tokens: int, last: bool, stopped: bool

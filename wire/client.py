@@ -240,9 +240,15 @@ class ShardClient:
         return True
 
     def init(
-        self, plan: FragmentPlan, fragment: int, frame: bytes, frame_codec: codec.Codec
+        self,
+        plan: FragmentPlan,
+        fragment: int,
+        frame: bytes,
+        frame_codec: codec.Codec,
+        part: pb.InitHeader | None = None,
     ) -> pb.InitResponse:
-        """Offers the fragment's starting values; the first offer wins, later ones learn the version."""
+        """Offers the fragment's starting values; the first offer wins, later ones learn the
+        version. `part`: a seed in parts, this call's (its parts, part, boxes and run_id)."""
         header = pb.InitHeader(
             learner_id=self.learner_id,
             fragment=fragment,
@@ -252,6 +258,8 @@ class ShardClient:
             num_params=plan.fragment_sizes[fragment],
             frame_bytes=len(frame),
         )
+        if part is not None:
+            header.MergeFrom(part)
         response: pb.InitResponse = self.stub.Init(
             self._chunks(pb.InitRequest(header=header), frame),
             timeout=self.deadline,

@@ -86,6 +86,7 @@ def main() -> None:
         )
         params = learner.join(place(values(0, shapes), specs, mesh))
         joined = dict(learner.stats)
+        out["bytes_seeded"] = joined.get("bytes_sent", 0)  # join sends only its seed parts
         out["held"] = {
             k: [list(s.data.shape) for s in v.addressable_shards] for k, v in params.items()
         }

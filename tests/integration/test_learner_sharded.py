@@ -97,6 +97,10 @@ def test_a_sharded_learner_publishes_what_a_replicated_one_does(tmp_path, num_sh
         measured = [r["bytes_pushed"] / whole for r in sharded]
         assert all(abs(m - s) < 0.08 for m, s in zip(measured, shares)), (mesh, measured, shares)
         assert sum(r["pushes"] for r in sharded) == 2 * replicated[0]["pushes"], mesh
+        # Seeding by parts: each process sends its share of the seed (FP32), never the
+        # whole fragment gathered to one process.
+        seeded = [r["bytes_seeded"] / replicated[0]["bytes_seeded"] for r in sharded]
+        assert all(abs(m - s) < 0.08 for m, s in zip(seeded, shares)), (mesh, seeded, shares)
 
 
 def test_boxes_off_the_codec_blocks_publish_the_same_weights_through_fp32(tmp_path):
