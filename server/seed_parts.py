@@ -3,7 +3,8 @@ holds (proto `InitHeader.parts`, `part`, `boxes`, `run_id`), and the shard seeds
 fragment once, when the parts of one seeding attempt cover it exactly.
 
 1. A part is judged before anything changes: bounds, overlap with the parts held, its
-   count and its run against those held; a refused part changes nothing.
+   count and its run against those held; a refused part changes nothing. Another run's
+   part waits (BUSY) while the held run is live, and replaces it once that run is stale.
 2. A part is logged (LOG_INIT_PART, its FP32 frame the payload) and synced before it is
    held and acknowledged, so a restart replays every acknowledged part.
 3. The last part writes one LOG_INIT of the assembled fragment, the record a whole seed
@@ -18,6 +19,7 @@ under its init lock, logs, then `hold`s, the call replaying the log makes too.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -56,13 +58,22 @@ class Pending:
     run: str
     parts: int
     held: dict[int, SeedPart]
+    last: float  # when its newest part was held (replay: when it was replayed)
 
 
 class SeedParts:
-    """Every fragment's seed in progress: {fragment: Pending}."""
+    """Every fragment's seed in progress: {fragment: Pending}. A run's parts block another
+    run's (BUSY: retry) until `wait` seconds pass with no part of theirs; then the other
+    run's first part replaces them (a learner that died mid-seed never blocks the next)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float], wait: float) -> None:
         self.pending: dict[int, Pending] = {}
+        self.clock, self.wait = clock, wait
+
+    def _held(self, p: int, run: str) -> dict[int, SeedPart]:
+        """The parts held of fragment p's seed by `run` (none: another run's or nothing)."""
+        pending = self.pending.get(p)
+        return dict(pending.held) if pending is not None and pending.run == run else {}
 
     def judge(self, plan: FragmentPlan, p: int, part: SeedPart) -> bool:
         """Whether `part` is new (False: a duplicate of one held); raises ShardError
@@ -87,15 +98,19 @@ class SeedParts:
                 f"its frame {part.values.size}",
             )
         pending = self.pending.get(p)
+        if pending is not None and pending.run != part.run:
+            idle = self.clock() - pending.last
+            if idle < self.wait:
+                raise ShardError(
+                    Why.BUSY,
+                    f"fragment {p} is being seeded by run {pending.run!r}; part of run "
+                    f"{part.run!r} refused: retry (its parts are dropped after "
+                    f"{self.wait:g} s without one; {idle:.1f} s so far)",
+                )
+            pending = None  # a stale run: this part replaces it once logged
         if pending is None:
             self._check_cover(plan, p, part, {})
             return True
-        if pending.run != part.run:
-            raise ShardError(
-                Why.OUT_OF_STEP,
-                f"fragment {p} is being seeded by run {pending.run!r}; part of run "
-                f"{part.run!r} refused (retry once that seed is done)",
-            )
         if pending.parts != part.parts:
             raise ShardError(
                 Why.MALFORMED,
@@ -137,15 +152,17 @@ class SeedParts:
             )
 
     def hold(self, p: int, part: SeedPart) -> None:
-        """Holds a judged, logged part."""
-        pending = self.pending.setdefault(p, Pending(part.run, part.parts, {}))
+        """Holds a judged, logged part (replacing another run's parts)."""
+        pending = self.pending.get(p)
+        if pending is None or pending.run != part.run:
+            pending = self.pending[p] = Pending(part.run, part.parts, {}, self.clock())
         pending.held[part.part] = part
+        pending.last = self.clock()
 
     def complete(self, plan: FragmentPlan, p: int, part: SeedPart) -> bool:
         """Whether `part`, with the parts held, makes the seed whole (parts that do not
         overlap and hold every value of the fragment cover it exactly)."""
-        pending = self.pending.get(p)
-        held = dict(pending.held) if pending is not None else {}
+        held = self._held(p, part.run)
         held[part.part] = part
         return len(held) == part.parts and (
             sum(h.values.size for h in held.values()) == plan.fragment_sizes[p]
@@ -155,7 +172,7 @@ class SeedParts:
         """The fragment's values from the parts held and `last`."""
         shapes = [tuple(t.spec.shape) for t in plan.tensors_of(p)]
         out = np.empty(plan.fragment_sizes[p], np.float32)
-        held = dict(self.pending[p].held) if p in self.pending else {}
+        held = self._held(p, last.run)
         held[last.part] = last
         for part in held.values():
             layout = BoxLayout.of(shapes, [(b.tensor, b.start, b.stop) for b in part.boxes])

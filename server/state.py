@@ -132,7 +132,8 @@ class ShardState:
         )
         # Locks, always taken in this order: init_lock, a fragment's lock, lock.
         self.init_lock = threading.Lock()  # Init calls, one at a time (the first adopts the plan)
-        self.seeds = SeedParts()  # seeds in parts in progress, under init_lock
+        # seeds in parts in progress, under init_lock; a stale run's go after the parts' wait
+        self.seeds = SeedParts(clock, cfg.part_wait_leases * cfg.lease_seconds)
         self.lock = (
             threading.Lock()
         )  # shard-wide state (leases, timings, cadence); never held over I/O or a merge

@@ -79,7 +79,7 @@ def _refused(call) -> ShardError:
     "kw, why, words",
     [
         ({"parts": 5}, Why.MALFORMED, "says 5 parts"),
-        ({"run": "run-b"}, Why.OUT_OF_STEP, "being seeded by run 'run-a'"),
+        ({"run": "run-b"}, Why.BUSY, "being seeded by run 'run-a'"),
         ({"layout": [FOUR[0], FOUR[0]], "parts": 4}, Why.MALFORMED, "overlaps part 0"),
         ({"values": _seed_values(P) + 1}, Why.OUT_OF_STEP, "held with other boxes or values"),
     ],
@@ -132,3 +132,19 @@ def test_acknowledged_parts_survive_a_restart_from_the_log_and_from_a_snapshot()
     again = _shard(log, snaps, clock)  # replaying the seed drops its parts
     assert again.fragments[P].initialized and P not in again.seeds.pending
     assert again.fragments[P].params.tobytes() == reference.fragments[P].params.tobytes()
+
+
+def test_a_stale_run_of_parts_gives_way_to_another_run_once_the_parts_wait_is_over():
+    shard, log, snaps, clock = _new()
+    assert _send(shard, 0)[2] and _send(shard, 1)[2]  # run-a stops there (a process died)
+    clock.now += shard.seeds.wait - 1
+    assert _refused(lambda: _send(shard, 2, run="run-b")).why is Why.BUSY
+    clock.now += 2
+    assert _send(shard, 2, run="run-b")[2]  # replaces run-a's parts
+    assert sorted(shard.seeds.pending[P].held) == [2]
+    back = _shard(log, snaps, clock)  # and replay replaces them the same way
+    assert back.seeds.pending[P].run == "run-b" and sorted(back.seeds.pending[P].held) == [2]
+    for k in (0, 1, 3):
+        _send(back, k, run="run-b")
+    assert back.fragments[P].initialized
+    assert back.fragments[P].params.tobytes() == _seed_values(P).tobytes()
