@@ -71,6 +71,7 @@ class ChaosConfig:
     )  # seconds after learners start: SIGKILL a shard (round robin)
     shard_restart_delay: float = 2.0  # seconds a killed shard stays down, >= 0
     seed: int = 0  # the failure schedule (the same in every run of one `atoll chaos`)
+    atoll: bool = True  # run atoll under failures (off: the lockstep baseline alone)
     lockstep: bool = True  # also run the lockstep baseline under the same schedule
     lockstep_restart: bool = (
         True  # lockstep with checkpoint-restart: any failure restarts every learner
@@ -103,6 +104,11 @@ class ChaosConfig:
             raise ChaosConfigError(f"--uptime-window must be > 0 seconds, got {self.uptime_window}")
         if not (isinstance(self.standbys, int) and self.standbys >= 0):
             raise ChaosConfigError(f"--standbys must be a whole number >= 0, got {self.standbys}")
+        if not self.atoll and (self.failure_free or not self.lockstep):
+            raise ChaosConfigError(
+                "--no-atoll runs the lockstep baseline alone: drop --no-lockstep and add "
+                "--no-failure-free (the failure-free run compares against the atoll run)"
+            )
 
 
 # -- accounting ----------------------------------------------------------------------------
@@ -150,7 +156,10 @@ def account(
         "window_seconds": span,
         "useful_learner_seconds": useful,
         "provisioned_learner_seconds": provisioned,
-        "failures_injected": sum(1 for k in session.kills if "learner" in k),
+        # the schedule's failures: a lockstep restart's other kills are one failure's cost
+        "failures_injected": sum(
+            1 for k in session.kills if k.get("cause", "") == k.get("learner")
+        ),
         "learner_restarts": len(session.restarts),
         "learners_rejoined": rejoined,
         "standby_takeovers": sum(1 for k in session.restarts if "standby" in k),
@@ -270,7 +279,7 @@ def run_chaos(
     wan: RegionsPerRun | None = None,
 ) -> dict[str, Any]:
     """Runs atoll under failures, then (by choice) lockstep and failure-free; returns the figures."""
-    runs = [("atoll", cfg, True)]
+    runs = [("atoll", cfg, True)] if chaos.atoll else []
     if chaos.lockstep:
         runs.append(("lockstep", lockstep_config(cfg), True))
     if chaos.failure_free:
@@ -309,19 +318,20 @@ def run_chaos(
         if session.stop_signal is not None:
             results[name]["interrupted"] = signal.Signals(session.stop_signal).name
             break
-    a = results["atoll"]
+    a = results.get("atoll", {})
+    first = next(iter(results.values()))  # one schedule: the first run's kills are every run's
     out_json = {
-        "goodput": a["goodput"],
-        "uptime": a["uptime"],
+        "goodput": a.get("goodput"),
+        "uptime": a.get("uptime"),
         "lockstep_goodput": results.get("lockstep", {}).get("goodput"),
         "lockstep_uptime": results.get("lockstep", {}).get("uptime"),
-        "failures_injected": a["failures_injected"],
-        "shard_restarts": a["shard_restarts"],
+        "failures_injected": first["failures_injected"],
+        "shard_restarts": first["shard_restarts"],
         "acked_pushes_lost": sum(r["acked_pushes_lost"] for r in results.values()),
-        "final_eval_loss": a["final_eval_loss"],
+        "final_eval_loss": a.get("final_eval_loss"),
         "lockstep_final_eval_loss": results.get("lockstep", {}).get("final_eval_loss"),
         "standbys": chaos.standbys,
-        "kill_to_first_accepted_push_s": _median(a["kill_to_first_accepted_push_s"]),
+        "kill_to_first_accepted_push_s": _median(a.get("kill_to_first_accepted_push_s")),
         "lockstep_kill_to_first_accepted_push_s": _median(
             results.get("lockstep", {}).get("kill_to_first_accepted_push_s")
         ),
@@ -479,6 +489,12 @@ def _add_failure_arguments(g: argparse._ArgumentGroup, d: dict[str, Any]) -> Non
         "--no-lockstep", dest="lockstep", action="store_false", help="skip the lockstep baseline"
     )
     g.add_argument(
+        "--no-atoll",
+        dest="atoll",
+        action="store_false",
+        help="skip the atoll run: the lockstep baseline alone (with --no-failure-free)",
+    )
+    g.add_argument(
         "--lockstep-restart",
         dest="lockstep_restart",
         action="store_true",
@@ -555,6 +571,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             shard_kill_at=tuple(args.shard_kill_at),
             shard_restart_delay=args.shard_restart_delay,
             seed=args.seed or 0,
+            atoll=args.atoll,
             lockstep=args.lockstep,
             lockstep_restart=args.lockstep_restart,
             failure_free=args.failure_free,
@@ -658,7 +675,7 @@ def summary(r: dict[str, Any]) -> str:
                 f"  {name}: global model read with rounds still open (pushes not in it): "
                 + ", ".join(f"fragment {p}: {n}" for p, n in sorted(run["open_rounds"].items()))
             )
-    if "wan" in r["runs"]["atoll"]:
+    if "wan" in r["runs"].get("atoll", {}):
         lines.append(
             f"  WAN: {r['runs']['atoll']['wan']}; learners computing "
             f"{pct(r['runs']['atoll']['utilisation'])} of the time (lockstep "
