@@ -116,6 +116,11 @@ def test_config_errors_say_what_to_fix():
         ChaosConfig(duration=float("nan"))
     with pytest.raises(ChaosConfigError, match="--shard-kill-at"):
         ChaosConfig(shard_kill_at=(-1.0,))
+    with pytest.raises(ChaosConfigError, match="--no-failure-free"):
+        ChaosConfig(atoll=False)  # the failure-free run compares against the atoll run
+    with pytest.raises(ChaosConfigError, match="--no-lockstep"):
+        ChaosConfig(atoll=False, lockstep=False, failure_free=False)  # no run at all
+    assert not ChaosConfig(atoll=False, failure_free=False).atoll
 
 
 def test_uptime_counts_windows_in_which_versions_advanced():
