@@ -159,7 +159,8 @@ class Reference:
         seed(self.stub)
 
     def push(self, planned: Planned) -> pb.PushResponse:
-        a = self.shard.push(planned.header(), planned.frame)
+        header = planned.header()
+        a = self.shard.push(header, planned.frame)
         return pb.PushResponse(
             accepted=a.accepted,
             reason=pb.PushReason.Value(f"PUSH_REASON_{a.reason.upper()}"),
@@ -167,6 +168,9 @@ class Reference:
             version=a.version,
             staleness=a.staleness,
             weight=a.weight,
+            fragment=header.fragment,  # the push it answers, as every answer names it
+            seq=header.seq,
+            part=header.part,
         )
 
     def close(self) -> None:
