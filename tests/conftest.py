@@ -19,6 +19,9 @@ def _jax_compile_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     a variable already set (a developer's own cache) is kept."""
     cache = tmp_path_factory.getbasetemp() / "jax-compile-cache"
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))
+    # `atoll up` and `atoll chaos` give their learners a cache of the run's own unless
+    # ATOLL_COMPILE_CACHE names one: the session's, so their runs compile once too
+    os.environ.setdefault("ATOLL_COMPILE_CACHE", os.environ["JAX_COMPILATION_CACHE_DIR"])
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 

@@ -78,6 +78,7 @@ def test_settings_that_cannot_work_say_how_to_fix_them(fields, message):
 
 
 def test_each_learner_runs_the_command_line_of_its_config(tmp_path, monkeypatch):
+    monkeypatch.delenv("ATOLL_COMPILE_CACHE", raising=False)  # the run folder's own cache
     run = tmp_path / "run"
     cfg, _ = prepare_run_dir(
         run,
@@ -252,3 +253,12 @@ def test_the_report_and_its_plots(tmp_path):
     )
     assert "read with rounds still open" in summary(held, run)
     assert "fragment 2: 1 pushes" in summary(held, run)
+
+
+def test_runs_share_the_compile_cache_atoll_compile_cache_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATOLL_COMPILE_CACHE", str(tmp_path / "shared"))
+    run = tmp_path / "run"
+    cfg, _ = prepare_run_dir(run, {"preset": "tiny", "learners": 2})
+    learner = LearnerProcess(learner_specs(cfg)[0], cfg, run, ["127.0.0.1:7070"])
+    assert learner.config.compile_cache == tmp_path / "shared"
+    assert "--compile-cache" in learner.config.to_args()

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from atoll.learner.config import ENV_CHECKPOINT_DIR, LearnerConfig
+from atoll.learner.config import ENV_CHECKPOINT_DIR, ENV_COMPILE_CACHE, LearnerConfig
 from atoll.local import progress
 from atoll.local.config import LearnerSpec, UpConfig
 from atoll.wire.records import parse_serving
@@ -234,8 +234,16 @@ def learner_config(
         status_file=status,
         push_log=push_log if syncing else None,
         checkpoint_dir=checkpoint_dir(run_dir) if checkpoints else None,
-        compile_cache=run_dir / "compile-cache",  # restarts load, not compile
+        compile_cache=compile_cache(run_dir),
     )
+
+
+def compile_cache(run_dir: pathlib.Path) -> pathlib.Path:
+    """Where a run's learners keep compiled programs, so restarts load instead of compile:
+    the run folder's own, or one shared by several runs where ATOLL_COMPILE_CACHE names it
+    (the learners' own default: runs of one model then compile once, not once per run)."""
+    shared = os.environ.get(ENV_COMPILE_CACHE, "")
+    return pathlib.Path(shared) if shared else run_dir / "compile-cache"
 
 
 class LearnerProcess(Child):
