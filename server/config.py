@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 
+from atoll.server import rules
 from atoll.wire import settings
 from atoll.wire.codec import Codec
 from atoll.wire.settings import setting
@@ -163,14 +164,11 @@ class ShardConfig:
             _port_ok(self.port),
             f"--listen port must be in 1-65535 (0 picks a free one), got {self.listen!r}",
         )
-        _need(self.quorum >= 1, f"--quorum must be at least 1, got {self.quorum}")
-        _need(self.grace_factor >= 0, f"--grace-factor must be >= 0, got {self.grace_factor}")
-        _need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
-        _need(
-            self.staleness_discount >= 0,
-            f"--staleness-discount must be >= 0 (0 disables it), got {self.staleness_discount}",
-        )
-        _need(self.lease_seconds > 0, f"--lease-seconds must be > 0, got {self.lease_seconds}")
+        try:  # the round rules' settings: their one check is RoundPolicy's
+            self.round_policy()
+        except ValueError as e:
+            name, _, rest = str(e).partition("=")
+            raise ConfigError(f"--{_RULE_FLAGS.get(name, name)}={rest}") from None
         _need(
             math.isfinite(self.part_wait_leases) and self.part_wait_leases > 0,
             f"--part-wait-leases must be a number > 0, got {self.part_wait_leases}",
@@ -194,6 +192,16 @@ class ShardConfig:
             f"--publish-codec must be int4, mxfp4 or fp32, got {self.publish_codec}",
         )
         self._check_serving()
+
+    def round_policy(self) -> rules.RoundPolicy:
+        """The settings the round rules run on (server/rules.py), checked there."""
+        return rules.RoundPolicy(
+            quorum=self.quorum,
+            grace_factor=self.grace_factor,
+            max_staleness=self.max_staleness,
+            discount_exponent=self.staleness_discount,
+            lease_seconds=self.lease_seconds,
+        )
 
     def _check_serving(self) -> None:
         """The serving settings: message and stream limits, TLS and token files, ports."""
@@ -270,6 +278,16 @@ class ShardConfig:
     def max_frame_bytes(self) -> int:
         """The largest frame one Push or Init may declare, whatever its fragment."""
         return min(self.max_message_bytes * 64, self.max_connection_inflight_bytes)
+
+
+# RoundPolicy's field names as `atoll syncer`'s flags name them, for its refusals
+_RULE_FLAGS = {
+    "quorum": "quorum",
+    "grace_factor": "grace-factor",
+    "max_staleness": "max-staleness",
+    "discount_exponent": "staleness-discount",
+    "lease_seconds": "lease-seconds",
+}
 
 
 def _need(ok: bool, message: str) -> None:

@@ -117,13 +117,7 @@ class ShardState:
     ):
         self.cfg = cfg
         self.clock = clock
-        self.policy = rules.RoundPolicy(
-            quorum=cfg.quorum,
-            grace_factor=cfg.grace_factor,
-            max_staleness=cfg.max_staleness,
-            discount_exponent=cfg.staleness_discount,
-            lease_seconds=cfg.lease_seconds,
-        )
+        self.policy = cfg.round_policy()
         data = pathlib.Path(cfg.data_dir)
         # a damaged log opens as a DamagedLog: recovery then says why, and serves nothing
         self.wal: storage.Log = log if log is not None else log_damage.open_log(data / "wal")

@@ -66,7 +66,7 @@ def test_defaults_follow_the_learner_count():
         (dict(batch_size=0), "--batch-size must be >= 1"),
         (dict(learners=2, quorum=3), "--quorum must be at most --learners=2, got 3"),
         # 0 is no longer "the default": the shard's own check refuses it
-        (dict(learners=2, quorum=0), "--quorum must be at least 1, got 0"),
+        (dict(learners=2, quorum=0), "--quorum=0: need an int >= 1"),
         (dict(preset="huge"), "unknown --preset 'huge'"),
     ],
 )
