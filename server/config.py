@@ -168,7 +168,9 @@ class ShardConfig:
             self.round_policy()
         except ValueError as e:
             name, _, rest = str(e).partition("=")
-            raise ConfigError(f"--{_RULE_FLAGS.get(name, name)}={rest}") from None
+            flags = {s.name: s.flag for s in settings.settings(ShardConfig)}
+            field = _POLICY_FIELDS.get(name, name)
+            raise ConfigError(f"{flags.get(field, name)}={rest}") from None
         _need(
             math.isfinite(self.part_wait_leases) and self.part_wait_leases > 0,
             f"--part-wait-leases must be a number > 0, got {self.part_wait_leases}",
@@ -280,14 +282,8 @@ class ShardConfig:
         return min(self.max_message_bytes * 64, self.max_connection_inflight_bytes)
 
 
-# RoundPolicy's field names as `atoll syncer`'s flags name them, for its refusals
-_RULE_FLAGS = {
-    "quorum": "quorum",
-    "grace_factor": "grace-factor",
-    "max_staleness": "max-staleness",
-    "discount_exponent": "staleness-discount",
-    "lease_seconds": "lease-seconds",
-}
+# RoundPolicy's field names where ShardConfig's differ (its refusals name ShardConfig's flags)
+_POLICY_FIELDS = {"discount_exponent": "staleness_discount"}
 
 
 def _need(ok: bool, message: str) -> None:

@@ -81,3 +81,22 @@ def test_a_config_renders_the_flags_that_give_it_back(tmp_path):
         syncer_main.add_arguments(parser)
         back = syncer_main.config_from_args(parser.parse_args(cfg.to_args()))
         assert dataclasses.asdict(back) == dataclasses.asdict(cfg), cfg.to_args()
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("quorum", 0, "--quorum=0: need an int >= 1"),
+        ("grace_factor", -1.0, "--grace-factor=-1.0: need a finite number >= 0"),
+        ("max_staleness", -1, "--max-staleness=-1: need an int >= 0"),
+        ("staleness_discount", float("nan"), "--staleness-discount=nan: need a finite number"),
+        ("lease_seconds", 0.0, "--lease-seconds=0.0: need a finite number > 0"),
+    ],
+)
+def test_the_round_rules_settings_are_refused_in_the_flags_words(field, value, message):
+    from atoll.server.config import ConfigError, ShardConfig
+
+    fields = {"shard_index": 0, "num_shards": 1, "data_dir": pathlib.Path("/nonexistent")}
+    with pytest.raises(ConfigError) as e:
+        ShardConfig(**fields, **{field: value})
+    assert str(e.value).startswith(message), str(e.value)
