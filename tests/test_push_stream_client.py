@@ -66,11 +66,16 @@ def echo(header: pb.PushHeader) -> pb.PushResponse:
     return pb.PushResponse(accepted=True, fragment=header.fragment, seq=header.seq)
 
 
-def streams(answer, deadline: float = 5.0) -> tuple[PushStreams, list[FakeCall]]:
+def streams(
+    answer, deadline: float = 5.0, open_delay: float = 0.0
+) -> tuple[PushStreams, list[FakeCall]]:
+    """A client whose calls answer by `answer`; each call is in `opened` `open_delay`
+    seconds before the client has it (a slow open)."""
     opened: list[FakeCall] = []
 
     def open_call(messages):
         opened.append(FakeCall(messages, answer))
+        time.sleep(open_delay)
         return opened[-1]
 
     return PushStreams(open_call, deadline), opened
@@ -120,8 +125,9 @@ def test_a_silent_stream_times_out_and_is_cancelled():
     assert opened[0].cancelled.is_set()
 
 
-def test_a_busy_stream_sends_the_second_push_by_push_and_close_cuts_the_first():
-    s, opened = streams(lambda h: None, deadline=30.0)
+@pytest.mark.parametrize("open_delay", [0.0, 0.3], ids=["opened", "close-while-opening"])
+def test_a_busy_stream_sends_the_second_push_by_push_and_close_cuts_the_first(open_delay):
+    s, opened = streams(lambda h: None, deadline=30.0, open_delay=open_delay)
     raised: list[BaseException] = []
 
     def first() -> None:

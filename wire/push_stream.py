@@ -85,6 +85,7 @@ class PushStreams:
         self.offered = True  # False once the shard answered UNIMPLEMENTED
         self._lock = threading.Lock()
         self._call: _Call | None = None
+        self._closed = False
 
     def push(self, messages: Sequence[pb.PushRequest]) -> pb.PushResponse | None:
         """The push's answer; None when this stream is busy with another push or the shard
@@ -94,16 +95,25 @@ class PushStreams:
         try:
             call = self._call
             if call is None or call.ended():  # never opened, or ended while idle: reopen
-                call = self._call = _Call(self.open_call)
+                call = self._open()
             answer = self._send(call, messages)
             if answer is None and call.used:  # a stale stream: its shard went away since
-                call = self._call = _Call(self.open_call)
+                call = self._open()
                 answer = self._send(call, messages)
             if answer is None:
                 self.offered = False  # an older shard: Push from now on
             return answer
         finally:
             self._lock.release()
+
+    def _open(self) -> _Call:
+        """A new stream, made this client's; cancelled at once where close() came while it
+        opened (close sets _closed before it reads _call, this sets _call before it reads
+        _closed: one of the two sees the other), so the push on it raises CANCELLED."""
+        call = self._call = _Call(self.open_call)
+        if self._closed:
+            call.close()
+        return call
 
     def _send(self, call: _Call, messages: Sequence[pb.PushRequest]) -> pb.PushResponse | None:
         """The answer on `call`; None where the call is stale or unimplemented (see push)."""
@@ -137,6 +147,7 @@ class PushStreams:
         """Cancels the stream, a push in flight on it too (it raises CANCELLED at once, as a
         Push call does when its channel closes); later pushes are not streamed."""
         self.offered = False
+        self._closed = True
         call, self._call = self._call, None
         if call is not None:
             call.close()
