@@ -527,6 +527,48 @@ INLINE double full_block_sq(const chunk_t *c, Py_ssize_t b) {
     return (double)total * (s * s);
 }
 
+/* The bound block_max_abs(exact = 0) gives over the blocks of values [a, b) of a 4-bit
+ * chunk, the largest of them (0.0 for none), read from the scales as integers: a scale's
+ * bits order as its value where the sign is clear (others give no bound above 0).
+ * Returns 0 (nothing written) where a scale is not finite: the block loop then decides. */
+INLINE int scale_peak(const chunk_t *c, Py_ssize_t a, Py_ssize_t b, double *out) {
+    Py_ssize_t b0 = a / BLOCK, b1 = a < b ? (b + BLOCK - 1) / BLOCK : b0;
+    unsigned top = 0;
+    if (c->fmt == FMT_INT4) {
+        uint16_t m = 0;
+        for (Py_ssize_t k = b0; k < b1; k++) {
+            uint16_t s;
+            memcpy(&s, c->scales + 2 * k, 2);
+            s = s < 0x8000u ? s : 0; /* a negative scale bounds nothing above 0 */
+            m = s > m ? s : m;
+        }
+        if (m >= 0x7f80u) return 0; /* inf or NaN */
+        top = m;
+        *out = top ? 7.0 * (double)u2f((uint32_t)top << 16) : 0.0;
+        return 1;
+    }
+    uint8_t m = 0;
+    for (Py_ssize_t k = b0; k < b1; k++) m = c->scales[k] > m ? c->scales[k] : m;
+    if (m > 254) return 0; /* not an E8M0 value POW2 holds */
+    *out = b1 > b0 ? 6.0 * (double)POW2[m] : 0.0;
+    return 1;
+}
+
+/* Σ block_sq over the blocks of values [a, b) (a < b) of the chunk, from 0.0 in block
+ * order: what range_stats' block loop sums, taking a full block's sum from known (per
+ * block of the vector; start is a multiple of BLOCK) where it is >= 0. */
+INLINE double known_sq(const chunk_t *c, Py_ssize_t start, Py_ssize_t a, Py_ssize_t b, const double *known) {
+    Py_ssize_t first = (a + BLOCK - 1) / BLOCK, last = b / BLOCK; /* full blocks [first, last) */
+    const double *k = known + start / BLOCK;
+    double total = 0.0;
+    if (first > last) /* a and b within one block */
+        return total + block_sq(c, a / BLOCK, (int)(a % BLOCK), (int)(b - (a / BLOCK) * BLOCK));
+    if (a % BLOCK) total += block_sq(c, a / BLOCK, (int)(a % BLOCK), BLOCK);
+    for (Py_ssize_t blk = first; blk < last; blk++) total += k[blk] >= 0.0 ? k[blk] : full_block_sq(c, blk);
+    if (b % BLOCK) total += block_sq(c, last, 0, (int)(b % BLOCK));
+    return total;
+}
+
 /* sq[r] = sum over the blocks of range r in this chunk, in block order from 0.0, of
  * block_sq; max_abs[r] = the largest |value| there (exact = 0: a bound from the scales).
  * Ranges are [offsets[r] - start, ends[r] - start) clipped to the chunk. known (or NULL):
@@ -537,6 +579,8 @@ HOT static void range_stats(const chunk_t *c, Py_ssize_t start, const int64_t *o
     for (Py_ssize_t r = 0; r < nr; r++) {
         Py_ssize_t a = smax(offsets[r] - start, 0), b = smin(ends[r] - start, c->count);
         double total = 0.0, m = 0.0;
+        if (!sq && max_abs && !exact && c->fmt != FMT_FP32 && scale_peak(c, a, b, &m)) { max_abs[r] = m; continue; }
+        if (sq && !max_abs && known && a < b) { sq[r] = known_sq(c, start, a, b, known); continue; }
         for (Py_ssize_t blk = a / BLOCK; a < b && blk * BLOCK < b; blk++) {
             int lo = (int)smax(a - blk * BLOCK, 0), hi = (int)smin(b - blk * BLOCK, BLOCK);
             if (sq && lo == 0 && hi == BLOCK) {
@@ -601,38 +645,65 @@ HOT static Py_ssize_t accumulate_ranges(const chunk_t *c, Py_ssize_t start, cons
     return -1;
 }
 
+/* Writes the values of chunk values [a, b) (within one run: out index i + shift) into out,
+ * block by block of the chunk: the bits decode_chunk writes (w = 1). */
+INLINE void write_values(const chunk_t *c, Py_ssize_t a, Py_ssize_t b, Py_ssize_t shift, float *out) {
+    float v[BLOCK];
+    for (Py_ssize_t blk = a / BLOCK; a < b && blk * BLOCK < b; blk++) {
+        int lo = (int)smax(a - blk * BLOCK, 0), hi = (int)smin(b - blk * BLOCK, BLOCK);
+        Py_ssize_t at = blk * BLOCK + shift + lo; /* out index of lane lo */
+        if (lo == 0 && hi == BLOCK) { /* the bulk: whole blocks as vectors */
+            blk_t t;
+            chunk_blk(c, blk, &t);
+            store_blk(&t, 1.0f, 0, out + at);
+            continue;
+        }
+        block_values(c, blk, v);
+        memcpy(out + at, v + lo, (size_t)(hi - lo) * sizeof(float));
+    }
+}
+
 /* Run r of a part: values [src[r], src[r] + len[r]) of the part's vector go to
  * [dst[r], dst[r] + len[r]) of out. Writes the values of this chunk (part values
  * [start, start + count)) that the runs hold into their places in out: the bits
- * decode_chunk writes (w = 1), with no copy of the part between. known (or NULL): where a
- * whole block of the chunk lands on a whole block of out, that block's sum of squares
- * (block_sq's pairwise tree over the values just written) goes to known[its block of
- * out], so range_stats over out need not read it again; with skip_known such a block is
- * not written at all, its sum taken from the codes (full_block_sq: the same value, exact
- * for 4-bit codes), and accumulate_runs reads the codes again for its sums. */
+ * decode_chunk writes (w = 1), with no copy of the part between. known (or NULL): each
+ * whole block of out that this chunk's values of one run fill gets its sum of squares
+ * (block_sq's pairwise tree over its 32 values: from the codes where one block of the
+ * chunk fills it, full_block_sq, exact for 4-bit codes; else tree_sq over the values of
+ * the two chunk blocks it straddles, assembled on the stack), so range_stats over out need
+ * not read it; with skip_known such a block is not written at all (accumulate_runs reads
+ * the codes again for its sums). The blocks of out no one run fills whole within this
+ * chunk (a run's ends) are always written. */
 HOT static void decode_runs(const chunk_t *c, Py_ssize_t start, const int64_t *src, const int64_t *dst,
                             const int64_t *len, Py_ssize_t nr, float *out, double *known, int skip_known) {
-    float v[BLOCK];
+    float buf[2 * BLOCK];
     for (Py_ssize_t r = 0; r < nr; r++) {
         Py_ssize_t a = smax(src[r] - start, 0), b = smin(src[r] + len[r] - start, c->count);
         Py_ssize_t shift = dst[r] - src[r] + start; /* out index of chunk value i: i + shift */
-        for (Py_ssize_t blk = a / BLOCK; a < b && blk * BLOCK < b; blk++) {
-            int lo = (int)smax(a - blk * BLOCK, 0), hi = (int)smin(b - blk * BLOCK, BLOCK);
-            Py_ssize_t at = blk * BLOCK + shift + lo; /* out index of lane lo */
-            if (lo == 0 && hi == BLOCK) { /* the bulk: whole blocks as vectors */
-                if (known && skip_known && at % BLOCK == 0) { /* from the codes: block_sq's value */
-                    known[at / BLOCK] = full_block_sq(c, blk);
-                    continue;
-                }
-                blk_t t;
-                chunk_blk(c, blk, &t);
-                store_blk(&t, 1.0f, 0, out + at);
-                if (known && at % BLOCK == 0) known[at / BLOCK] = tree_sq(out + at); /* in L1 */
+        if (a >= b) continue;
+        if (!known) { write_values(c, a, b, shift, out); continue; }
+        /* out blocks [f0, f1) lie whole within out [a + shift, b + shift) */
+        Py_ssize_t f0 = (a + shift + BLOCK - 1) / BLOCK, f1 = (b + shift) / BLOCK;
+        if (f0 >= f1) { write_values(c, a, b, shift, out); continue; }
+        write_values(c, a, f0 * BLOCK - shift, shift, out); /* the run's head */
+        Py_ssize_t held = -1; /* the chunk block whose values buf[BLOCK:] holds */
+        for (Py_ssize_t f = f0; f < f1; f++) {
+            Py_ssize_t i0 = f * BLOCK - shift, b0 = i0 / BLOCK; /* chunk values [i0, i0 + 32) */
+            int off = (int)(i0 - b0 * BLOCK);
+            float *o = out + f * BLOCK;
+            if (off == 0) { /* one chunk block fills it: its sum from the codes */
+                known[f] = full_block_sq(c, b0);
+                if (!skip_known) { blk_t t; chunk_blk(c, b0, &t); store_blk(&t, 1.0f, 0, o); }
                 continue;
             }
-            block_values(c, blk, v);
-            memcpy(out + at, v + lo, (size_t)(hi - lo) * sizeof(float));
+            if (held == b0) memcpy(buf, buf + BLOCK, sizeof(float) * BLOCK);
+            else block_values(c, b0, buf);
+            block_values(c, b0 + 1, buf + BLOCK); /* exists: i0 + 31 < b <= count */
+            held = b0 + 1;
+            known[f] = tree_sq(buf + off); /* the 32 values, in L1 */
+            if (!skip_known) memcpy(o, buf + off, sizeof(float) * BLOCK);
         }
+        write_values(c, f1 * BLOCK - shift, b, shift, out); /* the run's tail */
     }
 }
 
@@ -904,8 +975,8 @@ PyDoc_STRVAR(decode_runs_doc,
 "[src[r], src[r] + lengths[r]) of the part belong at [dst[r], dst[r] + lengths[r]) of\n"
 "float32 out): writes every value of the chunk that a run holds into its place in out,\n"
 "the bits decode writes. Runs must lie within out. known (float64, one per block of out,\n"
-"or None) gets the sum of squares of each whole block of out that one whole block of the\n"
-"chunk fills (range_stats' known); skip_known=True leaves such blocks unwritten.");
+"or None) gets the sum of squares of each whole block of out that the chunk's values of\n"
+"one run fill (range_stats' known); skip_known=True leaves such blocks unwritten.");
 
 static PyObject *py_decode_runs(PyObject *self, PyObject *args) {
     int code;

@@ -1,11 +1,11 @@
 """A push assembled from parts as the merge reads it (`Assembled`): the values of one
 fragment vector, each part's where its boxes lie, never decoded to float32 in bulk.
 
-Each part is read once to take the per-tensor norms: where a block of a part fills a
-block of the fragment (boxes that start on a block, as FSDP rows of 32·k values do), the
-block's sum of squares is taken while it is in registers and the block is not written;
-the other blocks' values are written to the fragment vector, where `range_sq_norms` sums
-them. Then the merge adds each part's values from its codes, run by run, into the round
+Each part is read once to take the per-tensor norms: each block of the fragment that one
+run of a part fills whole has its sum of squares taken while its values are in registers
+(from one block of the part's codes, or assembled from the two it straddles where the
+part's blocks fall off the fragment's grid) and is not written; only the blocks at a
+run's ends are written to the fragment vector, where `range_sq_norms` sums them. Then the merge adds each part's values from its codes, run by run, into the round
 (`accumulate_ranges`). Both give the bits the same values pushed whole give: the same
 sums in the same order, the same products and adds.
 """

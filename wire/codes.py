@@ -118,9 +118,10 @@ class Codes:
         values written in their places in `out` (float32, C-contiguous), the bits
         `decode_into` writes, with no copy between. Runs ascend by src and do not overlap.
 
-        `known` (float64, one per 32-value block of out): each block of out that one whole
-        block of these values fills gets its sum of squares, taken while the block is in
-        registers (`of_values(block_sq=known)` then sums the norms without reading it);
+        `known` (float64, one per 32-value block of out): each block of out that one run
+        fills whole (within one chunk of these values) gets its sum of squares, taken while
+        its values are in registers, wherever the run's values fall against their own blocks
+        (`of_values(block_sq=known)` then sums the norms without reading it);
         `skip_known`: such blocks are not written (a caller that reads the values from
         these codes again, not from `out`)."""
         if (
