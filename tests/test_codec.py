@@ -586,6 +586,23 @@ def test_error_feedback_keeps_the_running_sum_on_track(codec):
     assert gap_plain[-1] > 3 * gap_plain[9]
 
 
+@pytest.mark.parametrize("codec", [*FOUR_BIT, FP32])
+def test_encode_written_is_encode_of_what_it_writes(codec):
+    # x written where the next residual goes: the same frames and residuals, bit for bit
+    rng = np.random.default_rng(6)
+    n = CHUNK_VALUES + 3 * BLOCK + 5  # two chunks, a short last block
+    a, b = ErrorFeedback(n, codec), ErrorFeedback(n, codec)
+    for _ in range(3):
+        x, y = rng.standard_normal((2, n)).astype(np.float32)
+        assert b.encode_written(lambda out: np.subtract(x, y, out=out)) == a.encode(x - y)
+        assert same_bits(b.residual, a.residual)
+    kept = b.residual.copy()
+    x[n - 7] = np.inf
+    with pytest.raises(CodecError, match="non-finite"):
+        b.encode_written(lambda out: np.copyto(out, x))
+    assert same_bits(b.residual, kept)  # a failed encode leaves the stream as it was
+
+
 def test_error_feedback_fp32_and_reset():
     x = np.random.default_rng(4).standard_normal(100).astype(np.float32)
     ef = ErrorFeedback(100, FP32)

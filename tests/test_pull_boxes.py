@@ -6,6 +6,7 @@ of a whole pull, delta chain and snapshot, in every publish codec."""
 from __future__ import annotations
 
 import math
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -122,6 +123,36 @@ def test_gathered_codes_decode_to_the_bits_of_the_whole_frame(codec_id):
         codec.read_gathered(payload, 64, np.ones(96, bool))
     with pytest.raises(codec.CodecError):
         codec.read_gathered(payload[:-3], 64, np.ones(64, bool))
+
+
+@pytest.mark.parametrize("codec_id", [codec.Codec.INT4, codec.Codec.MXFP4])
+@pytest.mark.parametrize("n", [1, 33, 4095, codec.CHUNK_VALUES + 3 * codec.BLOCK + 5])
+def test_a_gathered_frame_of_every_value_reads_as_with_its_mask(codec_id, n):
+    # wanted None (a pull by boxes in fragment order): the same codes, bit for bit, read
+    # into one buffer with no array of the values' size beside it
+    frame = codec.encode(np.random.default_rng(n).standard_normal(n).astype(np.float32), codec_id)
+    blocks = np.arange(-(-n // codec.BLOCK))
+    wanted = np.arange(blocks.size * codec.BLOCK) < n
+    payload = codec.gather_codes(frame, blocks, wanted)
+    tracemalloc.start()
+    try:
+        got = codec.read_gathered(payload, n)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    want = codec.read_gathered(payload, n, wanted)
+    assert [(c.start, c.count, bytes(c.scales), bytes(c.codes)) for c in got._chunks] == [
+        (c.start, c.count, bytes(c.scales), bytes(c.codes)) for c in want._chunks
+    ]
+    assert codec.decode(got).tobytes() == codec.decode(frame).tobytes()
+    assert peak <= 0.2 * 4 * n + (32 << 10)  # its buffer (~0.14 x float32's) and scratch
+    mid = (21 + len(payload)) // 2  # a byte of the zstd frame, past the 21-byte header
+    flipped = payload[:mid] + bytes([payload[mid] ^ 1]) + payload[mid + 1 :]
+    for bad in (payload[:-3], payload + b"\0", flipped):
+        with pytest.raises(codec.CodecError):
+            codec.read_gathered(bad, n)
+    with pytest.raises(codec.CodecError, match="expected"):
+        codec.read_gathered(payload, n + codec.BLOCK)
 
 
 # --- the shard, on a fake clock and in-memory storage ---

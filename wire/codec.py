@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import itertools
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -76,6 +76,7 @@ from atoll.wire.frames import (
     Frame,
     FrameInfo,
     _as_f32,
+    _Chunk,
     _chunk_spans,
     _codec,
     _compressor,
@@ -287,6 +288,18 @@ class ErrorFeedback:
         self.residual, self._spare = self._spare, self.residual
         return frame
 
+    def encode_written(self, write: Callable[[np.ndarray], object]) -> bytes:
+        """`encode(x)`, bit for bit, for the x that `write(out)` writes into `out` (float32,
+        this stream's size): `out` is the vector the next residual then goes to, so no
+        vector of the stream's size is made beside the two this stream keeps. On error
+        the residual is left as it was."""
+        write(self._spare)
+        # x and the new residual share one vector: the kernel reads each block of x
+        # before it writes that block's residual
+        frame = _encode(self._spare, self.residual, self.codec, self.level, r_out=self._spare)
+        self.residual, self._spare = self._spare, self.residual
+        return frame
+
     def reset(self) -> None:
         """Drops the residual (e.g. after a resync made it meaningless)."""
         self.residual[...] = 0.0
@@ -442,9 +455,11 @@ def gather_codes(frame: Frame | Codes, blocks: npt.ArrayLike, wanted: np.ndarray
     return b"".join([head, *_compress_4bit(info.codec, body, b.size * BLOCK, None)])
 
 
-def read_gathered(payload: Frame, num_values: int, wanted: np.ndarray) -> Codes:
+def read_gathered(payload: Frame, num_values: int, wanted: np.ndarray | None = None) -> Codes:
     """The Codes of a `gather_codes` payload: `num_values` values (its blocks back to back,
-    the fragment's last block possibly short), those not `wanted` decoding to 0.
+    the fragment's last block possibly short), those not `wanted` decoding to 0. `wanted`
+    None: every value of the blocks (the first `num_values`), read straight into the
+    Codes' one buffer with no array of the values' size beside it.
 
     Raises:
       CodecError: a payload that does not hold what `wanted` names, or a malformed one.
@@ -456,13 +471,17 @@ def read_gathered(payload: Frame, num_values: int, wanted: np.ndarray) -> Codes:
     codec = _codec(codec_id)
     if magic != GATHERED_MAGIC or codec == Codec.FP32:
         raise CodecError(f"not a gathered 4-bit frame (magic {magic!r}, codec {codec.name})")
-    if wanted.size != nb * BLOCK or count != int(np.count_nonzero(wanted)):
+    want_blocks = -(-num_values // BLOCK) if wanted is None else wanted.size // BLOCK
+    want = num_values if wanted is None else int(np.count_nonzero(wanted))
+    if nb != want_blocks or count != want or (wanted is not None and wanted.size != nb * BLOCK):
         raise CodecError(
-            f"gathered frame of {nb} blocks and {count} values; expected {wanted.size // BLOCK} "
-            f"blocks and {int(np.count_nonzero(wanted))} values"
+            f"gathered frame of {nb} blocks and {count} values; expected {want_blocks} "
+            f"blocks and {want} values"
         )
     if not (nb - 1) * BLOCK < num_values <= nb * BLOCK:
         raise CodecError(f"{num_values} values do not fill {nb} blocks")
+    if wanted is None:
+        return _read_every_value(mv[_GATHERED.size :], codec, nb, num_values)
     sb = _SCALE_BYTES[codec]
     expected = nb * sb + (count + 1) // 2
     try:
@@ -488,3 +507,62 @@ def read_gathered(payload: Frame, num_values: int, wanted: np.ndarray) -> Codes:
     out = Codes(info, chunks)
     out._check()
     return out
+
+
+_REPACK_ROWS = 512  # blocks repacked at a time: 8 KiB of scratch
+
+
+def _read_every_value(body: memoryview, codec: Codec, nb: int, n: int) -> Codes:
+    """`read_gathered` of a payload that keeps every value of its `nb` blocks (`n` of
+    them): the zstd body is decompressed into one buffer laid out as the Codes read it
+    (every scale, then every block's 16 code bytes), and each block's codes, two values
+    to a byte in value order, are repacked in place to the frame's order (byte j: value
+    j low, value j + 16 high). The same Codes, bit for bit, as the general path."""
+    sb, half = _SCALE_BYTES[codec], BLOCK // 2
+    expected = nb * sb + (n + 1) // 2
+    buf = np.zeros(nb * (sb + half), np.uint8)  # the tail past `expected` stays 0 (padding)
+    got, extra = 0, b""
+    try:
+        params = zstandard.get_frame_parameters(body)
+        if params.content_size != expected or _zstd_frame_bytes(body) != len(body):
+            raise CodecError(f"gathered frame is not one whole zstd frame of {expected} bytes")
+        reader = _decompressor().stream_reader(body)  # straight into buf: no bytes between
+        view = buf.data[:expected]
+        while got < expected and (k := reader.readinto(view[got:])):
+            got += k
+        extra = reader.read(1)  # the frame's end: its checksum is checked here
+    except zstandard.ZstdError as e:
+        raise CodecError(f"corrupt gathered frame: {e}") from None
+    if got != expected or extra:
+        raise CodecError(f"gathered frame holds {got + len(extra)}+ bytes; expected {expected}")
+    codes = buf[nb * sb :].reshape(nb, half)
+    if n % 2:  # the pad nibble after the last value decodes to nothing: 0, as kept[:count]
+        codes.reshape(-1)[n // 2] &= 15
+    for r0 in range(0, nb, _REPACK_ROWS):
+        g = codes[r0 : r0 + _REPACK_ROWS].copy()  # byte i: value 2i low, 2i + 1 high
+        lo, hi = g[:, : half // 2], g[:, half // 2 :]  # values 0..15, 16..31
+        out = codes[r0 : r0 + _REPACK_ROWS].reshape(-1, half // 2, 2)
+        np.bitwise_or(lo & 15, (hi & 15) << 4, out=out[:, :, 0])  # values 2i, 16 + 2i
+        np.bitwise_or(lo >> 4, hi & 0xF0, out=out[:, :, 1])  # values 2i + 1, 17 + 2i
+    scales, packed = buf.data[: nb * sb], buf.data[nb * sb :]
+    chunks = []
+    for start, stop in _chunk_spans(n):
+        k0, k1 = start // BLOCK, -(-stop // BLOCK)
+        chunks.append(
+            _Chunk(start, stop - start, scales[k0 * sb : k1 * sb], packed[k0 * half : k1 * half])
+        )
+    out_codes = Codes(FrameInfo(codec, n, BLOCK), chunks)
+    out_codes._check()
+    return out_codes
+
+
+def _zstd_frame_bytes(frame: memoryview) -> int:
+    """The length of the zstd frame `frame` starts with, from its header and its blocks'
+    headers (RFC 8878 3.1.1): a frame cut short measures longer than what holds it."""
+    at = zstandard.frame_header_size(frame)
+    while at + 3 <= len(frame):
+        head = int.from_bytes(frame[at : at + 3], "little")
+        at += 3 + (1 if (head >> 1) & 3 == 1 else head >> 3)  # an RLE block holds one byte
+        if head & 1:  # the last block
+            return at + (4 if zstandard.get_frame_parameters(frame).has_checksum else 0)
+    return len(frame) + 1
