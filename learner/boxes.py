@@ -103,13 +103,16 @@ class FragmentBoxes:
             return np.empty(0, np.float32)
         return np.concatenate([local[b.offset : b.end] for b in self.sent_boxes])
 
-    def sent_difference(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """`sent(a) - sent(b)`, bit for bit, as one fresh vector and no other: what a push
-        of the part encodes (a sync's host memory is counted against the process's part)."""
+    def sent_difference(
+        self, a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """`sent(a) - sent(b)`, bit for bit, written into `out` (float32, `sent_size`;
+        None: a fresh vector) and no other vector: what a push of the part encodes."""
+        if out is None:
+            out = np.empty(self.sent_size, np.float32)
         if len(self.sent_boxes) == len(self.boxes):
-            whole: np.ndarray = a - b
-            return whole
-        out = np.empty(self.sent_size, np.float32)
+            np.subtract(a, b, out=out)
+            return out
         at = 0
         for box in self.sent_boxes:
             np.subtract(
@@ -117,6 +120,13 @@ class FragmentBoxes:
             )
             at += box.size
         return out
+
+    def add_to(self, leaves: Sequence[Any], out: np.ndarray) -> None:
+        """`out += read(leaves)`, bit for bit, box by box: no vector of the fragment's size
+        is read (on CPU devices a box's values are read in place)."""
+        for b in self.boxes:
+            held = np.asarray(_shard_data(leaves[b.leaf], b.bounds), np.float32).reshape(-1)
+            np.add(out[b.offset : b.end], held, out=out[b.offset : b.end])
 
     def read(self, leaves: Sequence[Any]) -> np.ndarray:
         """The local vector of the fragment from the caller's leaves: each held box read
@@ -230,9 +240,7 @@ def apply_in_place(pulled: Pulled, layout: BoxLayout, held: np.ndarray) -> bool:
         if bytes(frame[:4]) == codec.GATHERED_MAGIC:  # a 4-bit delta: codes of our values
             if not in_fragment_order(layout, codec.BLOCK):
                 return False
-            wanted = np.zeros(-(-n // codec.BLOCK) * codec.BLOCK, bool)
-            wanted[:n] = True
-            codes.append((frame_codec, codec.read_gathered(frame, n, wanted)))
+            codes.append((frame_codec, codec.read_gathered(frame, n)))  # every value wanted
         else:  # an FP32 delta of our values alone
             if not in_fragment_order(layout, 1):
                 return False

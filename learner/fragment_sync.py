@@ -130,20 +130,20 @@ class FragmentSync:
             self.sync, theta.copy(), seq, steps, steps * tokens_per_step, compute, last
         )
 
-    def adopt(self, step: int, theta_now: Callable[[], np.ndarray]) -> np.ndarray:
+    def adopt(self, step: int, add_theta: Callable[[np.ndarray], None]) -> np.ndarray:
         """Takes the finished task's result (waiting for it if need be); returns θ_p's
-        new vector, built on `theta_now()` (θ_p as the caller holds it) unless a resync."""
+        new vector, built on θ_p as the caller holds it unless a resync: `add_theta(v)`
+        adds that θ_p into v in place (`np.add(v, θ_p, out=v)`, bit for bit)."""
         assert self.task is not None
         outcome = self.task.result()
         self.task = None
         if outcome.correction is not None:
             keep = np.float32(1.0 - self.mix_at(step))
-            # θ_now + keep·correction, bit for bit, written over the correction (the
+            # keep·correction + θ_now, bit for bit, written over the correction (the
             # outcome's own vector): no other vector of the fragment's size is made
-            theta = theta_now()
             vector: np.ndarray = outcome.correction
             np.multiply(vector, keep, out=vector)
-            np.add(vector, theta, out=vector)
+            add_theta(vector)
         else:
             assert outcome.values is not None
             vector = outcome.values
@@ -169,7 +169,8 @@ class FragmentSync:
         compute: float = 0.0,
         last: bool = False,
     ) -> Outcome:
-        """Push, wait for the round holding it, pull: the background half of one sync."""
+        """Push, wait for the round holding it, pull: the background half of one sync.
+        `theta` is the task's own: an adopted outcome's correction is written over it."""
         link = self.link
         ack, due_at = self._push(theta, seq, steps, tokens, compute, last)
         if not ack.accepted:
@@ -207,7 +208,8 @@ class FragmentSync:
         due_at = self._due(due_at)
         self.advance(merged_in)
         self.origin = None
-        return Outcome(self.version, self.base - theta, due_at=due_at)
+        # Θ_new − θ written over θ (this task's own copy): no third vector of the fragment
+        return Outcome(self.version, np.subtract(self.base, theta, out=theta), due_at=due_at)
 
     def _push(
         self, theta: np.ndarray, seq: int, steps: int, tokens: int, compute: float, last: bool
@@ -216,7 +218,8 @@ class FragmentSync:
         link, p = self.link, self.p
         # after giving up on a round that holds our last push, only what came since counts
         origin = self.base if self.origin is None else self.origin
-        frame = self.ef.encode(origin - theta)
+        # Δ is written where the residual it leaves goes: no vector of Δ's own
+        frame = self.ef.encode_written(lambda out: np.subtract(origin, theta, out=out))
         header = pb.PushHeader(
             fragment=p,
             base_version=self.version,

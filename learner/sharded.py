@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -141,13 +142,16 @@ class PartSync(FragmentSync):
     ) -> None:
         self.last_sync_step = self.task_step = step
         self.compute = 0.0
-        # θ is this call's own vector (read from the leaves, or adopted in this call) and
-        # nobody writes into it: the task takes it as it is, no copy
+        if self.p in self.shared.adopted:
+            # θ is the vector adopted in this call, which the caller's new leaves are
+            # built on (on CPU devices they are its memory): the task writes Θ_new − θ
+            # over its θ, so it takes a copy. A θ read from the leaves is its own already.
+            theta = theta.copy()
         self.task = pool.submit(self.sync_part, theta, fields)
 
-    def adopt(self, step: int, theta_now: Callable[[], np.ndarray]) -> np.ndarray:
+    def adopt(self, step: int, add_theta: Callable[[np.ndarray], None]) -> np.ndarray:
         self.shared.adopted.add(self.p)
-        return super().adopt(step, theta_now)
+        return super().adopt(step, add_theta)
 
     # --- joining ---
 
@@ -222,7 +226,8 @@ class PartSync(FragmentSync):
 
     def sync_part(self, theta: np.ndarray, fields: dict[str, Any]) -> Outcome:
         """Push this process's part; the closer judges the round; everyone adopts its
-        outcome."""
+        outcome. `theta` is the task's own: an adopted outcome's correction is written
+        over it."""
         link, shared, p = self.link, self.shared, self.p
         key = f"{p}/{fields['seq']}"
         part = shared.roles.part(p)
@@ -252,7 +257,8 @@ class PartSync(FragmentSync):
             return Outcome(self.version, np.zeros_like(theta), due_at=due_at)
         self.pull_to(outcome["version"])
         self.origin = None
-        return Outcome(self.version, self.base - theta, due_at=due_at)
+        # Θ_new − θ written over θ (this task's own): no third vector of the part
+        return Outcome(self.version, np.subtract(self.base, theta, out=theta), due_at=due_at)
 
     def _close(self, theta: np.ndarray, fields: dict[str, Any], key: str) -> dict[str, Any]:
         """The closer: sends its part once every other part is held, judges the push by
@@ -317,7 +323,8 @@ class PartSync(FragmentSync):
     def _push_part(self, theta: np.ndarray, fields: dict[str, Any], part: int) -> pb.PushResponse:
         link, p = self.link, self.p
         origin = self.base if self.origin is None else self.origin
-        frame = self.ef.encode(self.frag.sent_difference(origin, theta))
+        # Δ is written where the residual it leaves goes: no vector of Δ's own
+        frame = self.ef.encode_written(lambda out: self.frag.sent_difference(origin, theta, out))
         header = pb.PushHeader(
             fragment=p,
             base_version=self.version,
@@ -374,12 +381,20 @@ def follow(
     sync: Synchronizer,
     row: np.ndarray,
     step: int,
-    read: Callable[[int], np.ndarray],
+    view: Any,
     updates: dict[int, np.ndarray],
 ) -> None:
     """A process other than 0 does what process 0's row says, fragment by fragment in
-    its order (adopt, then push); what it adopts goes into `updates` (local vectors)."""
+    its order (adopt, then push); what it adopts goes into `updates` (local vectors).
+    `view`: the caller's params, as `sync.read_fragment` and `sync.add_fragment` read them."""
     adopted, pushed = decode_row(row, sync.plan.num_fragments)
+
+    def add_theta(p: int, out: np.ndarray) -> None:  # θ_p as the caller will hold it
+        if p in updates:  # adopted earlier in this call (finish)
+            np.add(out, updates[p], out=out)
+        else:
+            sync.add_fragment(view, p, out)
+
     for frag in sync.frags:
         p = frag.p
         if p in adopted:
@@ -387,10 +402,10 @@ def follow(
                 raise SyncError(
                     f"fragment {p}: process 0 adopted a sync this process never started"
                 )
-            updates[p] = frag.adopt(step, lambda: updates[p] if p in updates else read(p))
+            updates[p] = frag.adopt(step, functools.partial(add_theta, p))
             sync._count("adopted", 1)
         if p in pushed:
-            theta = updates[p] if p in updates else read(p)
+            theta = updates[p] if p in updates else sync.read_fragment(view, p)
             sync.seq = max(sync.seq, pushed[p]["seq"])
             sync.pushes_started += 1
             cast(PartSync, frag).start_agreed(sync.pool, theta, step, pushed[p])
@@ -425,6 +440,7 @@ class Island:
                 p, self.boxes.fragments[p], link, self.shared
             ),
             read_fragment=self._read,
+            add_fragment=self._add,
         )
         check_settings(self.sync.cfg, learner_id)
         self.error: BaseException | None = None  # a failure here, told to all at the next row
@@ -435,6 +451,9 @@ class Island:
 
     def _read(self, view: Any, p: int) -> np.ndarray:
         return self.boxes.fragments[p].read(view.leaves())
+
+    def _add(self, view: Any, p: int, out: np.ndarray) -> None:
+        self.boxes.fragments[p].add_to(view.leaves(), out)
 
     def write(self, leaves: Sequence[Any], updates: dict[int, np.ndarray]) -> list[Any]:
         return self.boxes.write(leaves, updates)
@@ -519,7 +538,7 @@ class Island:
         stopped, failed = bool(rows[:, 2].any()), bool(rows[:, 3].any())
         if not self.leader and not (stopped or failed):
             try:
-                follow(sync, row, step, lambda p: self._read(view, p), updates)
+                follow(sync, row, step, view, updates)
             except (Stopped, SyncError) as e:
                 self.error = e  # raised on every process at the next step
         pushed = any_pushed(row)
@@ -537,7 +556,6 @@ class Island:
         sync, shared = self.sync, self.shared
         deadline = sync.clock() + timeout
         updates: dict[int, np.ndarray] = {}
-        flat_now: dict[int, np.ndarray] = {}
         while True:
             shared.clear()
             pending: list[Any] = []
@@ -545,13 +563,13 @@ class Island:
                 try:
                     for frag in sync.frags:
                         if frag.task is not None and frag.task.done():
-                            sync._adopt(frag, step, view, flat_now, updates)
+                            sync._adopt(frag, step, view, updates)
                         if (
                             tokens is not None
                             and frag.task is None
                             and step > (frag.last_sync_step or 0)
                         ):
-                            sync._start_push(frag, step, view, updates, flat_now, tokens, last=True)
+                            sync._start_push(frag, step, view, updates, tokens, last=True)
                     pending = [f.task for f in sync.frags if f.task is not None]
                 except (Stopped, SyncError) as e:
                     log.info("finish stopped before the last pushes were adopted: %s", e)
@@ -560,7 +578,7 @@ class Island:
             row, _ = exchange(FINISH, step, more, False, shared, sync.plan.num_fragments, self.rows)
             if not self.leader and self.error is None:
                 try:
-                    follow(sync, row, step, lambda p: self._read(view, p), updates)
+                    follow(sync, row, step, view, updates)
                 except (Stopped, SyncError) as e:
                     log.info("finish stopped before the last pushes were adopted: %s", e)
                     self.error = e

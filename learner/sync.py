@@ -100,6 +100,10 @@ class Synchronizer:
     as `params` as a fresh float32 vector (default `plan.flatten_fragment`, for nested
     dicts): the public API (learner/api.py) passes any pytree, read only at sync points.
 
+    `add_fragment(params, p, out)`, if given, adds fragment p of `params` into `out`
+    in place, as `np.add(out, read_fragment(params, p), out=out)` would (an adoption
+    builds on it; a sharded island adds box by box, reading no vector of its own).
+
     `fragment_sync(p, size, link)`, if given, makes fragment p's sync state and task (a
     learner sharded over several processes syncs each process's part of it,
     learner/sharded.py).
@@ -123,11 +127,13 @@ class Synchronizer:
         read_fragment: Callable[[Any, int], np.ndarray] | None = None,
         clock: Callable[[], float] = time.monotonic,
         fragment_sync: Callable[[int, int, Link], FragmentSync] = FragmentSync,
+        add_fragment: Callable[[Any, int, np.ndarray], None] | None = None,
     ):
         self.cfg, self.plan, self.on_push, self.clock = cfg, plan, on_push, clock
         self.read_fragment: Callable[[Any, int], np.ndarray] = (
             read_fragment or plan.flatten_fragment
         )
+        self.add_fragment = add_fragment or self._add_read
         self.stopping = threading.Event()
         self.router = Router(plan, clients, self.stopping, cfg.max_backoff, connect)
         self.published = Versions(
@@ -304,7 +310,6 @@ class Synchronizer:
         pace.step_seconds = self._step_timer.add(step, step_seconds)
         pace.reported_seconds = self._step_timer.measured
         updates: dict[int, np.ndarray] = {}
-        flat_now: dict[int, np.ndarray] = {}
         now, cadence = self.clock(), pace.cadence_seconds
         per_period = steps_per_period(cfg.period, cadence, pace.step_seconds, cfg.wait_for_rounds)
         for frag in self.frags:
@@ -323,7 +328,7 @@ class Synchronizer:
                         started = self.clock()
                         concurrent.futures.wait([frag.task])
                         self._count("blocked_seconds", self.clock() - started)
-                    self._adopt(frag, step, params, flat_now, updates)
+                    self._adopt(frag, step, params, updates)
             if frag.task is None:
                 push, frag.due_at, _ = schedule.decide_push(
                     step=step,
@@ -337,20 +342,8 @@ class Synchronizer:
                     wait_for_rounds=cfg.wait_for_rounds,
                 )
                 if push:
-                    self._start_push(frag, step, params, updates, flat_now, tokens_per_step, final)
+                    self._start_push(frag, step, params, updates, tokens_per_step, final)
         return updates
-
-    def _current(
-        self, p: int, params: Any, flat_now: dict[int, np.ndarray], updates: dict[int, np.ndarray]
-    ) -> np.ndarray:
-        """θ_p as the caller will hold it: as adopted in this call if it was (finish: the
-        sync in flight, then its tail's), else read from `params` (once per call)."""
-        theta = updates.get(p)
-        if theta is None:
-            theta = flat_now.get(p)
-            if theta is None:
-                theta = flat_now[p] = self.read_fragment(params, p)
-        return theta
 
     def _start_push(
         self,
@@ -358,13 +351,15 @@ class Synchronizer:
         step: int,
         params: Any,
         updates: dict[int, np.ndarray],
-        flat_now: dict[int, np.ndarray],
         tokens_per_step: int,
         last: bool = False,
     ) -> None:
         """Starts fragment p's sync task: push θ_p's progress since its last push (θ_p as
-        just adopted, if `updates` holds it), wait for its round, pull."""
-        theta = self._current(frag.p, params, flat_now, updates)
+        just adopted, if `updates` holds it), wait for its round, pull. A θ_p read from
+        `params` is the task's alone (nobody else holds it: the task may write over it)."""
+        theta = updates.get(frag.p)
+        if theta is None:
+            theta = self.read_fragment(params, frag.p)
         self.seq += 1
         self.pushes_started += 1
         frag.start(self.pool, theta, step, self.seq, tokens_per_step, last)
@@ -374,11 +369,21 @@ class Synchronizer:
         frag: FragmentSync,
         step: int,
         params: Any,
-        flat_now: dict[int, np.ndarray],
         updates: dict[int, np.ndarray],
     ) -> None:
-        updates[frag.p] = frag.adopt(step, lambda: self._current(frag.p, params, flat_now, updates))
+        p = frag.p
+
+        def add_theta(out: np.ndarray) -> None:  # θ_p as the caller will hold it, into out
+            if p in updates:  # adopted earlier in this call (finish)
+                np.add(out, updates[p], out=out)
+            else:
+                self.add_fragment(params, p, out)
+
+        updates[p] = frag.adopt(step, add_theta)
         self._count("adopted", 1)
+
+    def _add_read(self, params: Any, p: int, out: np.ndarray) -> None:
+        np.add(out, self.read_fragment(params, p), out=out)
 
     def finish(
         self, step: int, params: Any, timeout: float, tokens_per_step: int | None = None
@@ -397,9 +402,8 @@ class Synchronizer:
         once with what was adopted so far."""
         deadline = self.clock() + timeout
         updates: dict[int, np.ndarray] = {}
-        flat_now: dict[int, np.ndarray] = {}
         try:
-            self._finish(step, params, deadline, tokens_per_step, updates, flat_now)
+            self._finish(step, params, deadline, tokens_per_step, updates)
         except Stopped:
             log.info("stopped before the last pushes were adopted (an acknowledged one is kept)")
         return updates
@@ -411,7 +415,6 @@ class Synchronizer:
         deadline: float,
         tokens_per_step: int | None,
         updates: dict[int, np.ndarray],
-        flat_now: dict[int, np.ndarray],
     ) -> None:
         """`finish`'s loop; what it adopts goes into `updates`."""
         while not self.stopping.is_set():
@@ -420,15 +423,13 @@ class Synchronizer:
             # which waits on a round that needs ours.
             for frag in self.frags:
                 if frag.task is not None and frag.task.done():
-                    self._adopt(frag, step, params, flat_now, updates)
+                    self._adopt(frag, step, params, updates)
                 if (
                     tokens_per_step is not None
                     and frag.task is None
                     and step > (frag.last_sync_step or 0)
                 ):
-                    self._start_push(
-                        frag, step, params, updates, flat_now, tokens_per_step, last=True
-                    )
+                    self._start_push(frag, step, params, updates, tokens_per_step, last=True)
             pending = [f.task for f in self.frags if f.task is not None]
             left = deadline - self.clock()
             if not pending or left <= 0:

@@ -320,13 +320,15 @@ def test_a_late_adoption_keeps_up_to_late_mix_of_the_local_fragment(settings, ad
     frag, _ = _fragment(shard, Clock(0.0), **settings)
     frag.link.versions.note(0, 1)  # the round holding the push has closed
     theta_at_push = np.zeros(4, np.float32)
-    outcome = frag.sync(theta_at_push, seq=1, steps=8, tokens=64)
+    theta = theta_at_push.copy()  # the task's own: the correction is written over it
+    outcome = frag.sync(theta, seq=1, steps=8, tokens=64)
     np.testing.assert_array_equal(outcome.correction, base - theta_at_push)
+    assert outcome.correction is theta  # no third vector of the fragment
     done: concurrent.futures.Future = concurrent.futures.Future()
     done.set_result(outcome)
     frag.task, frag.task_step = done, 40
     theta_now = np.full(4, 0.5, np.float32)  # the steps trained since the push moved it
-    vector = frag.adopt(40 + adopted_after, lambda: theta_now)
+    vector = frag.adopt(40 + adopted_after, lambda out: np.add(out, theta_now, out=out))
     np.testing.assert_allclose(vector, theta_now + (1 - alpha) * (base - theta_at_push), rtol=1e-6)
     assert frag.version == 1 and frag.task is None
 
