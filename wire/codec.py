@@ -190,18 +190,18 @@ def _encode(
             elif r_out is not None:
                 r_out[start:stop] = 0.0  # lossless: nothing is left over
             return [_compressor(level).compress(y.astype("<f4", copy=False).data)]
-        body = _scratch(body_bytes(codec, stop - start))
-        bad_at: int = _kernels.encode(
-            _KERNEL_FORMAT[codec],
-            xs,
-            rs,
-            None if r_out is None else r_out[start:stop],
-            body,
-            publish,
-        )
-        if bad_at >= 0:
-            return start + bad_at
-        return _compress_4bit(codec, body, stop - start, level)
+        with _scratch(body_bytes(codec, stop - start)) as body:
+            bad_at: int = _kernels.encode(
+                _KERNEL_FORMAT[codec],
+                xs,
+                rs,
+                None if r_out is None else r_out[start:stop],
+                body,
+                publish,
+            )
+            if bad_at >= 0:
+                return start + bad_at
+            return _compress_4bit(codec, body, stop - start, level)
 
     chunks = parallel(chunk, len(spans))
     for c in chunks:

@@ -5,12 +5,13 @@ format and its compatibility rules)."""
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import enum
 import itertools
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TypeAlias
 
 import numpy as np
@@ -130,7 +131,7 @@ def _as_f32(x: np.ndarray, what: str) -> np.ndarray:
 
 # ---- zstd ----
 
-_local = threading.local()  # per thread: zstd contexts and a scratch buffer
+_local = threading.local()  # per thread: zstd contexts
 
 
 def _compressor(level: int | None) -> zstandard.ZstdCompressor:
@@ -150,12 +151,24 @@ def _compressor(level: int | None) -> zstandard.ZstdCompressor:
     return compressor
 
 
-def _scratch(size: int) -> np.ndarray:
-    """This thread's reusable byte buffer for a chunk body (no fresh pages per chunk)."""
-    buf = getattr(_local, "scratch", None)
+_spare_bodies: list[np.ndarray] = []  # chunk body buffers not lent out, any thread's
+_spare_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _scratch(size: int) -> Iterator[np.ndarray]:
+    """A reusable byte buffer for a chunk body, lent for the `with` block: as many are
+    kept as were ever lent at once, whichever threads use them (no fresh pages per chunk,
+    nor per thread that first encodes)."""
+    with _spare_lock:
+        buf = _spare_bodies.pop() if _spare_bodies else None
     if buf is None or buf.size < size:
-        buf = _local.scratch = np.empty(max(size, body_bytes(Codec.INT4, CHUNK_VALUES)), np.uint8)
-    return buf[:size]
+        buf = np.empty(max(size, body_bytes(Codec.INT4, CHUNK_VALUES)), np.uint8)
+    try:
+        yield buf[:size]
+    finally:
+        with _spare_lock:
+            _spare_bodies.append(buf)
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
