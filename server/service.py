@@ -42,7 +42,6 @@ from grpc_reflection.v1alpha import reflection
 from atoll.server import intake
 from atoll.server.certificates import CertificateFiles, ReloadingCertificate
 from atoll.server.config import ConfigError, ShardConfig, load_tokens
-from atoll.server.fragment import Answer
 from atoll.server.guards import (
     LEARNER_ID,
     RefuseMalformed,
@@ -58,6 +57,7 @@ from atoll.server.intake import (
     read_chunks,
     read_message,
 )
+from atoll.server.push_batch import PushBatches
 from atoll.server.refusal import ShardError, Why
 from atoll.server.serving import (
     OWN_PORT,
@@ -75,7 +75,7 @@ from atoll.server.serving import (
     malloc_trim,
     run_on_loop,
 )
-from atoll.server.shard import PushHeader, RecoveryError, Shard
+from atoll.server.shard import RecoveryError, Shard
 from atoll.wire import codec
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire import syncer_pb2_grpc as pb_grpc
@@ -139,6 +139,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         self.budget = Budget(
             cfg.max_inflight_bytes, cfg.max_connection_inflight_bytes, metrics.inflight_bytes
         )
+        self.batches = PushBatches(shard, workers)  # whole pushes go to workers in batches
         self.board = VersionBoard(lambda: self._call(self.shard.versions, None))
         self.watching: collections.Counter[str] = (
             collections.Counter()
@@ -255,7 +256,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             try:
                 async with self._intake("Push", context) as (header, frame):
                     h = intake.push_header(header)
-                    a = await self._call(self._push, h, frame)
+                    a = await self.batches.push(h, frame)
             except ShardError as e:
                 await self._refuse(context, "Push", e)
             return push_response(self.shard, h, a)
@@ -271,14 +272,10 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                         return
                     async with self._intake("PushStream", context, first) as (header, frame):
                         h = intake.push_header(header)
-                        a = await self._call(self._push, h, frame)
+                        a = await self.batches.push(h, frame)
                 except ShardError as e:
                     await self._refuse(context, "PushStream", e)
                 yield push_response(self.shard, h, a)
-
-    def _push(self, h: PushHeader, frame: list[bytes]) -> Answer:
-        with self.shard.metrics.push_seconds.time():
-            return self.shard.push(h, frame)
 
     async def Pull(
         self, request: pb.PullRequest, context: grpc.aio.ServicerContext
