@@ -7,7 +7,10 @@ push waits on the event loop while BATCHES_IN_FLIGHT batches run; the pushes tha
 arrived meanwhile go together in the next: one handoff, one fsync and one wake-up of
 the loop per batch. Each push is still judged, logged and answered on its own, in the
 order it arrived, and each answer goes out only after the fsync that covers its record
-(`Shard.push_many`). A push alone on an idle shard runs at once, as before.
+(`Shard.push_many`). A push alone on an idle shard runs at once, as before. A push of
+ALONE_BYTES of frame or more, or one in parts, takes a worker of its own at once, as
+every push did before: its own work dwarfs a handoff, big pushes to different fragments
+decompress and merge side by side, and a part may wait for its push's other parts.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from atoll.server.shard import Pushed, PushHeader, Shard
 
 log = logging.getLogger("atoll.syncer")
 BATCHES_IN_FLIGHT = 1  # batches running at once (1 took the least CPU per push of 1, 2, 8)
+ALONE_BYTES = 64 * 1024  # a push with this many frame bytes or more is not batched
 
 Waiting = tuple[PushHeader, Sequence[bytes], "asyncio.Future[Answer]"]
 
@@ -48,7 +52,7 @@ class PushBatches:
         """The push's answer once its record is durable; raises its ShardError."""
         answer: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self.waiting.append((h, frame, answer))
-        if h.parts:  # a part may wait for its push's other parts (server/part_commit.py)
+        if h.parts or sum(map(len, frame)) >= ALONE_BYTES:  # see the module's docstring
             self._start([self.waiting.pop()], batch_slot=False)  # a worker of its own at once
         elif self.running < self.in_flight:
             self._start(self.waiting)
