@@ -67,13 +67,19 @@ def test_a_tree_changed_after_join_fails_at_the_next_step(one_shard, change, mat
 
 
 @pytest.fixture
-def silent_port():
-    """A port that accepts connections and never answers (a hung shard, a wrong service)."""
+def silent_server():
+    """A listening socket that takes connections and never answers (a hung shard, a wrong
+    service); `accept` tells a test that a client has connected."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(16)
-    yield server.getsockname()[1]
+    yield server
     server.close()
+
+
+@pytest.fixture
+def silent_port(silent_server):
+    return silent_server.getsockname()[1]
 
 
 @pytest.mark.parametrize("listening", [False, True], ids=["nothing-listens", "never-answers"])
@@ -103,7 +109,7 @@ learner.join({"w": jnp.zeros((4, 2))})
 """
 
 
-def test_ctrl_c_during_join_ends_the_program_with_one_line(silent_port):
+def test_ctrl_c_during_join_ends_the_program_with_one_line(silent_server, silent_port):
     proc = subprocess.Popen(
         [sys.executable, "-c", SCRIPT, f"127.0.0.1:{silent_port}"],
         stdout=subprocess.PIPE,
@@ -112,7 +118,11 @@ def test_ctrl_c_during_join_ends_the_program_with_one_line(silent_port):
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "joining"
-        time.sleep(1.0)  # inside join, in a call the silent shard never answers
+        # inside join, in a call the silent shard never answers: its channel has connected
+        # (a fixed sleep could land the signal in JAX's start-up, whose gc callback
+        # swallows a KeyboardInterrupt)
+        silent_server.settimeout(60)
+        connection, _ = silent_server.accept()  # held open, never answered
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     finally:
