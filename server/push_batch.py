@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 
 from atoll.server.fragment import Answer
-from atoll.server.refusal import ShardError, Why
+from atoll.server.refusal import ShardError, Why, broken
 from atoll.server.shard import Pushed, PushHeader, Shard
 
 log = logging.getLogger("atoll.syncer")
@@ -91,8 +91,7 @@ class PushBatches:
             self._answer(batch, [ShardError(Why.BROKEN, why)] * len(batch))
         elif (e := job.exception()) is not None:
             log.error("a batch of pushes failed", exc_info=e)
-            why = f"the shard failed: {type(e).__name__}: {e}"
-            self._answer(batch, [ShardError(Why.BROKEN, why)] * len(batch))
+            self._answer(batch, [broken(e)] * len(batch))
         else:
             self._answer(batch, job.result())
         if self.waiting and self.running < self.in_flight:

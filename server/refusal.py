@@ -32,3 +32,9 @@ class ShardError(Exception):
         super().__init__(message)
         self.why = why
         self.metadata = metadata
+
+
+def broken(e: BaseException) -> ShardError:
+    """The refusal for an error the shard did not expect (a bug: the caller logs it with
+    its traceback): INTERNAL, naming the error."""
+    return ShardError(Why.BROKEN, f"the shard failed: {type(e).__name__}: {e}")

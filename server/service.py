@@ -58,7 +58,7 @@ from atoll.server.intake import (
     read_message,
 )
 from atoll.server.push_batch import PushBatches
-from atoll.server.refusal import ShardError, Why
+from atoll.server.refusal import ShardError, Why, broken
 from atoll.server.serving import (
     OWN_PORT,
     SERVICE,
@@ -153,7 +153,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             raise
         except Exception as e:
             log.exception("%s failed", getattr(fn, "__name__", fn))
-            raise ShardError(Why.BROKEN, f"the shard failed: {type(e).__name__}: {e}") from None
+            raise broken(e) from None
 
     async def _refuse(
         self, context: grpc.aio.ServicerContext, method: str, e: ShardError

@@ -40,7 +40,7 @@ from atoll.server.part_calls import ACCEPTED_CODECS, PartCalls
 from atoll.server.parts import Box, boxes_problem
 from atoll.server.push_header import PushHeader
 from atoll.server.recovery import Recovery
-from atoll.server.refusal import ShardError, Why
+from atoll.server.refusal import ShardError, Why, broken
 from atoll.server.roster import Timing
 from atoll.server.seed_parts import SeedPart
 from atoll.server.state import (
@@ -82,7 +82,7 @@ def _as_refusal(e: Exception) -> ShardError:
     if isinstance(e, ShardError):
         return e
     log.error("push failed", exc_info=e)
-    return ShardError(Why.BROKEN, f"the shard failed: {type(e).__name__}: {e}")
+    return broken(e)
 
 
 class Shard(Recovery, MoveCalls, PartCalls):
