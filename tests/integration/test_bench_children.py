@@ -73,6 +73,17 @@ def _kill_left(pids) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def _shard_logs(tree: dict[int, str]) -> dict[str, str]:
+    """The tail of each shard's log (next to its --data-dir): what it did after SIGTERM."""
+    out = {}
+    for command in tree.values():
+        words = command.split()
+        if "--data-dir" in words:
+            log = pathlib.Path(words[words.index("--data-dir") + 1]).parent / "syncer.log"
+            out[str(log)] = log.read_text()[-3000:] if log.exists() else "(no log)"
+    return out
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO)}
 
@@ -129,7 +140,7 @@ def test_a_killed_bench_leaves_no_process_behind():
         bench.send_signal(signal.SIGKILL)
         assert bench.wait(timeout=30) == -signal.SIGKILL
         left = _wait_gone(list(tree))
-        assert left == [], {p: tree[p] for p in left}
+        assert left == [], ({p: tree[p] for p in left}, _shard_logs(tree))
     finally:
         bench.kill()
         bench.wait()

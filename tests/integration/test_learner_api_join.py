@@ -124,7 +124,11 @@ def test_ctrl_c_during_join_ends_the_program_with_one_line(silent_server, silent
         silent_server.settimeout(60)
         connection, _ = silent_server.accept()  # held open, never answered
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # what it printed says where it was (hung at exit?)
+            proc.kill()
+            pytest.fail(f"no exit within 30 s of SIGINT; stderr: {proc.communicate()[1][-3000:]}")
     finally:
         proc.kill()
     assert proc.returncode == 130, err
