@@ -79,6 +79,7 @@ def push_response(shard: Shard, h: PushHeader, a: Answer) -> pb.PushResponse:
         fragment=h.fragment,
         seq=h.seq,
         part=h.part,
+        header_frames=True,  # this shard takes a push's frame in its header: read_frame
     )
 
 
@@ -108,6 +109,29 @@ def frame_need(header: pb.InitHeader | pb.PushHeader, plan: FragmentPlan | None)
         values = max(plan.fragment_sizes)
     need: int = codec.max_frame_bytes(values, frame_codec)
     return need
+
+
+async def read_frame(
+    context: grpc.aio.ServicerContext,
+    kind: str,
+    header: pb.InitHeader | pb.PushHeader,
+    idle_seconds: float,
+    streamed: bool,
+) -> list[bytes]:
+    """A header's frame, its `frame_bytes` long: carried in the header itself (a push's
+    PushHeader.frame: one message, no chunk may follow), or the chunks after it."""
+    declared = header.frame_bytes
+    inline = header.frame if isinstance(header, pb.PushHeader) else b""
+    if not inline:
+        return await read_chunks(context, kind, declared, "frame_bytes", idle_seconds, streamed)
+    if len(inline) != declared:
+        raise ShardError(
+            Why.MALFORMED,
+            f"the header carries {len(inline)} frame bytes, its frame_bytes says {declared}",
+        )
+    if not streamed and await read_message(context, kind, idle_seconds) is not grpc.aio.EOF:
+        raise ShardError(Why.MALFORMED, "no chunk may follow a frame carried in the header")
+    return [inline]
 
 
 async def read_chunks(

@@ -55,6 +55,7 @@ from atoll.server.intake import (
     frame_need,
     push_response,
     read_chunks,
+    read_frame,
     read_message,
 )
 from atoll.server.push_batch import PushBatches
@@ -209,7 +210,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             )
         with self.budget.hold(context.peer(), declared):
             idle, streamed = self.cfg.stream_idle_seconds, kind == "PushStream"
-            frame = await read_chunks(context, kind, declared, "frame_bytes", idle, streamed)
+            frame = await read_frame(context, kind, header, idle, streamed)
             self.shard.metrics.bytes_in.inc(declared)
             yield header, frame
 

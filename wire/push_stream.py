@@ -11,7 +11,9 @@ carried others (the shard restarted, a link dropped), is reopened and the push s
 once (pushes dedupe by seq); any other failure raises the push's RpcError, as a Push call
 would, for the caller to branch on or retry. A refusal ends the stream on the shard's side;
 the next push opens another. A shard that does not offer PushStream (UNIMPLEMENTED: an older shard) is not asked
-again: `push` returns None and the caller uses Push.
+again: `push` returns None and the caller uses Push. Once a stream's answer says its shard
+takes a frame in the header (`header_frames`), a small push goes on it as one message
+(`in_header`): one read fewer for the shard; a new stream starts with header and chunks.
 """
 
 from __future__ import annotations
@@ -26,6 +28,21 @@ import grpc
 from atoll.wire import syncer_pb2 as pb
 
 _END = None  # put on a stream's request queue: the learner closes its side
+HEADER_FRAME_BYTES = 64 * 1024  # a frame this size or smaller may travel in its header
+
+
+def in_header(messages: Sequence[pb.PushRequest]) -> Sequence[pb.PushRequest]:
+    """A push's messages (a header, then its frame in chunks) as one message, the frame in
+    the header, where the frame is one chunk of HEADER_FRAME_BYTES or fewer; else as they
+    are. Only for a shard that said it takes it (PushResponse.header_frames)."""
+    if len(messages) != 2 or messages[1].WhichOneof("kind") != "chunk":
+        return messages
+    if len(messages[1].chunk) > HEADER_FRAME_BYTES:
+        return messages
+    joined = pb.PushRequest()
+    joined.header.CopyFrom(messages[0].header)
+    joined.header.frame = messages[1].chunk
+    return [joined]
 
 
 class StreamTimeout(grpc.RpcError):  # type: ignore[misc]  # grpc ships no types
@@ -54,6 +71,7 @@ class _Call:
         self.answers: queue.SimpleQueue[pb.PushResponse | grpc.RpcError] = queue.SimpleQueue()
         self.call = open_call(self._messages())
         self.used = False  # a push was answered on it
+        self.header_frames = False  # its shard said it takes a frame in the header
         threading.Thread(target=self._read, name="push-stream", daemon=True).start()
 
     def _messages(self) -> Iterator[pb.PushRequest]:
@@ -117,7 +135,7 @@ class PushStreams:
 
     def _send(self, call: _Call, messages: Sequence[pb.PushRequest]) -> pb.PushResponse | None:
         """The answer on `call`; None where the call is stale or unimplemented (see push)."""
-        call.requests.put(messages)
+        call.requests.put(in_header(messages) if call.header_frames else messages)
         try:
             answer = call.answers.get(timeout=self.deadline)
         except queue.Empty:
@@ -140,7 +158,7 @@ class PushStreams:
                 f"push stream answered fragment {answer.fragment} seq {answer.seq} part "
                 f"{answer.part}, not the push sent (fragment {header.fragment} seq {header.seq})"
             )
-        call.used = True
+        call.used, call.header_frames = True, answer.header_frames
         return answer
 
     def close(self) -> None:

@@ -133,7 +133,7 @@ class InitResponse(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "fragment", "base_version", "seq", "inner_steps", "tokens", "codec", "num_params", "plan_fingerprint", "frame_bytes", "step_seconds", "overlap_steps", "period_steps", "last", "parts", "part", "boxes")
+    __slots__ = ("learner_id", "fragment", "base_version", "seq", "inner_steps", "tokens", "codec", "num_params", "plan_fingerprint", "frame_bytes", "step_seconds", "overlap_steps", "period_steps", "last", "parts", "part", "boxes", "frame")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class PushHeader(_message.Message):
     PARTS_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     BOXES_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment: int
     base_version: int
@@ -168,7 +169,8 @@ class PushHeader(_message.Message):
     parts: int
     part: int
     boxes: _containers.RepeatedCompositeFieldContainer[TensorBox]
-    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., num_params: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., frame_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., overlap_steps: _Optional[int] = ..., period_steps: _Optional[int] = ..., last: _Optional[bool] = ..., parts: _Optional[int] = ..., part: _Optional[int] = ..., boxes: _Optional[_Iterable[_Union[TensorBox, _Mapping]]] = ...) -> None: ...
+    frame: bytes
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., num_params: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., frame_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., overlap_steps: _Optional[int] = ..., period_steps: _Optional[int] = ..., last: _Optional[bool] = ..., parts: _Optional[int] = ..., part: _Optional[int] = ..., boxes: _Optional[_Iterable[_Union[TensorBox, _Mapping]]] = ..., frame: _Optional[bytes] = ...) -> None: ...
 
 class TensorBox(_message.Message):
     __slots__ = ("tensor", "start", "stop")
@@ -189,7 +191,7 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "detail", "version", "staleness", "weight", "cadence_seconds", "next_due_seconds", "fragment", "seq", "part")
+    __slots__ = ("accepted", "reason", "detail", "version", "staleness", "weight", "cadence_seconds", "next_due_seconds", "fragment", "seq", "part", "header_frames")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +203,7 @@ class PushResponse(_message.Message):
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FRAMES_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: PushReason
     detail: str
@@ -212,7 +215,8 @@ class PushResponse(_message.Message):
     fragment: int
     seq: int
     part: int
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[PushReason, str]] = ..., detail: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., cadence_seconds: _Optional[float] = ..., next_due_seconds: _Optional[float] = ..., fragment: _Optional[int] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ...) -> None: ...
+    header_frames: bool
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[_Union[PushReason, str]] = ..., detail: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., cadence_seconds: _Optional[float] = ..., next_due_seconds: _Optional[float] = ..., fragment: _Optional[int] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ..., header_frames: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("fragment", "have_version", "learner_id", "boxes")

@@ -121,6 +121,8 @@ class SyncerServicer:
         refuses ends the stream with the gRPC status (and trailing metadata) Push would end
         with; the learner opens a new stream for its next push. Between pushes a stream may
         stay silent as long as the learner likes; within one, chunks come without pausing.
+        Once an answer says the shard takes one (PushResponse.header_frames), a small push
+        may travel as one message, its frame in PushHeader.frame: one read for the shard.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,6 +1,7 @@
 """`atoll bench learners --transport stream`: a client process's learners each push on a
 PushStream of their own, as the learner's client does (wire/push_stream.py), one push at a
-time per stream. grpc.aio, so a thousand open streams cost coroutines, not threads; the
+time per stream, as one message (its frame in its header) once its stream's shard said it
+takes that, as the client sends it. grpc.aio, so a thousand open streams cost coroutines, not threads; the
 same pushes in flight at once as the Push calls' threads (`inflight`). A learner has a
 connection of its own; here up to CHANNEL_STREAMS learners share one, below the shard's
 streams per connection (--max-concurrent-streams, 64): past it a new stream waits for
@@ -16,6 +17,7 @@ import grpc
 
 from atoll.wire import syncer_pb2 as pb
 from atoll.wire import syncer_pb2_grpc as pb_grpc
+from atoll.wire.push_stream import in_header
 
 Result = dict[str, Any]
 CHANNEL_STREAMS = 48  # learners' streams open on one connection at most
@@ -35,6 +37,7 @@ class StreamPushes:
         self.address = address
         self.loop = asyncio.new_event_loop()
         self.streams: dict[str, tuple[Any, int]] = {}  # learner -> (its call, its channel)
+        self.header_frames: set[str] = set()  # learners whose stream takes frames in headers
         self.channels: list[tuple[grpc.aio.Channel, pb_grpc.SyncerStub, list[int]]] = []
 
     def _open(self, learner: str) -> Any:
@@ -52,6 +55,7 @@ class StreamPushes:
         return call
 
     def _drop(self, learner: str) -> Any:
+        self.header_frames.discard(learner)
         call, i = self.streams.pop(learner, (None, -1))
         if call is not None:
             self.channels[i][2][0] -= 1
@@ -61,6 +65,8 @@ class StreamPushes:
         """One push on the learner's stream (opened on its first); {ms, accepted, reason,
         version, p} or {failed: status name} (the stream is dropped, the next opens anew)."""
         messages = self.requests(learner, p, base, last, steady)
+        if learner in self.header_frames:  # as the learner's client sends it
+            messages = list(in_header(messages))
         started = self.loop.time()
         try:
             async with asyncio.timeout(self.deadline):
@@ -75,6 +81,8 @@ class StreamPushes:
             self._drop(learner)
             return {"failed": "EOF"}
         ms = (self.loop.time() - started) * 1e3
+        if ack.header_frames:
+            self.header_frames.add(learner)
         reason = pb.PushReason.Name(ack.reason).removeprefix("PUSH_REASON_").lower()
         return {
             "ms": ms, "accepted": ack.accepted, "reason": reason, "version": ack.version, "p": p,
