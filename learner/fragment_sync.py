@@ -122,12 +122,14 @@ class FragmentSync:
         tokens_per_step: int,
         last: bool = False,
     ) -> None:
-        """Starts the sync task of push `seq`: θ_p's progress since the last push."""
+        """Starts the sync task of push `seq`: θ_p's progress since the last push.
+        `theta` is the task's own from here on (it writes over it): the caller passes a
+        vector nobody else reads or writes (`Synchronizer._start_push` copies one)."""
         steps = step - (self.last_sync_step or 0)
         self.last_sync_step = self.task_step = step
         compute, self.compute = self.compute, 0.0
         self.task = pool.submit(
-            self.sync, theta.copy(), seq, steps, steps * tokens_per_step, compute, last
+            self.sync, theta, seq, steps, steps * tokens_per_step, compute, last
         )
 
     def adopt(self, step: int, add_theta: Callable[[np.ndarray], None]) -> np.ndarray:

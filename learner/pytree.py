@@ -202,6 +202,14 @@ class TreeLayout:
             out[start:end] = np.asarray(leaves[i], np.float32).reshape(-1)
         return out
 
+    def add_to(self, leaves: Sequence[Any], p: int, out: np.ndarray) -> None:
+        """`out += read(leaves, p)`, bit for bit, tensor by tensor: no vector of the
+        fragment's size is made (on CPU devices a leaf's values are read in place)."""
+        for i, start, end in self.slots[p]:
+            np.add(
+                out[start:end], np.asarray(leaves[i], np.float32).reshape(-1), out=out[start:end]
+            )
+
     def write(self, leaves: Sequence[Any], vectors: dict[int, np.ndarray]) -> PyTree:
         """The tree with the tensors of fragments `vectors` replaced ({p: float32 vector}),
         each in its leaf's dtype and sharding; the other leaves are kept as they are."""
@@ -218,7 +226,10 @@ class TreeLayout:
                     out[i] = as_like(value, leaf)
                     continue
                 placed.append(i)
-                values.append(value.astype(leaf.dtype))  # a copy, as as_like makes
+                # no host copy where the dtype is the vector's: a CPU device_put may alias
+                # it, and nothing writes over a vector once it is written (a push copies
+                # one adopted in the same call, Synchronizer._start_push)
+                values.append(value.astype(leaf.dtype, copy=False))
                 shardings.append(sharding)
         if placed:
             # one call for the fragment's tensors: a device_put per tensor costs more

@@ -140,13 +140,10 @@ class PartSync(FragmentSync):
         step: int,
         fields: dict[str, Any],
     ) -> None:
+        """`start` with process 0's fields; `theta` is the task's own (it writes
+        Θ_new − θ over it): the callers copy a vector adopted in this call."""
         self.last_sync_step = self.task_step = step
         self.compute = 0.0
-        if self.p in self.shared.adopted:
-            # θ is the vector adopted in this call, which the caller's new leaves are
-            # built on (on CPU devices they are its memory): the task writes Θ_new − θ
-            # over its θ, so it takes a copy. A θ read from the leaves is its own already.
-            theta = theta.copy()
         self.task = pool.submit(self.sync_part, theta, fields)
 
     def adopt(self, step: int, add_theta: Callable[[np.ndarray], None]) -> np.ndarray:
@@ -405,7 +402,8 @@ def follow(
             updates[p] = frag.adopt(step, functools.partial(add_theta, p))
             sync._count("adopted", 1)
         if p in pushed:
-            theta = updates[p] if p in updates else sync.read_fragment(view, p)
+            # the task writes over its θ: a vector adopted in this call is copied
+            theta = updates[p].copy() if p in updates else sync.read_fragment(view, p)
             sync.seq = max(sync.seq, pushed[p]["seq"])
             sync.pushes_started += 1
             cast(PartSync, frag).start_agreed(sync.pool, theta, step, pushed[p])

@@ -355,11 +355,12 @@ class Synchronizer:
         last: bool = False,
     ) -> None:
         """Starts fragment p's sync task: push θ_p's progress since its last push (θ_p as
-        just adopted, if `updates` holds it), wait for its round, pull. A θ_p read from
-        `params` is the task's alone (nobody else holds it: the task may write over it)."""
+        just adopted, if `updates` holds it), wait for its round, pull. The task writes
+        over its θ_p: one adopted in this call is copied (the caller's new leaves are
+        built from it; on CPU devices they may be its memory), one read from `params` is
+        the task's alone already."""
         theta = updates.get(frag.p)
-        if theta is None:
-            theta = self.read_fragment(params, frag.p)
+        theta = self.read_fragment(params, frag.p) if theta is None else theta.copy()
         self.seq += 1
         self.pushes_started += 1
         frag.start(self.pool, theta, step, self.seq, tokens_per_step, last)

@@ -52,6 +52,11 @@ def read(view: View, p: int) -> np.ndarray:
     return view.layout.read(view.leaves(), p)
 
 
+def add(view: View, p: int, out: np.ndarray) -> None:
+    """`out += read(view, p)`, bit for bit, with no vector of the fragment's own."""
+    view.layout.add_to(view.leaves(), p, out)
+
+
 @dataclasses.dataclass(frozen=True)
 class Connection:
     """How a learner reaches the shards: their addresses in index order (and the pattern
@@ -161,8 +166,8 @@ def connect(
     **engine: Any,
 ) -> Synchronizer:
     """The sync engine over a client per shard (and the pattern's, for shards a reshard
-    adds). `engine`: the Synchronizer's `fragment_sync` and `read_fragment`, for a
-    sharded island."""
+    adds). `engine`: the Synchronizer's `fragment_sync`, `read_fragment` and
+    `add_fragment`, for a sharded island."""
     pattern = shards.pattern
     return Synchronizer(
         config,
@@ -172,7 +177,7 @@ def connect(
         connect=None
         if pattern is None
         else lambda i: shards.client(pattern.replace("{i}", str(i))),
-        **{"read_fragment": read, **engine},
+        **{"read_fragment": read, "add_fragment": add, **engine},
     )
 
 
