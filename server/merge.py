@@ -45,6 +45,11 @@ OuterState: TypeAlias = optax.OptState  # the outer optimiser's state for one fr
 Weight = float  # a push's merge weight, > 0: rules.token_weight × staleness discount
 
 CHUNK = 1 << 16  # elements per pass of add_scaled: 256 KiB of float32 scratch stays in L2
+# a pooled buffer's size is rounded up to this many values, so that fragments of nearly
+# the same size (a plan's differ by a few rows) take each other's buffers: one taken new
+# for a fragment a few hundred values larger than every kept one had its pages zeroed by
+# the kernel again (the tail past a round's size is never touched, so never resident)
+POOL_GRANULE = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -169,6 +174,11 @@ class AccumulatorSnapshot(NamedTuple):
     rda: bool  # False: plain weighted average everywhere
 
 
+def _pooled_size(size: int) -> int:
+    """The values of a buffer the pool makes for `size` (rounded up to POOL_GRANULE)."""
+    return size if size < POOL_GRANULE else -(-size // POOL_GRANULE) * POOL_GRANULE
+
+
 class AccumulatorPool:
     """Round accumulators that closed rounds let go, for the next rounds' first pushes.
 
@@ -218,7 +228,7 @@ class AccumulatorPool:
             else:
                 if self._kept:  # a new buffer stands in for a kept one too small
                     self._kept.pop(max(range(len(self._kept)), key=lambda i: self._kept[i].size))
-                buf = np.empty(size, np.float32)
+                buf = np.empty(_pooled_size(size), np.float32)
             view = buf[:size]
             self._reap()  # a view dropped meanwhile may have had this id
             self._out[id(view)] = weakref.finalize(view, self._dropped, id(view))
