@@ -171,6 +171,7 @@ class Reference:
             fragment=header.fragment,  # the push it answers, as every answer names it
             seq=header.seq,
             part=header.part,
+            header_frames=True,  # every answer of a shard says it takes a frame in its header
         )
 
     def close(self) -> None:
