@@ -385,13 +385,6 @@ def follow(
     its order (adopt, then push); what it adopts goes into `updates` (local vectors).
     `view`: the caller's params, as `sync.read_fragment` and `sync.add_fragment` read them."""
     adopted, pushed = decode_row(row, sync.plan.num_fragments)
-
-    def add_theta(p: int, out: np.ndarray) -> None:  # θ_p as the caller will hold it
-        if p in updates:  # adopted earlier in this call (finish)
-            np.add(out, updates[p], out=out)
-        else:
-            sync.add_fragment(view, p, out)
-
     for frag in sync.frags:
         p = frag.p
         if p in adopted:
@@ -399,11 +392,10 @@ def follow(
                 raise SyncError(
                     f"fragment {p}: process 0 adopted a sync this process never started"
                 )
-            updates[p] = frag.adopt(step, functools.partial(add_theta, p))
+            updates[p] = frag.adopt(step, functools.partial(sync.add_theta, view, p, updates))
             sync._count("adopted", 1)
         if p in pushed:
-            # the task writes over its θ: a vector adopted in this call is copied
-            theta = updates[p].copy() if p in updates else sync.read_fragment(view, p)
+            theta = sync.theta_to_push(view, p, updates)
             sync.seq = max(sync.seq, pushed[p]["seq"])
             sync.pushes_started += 1
             cast(PartSync, frag).start_agreed(sync.pool, theta, step, pushed[p])

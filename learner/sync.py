@@ -19,6 +19,7 @@ only when the round is RUN_AHEAD_PERIODS late (see `schedule.decide_adopt`).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -355,12 +356,8 @@ class Synchronizer:
         last: bool = False,
     ) -> None:
         """Starts fragment p's sync task: push θ_p's progress since its last push (θ_p as
-        just adopted, if `updates` holds it), wait for its round, pull. The task writes
-        over its θ_p: one adopted in this call is copied (the caller's new leaves are
-        built from it; on CPU devices they may be its memory), one read from `params` is
-        the task's alone already."""
-        theta = updates.get(frag.p)
-        theta = self.read_fragment(params, frag.p) if theta is None else theta.copy()
+        just adopted, if `updates` holds it), wait for its round, pull."""
+        theta = self.theta_to_push(params, frag.p, updates)
         self.seq += 1
         self.pushes_started += 1
         frag.start(self.pool, theta, step, self.seq, tokens_per_step, last)
@@ -373,15 +370,26 @@ class Synchronizer:
         updates: dict[int, np.ndarray],
     ) -> None:
         p = frag.p
-
-        def add_theta(out: np.ndarray) -> None:  # θ_p as the caller will hold it, into out
-            if p in updates:  # adopted earlier in this call (finish)
-                np.add(out, updates[p], out=out)
-            else:
-                self.add_fragment(params, p, out)
-
-        updates[p] = frag.adopt(step, add_theta)
+        updates[p] = frag.adopt(step, functools.partial(self.add_theta, params, p, updates))
         self._count("adopted", 1)
+
+    def theta_to_push(self, params: Any, p: int, updates: dict[int, np.ndarray]) -> np.ndarray:
+        """θ_p as the caller will hold it (as adopted in this call, if `updates` holds it),
+        the push task's own: the task writes over it, so one adopted in this call is
+        copied (the caller's new leaves are built from it; on CPU devices they may be its
+        memory), one read from `params` is the task's alone already."""
+        theta = updates.get(p)
+        return self.read_fragment(params, p) if theta is None else theta.copy()
+
+    def add_theta(
+        self, params: Any, p: int, updates: dict[int, np.ndarray], out: np.ndarray
+    ) -> None:
+        """`out += θ_p` as the caller will hold it (as adopted earlier in this call, if
+        `updates` holds it: `finish`), bit for bit."""
+        if p in updates:
+            np.add(out, updates[p], out=out)
+        else:
+            self.add_fragment(params, p, out)
 
     def _add_read(self, params: Any, p: int, out: np.ndarray) -> None:
         np.add(out, self.read_fragment(params, p), out=out)
