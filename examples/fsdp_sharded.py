@@ -105,7 +105,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--wait-for-rounds",
         action="store_true",
-        help="block on a round a period late: every sync happens, however fast the steps",
+        help="synchronous: adopt each round τ steps after its push, waiting for it there",
     )
     return parser.parse_args()
 

@@ -77,11 +77,12 @@ class SyncConfig:
         name="sync-patience",
         metavar="SYNC_PATIENCE",
     )
-    # synchronous semantics: block when a round is a period late
+    # synchronous semantics: adopt each round τ steps after its push, waiting for it there
     wait_for_rounds: bool = setting(
         False,
-        "synchronous semantics, for baselines: when a fragment's round is still open a whole "
-        "period after its push, stop training until it closes (by default a learner never waits)",
+        "synchronous semantics, for baselines: adopt each round exactly τ steps after its push, "
+        "stopping training there until it closes (by default a learner trains on through late "
+        "rounds, waiting only for one two periods late)",
     )
     # seconds join waits for the shards, all retries, > 0
     join_timeout: float = setting(

@@ -15,9 +15,10 @@ instant (`sync_due`), so a fast island takes about H steps per sync, a 2× slowe
 about H/2, and a round gathers one push per learner per period.
 
 Synchronous semantics (`wait_for_rounds`, K = M) keep to step counts instead: fragment
-p pushes at t_p + kH (`sync_step`), never skips a round, and waits for its round at most
-H steps after the push, so no two learners can each wait on a round that needs the
-other's next push.
+p pushes at t_p + kH (`sync_step`), never skips a round, and adopts each round exactly τ
+steps after its push, waiting for it there if it is late (Streaming DiLoCo's overlap):
+a run's trajectory does not depend on when its rounds close, and no two learners can
+each wait on a round that needs the other's next push (τ < H).
 """
 
 from __future__ import annotations
@@ -245,9 +246,11 @@ def decide_adopt(
     A round still open after τ steps (one that waits on slower learners, or a push that
     just missed a close and joined the next round, back about a period later) does not
     stop training: the fragment trains on and adopts when the round is back (with the
-    steps made meanwhile). Only a round RUN_AHEAD_PERIODS late (one period with
-    synchronous semantics, where `per_period` is H: see `sync_step`) is waited for, so
-    a fragment's local drift stays bounded.
+    steps made meanwhile). Only a round RUN_AHEAD_PERIODS late is waited for, so a
+    fragment's local drift stays bounded. With synchronous semantics the round is
+    adopted exactly τ steps after its push, waited for there if need be: where the
+    learner adopts never depends on when the round closed, so a synchronous run is the
+    same run on a loaded host as on an idle one.
 
     Args:
       step: inner steps done since joining.
@@ -256,7 +259,7 @@ def decide_adopt(
       overlap: τ, steps trained before a finished task is adopted.
       per_period: this learner's steps per sync period (`steps_per_period`, given
         the same `wait_for_rounds`).
-      wait_for_rounds: synchronous semantics, run ahead one period only.
+      wait_for_rounds: synchronous semantics, adopt at τ steps, never later.
 
     Returns:
       (adopt, reason); adopt with `done` False means the caller waits for the task.
@@ -267,8 +270,8 @@ def decide_adopt(
     """
     if done and step >= task_step + overlap:
         return True, Reason.READY
-    late = 1 if wait_for_rounds else RUN_AHEAD_PERIODS
-    if step - task_step >= late * per_period:
+    late = overlap if wait_for_rounds else RUN_AHEAD_PERIODS * per_period
+    if step - task_step >= late:
         return True, Reason.OVERDUE
     return False, Reason.OVERLAPPING if done else Reason.IN_FLIGHT
 

@@ -13,7 +13,8 @@ learner pushes on the fragment's one wall-clock schedule, which the shard names 
 each answer (dynamic local updates, arXiv 2401.09135). At a sync point the training
 thread only copies θ_p; a background task pushes and pulls, and the training thread
 adopts its result τ steps later at the first step boundary where it is done. It blocks
-only when the round is RUN_AHEAD_PERIODS late (see `schedule.decide_adopt`).
+only when the round is RUN_AHEAD_PERIODS late, or, with synchronous semantics
+(`wait_for_rounds`), τ steps after the push (see `schedule.decide_adopt`).
 """
 
 from __future__ import annotations

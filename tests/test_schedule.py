@@ -153,7 +153,9 @@ def test_no_next_round_without_a_cadence():
         (41, False, False, (False, Reason.IN_FLIGHT)),
         (40 + 2 * H - 1, False, False, (False, Reason.IN_FLIGHT)),
         (40 + 2 * H, False, False, (True, Reason.OVERDUE)),  # two periods: wait for it
-        (40 + H, False, True, (True, Reason.OVERDUE)),  # synchronous: one period
+        (40, False, True, (False, Reason.IN_FLIGHT)),  # synchronous: trains its τ steps
+        (41, False, True, (True, Reason.OVERDUE)),  # ... then waits for the round
+        (41, True, True, (True, Reason.READY)),
     ],
 )
 def test_adopting_waits_for_tau_and_runs_ahead_at_most_two_periods(
