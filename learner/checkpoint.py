@@ -375,7 +375,8 @@ def read(path: pathlib.Path, vectors: bool = True, cut: int | None = None) -> Ch
             vectors = False
         if vectors and (meta["origins"] or meta["residuals"]):
             # numpy targets: read whole on this host, whatever devices wrote them
-            shapes = ocp.StandardCheckpointHandler().metadata(path / str(cut) / SYNC)
+            # (Orbax reads metadata by absolute path only: runs live under ./runs)
+            shapes = ocp.StandardCheckpointHandler().metadata((path / str(cut) / SYNC).resolve())
             target = {k: np.empty(m.shape, m.dtype) for k, m in shapes.items()}
             restore = ocp.args.StandardRestore(target)
             saved = _restore(path, cut, local=True, **{SYNC: restore})[SYNC]

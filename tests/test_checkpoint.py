@@ -123,6 +123,31 @@ def test_every_dtype_and_the_leaves_out_of_the_plan_round_trip(tmp_path):
         got.params(like[:2])
 
 
+def test_a_checkpoint_under_a_relative_directory_reads_back_its_sync_vectors(tmp_path, monkeypatch):
+    # `atoll up` and `atoll chaos` put runs under ./runs: a resumed learner reads its
+    # checkpoint, sync vectors too, through the relative path it was given
+    monkeypatch.chdir(tmp_path)
+    frag = types.SimpleNamespace(
+        p=0,
+        task=None,
+        origin=np.arange(5, dtype=np.float32),
+        base=None,
+        ef=types.SimpleNamespace(residual=np.full(5, 0.25, np.float32)),
+        version=4,
+        compute=1.5,
+    )
+    sync = types.SimpleNamespace(frags=[frag], seq=9)
+    params = {"w": jnp.ones((2, 3), jnp.float32)}
+    relative = pathlib.Path("runs") / "checkpoints"
+    ck = checkpoint.Checkpointer(relative, "l1", every=1, identity=IDENTITY)
+    assert ck.save(_progress(params, step=2), sync, None, wait=True) and ck.error is None
+    ck.close()
+    got = checkpoint.read(checkpoint.path_for(relative, "l1"))
+    assert got.step == 2 and got.meta["seq"] == 9
+    np.testing.assert_array_equal(got.origins[0], frag.origin)
+    np.testing.assert_array_equal(got.residuals[0], frag.ef.residual)
+
+
 KILLED_MID_WRITE = textwrap.dedent("""
     import os, pathlib, signal, sys, time, types
     sys.path.insert(0, {repo!r})
