@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-from syncer_helpers import REPO
 
 from atoll.faults.chaos_session import FailureSchedule
 
@@ -51,10 +50,10 @@ def test_chaos_run_survives_learner_and_shard_kills(tmp_path):
             "1",
             "--no-lockstep",
             "--work-dir",
-            str(work),
+            "chaos",  # relative, as `atoll chaos`'s own ./runs is: learners resume through it
             "--json",
         ],
-        cwd=REPO,
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=280,

@@ -36,7 +36,8 @@ FLAGS = [
 
 
 class Up:
-    """`atoll up` as a child: a new run in `run_dir`, or with `resume` the one there."""
+    """`atoll up` as a child: a new run in `run_dir`, or with `resume` the one there, named
+    relative to its parent (the child's working directory), as a user's ./runs are."""
 
     def __init__(self, run_dir: pathlib.Path, *flags: str, resume: bool = False):
         self.run_dir = run_dir
@@ -46,9 +47,9 @@ class Up:
             self.proc = subprocess.Popen(
                 [
                     *(sys.executable, "-m", "atoll.cli", "up"),
-                    *("--run-dir" if resume else "--new-run-dir", str(run_dir), *flags),
+                    *("--run-dir" if resume else "--new-run-dir", run_dir.name, *flags),
                 ],
-                cwd=REPO,
+                cwd=run_dir.parent,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
