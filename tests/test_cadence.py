@@ -514,8 +514,8 @@ def simulate_lockstep(speeds: list[float], steps: int, tmp_path, seed: int = 0, 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_synchronous_rounds_with_several_fragments_never_deadlock(tmp_path, seed):
     """Lockstep with P = 4 (K = M, learners that wait for their rounds): each learner
-    pushes fragment p at t_p + kH by its own step count and waits for that round before
-    it goes a period past it, so no two learners can each wait on a round that needs the
+    pushes fragment p at t_p + kH by its own step count and waits for that round τ steps
+    after the push (τ < H), so no two learners can each wait on a round that needs the
     other's next push (a run at H = 64 stopped for good after 10 rounds when sync points
     followed the shard's wall-clock due times)."""
     speeds = [0.1, 0.1, 0.11, 0.13]

@@ -108,7 +108,7 @@ class UpConfig:
     lease_seconds: float = setting(10.0, "a learner silent this long is not waited for")
     max_staleness: int = ShardConfig.max_staleness  # versions a push's base may lag, >= 0
     sync_patience: float = SYNC_PATIENCE  # seconds a learner waits on a round holding its push
-    wait_for_rounds: bool = False  # learners adopt each round τ steps after its push, waiting for it (the lockstep baseline)
+    wait_for_rounds: bool = False  # learners adopt each round at push + τ, waiting (lockstep)
     checkpoint_every: int = setting(
         CHECKPOINT_EVERY,
         "steps between learner checkpoints (run_dir/checkpoints), which a restarted learner "

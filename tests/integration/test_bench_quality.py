@@ -98,15 +98,14 @@ def test_quality_bench_measures_the_frontier_at_equal_tokens(tmp_path):
     # learners (measured 5.52 -> 3.40-3.60)
     assert runs["sync"]["0"]["eval_loss"] < INIT_LOSS - 2.0, runs["sync"]["0"]
     sync_dir = pathlib.Path(runs["sync"]["0"]["run_dir"])
+    # each round adopted exactly τ steps after its push, however late it closed (the
+    # pushes of the last step are adopted by `finish`)
+    pushes = [t for t_p in offsets(FRAGMENTS, H) for t in range(t_p, STEPS + 1, H)]
+    adopted_at = sorted(t + TAU for t in pushes if t + TAU <= STEPS)
     for name, learner in json.loads((sync_dir / "report.json").read_text())["learners"].items():
         assert learner["steps"] == STEPS, (name, learner)
         assert learner["last_train_loss"] < learner["first_train_loss"] - 1.0, (name, learner)
-        # each round adopted exactly τ steps after its push, however late it closed (the
-        # pushes of the last step are adopted by `finish`)
-        pushes = [t for t_p in offsets(FRAGMENTS, H) for t in range(t_p, STEPS + 1, H)]
-        assert sorted(t + TAU for t in pushes if t + TAU <= STEPS) == _adopted_at(
-            sync_dir / "learners" / f"{name}.jsonl"
-        ), name
+        assert _adopted_at(sync_dir / "learners" / f"{name}.jsonl") == adopted_at, name
     assert r["config"]["atoll"]["quorum"] == 2 and r["config"]["atoll"]["momentum_delay"] == 2
     mixed = json.loads((pathlib.Path(runs["mixed"]["0"]["run_dir"]) / "config.json").read_text())
     assert mixed["slowdown"] == r["budget"]["mixed_slowdown"] == [1.0, 2.0]
